@@ -1,0 +1,44 @@
+"""zarr_rb: persistent, out-of-core replay-buffer storage for TorchRL on Zarr v3.
+
+Examples:
+    >>> from torchrl.data import TensorDictReplayBuffer
+    >>> from zarr_rb import ZarrStorage
+    >>> rb = TensorDictReplayBuffer(storage=ZarrStorage(1_000_000, "runs/pong.zarr"))
+"""
+
+from __future__ import annotations
+
+from zarr_rb._format import FORMAT_VERSION
+from zarr_rb._layout import Compression
+from zarr_rb._lazy import LazyColumn
+from zarr_rb.errors import (
+    FormatVersionError,
+    NotAStoreError,
+    ReadOnlyError,
+    RowIndexError,
+    RowsNotCommittedError,
+    SchemaMismatchError,
+    StoreCorruptedError,
+    UnsupportedDataError,
+    ZarrRBError,
+)
+from zarr_rb.storage import ZarrStorage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Compression",
+    "FormatVersionError",
+    "LazyColumn",
+    "NotAStoreError",
+    "ReadOnlyError",
+    "RowIndexError",
+    "RowsNotCommittedError",
+    "SchemaMismatchError",
+    "StoreCorruptedError",
+    "UnsupportedDataError",
+    "ZarrRBError",
+    "ZarrStorage",
+    "__version__",
+]

@@ -1,0 +1,397 @@
+"""The on-disk layout of a zarr_rb store (format 1).
+
+Pure data: names, attribute keys, key <-> array-path mapping, dtype mapping
+and the JSON records kept in the root group's attributes. Nothing here does
+I/O or imports torch, so the layout can be read and checked on its own.
+
+Layout::
+
+    store.zarr/               root group; attributes["zarr_rb"] = StoreMeta
+      data/                   one array per leaf, shape [rows, *batch_dims[1:], *leaf_shape]
+        observation
+        next/observation      nested keys are nested groups
+
+The root attributes are the commit point: they are replaced atomically, and only
+after the rows they declare readable are on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from zarr_rb.errors import (
+    FormatVersionError,
+    StoreCorruptedError,
+    UnsupportedDataError,
+)
+
+FORMAT_VERSION = 1
+ATTRS_KEY = "zarr_rb"
+DATA_GROUP = "data"
+TENSOR_LEAF_NAME = "tensor"
+"""Array name used under ``data/`` when the storage holds a bare tensor."""
+
+Kind = Literal["tensordict", "tensorclass", "tensor"]
+KINDS: tuple[Kind, ...] = ("tensordict", "tensorclass", "tensor")
+
+# torch dtype name -> dtype of the Zarr array. Zarr v3 has no bfloat16, so its bits
+# are kept as uint16 and the real dtype is recorded in the leaf spec.
+STORED_DTYPES: dict[str, str] = {
+    "bool": "bool",
+    "uint8": "uint8",
+    "int8": "int8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
+    "float16": "float16",
+    "float32": "float32",
+    "float64": "float64",
+    "bfloat16": "uint16",
+}
+
+_MAX_LEAVES = 10_000
+_MAX_KEY_DEPTH = 32
+_MAX_DIMS = 32
+
+
+def parse_key(key: Sequence[str], *, kind: Kind = "tensordict") -> tuple[str, ...]:
+    """Validate a nested key and return it as a tuple.
+
+    Each part becomes a Zarr node name, so it must be a non-empty string without
+    ``/``, must not be ``.`` or ``..``, and must not start with ``__`` (reserved by
+    the Zarr v3 specification).
+    """
+    key = tuple(key)
+    if kind == "tensor":
+        if key:
+            raise StoreCorruptedError(f"expected an empty key for a tensor leaf, got {key!r}")
+        return key
+    if not key or len(key) > _MAX_KEY_DEPTH:
+        raise UnsupportedDataError(
+            f"expected a key of 1 to {_MAX_KEY_DEPTH} parts, got {key!r}",
+        )
+    for part in key:
+        if not isinstance(part, str) or not part or "/" in part or "\x00" in part:
+            raise UnsupportedDataError(
+                f"key {key!r} cannot be stored: each part must be a non-empty string "
+                "without '/' or NUL characters",
+            )
+        if part in (".", "..") or part.startswith("__"):
+            raise UnsupportedDataError(
+                f"key {key!r} cannot be stored: Zarr reserves the names '.', '..' and "
+                "names starting with '__'; rename the entry",
+            )
+    return key
+
+
+def array_path(key: tuple[str, ...]) -> str:
+    """Path of a leaf's array relative to the store root."""
+    if not key:
+        return f"{DATA_GROUP}/{TENSOR_LEAF_NAME}"
+    return "/".join((DATA_GROUP, *key))
+
+
+def stored_dtype(dtype: str) -> str:
+    """The Zarr dtype used to store a torch dtype name (``"bfloat16"`` -> ``"uint16"``)."""
+    try:
+        return STORED_DTYPES[dtype]
+    except KeyError:
+        supported = ", ".join(STORED_DTYPES)
+        raise UnsupportedDataError(
+            f"dtype {dtype!r} cannot be stored; supported dtypes: {supported}",
+        ) from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafSpec:
+    """One array of the store: its key, its torch dtype and the shape of one element.
+
+    ``shape`` excludes the storage's batch dimensions (``ndim`` of them).
+    """
+
+    key: tuple[str, ...]
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def stored_dtype(self) -> str:
+        return stored_dtype(self.dtype)
+
+    @property
+    def path(self) -> str:
+        return array_path(self.key)
+
+    @property
+    def itemsize(self) -> int:
+        return int(np.dtype(self.stored_dtype).itemsize)
+
+    @property
+    def element_nbytes(self) -> int:
+        return self.itemsize * math.prod(self.shape)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": list(self.key), "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Schema:
+    """What the store holds: the data kind, its batch shape and its leaves."""
+
+    kind: Kind
+    batch_shape: tuple[int, ...]
+    """Capacity along each of the ``ndim`` batch dimensions, e.g. ``(rows, n_envs)``."""
+    leaves: tuple[LeafSpec, ...]
+    tensorclass: str | None = None
+    """``"module:qualname"`` of the tensorclass for ``kind == "tensorclass"``."""
+    item_batch_shape: tuple[int, ...] = ()
+    """Batch dimensions of one stored TensorDict beyond the storage's own ``ndim``."""
+
+    @property
+    def rows(self) -> int:
+        return self.batch_shape[0]
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row (all leaves, all trailing batch dimensions)."""
+        per_row = math.prod(self.batch_shape[1:])
+        return per_row * sum(leaf.element_nbytes for leaf in self.leaves)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "batch_shape": list(self.batch_shape),
+            "tensorclass": self.tensorclass,
+            "item_batch_shape": list(self.item_batch_shape),
+            "leaves": [leaf.to_json() for leaf in self.leaves],
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Commit:
+    """The committed state that readers and a reopening writer trust.
+
+    Rows ``[0, length)`` are readable except those in ``holes`` (half-open
+    ranges): rows whose previous content was withdrawn because they are being
+    rewritten. ``generation`` grows by one with every published commit.
+    """
+
+    generation: int = 0
+    length: int = 0
+    cursor: int = 0
+    holes: tuple[tuple[int, int], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "length": self.length,
+            "cursor": self.cursor,
+            "holes": [list(h) for h in self.holes],
+        }
+
+    def readable_mask(self, rows: int) -> np.ndarray:
+        """Boolean mask over ``rows`` rows: which rows this commit declares readable."""
+        mask = np.zeros(rows, dtype=bool)
+        mask[: self.length] = True
+        for start, stop in self.holes:
+            mask[start:stop] = False
+        return mask
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoreMeta:
+    """Everything kept in ``attributes["zarr_rb"]`` of the root group."""
+
+    max_size: int
+    ndim: int
+    schema: Schema | None
+    commit: Commit
+    block_rows: int | None = None
+    """Rows per write block (the shard height of large leaves); set with the schema."""
+    format: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "max_size": self.max_size,
+            "ndim": self.ndim,
+            "block_rows": self.block_rows,
+            "schema": None if self.schema is None else self.schema.to_json(),
+            "commit": self.commit.to_json(),
+        }
+
+
+def mask_to_ranges(mask: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """Half-open ranges of the ``True`` runs of a boolean mask (vectorised)."""
+    padded = np.concatenate(([False], mask.astype(bool), [False]))
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    return tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True))
+
+
+def commit_from_mask(
+    readable: np.ndarray,
+    *,
+    generation: int,
+    cursor: int,
+) -> Commit:
+    """The commit record that declares exactly the ``True`` rows of ``readable``."""
+    true_rows = np.flatnonzero(readable)
+    length = int(true_rows[-1]) + 1 if true_rows.size else 0
+    holes = mask_to_ranges(~readable[:length])
+    return Commit(generation=generation, length=length, cursor=cursor, holes=holes)
+
+
+# --- parsing (untrusted JSON -> typed records) -------------------------------------------
+
+
+def _expect(cond: bool, what: str, got: object) -> None:
+    if not cond:
+        raise StoreCorruptedError(f"invalid zarr_rb metadata: expected {what}, got {got!r}")
+
+
+def _parse_int(value: object, what: str, *, lo: int = 0, hi: int = 2**62) -> int:
+    _expect(
+        isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi,
+        f"{what} to be an integer in [{lo}, {hi}]",
+        value,
+    )
+    assert isinstance(value, int)
+    return value
+
+
+def _parse_int_list(value: object, what: str, *, lo: int = 0, max_len: int = _MAX_DIMS) -> tuple[int, ...]:
+    _expect(isinstance(value, list) and len(value) <= max_len, f"{what} to be a list", value)
+    assert isinstance(value, list)
+    return tuple(_parse_int(v, f"{what} entries", lo=lo) for v in value)
+
+
+def parse_commit(value: object, *, rows: int) -> Commit:
+    _expect(isinstance(value, Mapping), "'commit' to be an object", value)
+    assert isinstance(value, Mapping)
+    length = _parse_int(value.get("length"), "commit length", hi=rows)
+    holes_raw = value.get("holes", [])
+    _expect(isinstance(holes_raw, list) and len(holes_raw) <= rows, "commit holes list", holes_raw)
+    assert isinstance(holes_raw, list)
+    holes = []
+    for hole in holes_raw:
+        bounds = _parse_int_list(hole, "commit hole", max_len=2)
+        _expect(
+            len(bounds) == 2 and 0 <= bounds[0] < bounds[1] <= length,
+            f"a hole [start, stop) inside [0, {length})",
+            hole,
+        )
+        holes.append((bounds[0], bounds[1]))
+    return Commit(
+        generation=_parse_int(value.get("generation"), "commit generation"),
+        length=length,
+        cursor=_parse_int(value.get("cursor", 0), "commit cursor", hi=max(rows - 1, 0)),
+        holes=tuple(holes),
+    )
+
+
+def _parse_leaf(value: object, kind: Kind) -> LeafSpec:
+    _expect(isinstance(value, Mapping), "a leaf object", value)
+    assert isinstance(value, Mapping)
+    key_raw = value.get("key")
+    _expect(isinstance(key_raw, list) and all(isinstance(k, str) for k in key_raw), "a key", key_raw)
+    assert isinstance(key_raw, list)
+    dtype = value.get("dtype")
+    _expect(dtype in STORED_DTYPES, f"a dtype among {sorted(STORED_DTYPES)}", dtype)
+    assert isinstance(dtype, str)
+    shape = _parse_int_list(value.get("shape"), "leaf shape")
+    _expect(math.prod(shape) <= 2**40, "a leaf shape of bounded size", shape)
+    try:
+        key = parse_key(key_raw, kind=kind)
+    except UnsupportedDataError as err:
+        raise StoreCorruptedError(f"invalid zarr_rb metadata: {err}") from None
+    return LeafSpec(key=key, dtype=dtype, shape=shape)
+
+
+def parse_schema(value: object, *, ndim: int) -> Schema | None:
+    if value is None:
+        return None
+    _expect(isinstance(value, Mapping), "'schema' to be an object or null", value)
+    assert isinstance(value, Mapping)
+    kind = value.get("kind")
+    _expect(kind in KINDS, f"a kind among {KINDS}", kind)
+    assert kind in KINDS
+    batch_shape = _parse_int_list(value.get("batch_shape"), "batch_shape", lo=1)
+    _expect(len(batch_shape) == ndim, f"batch_shape of length ndim={ndim}", batch_shape)
+    leaves_raw = value.get("leaves")
+    _expect(
+        isinstance(leaves_raw, list) and 0 < len(leaves_raw) <= _MAX_LEAVES,
+        "a non-empty list of leaves",
+        leaves_raw,
+    )
+    assert isinstance(leaves_raw, list)
+    leaves = tuple(_parse_leaf(leaf, kind) for leaf in leaves_raw)
+    keys = [leaf.key for leaf in leaves]
+    _expect(len(set(keys)) == len(keys), "unique leaf keys", keys)
+    _expect(kind != "tensor" or len(leaves) == 1, "exactly one leaf for a tensor", keys)
+    tensorclass = value.get("tensorclass")
+    _expect(tensorclass is None or isinstance(tensorclass, str), "a tensorclass name", tensorclass)
+    assert tensorclass is None or isinstance(tensorclass, str)
+    item_batch_shape = _parse_int_list(value.get("item_batch_shape", []), "item_batch_shape")
+    for leaf in leaves:
+        _expect(
+            leaf.shape[: len(item_batch_shape)] == item_batch_shape,
+            f"leaf {leaf.key!r} shape to start with item_batch_shape {item_batch_shape}",
+            leaf.shape,
+        )
+    return Schema(
+        kind=kind,
+        batch_shape=batch_shape,
+        leaves=leaves,
+        tensorclass=tensorclass,
+        item_batch_shape=item_batch_shape,
+    )
+
+
+def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
+    """Validate the root attributes of a store and return them as a :class:`StoreMeta`.
+
+    Raises:
+        NotAStoreError: handled by the caller; this function assumes the key exists.
+        FormatVersionError: the store was written by a newer major format.
+        StoreCorruptedError: any field is missing, of the wrong type or out of range.
+    """
+    value = attributes.get(ATTRS_KEY)
+    try:
+        _expect(isinstance(value, Mapping), f"attributes[{ATTRS_KEY!r}] to be an object", value)
+        assert isinstance(value, Mapping)
+        fmt = _parse_int(value.get("format"), "format version")
+        if fmt > FORMAT_VERSION:
+            raise FormatVersionError(
+                f"{where} was written in zarr_rb store format {fmt}; this zarr_rb reads "
+                f"format {FORMAT_VERSION} and older. Upgrade zarr_rb to open it.",
+            )
+        _expect(fmt >= 1, "format version >= 1", fmt)
+        max_size = _parse_int(value.get("max_size"), "max_size", lo=1)
+        ndim = _parse_int(value.get("ndim"), "ndim", lo=1, hi=_MAX_DIMS)
+        schema = parse_schema(value.get("schema"), ndim=ndim)
+        rows = schema.rows if schema is not None else max_size
+        block_rows = value.get("block_rows")
+        if block_rows is not None:
+            block_rows = _parse_int(block_rows, "block_rows", lo=1)
+        _expect(
+            (schema is None) == (block_rows is None), "block_rows set with the schema", block_rows
+        )
+        commit = parse_commit(value.get("commit"), rows=rows)
+    except StoreCorruptedError as err:
+        raise StoreCorruptedError(f"{where}: {err}") from None
+    return StoreMeta(
+        max_size=max_size,
+        ndim=ndim,
+        schema=schema,
+        commit=commit,
+        block_rows=block_rows,
+        format=fmt,
+    )
+
+
+def leaves_by_key(leaves: Iterable[LeafSpec]) -> dict[tuple[str, ...], LeafSpec]:
+    return {leaf.key: leaf for leaf in leaves}

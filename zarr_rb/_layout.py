@@ -1,0 +1,137 @@
+"""How leaves are chunked and compressed: the public :class:`Compression` settings
+and the policy that turns them into Zarr chunk and shard shapes.
+
+Large leaves (images) are sharded along rows: one shard holds ``block_rows``
+rows and is written whole, inner chunks of a few rows keep random row reads
+cheap. Small leaves (rewards, actions, flags) use plain chunks of many rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+from zarr_rb._format import LeafSpec
+
+__all__ = ["Compression"]
+
+Codec = Literal["zstd", "lz4", "none"]
+
+_TARGET_SHARD_BYTES = 32 * 2**20
+_TARGET_SMALL_CHUNK_BYTES = 2**20
+_MIN_BLOCK_ROWS = 256
+_MAX_BLOCK_ROWS = 4096
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Compression:
+    """Chunking and compression settings of a :class:`~zarr_rb.ZarrStorage`.
+
+    Args:
+        codec: ``"zstd"`` (default), ``"lz4"`` (Blosc-LZ4 without shuffle) or ``"none"``.
+        level: compression level (zstd 1-22, lz4 1-9). Level 1 is fast and already
+            shrinks Atari frames by one to two orders of magnitude.
+        chunk_rows: rows per inner chunk of large leaves. Random row reads decode one
+            inner chunk per row, so keep it small.
+        block_rows: rows per shard of large leaves, which is also the unit in which
+            rows are buffered in RAM and written. ``None`` picks a power of two that
+            puts about 32 MiB of raw data in a shard (256-4096 rows).
+        large_row_bytes: leaves with at least this many bytes per row are sharded;
+            smaller ones are stored in plain chunks of about 1 MiB.
+
+    Examples:
+        >>> from zarr_rb import Compression, ZarrStorage
+        >>> storage = ZarrStorage(100_000, compression=Compression(codec="lz4"))
+    """
+
+    codec: Codec = "zstd"
+    level: int = 1
+    chunk_rows: int = 4
+    block_rows: int | None = None
+    large_row_bytes: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.codec not in ("zstd", "lz4", "none"):
+            raise ValueError(f"expected codec 'zstd', 'lz4' or 'none', got {self.codec!r}")
+        if self.chunk_rows < 1:
+            raise ValueError(f"expected chunk_rows >= 1, got {self.chunk_rows}")
+        if self.block_rows is not None and (
+            self.block_rows < 1 or self.block_rows % self.chunk_rows
+        ):
+            raise ValueError(
+                f"expected block_rows to be a positive multiple of chunk_rows={self.chunk_rows}, "
+                f"got {self.block_rows}",
+            )
+
+    def compressors(self) -> list[Any]:
+        """The Zarr v3 bytes-to-bytes codecs for this setting."""
+        from zarr.codecs import BloscCodec, ZstdCodec
+
+        if self.codec == "zstd":
+            return [ZstdCodec(level=self.level)]
+        if self.codec == "lz4":
+            # Blosc's default shuffle for 1-byte types is bitshuffle, which hurts frames.
+            return [BloscCodec(cname="lz4", clevel=self.level, shuffle="noshuffle")]
+        return []
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafLayout:
+    """Chunk shape, and shard shape for sharded leaves, of one array."""
+
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    shards: tuple[int, ...] | None
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def row_nbytes(leaf: LeafSpec, batch_shape: tuple[int, ...]) -> int:
+    return math.prod(batch_shape[1:]) * leaf.element_nbytes
+
+
+def choose_block_rows(
+    compression: Compression, leaves: tuple[LeafSpec, ...], batch_shape: tuple[int, ...]
+) -> int:
+    """Rows per write block: the shard height of every large leaf."""
+    rows = batch_shape[0]
+    chunk = compression.chunk_rows
+    if compression.block_rows is not None:
+        block = compression.block_rows
+    else:
+        widest = max(row_nbytes(leaf, batch_shape) for leaf in leaves)
+        block = _MAX_BLOCK_ROWS
+        while block > _MIN_BLOCK_ROWS and block * widest > _TARGET_SHARD_BYTES:
+            block //= 2
+    # A block never needs to be taller than the array itself.
+    return max(chunk, min(block, _round_up(rows, chunk)))
+
+
+def leaf_layout(
+    leaf: LeafSpec,
+    *,
+    batch_shape: tuple[int, ...],
+    block_rows: int,
+    compression: Compression,
+) -> LeafLayout:
+    rows = batch_shape[0]
+    tail = (*batch_shape[1:], *leaf.shape)
+    shape = (rows, *tail)
+    nbytes = row_nbytes(leaf, batch_shape)
+    if nbytes >= compression.large_row_bytes:
+        return LeafLayout(
+            shape=shape,
+            chunks=(compression.chunk_rows, *tail),
+            shards=(block_rows, *tail),
+        )
+    # Small leaves: chunks of about 1 MiB, a whole number of blocks so that a block
+    # write never straddles two chunks.
+    blocks_per_chunk = max(1, _TARGET_SMALL_CHUNK_BYTES // max(1, block_rows * nbytes))
+    chunk_rows = min(block_rows * blocks_per_chunk, _round_up(rows, block_rows))
+    return LeafLayout(shape=shape, chunks=(chunk_rows, *tail), shards=None)

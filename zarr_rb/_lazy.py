@@ -1,0 +1,86 @@
+"""Lazy columns: tensors whose rows stay on disk until something uses them.
+
+``storage[:]`` must behave like LazyMemmapStorage's memory-mapped view:
+``storage[:]["done"]`` reads the done flags and nothing else, and
+``storage[:]["obs"][5]`` reads one row. A :class:`LazyColumn` is a tensor
+subclass (``torch.Tensor._make_wrapper_subclass``) that carries only shape,
+dtype and a reader. Row selections on its first dimension read just those rows;
+any other operation reads the whole column once and runs on the real tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_map
+
+RowReader = Callable[[np.ndarray], torch.Tensor]
+"""Reads rows (sorted, unique positions in the column) and returns ``[len(rows), ...]``."""
+
+
+class LazyColumn(torch.Tensor):
+    """A column of ``length`` rows read on demand through ``reader``."""
+
+    _reader: RowReader
+    _value: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, reader: RowReader) -> LazyColumn:
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="cpu")
+        self._reader = reader
+        self._value = None
+        return self  # type: ignore[no-any-return]
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return f"LazyColumn(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    def materialize(self) -> torch.Tensor:
+        """Read the whole column (once) and return it as a regular tensor."""
+        if self._value is None:
+            self._value = self._reader(np.arange(self.shape[0]))
+        return self._value
+
+    def _read_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._value is not None:
+            return self._value[rows]
+        flat = rows.reshape(-1).to(torch.int64)
+        flat = torch.where(flat < 0, flat + self.shape[0], flat)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
+            raise IndexError(
+                f"index out of range for a column of {self.shape[0]} rows: {rows.tolist()}"
+            )
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        block = self._reader(unique.numpy())
+        return block[inverse].reshape(*rows.shape, *self.shape[1:])
+
+    @classmethod
+    def __torch_dispatch__(
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if args and isinstance(args[0], LazyColumn) and args[0]._value is None and not kwargs:
+            column: LazyColumn = args[0]
+            if func is aten.select.int and args[1] == 0:
+                return column._read_rows(torch.tensor([args[2]]))[0]
+            if func is aten.slice.Tensor and (len(args) < 2 or args[1] == 0):
+                start, stop, step = (list(args[2:5]) + [None, None, 1])[:3]
+                rows = torch.arange(column.shape[0])[slice(start, stop, step)]
+                return column._read_rows(rows)
+            if func is aten.index.Tensor and len(args[1]) == 1 and args[1][0] is not None:
+                index = args[1][0]
+                if index.dtype == torch.bool:
+                    index = index.nonzero().squeeze(-1)
+                return column._read_rows(index)
+
+        def unwrap(value: Any) -> Any:
+            return value.materialize() if isinstance(value, LazyColumn) else value
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))

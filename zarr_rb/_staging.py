@@ -1,0 +1,138 @@
+"""Write combining: rows wait in RAM, grouped by block, until a whole block can be
+written at once (one shard per large leaf, so no read-modify-write of shards).
+
+Blocks are only staged for sequential writes (the round-robin pattern of
+TorchRL's writers); scattered writes go straight to disk, so a random
+``storage[idx] = data`` never allocates a block per touched row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+import torch
+
+Key = tuple[str, ...]
+
+
+@dataclasses.dataclass(slots=True)
+class Block:
+    """Rows ``[index * rows, (index + 1) * rows)`` of every leaf, and which of them are set."""
+
+    index: int
+    values: dict[Key, torch.Tensor]
+    dirty: np.ndarray
+    length: int
+    """Rows of this block inside the array (the last block may be shorter)."""
+
+    @property
+    def full(self) -> bool:
+        return bool(self.dirty[: self.length].all())
+
+
+class WriteBuffer:
+    """Blocks of rows written by this process and not yet on disk."""
+
+    def __init__(
+        self,
+        *,
+        element_shapes: Mapping[Key, tuple[int, ...]],
+        dtypes: Mapping[Key, torch.dtype],
+        block_rows: int,
+        rows: int,
+    ) -> None:
+        self.block_rows = block_rows
+        self.rows = rows
+        self._element_shapes = dict(element_shapes)
+        self._dtypes = dict(dtypes)
+        self._blocks: dict[int, Block] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(list(self._blocks.values()))
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def pop(self, index: int) -> Block:
+        return self._blocks.pop(index)
+
+    def _block_rows_in_array(self, index: int) -> int:
+        return min(self.block_rows, self.rows - index * self.block_rows)
+
+    def _new_block(self, index: int) -> Block:
+        n = self.block_rows
+        values = {
+            key: torch.zeros((n, *shape), dtype=self._dtypes[key])
+            for key, shape in self._element_shapes.items()
+        }
+        dirty = np.zeros(n, dtype=bool)
+        block = Block(
+            index=index, values=values, dirty=dirty, length=self._block_rows_in_array(index)
+        )
+        self._blocks[index] = block
+        return block
+
+    def stage(
+        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
+    ) -> tuple[np.ndarray, list[int]]:
+        """Stage what belongs in RAM.
+
+        ``rows`` is sorted and unique, ``values[key][i]`` belongs to ``rows[i]``.
+
+        Returns:
+            The positions (into ``rows``) that were *not* staged and must be written
+            directly, and the indices of blocks that became full.
+        """
+        block_ids = rows // self.block_rows
+        # Boundaries of the runs of equal block ids (rows are sorted).
+        starts = np.flatnonzero(np.diff(block_ids, prepend=-1))
+        stops = np.append(starts[1:], rows.size)
+        direct: list[np.ndarray] = []
+        full: list[int] = []
+        for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
+            index = int(block_ids[start])
+            offsets = rows[start:stop] - index * self.block_rows
+            block = self._blocks.get(index)
+            contiguous = offsets[-1] - offsets[0] + 1 == offsets.size
+            if block is None and not contiguous:
+                direct.append(np.arange(start, stop))
+                continue
+            if block is None:
+                block = self._new_block(index)
+            positions = torch.from_numpy(offsets)
+            for key, tensor in values.items():
+                block.values[key][positions] = tensor[start:stop]
+            block.dirty[offsets] = True
+            if block.full:
+                full.append(index)
+        not_staged = np.concatenate(direct) if direct else np.zeros(0, dtype=np.int64)
+        return not_staged, full
+
+    def staged_rows(self, rows: np.ndarray) -> tuple[np.ndarray, list[tuple[Block, np.ndarray]]]:
+        """Which of ``rows`` (sorted, unique) are held in RAM.
+
+        Returns:
+            A boolean mask over ``rows``, and for each block involved the block with
+            the positions (into ``rows``) it serves.
+        """
+        hit = np.zeros(rows.size, dtype=bool)
+        served: list[tuple[Block, np.ndarray]] = []
+        if not self._blocks:
+            return hit, served
+        block_ids = rows // self.block_rows
+        for index, block in self._blocks.items():
+            lo, hi = np.searchsorted(block_ids, [index, index + 1])
+            if lo == hi:
+                continue
+            positions = np.arange(lo, hi)
+            offsets = rows[lo:hi] - index * self.block_rows
+            positions = positions[block.dirty[offsets]]
+            if positions.size:
+                hit[positions] = True
+                served.append((block, positions))
+        return hit, served

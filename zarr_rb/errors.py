@@ -1,0 +1,57 @@
+"""Exception types raised by zarr_rb.
+
+Every error derives from :class:`ZarrRBError` and from the builtin a caller
+already catches (``FileExistsError``, ``ValueError``, ``PermissionError``, ...),
+so ``except ValueError`` keeps working for code written against TorchRL's own
+storages.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FormatVersionError",
+    "NotAStoreError",
+    "ReadOnlyError",
+    "RowIndexError",
+    "RowsNotCommittedError",
+    "SchemaMismatchError",
+    "StoreCorruptedError",
+    "UnsupportedDataError",
+    "ZarrRBError",
+]
+
+
+class ZarrRBError(Exception):
+    """Base class of every error raised by zarr_rb."""
+
+
+class NotAStoreError(ZarrRBError, FileExistsError):
+    """The path exists but does not hold a zarr_rb store."""
+
+
+class StoreCorruptedError(ZarrRBError, ValueError):
+    """The store's metadata cannot be parsed or contradicts itself."""
+
+
+class FormatVersionError(ZarrRBError, ValueError):
+    """The store was written with a format this version of zarr_rb cannot read."""
+
+
+class SchemaMismatchError(ZarrRBError, ValueError):
+    """Data written to a store does not match the keys, shapes or dtypes it holds."""
+
+
+class UnsupportedDataError(ZarrRBError, TypeError):
+    """Data of a kind, dtype or key name that a store cannot hold."""
+
+
+class ReadOnlyError(ZarrRBError, PermissionError):
+    """A write was attempted on a storage opened read-only."""
+
+
+class RowIndexError(ZarrRBError, IndexError):
+    """An index addresses rows outside the storage's capacity."""
+
+
+class RowsNotCommittedError(ZarrRBError, IndexError):
+    """A reader asked for rows that are not part of the last commit."""

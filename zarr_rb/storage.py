@@ -1,0 +1,414 @@
+"""``ZarrStorage``: a drop-in, out-of-core TorchRL storage on sharded Zarr v3 arrays.
+
+This module adapts a :class:`~zarr_rb._store.Store` to TorchRL's
+``TensorStorage`` contract (index forms, length and cursor bookkeeping, lazy
+initialisation from the first write). It is the only module that touches
+TorchRL's storage internals.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torchrl.data.replay_buffers.storages import TensorStorage
+from torchrl.data.replay_buffers.utils import _is_int
+
+from zarr_rb import _convert
+from zarr_rb._format import Schema
+from zarr_rb._layout import Compression
+from zarr_rb._lazy import LazyColumn
+from zarr_rb._store import TORCH_DTYPES, Store
+from zarr_rb.errors import RowIndexError
+
+__all__ = ["ZarrStorage"]
+
+
+def _close(store: Store, tmpdir: str | None) -> None:
+    try:
+        store.close()
+    finally:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _flip_list(data: list[Any]) -> Any:
+    from tensordict import is_tensor_collection
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    if all(is_tensor_collection(item) for item in data):
+        return torch.stack(data)
+    flat, specs = zip(*(tree_flatten(item) for item in data), strict=True)
+    return tree_unflatten([torch.stack(items) for items in zip(*flat, strict=True)], specs[0])
+
+
+def _as_index_tensor(index: Any) -> torch.Tensor:
+    tensor = torch.as_tensor(index)
+    if tensor.dtype == torch.bool:
+        return tensor.nonzero().squeeze(-1)
+    if tensor.is_floating_point() or tensor.is_complex():
+        raise TypeError(f"expected an integer or boolean index, got dtype {tensor.dtype}")
+    return tensor.to(torch.int64).cpu()
+
+
+class ZarrStorage(TensorStorage):  # type: ignore[misc]
+    """A TorchRL storage whose data lives in chunked, compressed Zarr v3 arrays.
+
+    A drop-in for :class:`~torchrl.data.LazyMemmapStorage`: the schema is taken
+    from the first write, and the storage works with TorchRL's replay buffers,
+    samplers and writers unchanged. Rows are written in place, so the store on
+    disk is at once the buffer, its checkpoint and a dataset that other processes
+    can open read-only.
+
+    Rows are gathered in RAM by block (a shard of the large leaves) and written
+    when a block is full, on :meth:`flush` and on :meth:`close`; rows still in RAM
+    are visible to this storage but not to other processes until they are
+    committed.
+
+    Args:
+        max_size: capacity in elements (as for ``LazyMemmapStorage``). May be
+            ``None`` when ``path`` holds a store; must match it otherwise.
+        path: directory of the store. An existing store is reopened with its
+            schema, length and cursor (no row is read); a missing one is created.
+            ``None`` uses a temporary directory removed with the storage.
+
+    Keyword Args:
+        ndim: number of batch dimensions counted by ``max_size`` (1 or 2; 2 for
+            ``[time, n_envs]`` layouts).
+        device: device of the tensors returned by :meth:`get`.
+        read_only: open an existing store for reading; :meth:`refresh` picks up
+            commits made by its writer.
+        compression: chunking and compression; see :class:`~zarr_rb.Compression`.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import TensorDictReplayBuffer
+        >>> from zarr_rb import ZarrStorage
+        >>> rb = TensorDictReplayBuffer(storage=ZarrStorage(1000), batch_size=4)
+        >>> _ = rb.extend(TensorDict({"obs": torch.zeros(8, 3)}, batch_size=[8]))
+        >>> rb.sample()["obs"].shape
+        torch.Size([4, 3])
+    """
+
+    def __init__(
+        self,
+        max_size: int | None = None,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        ndim: int = 1,
+        device: torch.device | str = "cpu",
+        read_only: bool = False,
+        compression: Compression | None = None,
+    ) -> None:
+        if ndim < 1:
+            raise ValueError(f"expected ndim >= 1, got {ndim}")
+        if max_size is not None and int(max_size) < 1:
+            raise ValueError(f"expected max_size >= 1, got {max_size}")
+        tmpdir = None
+        if path is None:
+            if read_only:
+                raise ValueError("read_only=True needs the path of an existing store")
+            tmpdir = tempfile.mkdtemp(prefix="zarr_rb-")
+            path = Path(tmpdir) / "buffer.zarr"
+        store = Store.open(
+            path,
+            max_size=None if max_size is None else int(max_size),
+            ndim=ndim,
+            read_only=read_only,
+            compression=compression or Compression(),
+        )
+        length = store.length
+        self.__dict__["_store"] = store
+        super().__init__(storage=None, max_size=store.meta.max_size, device=device, ndim=ndim)
+        store.length = length
+        self.initialized = store.schema is not None
+        if self.initialized and store.committed.length:
+            self._set_last_cursor((store.cursor - 1) % store.rows)
+        self._finalizer = weakref.finalize(self, _close, store, tmpdir)
+
+    # --- TorchRL bookkeeping, backed by the store ------------------------------------------
+
+    @property
+    def _len(self) -> int:
+        return int(self.__dict__["_store"].length)
+
+    @_len.setter
+    def _len(self, value: int) -> None:
+        self.__dict__["_store"].length = int(value)
+
+    @property
+    def _total_shape(self) -> torch.Size | None:
+        schema = self._store.schema
+        return None if schema is None else torch.Size(schema.batch_shape)
+
+    @property
+    def _storage(self) -> Any:
+        """A lazy view of the full capacity (schema only; rows are read on use)."""
+        schema = self.__dict__["_store"].schema if "_store" in self.__dict__ else None
+        return None if schema is None else self._lazy_view(schema.rows)
+
+    @_storage.setter
+    def _storage(self, value: Any) -> None:
+        if value is not None:
+            raise TypeError("ZarrStorage keeps its data on disk; it cannot adopt a tensor")
+
+    # --- public API ------------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        """Directory of the store."""
+        return self._store.path
+
+    @property
+    def read_only(self) -> bool:
+        return self._store.read_only
+
+    @property
+    def schema(self) -> Schema | None:
+        """Keys, dtypes and shapes of the stored data (``None`` before the first write)."""
+        return self._store.schema
+
+    def flush(self) -> None:
+        """Write the rows held in RAM and commit: other processes then see every row."""
+        self._store.flush()
+
+    def close(self) -> None:
+        """Flush and release the store. The storage cannot be used afterwards."""
+        self._finalizer()
+
+    def refresh(self) -> None:
+        """Pick up the writer's latest commit (read-only storages)."""
+        self._store.refresh()
+        self.initialized = self._store.schema is not None
+        self._bump_mutation_revision()
+
+    def nbytes_on_disk(self) -> int:
+        """Bytes of all files of the store."""
+        return self._store.location.nbytes()
+
+    def nbytes_raw(self) -> int:
+        """Uncompressed bytes of the rows currently held (``len(self)`` elements)."""
+        schema = self._store.schema
+        if schema is None:
+            return 0
+        rows = self._len_along_dim0 or 0
+        return rows * schema.row_nbytes
+
+    def __enter__(self) -> ZarrStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "ZarrStorage cannot be pickled: it holds open file handles. To share a buffer "
+            "with another process, flush() it and open ZarrStorage(path=..., read_only=True) "
+            "there.",
+        )
+
+    def __repr__(self) -> str:
+        schema = self._store.schema
+        keys = [] if schema is None else [".".join(leaf.key) or "<tensor>" for leaf in schema.leaves]
+        return (
+            f"{type(self).__name__}(path={str(self.path)!r}, len={len(self)}, "
+            f"max_size={self.max_size}, ndim={self.ndim}, keys={keys}, "
+            f"read_only={self.read_only})"
+        )
+
+    # --- writes ----------------------------------------------------------------------------
+
+    def _initialize(self, data: Any, *, batched: bool) -> None:
+        schema = _convert.infer_schema(
+            data, batched=batched, ndim=self.ndim, max_size=self.max_size
+        )
+        self._store.initialize(schema)
+        self.initialized = True
+
+    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        store = self._store
+        store._check_writable()
+        if isinstance(data, list):
+            data = _flip_list(data)
+        if not self.initialized:
+            self._initialize(data, batched=not _is_int(cursor))
+        schema = store.schema
+        assert schema is not None
+        if set_cursor:
+            self._set_last_cursor(cursor)
+            self._get_new_len(data, cursor)
+        where = f"store {str(self.path)!r}"
+        if isinstance(cursor, tuple):
+            self._set_elements(cursor, data, schema)
+        else:
+            index, index_shape = self._write_rows_index(cursor, schema.rows)
+            leaves = _convert.leaves_for_write(
+                data, schema=schema, index_shape=index_shape, where=where
+            )
+            rows, last = _unique_last(index)
+            store.write(rows, {key: value[torch.from_numpy(last)] for key, value in leaves.items()})
+        if set_cursor and self._last_cursor_index is not None:
+            store.cursor = (self._last_cursor_index + 1) % schema.rows
+        self._bump_mutation_revision()
+
+    def _write_rows_index(self, cursor: Any, rows: int) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Rows addressed by a write cursor (relative to capacity, like TorchRL's storages)."""
+        if isinstance(cursor, slice):
+            index = np.arange(*cursor.indices(rows))
+            return index, (index.size,)
+        if _is_int(cursor):
+            index = np.array([int(cursor)])
+            shape: tuple[int, ...] = ()
+        else:
+            tensor = _as_index_tensor(cursor)
+            index, shape = tensor.reshape(-1).numpy(), tuple(tensor.shape)
+        index = np.where(index < 0, index + rows, index)
+        if index.size and (index.min() < 0 or index.max() >= rows):
+            raise RowIndexError(
+                f"store {str(self.path)!r}: write index out of range for {rows} rows: "
+                f"{_preview(index[(index < 0) | (index >= rows)])}",
+            )
+        return index.astype(np.int64), shape
+
+    def _set_elements(self, cursor: tuple[Any, ...], data: Any, schema: Schema) -> None:
+        """Write a multi-dimensional index: read the rows it touches, patch, write back."""
+        head, rest = cursor[0], cursor[1:]
+        length = schema.rows
+        rows, position = self._rows_of(head, length)
+        block = self._read(rows, schema)
+        block[(position, *rest)] = data
+        leaves = _convert.leaves_for_write(
+            block, schema=schema, index_shape=(rows.size,), where=f"store {str(self.path)!r}"
+        )
+        self._store.write(rows, leaves)
+
+    def _empty(self) -> None:
+        self._store.discard()
+        self._len = 0
+        self._store.flush()
+        self._bump_mutation_revision()
+
+    # --- reads -----------------------------------------------------------------------------
+
+    def _rows_of(self, head: Any, length: int) -> tuple[np.ndarray, Any]:
+        """Sorted unique rows addressed by ``head`` and how to pick them from a block of them."""
+        if isinstance(head, slice):
+            start, stop, step = head.indices(length)
+            if step < 0:
+                raise ValueError("negative slice steps are not supported (as in torch)")
+            rows = np.arange(start, stop, step, dtype=np.int64)
+            return rows, slice(0, rows.size)
+        if _is_int(head):
+            row = int(head) + (length if int(head) < 0 else 0)
+            if not 0 <= row < length:
+                raise RowIndexError(
+                    f"store {str(self.path)!r}: index {int(head)} is out of range for "
+                    f"{length} rows",
+                )
+            return np.array([row], dtype=np.int64), 0
+        tensor = _as_index_tensor(head)
+        flat = tensor.reshape(-1).numpy()
+        flat = np.where(flat < 0, flat + length, flat)
+        if flat.size and (flat.min() < 0 or flat.max() >= length):
+            raise RowIndexError(
+                f"store {str(self.path)!r}: index out of range for {length} rows: "
+                f"{_preview(flat[(flat < 0) | (flat >= length)])}",
+            )
+        rows, inverse = np.unique(flat, return_inverse=True)
+        return rows, torch.from_numpy(inverse.reshape(tensor.shape))
+
+    def _read(self, rows: np.ndarray, schema: Schema) -> Any:
+        leaves = self._store.read(rows, (leaf.key for leaf in schema.leaves))
+        return _convert.build(leaves, schema=schema, batch_shape=(rows.size,), device=None)
+
+    def get(self, index: Any) -> Any:
+        if not self.initialized:
+            raise RuntimeError("Cannot get elements out of a non-initialized storage.")
+        schema = self._store.schema
+        assert schema is not None
+        length = self._len_along_dim0 or 0
+        head, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
+        if isinstance(index, tuple) and not index:
+            head = slice(None)
+        if isinstance(head, slice) and not rest and head.indices(length) == (0, length, 1):
+            out = self._lazy_view(length)
+        else:
+            rows, position = self._rows_of(head, length)
+            block = self._read(rows, schema)
+            whole = isinstance(position, slice) and not rest
+            out = block if whole else block[(position, *rest)]
+        if self.device != torch.device("cpu") and self.device != "auto":
+            out = out.to(self.device)
+        return out
+
+    def _lazy_view(self, length: int) -> Any:
+        """Every leaf as a :class:`LazyColumn` over rows ``[0, length)``."""
+        schema = self._store.schema
+        assert schema is not None
+        store = self._store
+        columns = {}
+        for leaf in schema.leaves:
+
+            def reader(rows: np.ndarray, key: tuple[str, ...] = leaf.key) -> torch.Tensor:
+                return store.read(rows, [key])[key]
+
+            shape = (length, *store.element_shape(leaf))
+            columns[leaf.key] = LazyColumn(shape, TORCH_DTYPES[leaf.dtype], reader)
+        return _convert.build(columns, schema=schema, batch_shape=(length, *schema.batch_shape[1:]), device=None)
+
+    # --- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """A small dict (path, length, cursor) after flushing; the rows stay on disk."""
+        self.flush()
+        return {
+            "path": str(self.path),
+            "initialized": self.initialized,
+            "_len": self._len,
+            "cursor": self._store.cursor,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore length and cursor; rows are copied when the state names another store."""
+        source = Path(state_dict["path"]).absolute()
+        if source != self.path:
+            self._copy_from(source)
+        self._len = int(state_dict["_len"])
+        self._store.cursor = int(state_dict["cursor"])
+        if self.initialized and self._len:
+            self._set_last_cursor((self._store.cursor - 1) % self._store.rows)
+        self._store.flush()
+        self._bump_mutation_revision()
+
+    def _copy_from(self, source: Path) -> None:
+        other = ZarrStorage(path=source, ndim=self.ndim, read_only=True)
+        try:
+            schema = other.schema
+            if schema is None:
+                return
+            length = other._len_along_dim0 or 0
+            step = max(1, (64 * 2**20) // max(1, schema.row_nbytes))
+            for start in range(0, length, step):
+                stop = min(length, start + step)
+                self.set(slice(start, stop), other.get(slice(start, stop)), set_cursor=False)
+        finally:
+            other.close()
+
+
+def _unique_last(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique rows, and for each the position of its last occurrence (last write wins)."""
+    reversed_rows = index[::-1]
+    rows, first_in_reversed = np.unique(reversed_rows, return_index=True)
+    return rows, (index.size - 1 - first_in_reversed).astype(np.int64)
+
+
+def _preview(rows: np.ndarray, limit: int = 8) -> str:
+    shown = ", ".join(str(int(r)) for r in rows[:limit])
+    return f"[{shown}{', ...' if rows.size > limit else ''}]"
