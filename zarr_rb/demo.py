@@ -114,15 +114,11 @@ def make_env(env: str) -> Any:
     return gymnasium.wrappers.FrameStackObservation(wrapped, 4)
 
 
-def _progress_bar(total: int, desc: str) -> Any:
-    """Creates a tqdm progress bar.
-
-    Args:
-        total: Number of steps the bar counts to.
-        desc: Label shown in front of the bar.
+def _import_tqdm() -> Any:
+    """Imports the tqdm progress-bar class.
 
     Returns:
-        A ``tqdm.tqdm`` instance.
+        ``tqdm.tqdm``.
 
     Raises:
         ImportError: If tqdm is not installed.
@@ -131,7 +127,7 @@ def _progress_bar(total: int, desc: str) -> Any:
         from tqdm import tqdm
     except ImportError as exc:
         raise _missing_dependency(exc) from exc
-    return tqdm(total=total, desc=desc, unit="step", unit_scale=True, mininterval=0.5)
+    return tqdm
 
 
 @dataclass
@@ -194,7 +190,11 @@ def collect(
     obs_shape: tuple[int, ...] = tuple(obs_space.shape)
     obs_dtype = np.dtype(obs_space.dtype)
 
-    bar = _progress_bar(steps, desc="collect") if progress else None
+    bar = (
+        _import_tqdm()(total=steps, desc="collect", unit="step", unit_scale=True, mininterval=0.5)
+        if progress
+        else None
+    )
     t0 = time.perf_counter()
     obs, _ = env.reset(seed=int(rng.integers(2**31)))
     traj_id = first_traj_id
@@ -283,7 +283,7 @@ def time_sampling(rb: Any, n_batches: int) -> list[float]:
     return times
 
 
-def open_storage(max_size: int, path: Path, *, overwrite: bool) -> tuple[ZarrStorage, bool, float]:
+def open_storage(max_size: int, path: Path, *, overwrite: bool) -> tuple[ZarrStorage, bool]:
     """Opens (or creates) the store at ``path``.
 
     Args:
@@ -292,7 +292,7 @@ def open_storage(max_size: int, path: Path, *, overwrite: bool) -> tuple[ZarrSto
         overwrite: Delete an existing store at ``path`` first.
 
     Returns:
-        The storage, whether an existing store was deleted, and the open time in seconds.
+        The storage and whether an existing store was deleted first.
 
     Raises:
         FileExistsError: If ``overwrite`` is set and ``path`` exists but does not look like a
@@ -307,9 +307,7 @@ def open_storage(max_size: int, path: Path, *, overwrite: bool) -> tuple[ZarrSto
             )
         shutil.rmtree(path)
         deleted = True
-    t0 = time.perf_counter()
-    storage = ZarrStorage(max_size, path)
-    return storage, deleted, time.perf_counter() - t0
+    return ZarrStorage(max_size, path), deleted
 
 
 def _resume_point(rb: Any, storage: ZarrStorage, max_size: int) -> tuple[int, int]:
@@ -452,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         env = make_env(args.env)
+        _import_tqdm()
     except ImportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -461,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" actions {env.action_space.n} | seed {args.seed}"
     )
 
-    storage, deleted, _ = open_storage(max_size, path, overwrite=args.overwrite)
+    storage, deleted = open_storage(max_size, path, overwrite=args.overwrite)
     rb = TensorDictReplayBuffer(storage=storage, batch_size=args.batch_size)
     start_rows = len(storage)
     cursor, first_traj_id = _resume_point(rb, storage, max_size)
@@ -479,8 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Mix the rows already stored into the seed so an appending run does not replay the
     # same episodes as the run before it.
     seed = int(np.random.SeedSequence([args.seed, start_rows]).generate_state(1)[0])
+    t0 = time.perf_counter()
     try:
-        t0 = time.perf_counter()
         stats = collect(
             rb,
             env,
@@ -489,9 +488,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=seed,
             first_traj_id=first_traj_id,
         )
-    except ImportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except BaseException:
+        # Ctrl-C or a failure mid-collection: keep what was already written.
+        storage.close()
+        raise
     finally:
         env.close()
     t1 = time.perf_counter()

@@ -326,7 +326,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     def _read(self, rows: np.ndarray, schema: Schema) -> Any:
         leaves = self._store.read(rows, (leaf.key for leaf in schema.leaves))
-        return _convert.build(leaves, schema=schema, batch_shape=(rows.size,), device=None)
+        batch_shape = (rows.size, *schema.batch_shape[1:])
+        return _convert.build(leaves, schema=schema, batch_shape=batch_shape, device=None)
 
     def get(self, index: Any) -> Any:
         if not self.initialized:

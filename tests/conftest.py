@@ -1,0 +1,45 @@
+"""Shared fixtures and helpers for the zarr_rb test suite."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tensordict import TensorDict, is_tensor_collection
+
+from zarr_rb import LazyColumn
+
+# The suite runs on small machines: keep torch from spawning a thread per core per test.
+torch.set_num_threads(1)
+os.environ.setdefault("TENSORSTORE_VERBOSE_LOGGING", "")
+
+
+def assert_identical(actual, expected) -> None:
+    """Bit-exact equality of tensors or tensor collections (NaNs included)."""
+    if is_tensor_collection(expected):
+        assert is_tensor_collection(actual), type(actual)
+        expected_td = expected if isinstance(expected, TensorDict) else expected.to_tensordict()
+        actual_td = actual if isinstance(actual, TensorDict) else actual.to_tensordict()
+        assert actual_td.batch_size == expected_td.batch_size
+        e_keys = set(expected_td.keys(include_nested=True, leaves_only=True))
+        a_keys = set(actual_td.keys(include_nested=True, leaves_only=True))
+        assert a_keys == e_keys
+        for key in e_keys:
+            assert_identical(actual_td.get(key), expected_td.get(key))
+        return
+    assert isinstance(actual, torch.Tensor)
+    if isinstance(actual, LazyColumn):
+        actual = actual.materialize()
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    if expected.dtype.is_floating_point:
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[expected.element_size()]
+        assert torch.equal(actual.contiguous().view(bits), expected.contiguous().view(bits))
+    else:
+        assert torch.equal(actual, expected)
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    return tmp_path / "buffer.zarr"

@@ -1,0 +1,280 @@
+"""ZarrStorage on its own: bit-exact round trips, index forms, reopen, lazy views."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_identical
+from tensordict import TensorDict, tensorclass
+from torchrl.data import LazyTensorStorage
+
+from zarr_rb import Compression, LazyColumn, ZarrStorage
+
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+]
+
+
+@tensorclass
+class Transition:
+    obs: torch.Tensor
+    reward: torch.Tensor
+
+
+def random_tensor(shape, dtype, generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    if dtype.is_floating_point:
+        values = torch.randn(shape, generator=generator, dtype=torch.float64) * 1e3
+        values = values.to(dtype)
+        flat = values.view(-1)
+        if flat.numel() > 3:  # special values survive bit-exactly
+            flat[:3] = torch.tensor([float("nan"), float("-inf"), -0.0], dtype=dtype)
+        return values
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=generator, dtype=torch.int64).to(
+        dtype
+    )
+
+
+def make_data(kind: str, dtype: torch.dtype, batch: tuple[int, ...], seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "tensor":
+        return random_tensor((*batch, 3, 2), dtype, g)
+    if kind == "tensorclass":
+        return Transition(
+            obs=random_tensor((*batch, 2, 4, 4), dtype, g),
+            reward=random_tensor((*batch, 1), dtype, g),
+            batch_size=list(batch),
+        )
+    return TensorDict(
+        {
+            "obs": random_tensor((*batch, 2, 4, 4), dtype, g),
+            "scalar": random_tensor(batch, dtype, g),
+            "next": {"obs": random_tensor((*batch, 2, 4, 4), dtype, g)},
+            ("deep", "er", "still"): random_tensor((*batch, 5), dtype, g),
+        },
+        batch_size=list(batch),
+    )
+
+
+@pytest.mark.parametrize("kind", ["tensor", "tensordict", "tensorclass"])
+@pytest.mark.parametrize("ndim", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_round_trip_is_bit_exact_after_reopen(store_path, kind, ndim, dtype):
+    batch = (10,) if ndim == 1 else (10, 3)
+    max_size = 16 if ndim == 1 else 48
+    data = make_data(kind, dtype, batch)
+    storage = ZarrStorage(max_size, store_path, ndim=ndim)
+    reference = LazyTensorStorage(max_size, ndim=ndim)
+    for s in (storage, reference):
+        s.set(torch.arange(10), data)
+    assert len(storage) == len(reference)
+    assert_identical(storage.get(torch.arange(10)), reference.get(torch.arange(10)))
+    storage.close()
+
+    reopened = ZarrStorage(max_size, store_path, ndim=ndim)
+    assert len(reopened) == len(reference)
+    assert_identical(reopened.get(torch.arange(10)), reference.get(torch.arange(10)))
+    assert_identical(reopened[:], reference[:])
+    reopened.close()
+
+
+@pytest.fixture
+def pair():
+    """The same data in a ZarrStorage and a LazyTensorStorage, 30 rows out of 40."""
+    data = make_data("tensordict", torch.float32, (30,))
+    storage = ZarrStorage(40, compression=Compression(block_rows=8))
+    reference = LazyTensorStorage(40)
+    for s in (storage, reference):
+        s.set(torch.arange(30), data)
+    yield storage, reference
+    storage.close()
+
+
+INDICES = [
+    0,
+    29,
+    -1,
+    slice(None),
+    slice(3, 17),
+    slice(2, 29, 3),
+    slice(25, 100),
+    [4, 1, 4, 28],
+    torch.tensor([7, 7, 0, 13]),
+    torch.tensor([[1, 2, 3], [27, 2, 0]]),
+    np.array([5, 9]),
+    torch.arange(30) % 2 == 0,
+]
+
+
+@pytest.mark.parametrize("index", INDICES, ids=repr)
+def test_get_index_forms_match_torchrl(pair, index):
+    storage, reference = pair
+    assert_identical(storage.get(index), reference.get(index))
+
+
+@pytest.mark.parametrize(
+    "index",
+    [0, 39, -1, slice(0, 8), slice(35, 40), [3, 1, 3], torch.tensor([[5, 6], [38, 0]])],
+    ids=repr,
+)
+def test_set_index_forms_match_torchrl(pair, index):
+    storage, reference = pair
+    target = reference._storage[index]
+    update = make_data("tensordict", torch.float32, tuple(target.batch_size), seed=5)
+    if isinstance(index, list):
+        # Duplicate indices: the last write wins in both storages.
+        update[2] = update[0]
+    for s in (storage, reference):
+        s.set(index, update, set_cursor=False)
+    assert len(storage) == len(reference)
+    assert_identical(storage.get(torch.arange(len(reference))), reference.get(torch.arange(30)))
+    storage.flush()
+    assert_identical(storage.get(slice(0, 30)), reference.get(slice(0, 30)))
+
+
+def test_wrap_around_cursor_and_reopen(store_path):
+    compression = Compression(block_rows=8)
+    storage = ZarrStorage(20, store_path, compression=compression)
+    reference = LazyTensorStorage(20)
+    cursor = 0
+    for step in range(9):
+        data = make_data("tensordict", torch.float32, (7,), seed=step)
+        index = (torch.arange(7) + cursor) % 20
+        cursor = (cursor + 7) % 20
+        for s in (storage, reference):
+            s.set(index, data)
+        assert len(storage) == len(reference)
+        rows = torch.arange(len(reference))
+        assert_identical(storage.get(rows), reference.get(rows))
+    storage.close()
+    reopened = ZarrStorage(20, store_path)
+    assert len(reopened) == 20
+    assert reopened._last_cursor_index == (cursor - 1) % 20
+    assert_identical(reopened.get(torch.arange(20)), reference.get(torch.arange(20)))
+
+
+def test_ndim2_tuple_indices_match_torchrl():
+    data = make_data("tensordict", torch.float32, (6, 4))
+    storage = ZarrStorage(40, ndim=2)
+    reference = LazyTensorStorage(40, ndim=2)
+    for s in (storage, reference):
+        s.set(torch.arange(6), data)
+    assert storage.shape == reference.shape
+    index = (torch.tensor([0, 5, 5, 2]), torch.tensor([3, 0, 1, 3]))
+    assert_identical(storage.get(index), reference.get(index))
+    patch = make_data("tensordict", torch.float32, (4,), seed=3)
+    for s in (storage, reference):
+        s.set(index, patch, set_cursor=False)
+    assert_identical(storage.get(slice(None)), reference.get(slice(None)))
+
+
+def test_lazy_full_view_reads_only_the_keys_asked(store_path, monkeypatch):
+    storage = ZarrStorage(64, store_path)
+    data = make_data("tensordict", torch.uint8, (40,))
+    storage.set(torch.arange(40), data)
+    storage.flush()
+    read_keys: list[tuple[str, ...]] = []
+    original = storage._store.read
+
+    def spy(rows, keys):
+        keys = list(keys)
+        read_keys.extend(keys)
+        return original(rows, keys)
+
+    monkeypatch.setattr(storage._store, "read", spy)
+    view = storage[:]
+    assert isinstance(view["obs"], LazyColumn)
+    assert read_keys == []
+    assert_identical(view["scalar"].clone(), data["scalar"])
+    assert read_keys == [("scalar",)]
+    assert_identical(view["next", "obs"][7], data["next", "obs"][7])
+    assert_identical(view["obs"][3:9], data["obs"][3:9])
+    assert_identical(view["obs"][torch.tensor([9, 2])], data["obs"][torch.tensor([9, 2])])
+    assert ("deep", "er", "still") not in read_keys
+
+
+def test_rows_in_ram_are_visible_then_written_on_flush(store_path):
+    storage = ZarrStorage(1000, store_path, compression=Compression(block_rows=64))
+    data = make_data("tensordict", torch.float32, (10,))
+    storage.set(torch.arange(10), data)
+    # Ten rows do not fill a 64-row block: they are in RAM, not yet committed.
+    assert storage._store.committed.length == 0
+    assert_identical(storage.get(torch.arange(10)), data)
+    storage.flush()
+    assert storage._store.committed.length == 10
+    reader = ZarrStorage(path=store_path, read_only=True)
+    assert_identical(reader.get(torch.arange(10)), data)
+
+
+def test_full_blocks_are_written_and_committed_during_extend(store_path):
+    storage = ZarrStorage(1000, store_path, compression=Compression(block_rows=64))
+    storage.set(torch.arange(150), make_data("tensordict", torch.float32, (150,)))
+    assert storage._store.committed.length == 128
+    assert len(storage) == 150
+
+
+def test_empty_then_refill(store_path):
+    storage = ZarrStorage(30, store_path)
+    storage.set(torch.arange(20), make_data("tensordict", torch.float32, (20,)))
+    storage._empty()
+    assert len(storage) == 0
+    fresh = make_data("tensordict", torch.float32, (5,), seed=9)
+    storage.set(torch.arange(5), fresh)
+    assert_identical(storage[:], fresh)
+    storage.close()
+    assert len(ZarrStorage(30, store_path)) == 5
+
+
+def test_state_dict_round_trip(tmp_path):
+    source = ZarrStorage(50, tmp_path / "a.zarr")
+    data = make_data("tensordict", torch.int32, (25,))
+    source.set(torch.arange(25), data)
+    state = source.state_dict()
+    assert state["_len"] == 25
+
+    same = ZarrStorage(50, tmp_path / "a.zarr", read_only=True)
+    assert len(same) == 25
+    copy = ZarrStorage(50, tmp_path / "b.zarr")
+    copy.load_state_dict(state)
+    assert len(copy) == 25
+    assert_identical(copy[:], data)
+
+
+def test_temporary_store_is_removed_when_storage_is_collected():
+    storage = ZarrStorage(10)
+    storage.set(torch.arange(3), torch.ones(3, 2))
+    path = storage.path
+    assert path.exists()
+    del storage
+    import gc
+
+    gc.collect()
+    assert not path.parent.exists()
+
+
+def test_compression_settings_are_applied(store_path):
+    import zarr
+
+    frames = torch.zeros(300, 4, 84, 84, dtype=torch.uint8)
+    frames[:, :, 20:40, 30:50] = 200
+    storage = ZarrStorage(2000, store_path, compression=Compression(chunk_rows=2))
+    storage.set(torch.arange(300), TensorDict({"obs": frames, "r": torch.ones(300)}, [300]))
+    storage.close()
+    group = zarr.open_group(store_path, mode="r")
+    obs = group["data/obs"]
+    assert obs.chunks == (2, 4, 84, 84)
+    assert obs.shards is not None and obs.shards[0] >= 256
+    assert group["data/r"].shards is None
+    assert storage.nbytes_on_disk() < frames.numel() / 20
