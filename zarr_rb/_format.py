@@ -237,10 +237,16 @@ def commit_from_mask(
     *,
     generation: int,
     cursor: int,
+    length: int | None = None,
 ) -> Commit:
-    """The commit record that declares exactly the ``True`` rows of ``readable``."""
+    """The commit record that declares exactly the ``True`` rows of ``readable``.
+
+    ``length`` defaults to one past the last readable row; pass the current length to
+    withdraw rows at the end as holes rather than shrinking the buffer.
+    """
     true_rows = np.flatnonzero(readable)
-    length = int(true_rows[-1]) + 1 if true_rows.size else 0
+    last = int(true_rows[-1]) + 1 if true_rows.size else 0
+    length = last if length is None else max(length, last)
     holes = mask_to_ranges(~readable[:length])
     return Commit(generation=generation, length=length, cursor=cursor, holes=holes)
 

@@ -277,8 +277,9 @@ class Store:
         for rows, _ in writes:
             touched[rows] = True
         if (self._published & touched).any():
-            # Withdraw the rows about to change before touching a byte of them.
-            self._publish_mask(self._published & ~touched)
+            # Withdraw the rows about to change before touching a byte of them; the length
+            # stays, so readers see holes rather than a shrinking buffer.
+            self._publish_mask(self._published & ~touched, length=self.committed.length)
         self._valid &= ~touched
         futures = [
             self.array(key).write_rows(rows, to_numpy(tensor))
@@ -318,14 +319,16 @@ class Store:
             self._publish(dataclasses.replace(self.committed, length=0, holes=()))
             return
         assert self._valid is not None
+        assert self._published is not None
         length_rows = -(-self.length // self._elements_per_row(self.schema))
-        readable = self._valid & ~self._staged_mask()
+        # Rows waiting in RAM keep their previous, still intact, committed content.
+        readable = self._valid & ~(self._staged_mask() & ~self._published)
         readable[length_rows:] = False
         self._publish_mask(readable)
 
-    def _publish_mask(self, readable: np.ndarray) -> None:
+    def _publish_mask(self, readable: np.ndarray, *, length: int | None = None) -> None:
         commit = commit_from_mask(
-            readable, generation=self.committed.generation + 1, cursor=self.cursor
+            readable, generation=self.committed.generation + 1, cursor=self.cursor, length=length
         )
         if commit.length == self.committed.length and commit.holes == self.committed.holes \
                 and commit.cursor == self.committed.cursor:
