@@ -241,19 +241,23 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             self._initialize(data, batched=not _is_int(cursor))
         schema = store.schema
         assert schema is not None
-        if set_cursor:
-            self._set_last_cursor(cursor)
-            self._get_new_len(data, cursor)
         where = f"store {str(self.path)!r}"
+        # Validate everything before touching the length or the cursor: a rejected
+        # write leaves the storage as it was.
         if isinstance(cursor, tuple):
-            self._set_elements(cursor, data, schema)
+            rows, leaves = self._patch_elements(cursor, data, schema)
         else:
             index, index_shape = self._write_rows_index(cursor, schema.rows)
-            leaves = _convert.leaves_for_write(
+            all_leaves = _convert.leaves_for_write(
                 data, schema=schema, index_shape=index_shape, where=where
             )
             rows, last = _unique_last(index)
-            store.write(rows, {key: value[torch.from_numpy(last)] for key, value in leaves.items()})
+            position = torch.from_numpy(last)
+            leaves = {key: value[position] for key, value in all_leaves.items()}
+        if set_cursor:
+            self._set_last_cursor(cursor)
+            self._get_new_len(data, cursor)
+        store.write(rows, leaves)
         if set_cursor and self._last_cursor_index is not None:
             store.cursor = (self._last_cursor_index + 1) % schema.rows
         self._bump_mutation_revision()
@@ -277,8 +281,10 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             )
         return index.astype(np.int64), shape
 
-    def _set_elements(self, cursor: tuple[Any, ...], data: Any, schema: Schema) -> None:
-        """Write a multi-dimensional index: read the rows it touches, patch, write back."""
+    def _patch_elements(
+        self, cursor: tuple[Any, ...], data: Any, schema: Schema
+    ) -> tuple[np.ndarray, dict[tuple[str, ...], torch.Tensor]]:
+        """Rows touched by a multi-dimensional index, read and patched with ``data``."""
         head, rest = cursor[0], cursor[1:]
         length = schema.rows
         rows, position = self._rows_of(head, length)
@@ -287,9 +293,10 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         leaves = _convert.leaves_for_write(
             block, schema=schema, index_shape=(rows.size,), where=f"store {str(self.path)!r}"
         )
-        self._store.write(rows, leaves)
+        return rows, leaves
 
     def _empty(self) -> None:
+        self._store._check_writable()
         self._store.discard()
         self._len = 0
         self._store.flush()

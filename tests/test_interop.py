@@ -1,0 +1,54 @@
+"""The arrays are plain Zarr v3: other tools read them without zarr_rb."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import zarr
+from tensordict import TensorDict
+
+from zarr_rb import ZarrStorage
+
+
+def fill(store_path) -> TensorDict:
+    data = TensorDict(
+        {
+            "obs": torch.randint(0, 255, (12, 4, 8, 8), dtype=torch.uint8),
+            "next": {"reward": torch.randn(12, 1), "done": torch.zeros(12, 1, dtype=torch.bool)},
+            "action": torch.arange(12),
+            "logits": torch.randn(12, 3).bfloat16(),
+        },
+        batch_size=[12],
+    )
+    storage = ZarrStorage(32, store_path)
+    storage.set(torch.arange(12), data)
+    storage.close()
+    return data
+
+
+def test_zarr_python_reads_arrays_with_right_dtypes_and_shapes(store_path):
+    data = fill(store_path)
+    group = zarr.open_group(store_path, mode="r")
+    assert group.attrs["zarr_rb"]["commit"]["length"] == 12
+    obs = group["data/obs"]
+    assert obs.dtype == np.uint8
+    assert obs.shape == (32, 4, 8, 8)
+    np.testing.assert_array_equal(obs[:12], data["obs"].numpy())
+    np.testing.assert_array_equal(group["data/next/reward"][:12], data["next", "reward"].numpy())
+    assert group["data/next/done"].dtype == np.bool_
+    # bfloat16 is stored as its uint16 bits; the real dtype is recorded on the array.
+    logits = group["data/logits"]
+    assert logits.dtype == np.uint16
+    assert logits.attrs["zarr_rb"]["dtype"] == "bfloat16"
+    restored = torch.from_numpy(logits[:12].view(np.int16)).view(torch.bfloat16)
+    assert torch.equal(restored, data["logits"])
+
+
+def test_tensordict_from_zarr_opens_the_data_group(store_path):
+    data = fill(store_path)
+    td = TensorDict.from_zarr(store_path / "data")
+    # The arrays hold the full capacity; the committed length lives in the root attributes.
+    length = zarr.open_group(store_path, mode="r").attrs["zarr_rb"]["commit"]["length"]
+    assert td.batch_size[0] == 32
+    assert torch.equal(td["obs"][:length], data["obs"])
+    assert torch.equal(td["next", "reward"][:length], data["next", "reward"])
