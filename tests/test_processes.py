@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -77,7 +78,7 @@ def test_reader_sees_only_committed_rows_while_writer_extends(store_path):
     assert writer.returncode == 0
     assert reads > 5
     # Length never shrinks and never passes capacity.
-    assert all(a <= b for a, b in zip(lengths, lengths[1:], strict=False))
+    assert all(a <= b for a, b in itertools.pairwise(lengths))
     assert max(lengths) <= CAPACITY
 
     reader.refresh()

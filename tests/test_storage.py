@@ -275,6 +275,7 @@ def test_compression_settings_are_applied(store_path):
     group = zarr.open_group(store_path, mode="r")
     obs = group["data/obs"]
     assert obs.chunks == (2, 4, 84, 84)
-    assert obs.shards is not None and obs.shards[0] >= 256
+    assert obs.shards is not None
+    assert obs.shards[0] >= 256
     assert group["data/r"].shards is None
     assert storage.nbytes_on_disk() < frames.numel() / 20

@@ -121,8 +121,9 @@ class LocalLocation:
             "driver": "zarr3",
             "kvstore": {"driver": "file", "path": str(self.root / path)},
         }
-        mode = {"read": True} if read_only else {"read": True, "write": True}
-        array = ts.open(spec, open=True, context=self._context, **mode).result()
+        array = ts.open(
+            spec, open=True, read=True, write=not read_only, context=self._context
+        ).result()
         return RowArray(array, path)
 
     def data_dir(self) -> Path:
@@ -154,13 +155,13 @@ class RowArray:
     def dtype(self) -> np.dtype[Any]:
         return np.dtype(self._array.dtype.numpy_dtype)
 
-    def read_rows(self, rows: np.ndarray) -> ts.Future:
+    def read_rows(self, rows: np.ndarray) -> ts.Future[np.ndarray]:
         """Start reading ``rows`` (sorted, unique); the future yields ``[len(rows), ...]``."""
         if rows.size and rows[-1] - rows[0] + 1 == rows.size:
             return self._array[int(rows[0]) : int(rows[-1]) + 1].read()
         return self._array[rows].read()
 
-    def write_rows(self, rows: np.ndarray, values: np.ndarray) -> ts.Future:
+    def write_rows(self, rows: np.ndarray, values: np.ndarray) -> ts.WriteFutures:
         """Start writing ``values[i]`` to row ``rows[i]`` (``rows`` sorted, unique)."""
         if rows.size and rows[-1] - rows[0] + 1 == rows.size:
             return self._array[int(rows[0]) : int(rows[-1]) + 1].write(values)

@@ -29,12 +29,14 @@ class LazyColumn(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shape: tuple[int, ...], dtype: torch.dtype, reader: RowReader) -> LazyColumn:
-        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device="cpu")
+        self: LazyColumn = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=torch.device("cpu")
+        )
         self._reader = reader
         self._value = None
-        return self  # type: ignore[no-any-return]
+        return self
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"LazyColumn(shape={tuple(self.shape)}, dtype={self.dtype})"
 
     def materialize(self) -> torch.Tensor:
@@ -57,7 +59,7 @@ class LazyColumn(torch.Tensor):
         return block[inverse].reshape(*rows.shape, *self.shape[1:])
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls,
         func: Any,
         types: Any,
@@ -71,7 +73,7 @@ class LazyColumn(torch.Tensor):
             if func is aten.select.int and args[1] == 0:
                 return column._read_rows(torch.tensor([args[2]]))[0]
             if func is aten.slice.Tensor and (len(args) < 2 or args[1] == 0):
-                start, stop, step = (list(args[2:5]) + [None, None, 1])[:3]
+                start, stop, step = (*args[2:5], None, None, None)[:3]
                 rows = torch.arange(column.shape[0])[slice(start, stop, step)]
                 return column._read_rows(rows)
             if func is aten.index.Tensor and len(args[1]) == 1 and args[1][0] is not None:

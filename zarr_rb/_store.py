@@ -21,8 +21,9 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -128,7 +129,9 @@ class Store:
         try:
             document = location.read_root_metadata()
         except (ValueError, UnicodeDecodeError) as err:
-            raise StoreCorruptedError(f"{where}: root zarr.json is not valid JSON ({err})") from None
+            raise StoreCorruptedError(
+                f"{where}: root zarr.json is not valid JSON ({err})"
+            ) from None
         if document is None:
             if read_only:
                 raise FileNotFoundError(f"no zarr_rb store at {str(root)!r}")
@@ -200,8 +203,13 @@ class Store:
         """Create the arrays of ``schema`` (first write of a new store)."""
         self._check_writable()
         block_rows = choose_block_rows(self.compression, schema.leaves, schema.batch_shape)
-        groups = sorted({"/".join(leaf.path.split("/")[:i]) for leaf in schema.leaves
-                         for i in range(2, leaf.path.count("/") + 1)})
+        groups = sorted(
+            {
+                "/".join(leaf.path.split("/")[:i])
+                for leaf in schema.leaves
+                for i in range(2, leaf.path.count("/") + 1)
+            }
+        )
         for group in groups:
             self.location.create_group(group)
         for leaf in schema.leaves:
@@ -216,7 +224,9 @@ class Store:
                 layout=layout,
                 dtype=leaf.stored_dtype,
                 compression=self.compression,
-                attributes={ATTRS_KEY: {"dtype": leaf.dtype, "batch_dims": len(schema.batch_shape)}},
+                attributes={
+                    ATTRS_KEY: {"dtype": leaf.dtype, "batch_dims": len(schema.batch_shape)}
+                },
             )
         self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows)
         self._attach_schema(schema, block_rows)
@@ -262,17 +272,24 @@ class Store:
         blocks = [self._buffer.pop(index) for index in full]
         if len(self._buffer) > _MAX_STAGED_BLOCKS:
             # Too many partially filled blocks: write the oldest ones as they are.
-            oldest = [block.index for block in self._buffer][: len(self._buffer) - _MAX_STAGED_BLOCKS]
+            oldest = [block.index for block in self._buffer][
+                : len(self._buffer) - _MAX_STAGED_BLOCKS
+            ]
             blocks.extend(self._buffer.pop(index) for index in oldest)
         writes = [_block_rows(block) for block in blocks]
         if direct.size:
-            writes.append((rows[direct], {key: v[torch.from_numpy(direct)] for key, v in values.items()}))
+            writes.append(
+                (rows[direct], {key: v[torch.from_numpy(direct)] for key, v in values.items()})
+            )
         if writes:
             self._write_to_disk(writes)
             self._commit()
 
-    def _write_to_disk(self, writes: list[tuple[np.ndarray, Mapping[Key, torch.Tensor]]]) -> None:
-        assert self._published is not None and self._valid is not None
+    def _write_to_disk(
+        self, writes: Sequence[tuple[np.ndarray, Mapping[Key, torch.Tensor]]]
+    ) -> None:
+        assert self._published is not None
+        assert self._valid is not None
         touched = np.zeros(self.rows, dtype=bool)
         for rows, _ in writes:
             touched[rows] = True
@@ -330,8 +347,11 @@ class Store:
         commit = commit_from_mask(
             readable, generation=self.committed.generation + 1, cursor=self.cursor, length=length
         )
-        if commit.length == self.committed.length and commit.holes == self.committed.holes \
-                and commit.cursor == self.committed.cursor:
+        if (
+            commit.length == self.committed.length
+            and commit.holes == self.committed.holes
+            and commit.cursor == self.committed.cursor
+        ):
             return
         self._publish(commit)
         self._published = readable.copy()
@@ -358,7 +378,9 @@ class Store:
         miss = torch.from_numpy(np.flatnonzero(~hit))
         for key in keys:
             leaf_dtype = TORCH_DTYPES[self._leaf(key).dtype]
-            tensor = torch.empty((rows.size, *self.element_shape(self._leaf(key))), dtype=leaf_dtype)
+            tensor = torch.empty(
+                (rows.size, *self.element_shape(self._leaf(key))), dtype=leaf_dtype
+            )
             tensor[miss] = out[key]
             for block, positions in served:
                 offsets = rows[positions] - block.index * self._buffer.block_rows

@@ -97,6 +97,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         torch.Size([4, 3])
     """
 
+    _store: Store
+
     def __init__(
         self,
         max_size: int | None = None,
@@ -216,7 +218,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     def __repr__(self) -> str:
         schema = self._store.schema
-        keys = [] if schema is None else [".".join(leaf.key) or "<tensor>" for leaf in schema.leaves]
+        keys = (
+            [] if schema is None else [".".join(leaf.key) or "<tensor>" for leaf in schema.leaves]
+        )
         return (
             f"{type(self).__name__}(path={str(self.path)!r}, len={len(self)}, "
             f"max_size={self.max_size}, ndim={self.ndim}, keys={keys}, "
@@ -365,11 +369,14 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         for leaf in schema.leaves:
 
             def reader(rows: np.ndarray, key: tuple[str, ...] = leaf.key) -> torch.Tensor:
-                return store.read(rows, [key])[key]
+                tensor: torch.Tensor = store.read(rows, [key])[key]
+                return tensor
 
             shape = (length, *store.element_shape(leaf))
             columns[leaf.key] = LazyColumn(shape, TORCH_DTYPES[leaf.dtype], reader)
-        return _convert.build(columns, schema=schema, batch_shape=(length, *schema.batch_shape[1:]), device=None)
+        return _convert.build(
+            columns, schema=schema, batch_shape=(length, *schema.batch_shape[1:]), device=None
+        )
 
     # --- state -----------------------------------------------------------------------------
 
