@@ -85,7 +85,9 @@ class StorageMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.model) > 0)
     @rule(seed=st.integers(0, 2**16))
     def sample(self, seed: int) -> None:
-        index = torch.randint(0, len(self.model), (5,), generator=torch.Generator().manual_seed(seed))
+        index = torch.randint(
+            0, len(self.model), (5,), generator=torch.Generator().manual_seed(seed)
+        )
         assert_identical(self.zarr.get(index), self.model.get(index))
 
     @rule()

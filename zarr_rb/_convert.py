@@ -126,7 +126,10 @@ def leaves_for_write(
     ``index_shape`` is the shape of the row index the data is written at (``()`` for a
     single row).
     """
-    if kind_of(data) != schema.kind and {kind_of(data), schema.kind} != {"tensordict", "tensorclass"}:
+    if kind_of(data) != schema.kind and {kind_of(data), schema.kind} != {
+        "tensordict",
+        "tensorclass",
+    }:
         raise SchemaMismatchError(
             f"{where} holds {schema.kind} data, got a {type(data).__name__}",
         )

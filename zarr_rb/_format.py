@@ -269,7 +269,9 @@ def _parse_int(value: object, what: str, *, lo: int = 0, hi: int = 2**62) -> int
     return value
 
 
-def _parse_int_list(value: object, what: str, *, lo: int = 0, max_len: int = _MAX_DIMS) -> tuple[int, ...]:
+def _parse_int_list(
+    value: object, what: str, *, lo: int = 0, max_len: int = _MAX_DIMS
+) -> tuple[int, ...]:
     _expect(isinstance(value, list) and len(value) <= max_len, f"{what} to be a list", value)
     assert isinstance(value, list)
     return tuple(_parse_int(v, f"{what} entries", lo=lo) for v in value)
@@ -303,7 +305,9 @@ def _parse_leaf(value: object, kind: Kind) -> LeafSpec:
     _expect(isinstance(value, Mapping), "a leaf object", value)
     assert isinstance(value, Mapping)
     key_raw = value.get("key")
-    _expect(isinstance(key_raw, list) and all(isinstance(k, str) for k in key_raw), "a key", key_raw)
+    _expect(
+        isinstance(key_raw, list) and all(isinstance(k, str) for k in key_raw), "a key", key_raw
+    )
     assert isinstance(key_raw, list)
     dtype = value.get("dtype")
     _expect(dtype in STORED_DTYPES, f"a dtype among {sorted(STORED_DTYPES)}", dtype)
