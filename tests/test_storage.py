@@ -162,6 +162,7 @@ def test_wrap_around_cursor_and_reopen(store_path):
     reopened = ZarrStorage(20, store_path)
     assert len(reopened) == 20
     assert reopened._last_cursor_index == (cursor - 1) % 20
+    assert reopened.cursor == cursor
     assert_identical(reopened.get(torch.arange(20)), reference.get(torch.arange(20)))
 
 

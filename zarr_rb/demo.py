@@ -35,6 +35,7 @@ from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
 from zarr_rb import ZarrStorage
+from zarr_rb.errors import ZarrRBError
 
 __all__ = [
     "ENV_IDS",
@@ -54,8 +55,9 @@ ENV_IDS: dict[str, str] = {"pong": "ALE/Pong-v5", "cartpole": "CartPole-v1"}
 #: about 2-3 minutes; CartPole is ~50x faster.
 DEFAULT_STEPS: dict[str, int] = {"pong": 100_000, "cartpole": 100_000}
 
-#: Capacity of the replay buffer (rows). Zarr arrays are chunked and written lazily, so unused
-#: capacity costs nothing on disk; it only bounds how far repeated runs can append.
+#: Capacity (rows) of a newly created store. Zarr arrays are chunked and written lazily, so
+#: unused capacity costs nothing on disk; it only bounds how far repeated runs can append.
+#: A reopened store keeps the capacity it was created with.
 DEFAULT_MAX_SIZE = 1_000_000
 
 _INSTALL_HINT = "pip install 'zarr-rb[demo]'"
@@ -283,11 +285,12 @@ def time_sampling(rb: Any, n_batches: int) -> list[float]:
     return times
 
 
-def open_storage(max_size: int, path: Path, *, overwrite: bool) -> tuple[ZarrStorage, bool]:
+def open_storage(max_size: int | None, path: Path, *, overwrite: bool) -> tuple[ZarrStorage, bool]:
     """Opens (or creates) the store at ``path``.
 
     Args:
-        max_size: Replay buffer capacity in rows.
+        max_size: Replay buffer capacity in rows. ``None`` keeps the capacity of an existing
+            store and uses :data:`DEFAULT_MAX_SIZE` for a new one.
         path: Location of the Zarr store.
         overwrite: Delete an existing store at ``path`` first.
 
@@ -297,6 +300,8 @@ def open_storage(max_size: int, path: Path, *, overwrite: bool) -> tuple[ZarrSto
     Raises:
         FileExistsError: If ``overwrite`` is set and ``path`` exists but does not look like a
             Zarr store (no ``zarr.json``), so deleting it could destroy unrelated files.
+        zarr_rb.errors.ZarrRBError: If the store cannot be opened, e.g. its capacity is not
+            ``max_size``.
     """
     deleted = False
     if overwrite and path.exists():
@@ -307,6 +312,8 @@ def open_storage(max_size: int, path: Path, *, overwrite: bool) -> tuple[ZarrSto
             )
         shutil.rmtree(path)
         deleted = True
+    if max_size is None and not (path / "zarr.json").is_file():
+        max_size = DEFAULT_MAX_SIZE
     return ZarrStorage(max_size, path), deleted
 
 
@@ -329,12 +336,10 @@ def _resume_point(rb: Any, storage: ZarrStorage, max_size: int) -> tuple[int, in
     n = len(storage)
     if n == 0:
         return 0, 0
-    last = getattr(storage, "_last_cursor_index", None)
-    if last is None or int(last) < 0:
-        last = n - 1 if n < max_size else max_size - 1
-    cursor = (int(last) + 1) % max_size
-    rb.writer._cursor = cursor
-    traj_ids = storage[int(last)].get(TRAJ_KEY, None)
+    cursor = storage.cursor
+    rb.writer.load_state_dict({"_cursor": cursor, "_write_count": n})
+    last = (cursor - 1) % max_size
+    traj_ids = storage[last].get(TRAJ_KEY, None)
     next_traj_id = 0 if traj_ids is None else int(traj_ids) + 1
     return cursor, next_traj_id
 
@@ -410,8 +415,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--max-size",
         type=int,
-        default=DEFAULT_MAX_SIZE,
-        help="replay buffer capacity in rows (default: %(default)s)",
+        default=None,
+        help=f"capacity in rows of a new store (default: {DEFAULT_MAX_SIZE}); an existing store"
+        " keeps its own",
     )
     parser.add_argument(
         "--sample-batches",
@@ -429,7 +435,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.steps = DEFAULT_STEPS[args.env]
     for name in ("steps", "batch_size", "max_size", "sample_batches"):
         minimum = 0 if name in ("steps", "sample_batches") else 1
-        if getattr(args, name) < minimum:
+        value = getattr(args, name)
+        if value is not None and value < minimum:
             parser.error(f"--{name.replace('_', '-')} must be >= {minimum}")
     return args
 
@@ -441,12 +448,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Command-line arguments without the program name; ``None`` reads ``sys.argv``.
 
     Returns:
-        The process exit code: 0 on success, 1 if the demo's checks failed or an optional
-        dependency is missing.
+        The process exit code: 0 on success; 1 if an optional dependency is missing, the store
+        at ``--path`` cannot take this run's data (other capacity or schema), or the reopened
+        store does not hold the rows written.
     """
     args = _parse_args(argv)
     path: Path = args.path
-    max_size: int = args.max_size
 
     try:
         env = make_env(args.env)
@@ -460,7 +467,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" actions {env.action_space.n} | seed {args.seed}"
     )
 
-    storage, deleted = open_storage(max_size, path, overwrite=args.overwrite)
+    try:
+        storage, deleted = open_storage(args.max_size, path, overwrite=args.overwrite)
+    except ZarrRBError as exc:
+        env.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    max_size = int(storage.max_size)
     rb = TensorDictReplayBuffer(storage=storage, batch_size=args.batch_size)
     start_rows = len(storage)
     cursor, first_traj_id = _resume_point(rb, storage, max_size)
@@ -488,9 +501,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=seed,
             first_traj_id=first_traj_id,
         )
-    except BaseException:
+    except BaseException as exc:
         # Ctrl-C or a failure mid-collection: keep what was already written.
         storage.close()
+        if isinstance(exc, ZarrRBError):  # e.g. appending CartPole rows to a Pong store
+            print(f"error: {exc}\n(use --overwrite or another --path)", file=sys.stderr)
+            return 1
         raise
     finally:
         env.close()

@@ -169,6 +169,17 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         return self._store.path
 
     @property
+    def cursor(self) -> int:
+        """Row the next sequential write goes to: one past the last row written.
+
+        A new replay buffer's writer starts at row 0. To append to a reopened store rather
+        than overwrite its oldest rows, hand this to the writer::
+
+            rb.writer.load_state_dict({"_cursor": storage.cursor, "_write_count": len(storage)})
+        """
+        return int(self._store.cursor)
+
+    @property
     def read_only(self) -> bool:
         return self._store.read_only
 
