@@ -45,6 +45,21 @@ class LazyColumn(torch.Tensor):
             self._value = self._reader(np.arange(self.shape[0]))
         return self._value
 
+    # Python-level conversions never reach __torch_dispatch__: route them to the data.
+    def tolist(self) -> Any:
+        return self.materialize().tolist()
+
+    def numpy(self, *, force: bool = False) -> np.ndarray:
+        return self.materialize().numpy(force=force)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = self.materialize().numpy()
+        return array if dtype is None else array.astype(dtype)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickles (and torch.save) as the plain tensor it stands for.
+        return self.materialize().__reduce_ex__(protocol)  # type: ignore[no-untyped-call]
+
     def _read_rows(self, rows: torch.Tensor) -> torch.Tensor:
         if self._value is not None:
             return self._value[rows]
@@ -68,6 +83,13 @@ class LazyColumn(torch.Tensor):
     ) -> Any:
         kwargs = kwargs or {}
         aten = torch.ops.aten
+        for argument, value in zip(func._schema.arguments, args, strict=False):
+            alias = argument.alias_info
+            if isinstance(value, LazyColumn) and alias is not None and alias.is_write:
+                raise TypeError(
+                    f"{func} would write into a LazyColumn, a read-only view of rows on disk; "
+                    "write through the storage instead (storage.set(index, data))",
+                )
         if args and isinstance(args[0], LazyColumn) and args[0]._value is None and not kwargs:
             column: LazyColumn = args[0]
             if func is aten.select.int and args[1] == 0:
