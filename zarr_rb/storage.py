@@ -21,6 +21,7 @@ from torchrl.data.replay_buffers.storages import TensorStorage
 from torchrl.data.replay_buffers.utils import _is_int
 
 from zarr_rb import _convert
+from zarr_rb._checkpointer import ZarrStorageCheckpointer
 from zarr_rb._format import Schema
 from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
@@ -98,6 +99,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
     """
 
     _store: Store
+    _default_checkpointer = ZarrStorageCheckpointer
 
     def __init__(
         self,
@@ -317,6 +319,14 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         self._store.flush()
         self._bump_mutation_revision()
 
+    def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> None:
+        """Patch some keys of some elements (``rb.update_if_present``), through ``set``."""
+        where = tuple(index.unbind(-1)) if index.ndim > 1 else index
+        current = self.get(where)
+        for key, value in patch.items():
+            current.set(key, value)
+        self.set(where, current, set_cursor=False)
+
     # --- reads -----------------------------------------------------------------------------
 
     def _rows_of(self, head: Any, length: int) -> tuple[np.ndarray, Any]:
@@ -406,26 +416,47 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         source = Path(state_dict["path"]).absolute()
         if source != self.path:
             self._copy_from(source)
-        self._len = int(state_dict["_len"])
-        self._store.cursor = int(state_dict["cursor"])
-        if self.initialized and self._len:
-            self._set_last_cursor((self._store.cursor - 1) % self._store.rows)
+        self.restore(length=int(state_dict["_len"]), cursor=int(state_dict["cursor"]))
+
+    def restore(self, *, length: int, cursor: int) -> None:
+        """Set length and cursor (e.g. to those of a save) and commit them."""
+        self._len = length
+        self._store.cursor = cursor
+        if self.initialized and length:
+            self._set_last_cursor((cursor - 1) % self._store.rows)
         self._store.flush()
         self._bump_mutation_revision()
 
     def _copy_from(self, source: Path) -> None:
-        other = ZarrStorage(path=source, ndim=self.ndim, read_only=True)
-        try:
-            schema = other.schema
-            if schema is None:
-                return
-            length = other._len_along_dim0 or 0
-            step = max(1, (64 * 2**20) // max(1, schema.row_nbytes))
-            for start in range(0, length, step):
-                stop = min(length, start + step)
-                self.set(slice(start, stop), other.get(slice(start, stop)), set_cursor=False)
-        finally:
-            other.close()
+        with ZarrStorage(path=source, ndim=self.ndim, read_only=True) as other:
+            if other.schema is not None:
+                self.copy_rows_from(other, rows=other._len_along_dim0 or 0)
+
+    def copy_rows_from(self, source: Any, *, rows: int, progress: bool = False) -> None:
+        """Copy rows ``[0, rows)`` of ``source`` (anything sliceable by rows: a storage,
+        a memory-mapped TensorDict) into this storage, in blocks of about 64 MiB."""
+        if rows <= 0:
+            return
+        first = source[0:1]
+        row_nbytes = max(1, int(first.bytes()) if hasattr(first, "bytes") else first.nbytes)
+        step = max(1, (64 * 2**20) // row_nbytes)
+        bar = _progress_bar(rows, enabled=progress)
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            block = source[start:stop]
+            self.set(
+                slice(start, stop),
+                block.clone() if hasattr(block, "clone") else block,
+                set_cursor=False,
+            )
+            bar.update(stop - start)
+        bar.close()
+
+
+def _progress_bar(total: int, *, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="copy rows", unit="row", disable=not enabled, leave=False)
 
 
 def _unique_last(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
