@@ -11,8 +11,10 @@ from __future__ import annotations
 from zarr_rb._format import FORMAT_VERSION
 from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
+from zarr_rb.api import load, save
 from zarr_rb.errors import (
     FormatVersionError,
+    NoSavedBufferError,
     NotAStoreError,
     ReadOnlyError,
     RowIndexError,
@@ -22,6 +24,7 @@ from zarr_rb.errors import (
     UnsupportedDataError,
     ZarrRBError,
 )
+from zarr_rb.state import PickleNotAllowedError
 from zarr_rb.storage import ZarrStorage
 
 __version__ = "0.1.0"
@@ -31,7 +34,9 @@ __all__ = [
     "Compression",
     "FormatVersionError",
     "LazyColumn",
+    "NoSavedBufferError",
     "NotAStoreError",
+    "PickleNotAllowedError",
     "ReadOnlyError",
     "RowIndexError",
     "RowsNotCommittedError",
@@ -41,4 +46,6 @@ __all__ = [
     "ZarrRBError",
     "ZarrStorage",
     "__version__",
+    "load",
+    "save",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ from zarr_rb._format import DATA_GROUP
 from zarr_rb._layout import Compression, LeafLayout
 
 ROOT_METADATA = "zarr.json"
+STATE_CHUNK_BYTES = 2**20
 
 
 def _fsync_dir(path: Path) -> None:
@@ -126,12 +128,146 @@ class LocalLocation:
         ).result()
         return RowArray(array, path)
 
+    # --- state groups: small arrays and JSON attributes -------------------------------------
+
+    def write_group_attributes(self, path: str, attributes: Mapping[str, Any]) -> None:
+        import zarr
+
+        group = zarr.open_group(self.root / path, mode="a", zarr_format=3)
+        group.attrs.put(dict(attributes))
+
+    def read_group_attributes(self, path: str) -> dict[str, Any]:
+        try:
+            raw = (self.root / path / ROOT_METADATA).read_bytes()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no group {path!r} in store {str(self.root)!r}") from None
+        document = json.loads(raw.decode("utf-8"))
+        attributes = document.get("attributes", {}) if isinstance(document, dict) else None
+        if not isinstance(attributes, dict):
+            raise ValueError(f"group {path!r}: expected a JSON object of attributes")
+        return attributes
+
+    def write_state_array(self, path: str, values: np.ndarray) -> int:
+        """Write a (small) state array, rewriting only the chunks whose bytes changed.
+
+        Returns:
+            The number of bytes (uncompressed) actually written.
+        """
+        values = np.ascontiguousarray(values)
+        if values.ndim == 0:
+            values = values.reshape(1)
+        try:
+            array = self.open_array(path, read_only=False)
+        except (ValueError, FileNotFoundError):
+            array = None
+        if array is None or array.shape != values.shape or array.dtype != values.dtype:
+            self._create_state_array(path, values)
+            array = self.open_array(path, read_only=False)
+            array.write_rows(np.arange(values.shape[0]), values).result()
+            return int(values.nbytes)
+        chunk = array.chunk_rows
+        old = array.read_rows(np.arange(values.shape[0])).result()
+        rows = values.shape[0]
+        n_chunks = -(-rows // chunk)
+        # Compare raw bytes so that NaNs compare equal to themselves.
+        changed_rows = (
+            old.reshape(rows, -1).view(np.uint8) != values.reshape(rows, -1).view(np.uint8)
+        ).any(axis=1)
+        padded = np.zeros(n_chunks * chunk, dtype=bool)
+        padded[:rows] = changed_rows
+        changed = np.flatnonzero(padded.reshape(n_chunks, chunk).any(axis=1))
+        futures = []
+        for index in changed.tolist():
+            start, stop = index * chunk, min(rows, (index + 1) * chunk)
+            futures.append(array.write_rows(np.arange(start, stop), values[start:stop]))
+        for future in futures:
+            future.result()
+        return int(
+            sum(min(rows, (i + 1) * chunk) - i * chunk for i in changed.tolist())
+            * values[:1].nbytes
+        )
+
+    def _create_state_array(self, path: str, values: np.ndarray) -> None:
+        import zarr
+        from zarr.codecs import ZstdCodec
+
+        group_path, _, name = path.rpartition("/")
+        row_nbytes = max(1, values[:1].nbytes)
+        chunk_rows = max(1, min(values.shape[0], STATE_CHUNK_BYTES // row_nbytes))
+        group = zarr.open_group(self.root / group_path, mode="a", zarr_format=3)
+        group.create_array(
+            name,
+            shape=values.shape,
+            dtype=values.dtype,
+            chunks=(chunk_rows, *values.shape[1:]),
+            compressors=[ZstdCodec(level=1)],
+            fill_value=0,
+            overwrite=True,
+        )
+
+    def read_state_array(self, path: str) -> np.ndarray:
+        array = self.open_array(path, read_only=True)
+        return np.asarray(array.read_rows(np.arange(array.shape[0])).result())
+
+    def remove(self, path: str) -> None:
+        shutil.rmtree(self.root / path, ignore_errors=True)
+
+    def snapshot_to(self, target: str | os.PathLike[str], *, progress: bool = False) -> int:
+        """Make ``target`` an independent copy of this store; returns bytes copied.
+
+        On the same filesystem files are hard-linked instead of copied. That is safe
+        because nothing ever writes into an existing file of a store: TensorStore and
+        zarr-python write a new file and rename it over the old one, and so does the
+        commit. Elsewhere the files are copied.
+        """
+        target = Path(target).absolute()
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise FileExistsError(f"snapshot target {str(target)!r} exists and is not empty")
+        files = [p for p in _walk_files(self.root) if not p.name.endswith(".tmp")]
+        target.mkdir(parents=True, exist_ok=True)
+        same_device = os.stat(self.root).st_dev == os.stat(target).st_dev
+        copied = 0
+        bar = _progress(sum(p.stat().st_size for p in files), "snapshot", enabled=progress)
+        for source in files:
+            destination = target / source.relative_to(self.root)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            size = source.stat().st_size
+            if same_device:
+                try:
+                    os.link(source, destination)
+                except OSError:
+                    shutil.copy2(source, destination)
+                    copied += size
+            else:
+                shutil.copy2(source, destination)
+                copied += size
+            bar.update(size)
+        bar.close()
+        _fsync_dir(target)
+        return copied
+
     def data_dir(self) -> Path:
         return self.root / DATA_GROUP
 
     def nbytes(self) -> int:
         """Bytes of all files of the store."""
         return sum(p.stat().st_size for p in _walk_files(self.root))
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _progress(total: int, desc: str, *, enabled: bool) -> Any:
+    if not enabled:
+        return _NoProgress()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False)
 
 
 def _walk_files(root: Path) -> Iterator[Path]:
@@ -154,6 +290,14 @@ class RowArray:
     @property
     def dtype(self) -> np.dtype[Any]:
         return np.dtype(self._array.dtype.numpy_dtype)
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per chunk (per shard for sharded arrays: the unit written without reading)."""
+        shape = self._array.chunk_layout.write_chunk.shape
+        assert shape is not None
+        assert shape[0] is not None
+        return int(shape[0])
 
     def read_rows(self, rows: np.ndarray) -> ts.Future[np.ndarray]:
         """Start reading ``rows`` (sorted, unique); the future yields ``[len(rows), ...]``."""

@@ -33,6 +33,7 @@ from zarr_rb.errors import (
 FORMAT_VERSION = 1
 ATTRS_KEY = "zarr_rb"
 DATA_GROUP = "data"
+STATE_GROUP = "state"
 TENSOR_LEAF_NAME = "tensor"
 """Array name used under ``data/`` when the storage holds a bare tensor."""
 
@@ -203,6 +204,28 @@ class Commit:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Saved:
+    """The last :func:`zarr_rb.save`: where its buffer state lives and the rows it covered.
+
+    Buffer state (sampler, writer, transforms, generator) is written to one of two
+    slots, ``state/0`` and ``state/1``, alternately; publishing this record in the root
+    attributes is what makes a save take effect, so a crash mid-save leaves the
+    previous save intact.
+    """
+
+    slot: int
+    length: int
+    cursor: int
+
+    @property
+    def group(self) -> str:
+        return f"{STATE_GROUP}/{self.slot}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slot": self.slot, "length": self.length, "cursor": self.cursor}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StoreMeta:
     """Everything kept in ``attributes["zarr_rb"]`` of the root group."""
 
@@ -212,6 +235,7 @@ class StoreMeta:
     commit: Commit
     block_rows: int | None = None
     """Rows per write block (the shard height of large leaves); set with the schema."""
+    saved: Saved | None = None
     format: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -222,6 +246,7 @@ class StoreMeta:
             "block_rows": self.block_rows,
             "schema": None if self.schema is None else self.schema.to_json(),
             "commit": self.commit.to_json(),
+            "saved": None if self.saved is None else self.saved.to_json(),
         }
 
 
@@ -298,6 +323,18 @@ def parse_commit(value: object, *, rows: int) -> Commit:
         length=length,
         cursor=_parse_int(value.get("cursor", 0), "commit cursor", hi=max(rows - 1, 0)),
         holes=tuple(holes),
+    )
+
+
+def parse_saved(value: object, *, max_size: int) -> Saved | None:
+    if value is None:
+        return None
+    _expect(isinstance(value, Mapping), "'saved' to be an object or null", value)
+    assert isinstance(value, Mapping)
+    return Saved(
+        slot=_parse_int(value.get("slot"), "saved slot", hi=1),
+        length=_parse_int(value.get("length"), "saved length", hi=max_size),
+        cursor=_parse_int(value.get("cursor"), "saved cursor", hi=max_size),
     )
 
 
@@ -391,6 +428,7 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
             (schema is None) == (block_rows is None), "block_rows set with the schema", block_rows
         )
         commit = parse_commit(value.get("commit"), rows=rows)
+        saved = parse_saved(value.get("saved"), max_size=max_size)
     except StoreCorruptedError as err:
         raise StoreCorruptedError(f"{where}: {err}") from None
     return StoreMeta(
@@ -399,6 +437,7 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
         schema=schema,
         commit=commit,
         block_rows=block_rows,
+        saved=saved,
         format=fmt,
     )
 

@@ -33,6 +33,7 @@ from zarr_rb._format import (
     DATA_GROUP,
     Commit,
     LeafSpec,
+    Saved,
     Schema,
     StoreMeta,
     commit_from_mask,
@@ -356,6 +357,12 @@ class Store:
         self._publish(commit)
         self._published = readable.copy()
 
+    def publish_saved(self, saved: Saved) -> None:
+        """Flush, then publish the data commit together with a new save record."""
+        self.flush()
+        self.meta = dataclasses.replace(self.meta, saved=saved)
+        self._publish(self.committed)
+
     def _publish(self, commit: Commit) -> None:
         self.meta = dataclasses.replace(self.meta, commit=commit)
         self.location.write_root_attributes({ATTRS_KEY: self.meta.to_json()})
@@ -410,7 +417,7 @@ class Store:
         if meta.schema is not None and self.schema is None:
             self.meta = meta
             self._attach_schema(meta.schema, meta.block_rows or 1)
-        self.meta = dataclasses.replace(self.meta, commit=meta.commit)
+        self.meta = dataclasses.replace(self.meta, commit=meta.commit, saved=meta.saved)
         self.committed = meta.commit
         self.length = meta.commit.length * self._elements_per_row(self.schema)
         self.cursor = meta.commit.cursor

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "FormatVersionError",
+    "NoSavedBufferError",
     "NotAStoreError",
     "ReadOnlyError",
     "RowIndexError",
@@ -27,6 +28,10 @@ class ZarrRBError(Exception):
 
 class NotAStoreError(ZarrRBError, FileExistsError):
     """The path exists but does not hold a zarr_rb store."""
+
+
+class NoSavedBufferError(ZarrRBError, FileNotFoundError):
+    """The store holds data but no buffer state saved by ``zarr_rb.save``."""
 
 
 class StoreCorruptedError(ZarrRBError, ValueError):

@@ -1,0 +1,138 @@
+"""Whole-buffer persistence: ``save`` a replay buffer into its store, ``load`` it back.
+
+A save writes the rows still in RAM and the buffer's state (sampler, writer,
+generator, transforms) into the store; rows already on disk are never rewritten, so
+saving costs the same for a thousand rows as for ten million. ``load`` rebuilds the
+same buffer class with the same components from the path alone, without reading a
+row.
+
+Examples:
+    >>> import zarr_rb
+    >>> from torchrl.data import TensorDictPrioritizedReplayBuffer
+    >>> rb = TensorDictPrioritizedReplayBuffer(
+    ...     alpha=0.7, beta=0.5, storage=zarr_rb.ZarrStorage(10_000, "runs/run1.zarr"))
+    >>> zarr_rb.save(rb)                                   # in place
+    >>> zarr_rb.save(rb, "runs/snapshot.zarr")             # an independent snapshot
+    >>> rb = zarr_rb.load("runs/run1.zarr")
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from zarr_rb._format import STATE_GROUP, Saved
+from zarr_rb._store import Store
+from zarr_rb.errors import NoSavedBufferError, ReadOnlyError, UnsupportedDataError
+from zarr_rb.state import load_buffer, save_buffer
+from zarr_rb.storage import ZarrStorage
+
+__all__ = ["load", "save"]
+
+
+def _zarr_storage_of(rb: Any) -> ZarrStorage:
+    storage = rb.storage
+    if not isinstance(storage, ZarrStorage):
+        raise UnsupportedDataError(
+            f"zarr_rb.save needs a buffer whose storage is a ZarrStorage, got "
+            f"{type(storage).__name__}; build the buffer on ZarrStorage, or convert a TorchRL "
+            "checkpoint with zarr_rb.import_torchrl",
+        )
+    return storage
+
+
+def save(rb: Any, path: str | os.PathLike[str] | None = None, *, progress: bool = True) -> Path:
+    """Save a replay buffer (data and state) into a Zarr store.
+
+    Args:
+        rb: a ``ReplayBuffer``, ``TensorDictReplayBuffer``, ``PrioritizedReplayBuffer`` or
+            ``TensorDictPrioritizedReplayBuffer`` whose storage is a :class:`ZarrStorage`.
+        path: where to save. ``None`` or the storage's own path saves in place: the rows
+            held in RAM and the state are written, nothing else. Another path receives an
+            independent snapshot (hard links on the same filesystem, a copy elsewhere),
+            which later training on ``rb`` does not change.
+        progress: show a progress bar while a snapshot copies files.
+
+    Returns:
+        The path of the saved store.
+
+    Raises:
+        UnsupportedDataError: a component has no state adapter (nothing is written).
+        ReadOnlyError: the buffer's storage was opened read-only.
+    """
+    storage = _zarr_storage_of(rb)
+    if storage.read_only:
+        raise ReadOnlyError(f"cannot save into read-only store {str(storage.path)!r}")
+    target = storage.path if path is None else Path(path).absolute()
+    saved = Saved(slot=0, length=len(storage), cursor=storage.cursor)
+    if target == storage.path:
+        _save_into(rb, storage._store, saved)
+        return target
+    storage.flush()
+    storage._store.location.snapshot_to(target, progress=progress)
+    snapshot = Store.open(
+        target,
+        max_size=storage.max_size,
+        ndim=storage.ndim,
+        read_only=False,
+        compression=storage._store.compression,
+    )
+    try:
+        _save_into(rb, snapshot, saved)
+    finally:
+        snapshot.close()
+    return target
+
+
+def _save_into(rb: Any, store: Store, saved: Saved) -> None:
+    previous = store.meta.saved
+    # Alternate between two slots: the previous save stays intact until the new root
+    # record, which names the new slot, is published.
+    slot = 0 if previous is None else 1 - previous.slot
+    group = f"{STATE_GROUP}/{slot}"
+    store.location.create_group(STATE_GROUP)
+    save_buffer(rb, store.location, group)
+    store.publish_saved(Saved(slot=slot, length=saved.length, cursor=saved.cursor))
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    allow_pickle: bool = False,
+    transform: Any = None,
+    device: str = "cpu",
+) -> Any:
+    """Rebuild a replay buffer saved with :func:`save`, without reading any row.
+
+    The buffer comes back as it was at the last save: same class, storage, sampler,
+    writer (and their state), batch size, generator state and transforms.
+
+    Args:
+        path: the store.
+        allow_pickle: unpickle the saved transform objects. Unpickling runs code stored in
+            the buffer: only pass ``True`` for stores you trust.
+        transform: a transform built like the saved one; receives the saved state without
+            any unpickling (an alternative to ``allow_pickle``).
+        device: device of the tensors the storage returns.
+
+    Raises:
+        NoSavedBufferError: the store holds data but no saved buffer.
+        zarr_rb.state.PickleNotAllowedError: transforms need ``allow_pickle`` or ``transform``.
+    """
+    storage = ZarrStorage(path=path, device=device)
+    saved = storage._store.meta.saved
+    if saved is None:
+        storage.close()
+        raise NoSavedBufferError(
+            f"store {str(storage.path)!r} holds data but no saved buffer; open the data with "
+            "ZarrStorage(path=...), or save a buffer there with zarr_rb.save(rb, path)",
+        )
+    storage.restore(length=saved.length, cursor=saved.cursor)
+    return load_buffer(
+        storage._store.location,
+        saved.group,
+        storage=storage,
+        transform=transform,
+        allow_pickle=allow_pickle,
+    )

@@ -1,0 +1,319 @@
+"""One small adapter per TorchRL sampler and writer: its constructor settings as JSON,
+its state as arrays, and how to rebuild it.
+
+Adapters are looked up by exact class: a subclass may add state its parent's adapter
+would silently drop, so an unknown class is an error that names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torchrl.data.replay_buffers import samplers as S  # noqa: N812
+from torchrl.data.replay_buffers import writers as W  # noqa: N812
+
+from zarr_rb.errors import UnsupportedDataError
+from zarr_rb.state._node import StateNode
+
+Config = dict[str, Any]
+
+
+def key_to_json(key: Any) -> Any:
+    if key is None or isinstance(key, str):
+        return key
+    return list(key)
+
+
+def key_from_json(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """How to save, rebuild and restore one component class."""
+
+    cls: type
+    config: Callable[[Any], Config]
+    build: Callable[[Config], Any]
+    save: Callable[[Any, StateNode], None]
+    load: Callable[[Any, StateNode], None]
+
+    @property
+    def name(self) -> str:
+        return self.cls.__name__
+
+
+def _nothing(obj: Any, node: StateNode) -> None:
+    return None
+
+
+# --- samplers --------------------------------------------------------------------------------
+
+
+def _without_replacement_config(obj: Any) -> Config:
+    return {"drop_last": bool(obj.drop_last), "shuffle": bool(obj.shuffle)}
+
+
+def _without_replacement_save(obj: Any, node: StateNode) -> None:
+    node.attrs["len_storage"] = int(obj.len_storage)
+    node.attrs["ran_out"] = bool(obj._ran_out)
+    node.attrs["has_sample_list"] = obj._sample_list is not None
+    if obj._sample_list is not None:
+        node.put_tensor("sample_list", obj._sample_list)
+
+
+def _without_replacement_load(obj: Any, node: StateNode) -> None:
+    obj.len_storage = int(node.attrs["len_storage"])
+    obj._ran_out = bool(node.attrs["ran_out"])
+    obj._sample_list = node.get_tensor("sample_list") if node.attrs["has_sample_list"] else None
+
+
+_SLICE_FIELDS = (
+    "num_slices",
+    "slice_len",
+    "cache_values",
+    "strict_length",
+)
+_SLICE_KEYS = ("end_key", "traj_key", "truncated_key", "init_key")
+
+
+def _slice_config(obj: Any) -> Config:
+    config: Config = {name: getattr(obj, name) for name in _SLICE_FIELDS}
+    config.update({name: key_to_json(getattr(obj, name, None)) for name in _SLICE_KEYS})
+    config["span"] = list(obj.span)
+    if getattr(obj, "end_keys", None) is not None:
+        config["end_keys"] = [key_to_json(k) for k in obj.end_keys]
+    return config
+
+
+def _slice_kwargs(config: Config) -> dict[str, Any]:
+    kwargs = {name: config[name] for name in _SLICE_FIELDS}
+    kwargs.update({name: key_from_json(config[name]) for name in _SLICE_KEYS})
+    if config.get("end_keys") is not None:
+        kwargs["end_keys"] = [key_from_json(k) for k in config["end_keys"]]
+        kwargs["end_key"] = None
+    return kwargs
+
+
+def _slice_save(obj: Any, node: StateNode) -> None:
+    node.attrs["fetch_traj"] = bool(obj._fetch_traj)
+    node.attrs["traj_key_auto"] = bool(getattr(obj, "_traj_key_auto", False))
+    cache = node.child("cache")
+    entries = {}
+    for name, value in obj._cache.items():
+        parts = value if isinstance(value, (tuple, list)) else (value,)
+        if not all(isinstance(p, torch.Tensor) for p in parts):
+            continue  # derived values TorchRL recomputes from the storage
+        entries[name] = {"tuple": isinstance(value, (tuple, list)), "n": len(parts)}
+        for i, part in enumerate(parts):
+            cache.put_tensor(f"{_safe(name)}-{i}", part)
+    cache.attrs["entries"] = entries
+
+
+def _slice_load(obj: Any, node: StateNode) -> None:
+    obj._fetch_traj = bool(node.attrs["fetch_traj"])
+    obj._traj_key_auto = bool(node.attrs["traj_key_auto"])
+    cache = node.child("cache")
+    obj._cache = {}
+    for name, spec in cache.attrs.get("entries", {}).items():
+        parts = [cache.get_tensor(f"{_safe(name)}-{i}") for i in range(spec["n"])]
+        obj._cache[name] = tuple(parts) if spec["tuple"] else parts[0]
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+
+
+def _prioritized_config(obj: Any) -> Config:
+    return {
+        "max_capacity": int(obj._max_capacity),
+        "alpha": float(obj._alpha),
+        "beta": float(obj._beta),
+        "eps": float(obj._eps),
+        "dtype": str(obj.dtype).removeprefix("torch."),
+        "reduction": obj.reduction,
+        "max_priority_within_buffer": bool(obj._max_priority_within_buffer),
+    }
+
+
+def _prioritized_kwargs(config: Config) -> dict[str, Any]:
+    kwargs = dict(config)
+    kwargs["dtype"] = getattr(torch, config["dtype"])
+    return kwargs
+
+
+def _prioritized_save(obj: Any, node: StateNode) -> None:
+    # The segment trees answer vectorised reads: one call per tree, no Python loop.
+    index = torch.arange(obj._max_capacity)
+    node.put_tensor("sum_tree", torch.as_tensor(obj._sum_tree[index]))
+    node.put_tensor("min_tree", torch.as_tensor(obj._min_tree[index]))
+    value, where = obj._max_priority
+    node.attrs["max_priority"] = None if value is None else float(value)
+    node.attrs["max_priority_index"] = None if where is None else _index_to_json(where)
+
+
+def _index_to_json(where: Any) -> Any:
+    if isinstance(where, torch.Tensor):
+        return where.tolist()
+    return int(where)
+
+
+def _prioritized_load(obj: Any, node: StateNode) -> None:
+    index = torch.arange(obj._max_capacity)
+    obj._sum_tree[index] = node.get_tensor("sum_tree")
+    obj._min_tree[index] = node.get_tensor("min_tree")
+    value, where = node.attrs["max_priority"], node.attrs["max_priority_index"]
+    if isinstance(where, list):
+        where = torch.tensor(where)
+    obj._max_priority = (value, where)
+
+
+def _both(*fns: Callable[[Any, StateNode], None]) -> Callable[[Any, StateNode], None]:
+    def run(obj: Any, node: StateNode) -> None:
+        for fn in fns:
+            fn(obj, node)
+
+    return run
+
+
+# --- writers ---------------------------------------------------------------------------------
+
+
+def _round_robin_save(obj: Any, node: StateNode) -> None:
+    node.attrs["cursor"] = int(obj._cursor)
+    node.attrs["write_count"] = int(obj._write_count)
+
+
+def _round_robin_load(obj: Any, node: StateNode) -> None:
+    obj._cursor = int(node.attrs["cursor"])
+    obj._write_count = int(node.attrs["write_count"])
+
+
+def _max_value_save(obj: Any, node: StateNode) -> None:
+    node.attrs["cursor"] = int(obj._cursor)
+    heap = obj._current_top_values
+    # TorchRL dumps the heap as one float32 tensor, which corrupts indices above 2**24;
+    # ranks and indices are kept apart here, indices as int64.
+    node.put_tensor("ranks", torch.tensor([float(r) for r, _ in heap], dtype=torch.float64))
+    node.put_tensor("indices", torch.tensor([int(i) for _, i in heap], dtype=torch.int64))
+
+
+def _max_value_load(obj: Any, node: StateNode) -> None:
+    obj._cursor = int(node.attrs["cursor"])
+    ranks = node.get_tensor("ranks").tolist()
+    indices = node.get_tensor("indices").tolist()
+    # The saved list is already a valid heap: it is restored in the same order.
+    obj._current_top_values = list(zip(ranks, indices, strict=True))
+
+
+def _max_value_config(obj: Any) -> Config:
+    return {"rank_key": key_to_json(obj._rank_key), "reduction": obj._reduction}
+
+
+ADAPTERS: dict[str, Adapter] = {
+    adapter.name: adapter
+    for adapter in (
+        Adapter(S.RandomSampler, lambda o: {}, lambda c: S.RandomSampler(), _nothing, _nothing),
+        Adapter(
+            S.SamplerWithoutReplacement,
+            _without_replacement_config,
+            lambda c: S.SamplerWithoutReplacement(**c),
+            _without_replacement_save,
+            _without_replacement_load,
+        ),
+        Adapter(
+            S.SliceSampler,
+            _slice_config,
+            lambda c: S.SliceSampler(**_slice_kwargs(c), span=tuple(c["span"])),
+            _slice_save,
+            _slice_load,
+        ),
+        Adapter(
+            S.SliceSamplerWithoutReplacement,
+            lambda o: {**_slice_config(o), **_without_replacement_config(o)},
+            lambda c: S.SliceSamplerWithoutReplacement(
+                **{k: v for k, v in _slice_kwargs(c).items() if k != "cache_values"},
+                drop_last=c["drop_last"],
+                shuffle=c["shuffle"],
+            ),
+            _both(_slice_save, _without_replacement_save),
+            _both(_slice_load, _without_replacement_load),
+        ),
+        Adapter(
+            S.PrioritizedSampler,
+            _prioritized_config,
+            lambda c: S.PrioritizedSampler(**_prioritized_kwargs(c)),
+            _prioritized_save,
+            _prioritized_load,
+        ),
+        Adapter(
+            S.PrioritizedSliceSampler,
+            lambda o: {**_slice_config(o), **_prioritized_config(o)},
+            lambda c: S.PrioritizedSliceSampler(
+                **_prioritized_kwargs({k: c[k] for k in _prioritized_config_keys()}),
+                **_slice_kwargs(c),
+                span=tuple(c["span"]),
+            ),
+            _both(_slice_save, _prioritized_save),
+            _both(_slice_load, _prioritized_load),
+        ),
+        Adapter(
+            W.RoundRobinWriter,
+            lambda o: {},
+            lambda c: W.RoundRobinWriter(),
+            _round_robin_save,
+            _round_robin_load,
+        ),
+        Adapter(
+            W.TensorDictRoundRobinWriter,
+            lambda o: {},
+            lambda c: W.TensorDictRoundRobinWriter(),
+            _round_robin_save,
+            _round_robin_load,
+        ),
+        Adapter(
+            W.TensorDictMaxValueWriter,
+            _max_value_config,
+            lambda c: W.TensorDictMaxValueWriter(
+                rank_key=key_from_json(c["rank_key"]), reduction=c["reduction"]
+            ),
+            _max_value_save,
+            _max_value_load,
+        ),
+    )
+}
+
+
+def _prioritized_config_keys() -> tuple[str, ...]:
+    return (
+        "max_capacity",
+        "alpha",
+        "beta",
+        "eps",
+        "dtype",
+        "reduction",
+        "max_priority_within_buffer",
+    )
+
+
+def adapter_for(obj: Any, *, role: str) -> Adapter:
+    adapter = ADAPTERS.get(type(obj).__name__)
+    if adapter is None or type(obj) is not adapter.cls:
+        supported = ", ".join(sorted(ADAPTERS))
+        raise UnsupportedDataError(
+            f"cannot save the buffer's {role}: {type(obj).__module__}.{type(obj).__qualname__} "
+            f"has no zarr_rb state adapter (supported: {supported})",
+        )
+    return adapter
+
+
+def adapter_named(name: str, *, role: str) -> Adapter:
+    adapter = ADAPTERS.get(name)
+    if adapter is None:
+        raise UnsupportedDataError(
+            f"the saved {role} is a {name!r}, which this version of zarr_rb cannot rebuild",
+        )
+    return adapter

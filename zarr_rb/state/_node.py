@@ -1,0 +1,62 @@
+"""Where a component's state goes: a Zarr group of small arrays plus JSON attributes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from zarr_rb._engine import LocalLocation
+from zarr_rb._store import TORCH_DTYPES, from_numpy, to_numpy
+
+
+class StateNode:
+    """A group inside a store's state slot, as seen by one component adapter.
+
+    Arrays are written as soon as they are put (only the chunks that changed since the
+    last save into this slot); attributes are collected and written once by the saver.
+    """
+
+    def __init__(
+        self,
+        location: LocalLocation,
+        path: str,
+        attrs: dict[str, Any],
+        *,
+        parent: StateNode | None = None,
+    ) -> None:
+        self.location = location
+        self.path = path
+        self.attrs = attrs
+        self._root: StateNode = self if parent is None else parent._root
+        self.bytes_written = 0
+        """Bytes written by this node and its children (counted on the root node)."""
+
+    def child(self, name: str) -> StateNode:
+        attrs = self.attrs.setdefault("children", {}).setdefault(name, {})
+        return StateNode(self.location, f"{self.path}/{name}", attrs, parent=self)
+
+    def put_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Store a tensor (any shape, any supported dtype) under ``name``."""
+        tensor = tensor.detach().cpu().contiguous()
+        self.attrs.setdefault("tensors", {})[name] = {
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "shape": list(tensor.shape),
+        }
+        flat = to_numpy(tensor.reshape(-1)) if tensor.numel() else np.zeros(1, np.uint8)
+        self._root.bytes_written += self.location.write_state_array(f"{self.path}/{name}", flat)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        spec = self.attrs.get("tensors", {}).get(name)
+        if spec is None:
+            raise KeyError(f"no tensor {name!r} in {self.path!r}")
+        dtype = TORCH_DTYPES[spec["dtype"]]
+        shape = tuple(int(n) for n in spec["shape"])
+        if 0 in shape:
+            return torch.empty(shape, dtype=dtype)
+        flat = self.location.read_state_array(f"{self.path}/{name}")
+        return from_numpy(flat, dtype).reshape(shape).clone()
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self.attrs.get("tensors", {})
