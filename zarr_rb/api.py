@@ -90,9 +90,7 @@ def _save_into(rb: Any, store: Store, saved: Saved) -> None:
     # Alternate between two slots: the previous save stays intact until the new root
     # record, which names the new slot, is published.
     slot = 0 if previous is None else 1 - previous.slot
-    group = f"{STATE_GROUP}/{slot}"
-    store.location.create_group(STATE_GROUP)
-    save_buffer(rb, store.location, group)
+    save_buffer(rb, store.location, f"{STATE_GROUP}/{slot}")
     store.publish_saved(Saved(slot=slot, length=saved.length, cursor=saved.cursor))
 
 

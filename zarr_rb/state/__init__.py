@@ -31,6 +31,7 @@ def save_buffer(rb: Any, location: LocalLocation, group: str) -> int:
     sampler_adapter = adapter_for(sampler, role="sampler")
     writer_adapter = adapter_for(writer, role="writer")
     attrs: dict[str, Any] = {"buffer": config}
+    location.create_group(group.rpartition("/")[0])
     root = StateNode(location, group, attrs)
     for role, obj, adapter in (
         ("sampler", sampler, sampler_adapter),

@@ -18,7 +18,7 @@ from torchrl.data import (
     TensorDictReplayBuffer,
 )
 
-from zarr_rb.errors import UnsupportedDataError, ZarrRBError
+from zarr_rb.errors import StoreCorruptedError, UnsupportedDataError, ZarrRBError
 from zarr_rb.state._components import key_from_json, key_to_json
 from zarr_rb.state._node import StateNode
 
@@ -151,7 +151,14 @@ def load_transforms(node: StateNode, *, transform: Any, allow_pickle: bool) -> A
                 "the same way) to restore only their state, without unpickling.",
             )
         blob = node.get_tensor("pickle").numpy().tobytes()
-        transform = pickle.loads(blob)
+        transform = pickle.loads(blob)  # the caller opted in above
+        from torchrl.envs.transforms import Transform
+
+        if not isinstance(transform, Transform):
+            raise StoreCorruptedError(
+                f"the transforms blob in {node.path!r} unpickled to a "
+                f"{type(transform).__name__}, not a torchrl Transform",
+            )
     state = {name: node.get_tensor(f"t{i}") for i, name in enumerate(node.attrs["state_keys"])}
     if state:
         transform.load_state_dict(state, strict=False)

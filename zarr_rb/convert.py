@@ -1,0 +1,527 @@
+"""Convert replay buffers between zarr_rb stores and TorchRL's own ``rb.dumps`` layout.
+
+:func:`import_torchrl` turns a directory written by TorchRL's ``rb.dumps(dir)`` (a buffer
+on ``LazyMemmapStorage`` or ``LazyTensorStorage``) into a zarr_rb store that
+:func:`zarr_rb.load` rebuilds on its own. :func:`export_torchrl` goes the other way: a
+store saved with :func:`zarr_rb.save` becomes a directory that TorchRL alone restores
+with ``rb.loads(dir)``.
+
+Both stream the rows in blocks of about :data:`BLOCK_BYTES` bytes, so memory stays
+bounded whatever the size of the buffer, and show a progress bar while rows are copied.
+
+Examples:
+    >>> import zarr_rb
+    >>> from torchrl.data import TensorDictPrioritizedReplayBuffer
+    >>> from zarr_rb.convert import export_torchrl, import_torchrl
+    >>> # A TorchRL checkpoint (rb.dumps("ckpt")) into a zarr_rb store:
+    >>> rb = TensorDictPrioritizedReplayBuffer(
+    ...     alpha=0.7, beta=0.5, storage=zarr_rb.ZarrStorage(100_000, "runs/run1.zarr"))
+    >>> import_torchrl("ckpt", rb)
+    PosixPath('.../runs/run1.zarr')
+    >>> rb = zarr_rb.load("runs/run1.zarr")
+    >>> # ... and back to TorchRL's layout:
+    >>> export_torchrl("runs/run1.zarr", "ckpt_out")
+    PosixPath('.../ckpt_out')
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, is_tensorclass
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler, SamplerWithoutReplacement
+from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxValueWriter
+
+from zarr_rb._checkpointer import TORCHRL_METADATA, ZarrStorageCheckpointer, _is_store
+from zarr_rb.api import load, save
+from zarr_rb.errors import (
+    NotAStoreError,
+    ReadOnlyError,
+    SchemaMismatchError,
+    UnsupportedDataError,
+)
+from zarr_rb.state._buffer import buffer_config
+from zarr_rb.state._components import adapter_for
+from zarr_rb.storage import ZarrStorage
+
+__all__ = ["BLOCK_BYTES", "export_torchrl", "import_torchrl"]
+
+BLOCK_BYTES: int = 64 * 2**20
+"""Bytes of rows held in RAM at once while copying (at least one row per block)."""
+
+_SINGLE_TENSOR = "_-single-tensor-_"
+_BUFFER_METADATA = "buffer_metadata.json"
+# Files TorchRL's samplers and writers write in their ``dumps`` directory, used to tell
+# which kind of component made a dump (TorchRL does not record the class).
+_PRIORITIZED_STATE = "sampler_metadata.json"
+_WITHOUT_REPLACEMENT_STATE = "meta.json"
+_WRITER_STATE = "metadata.json"
+
+
+# --- shared helpers ----------------------------------------------------------------------------
+
+
+def _block_rows(row_nbytes: int, block_bytes: int | None) -> int:
+    limit = BLOCK_BYTES if block_bytes is None else int(block_bytes)
+    if limit < 1:
+        raise ValueError(f"expected block_bytes >= 1, got {block_bytes}")
+    return max(1, limit // max(1, row_nbytes))
+
+
+def _copy_blocks(
+    read: Callable[[int, int], Any],
+    write: Callable[[slice, Any], None],
+    *,
+    rows: int,
+    row_nbytes: int,
+    block_bytes: int | None,
+    progress: bool,
+    desc: str,
+) -> None:
+    """Copy rows ``[0, rows)`` block by block: ``write(slice(a, b), read(a, b))``."""
+    from tqdm.auto import tqdm
+
+    step = _block_rows(row_nbytes, block_bytes)
+    with tqdm(total=rows, desc=desc, unit="row", disable=not progress, leave=False) as bar:
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            write(slice(start, stop), read(start, stop))
+            bar.update(stop - start)
+
+
+def _leaves(data: Any) -> list[torch.Tensor]:
+    if isinstance(data, torch.Tensor):
+        return [data]
+    td = data._tensordict if is_tensorclass(data) else data
+    return list(td.values(include_nested=True, leaves_only=True))
+
+
+def _row_nbytes(data: Any) -> int:
+    """Bytes of one row (one index along dim 0) of ``data``, from shapes and dtypes only."""
+    return sum(math.prod(leaf.shape[1:]) * leaf.dtype.itemsize for leaf in _leaves(data))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise SchemaMismatchError(
+            f"{str(path)!r} is not valid JSON ({error}); the TorchRL dump is damaged, "
+            "write it again with rb.dumps(dir)",
+        ) from error
+
+
+# --- import ------------------------------------------------------------------------------------
+
+
+def import_torchrl(
+    source_dir: str | os.PathLike[str],
+    buffer: Any,
+    *,
+    progress: bool = True,
+    block_bytes: int | None = None,
+) -> Path:
+    """Import a directory written by TorchRL's ``rb.dumps(dir)`` into a zarr_rb store.
+
+    TorchRL's dump does not record which buffer, sampler and writer classes made it, so
+    the caller passes ``buffer``: a replay buffer built the same way as the dumped one
+    but on a :class:`~zarr_rb.ZarrStorage`, whose path is the destination. The rows are
+    streamed into that store in blocks of about ``block_bytes``; the sampler, writer,
+    generator, transform state and batch size are restored by TorchRL's own
+    ``rb.loads`` route; then :func:`zarr_rb.save` writes that state next to the data, so
+    that :func:`zarr_rb.load` alone rebuilds the buffer.
+
+    Rows the destination store already holds are overwritten; its length becomes that of
+    the dump.
+
+    Args:
+        source_dir: the directory given to ``rb.dumps`` (it holds ``storage/``,
+            ``buffer_metadata.json`` and, depending on the components, ``sampler/``,
+            ``writer/`` and ``rng_state/``). Dumps of ``LazyMemmapStorage`` and
+            ``LazyTensorStorage`` buffers are accepted.
+        buffer: a ``ReplayBuffer``, ``TensorDictReplayBuffer``, ``PrioritizedReplayBuffer``
+            or ``TensorDictPrioritizedReplayBuffer`` on a writable ``ZarrStorage`` of the
+            same capacity, with the same sampler and writer classes as the dumped buffer.
+        progress: show a progress bar while rows are copied.
+        block_bytes: bytes of rows held in RAM at once (default :data:`BLOCK_BYTES`).
+
+    Returns:
+        The path of the store (``buffer.storage.path``); ``buffer`` itself holds the
+        imported state too.
+
+    Raises:
+        FileNotFoundError: ``source_dir`` is missing or is not a whole-buffer TorchRL dump.
+        UnsupportedDataError: ``buffer`` is not on a ``ZarrStorage``, a component of it has
+            no zarr_rb state adapter, or the dump holds data a store cannot hold.
+        ReadOnlyError: ``buffer``'s storage was opened read-only.
+        SchemaMismatchError: capacity, batch dimensions, sampler or writer kind differ
+            between the dump and ``buffer`` (nothing is written then).
+
+    Examples:
+        >>> import zarr_rb
+        >>> from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
+        >>> from zarr_rb.convert import import_torchrl
+        >>> old = TensorDictReplayBuffer(storage=LazyMemmapStorage(1000), batch_size=32)
+        >>> # ... old.extend(...) ...
+        >>> old.dumps("ckpt")
+        >>> new = TensorDictReplayBuffer(
+        ...     storage=zarr_rb.ZarrStorage(1000, "runs/imported.zarr"), batch_size=32)
+        >>> path = import_torchrl("ckpt", new, progress=False)
+        >>> rb = zarr_rb.load(path)           # later, from the path alone
+    """
+    source = Path(source_dir).absolute()
+    storage = _import_destination(buffer, source)
+    _check_torchrl_dump(source)
+    _check_components(buffer, storage, source)
+    checkpointer = _StreamingCheckpointer(progress=progress, block_bytes=block_bytes)
+    previous = storage.checkpointer
+    storage.checkpointer = checkpointer
+    try:
+        buffer.loads(source)
+    finally:
+        storage.checkpointer = previous
+    writer = buffer.writer
+    if isinstance(writer, RoundRobinWriter) and len(storage) and storage.schema is not None:
+        # TorchRL's storage dump has no cursor: the writer's is the row written next.
+        storage.restore(length=len(storage), cursor=int(writer._cursor) % storage.schema.rows)
+    return save(buffer, progress=progress)
+
+
+def _import_destination(buffer: Any, source: Path) -> ZarrStorage:
+    storage = getattr(buffer, "storage", None)
+    if not isinstance(storage, ZarrStorage):
+        kind = type(buffer).__name__ if storage is None else type(storage).__name__
+        raise UnsupportedDataError(
+            f"import_torchrl({str(source)!r}, buffer) needs a replay buffer whose storage is "
+            f"a zarr_rb.ZarrStorage, got {kind}; build the buffer like the dumped one, with "
+            "storage=zarr_rb.ZarrStorage(max_size, path)",
+        )
+    if storage.read_only:
+        raise ReadOnlyError(
+            f"cannot import {str(source)!r} into read-only store {str(storage.path)!r}; "
+            "open the destination with read_only=False",
+        )
+    # Fail before copying any row if zarr_rb.save would refuse the buffer afterwards.
+    buffer_config(buffer)
+    adapter_for(buffer.sampler, role="sampler")
+    adapter_for(buffer.writer, role="writer")
+    return storage
+
+
+def _check_torchrl_dump(source: Path) -> None:
+    if not source.exists():
+        raise FileNotFoundError(f"TorchRL dump {str(source)!r} does not exist")
+    if not source.is_dir():
+        raise FileNotFoundError(
+            f"{str(source)!r} is a file; import_torchrl expects the directory given to "
+            "TorchRL's rb.dumps(dir)",
+        )
+    if _is_store(source):
+        raise FileNotFoundError(
+            f"{str(source)!r} is a zarr_rb store, not a TorchRL dump (no "
+            f"storage/{TORCHRL_METADATA}); open it with zarr_rb.load({str(source)!r})",
+        )
+    if (source / TORCHRL_METADATA).is_file():
+        raise FileNotFoundError(
+            f"{str(source)!r} holds a storage-only dump (storage.dumps(dir)), not a whole "
+            f"buffer (no storage/{TORCHRL_METADATA}); dump the buffer with rb.dumps(dir), or "
+            "load rows only with buffer.storage.loads(dir)",
+        )
+    for required in (Path("storage") / TORCHRL_METADATA, Path(_BUFFER_METADATA)):
+        if not (source / required).is_file():
+            raise FileNotFoundError(
+                f"{str(source)!r} is not a TorchRL buffer dump: {str(source / required)!r} is "
+                "missing; pass the directory given to TorchRL's rb.dumps(dir)",
+            )
+
+
+def _open_dumped_rows(path: Path) -> tuple[Any, int]:
+    """The rows of a TorchRL storage dump (memory-mapped, nothing read) and its length."""
+    metadata = _read_json(path / TORCHRL_METADATA)
+    length = int(metadata["len"])
+    if not metadata.get("is_pytree"):
+        rows: Any = TensorDict.load_memmap(path)
+        return rows, length
+    leaves = metadata.get("metadata", {})
+    if set(leaves) != {_SINGLE_TENSOR}:
+        raise UnsupportedDataError(
+            f"{str(path)!r} holds a pytree of {len(leaves)} tensors "
+            f"({', '.join(sorted(leaves))}); zarr_rb imports TensorDict, tensorclass or "
+            "single-tensor storages only",
+        )
+    spec = leaves[_SINGLE_TENSOR]
+    dtype = getattr(torch, str(spec["dtype"]).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedDataError(f"{str(path)!r}: unknown dtype {spec['dtype']!r}")
+    from tensordict import MemoryMappedTensor
+
+    tensor = MemoryMappedTensor.from_filename(
+        filename=path / f"{_SINGLE_TENSOR}.memmap", dtype=dtype, shape=torch.Size(spec["shape"])
+    )
+    return tensor, length
+
+
+def _check_components(buffer: Any, storage: ZarrStorage, source: Path) -> None:
+    """Refuse, before any write, a dump whose shape or components differ from ``buffer``'s."""
+    rows, _ = _open_dumped_rows(source / "storage")
+    shape = tuple(rows.shape)
+    where = f"TorchRL dump {str(source)!r}"
+    if len(shape) < storage.ndim:
+        raise SchemaMismatchError(
+            f"{where} has batch shape {list(shape)}, fewer dimensions than the destination's "
+            f"ndim={storage.ndim}; build the ZarrStorage with the ndim of the dumped storage",
+        )
+    per_row = math.prod(shape[1 : storage.ndim])
+    capacity = (
+        storage.schema.rows if storage.schema is not None else -(-storage.max_size // per_row)
+    )
+    if capacity != shape[0]:
+        raise SchemaMismatchError(
+            f"{where} holds a storage of {shape[0] * per_row} elements (batch shape "
+            f"{list(shape[: storage.ndim])}) but store {str(storage.path)!r} has "
+            f"max_size={storage.max_size}; build ZarrStorage(max_size={shape[0] * per_row}, "
+            "...) like the dumped storage",
+        )
+    _check_sampler(buffer.sampler, source / "sampler", where)
+    _check_writer(buffer.writer, source / "writer", where)
+
+
+def _kind_error(where: str, role: str, dumped: str, built: Any) -> SchemaMismatchError:
+    return SchemaMismatchError(
+        f"{where} was written by a buffer with {dumped}, but the destination buffer's "
+        f"{role} is a {type(built).__name__}; TorchRL's dump does not record the {role} "
+        f"class: build the destination buffer with the {role} the dumped buffer used",
+    )
+
+
+def _check_sampler(sampler: Any, path: Path, where: str) -> None:
+    prioritized_dump = (path / _PRIORITIZED_STATE).is_file()
+    without_replacement_dump = (path / _WITHOUT_REPLACEMENT_STATE).is_file()
+    if isinstance(sampler, PrioritizedSampler):
+        if not prioritized_dump:
+            raise _kind_error(where, "sampler", "no prioritized sampler state", sampler)
+        capacity = int(_read_json(path / _PRIORITIZED_STATE)["_max_capacity"])
+        if capacity != sampler._max_capacity:
+            raise SchemaMismatchError(
+                f"{where}: the dumped PrioritizedSampler has max_capacity={capacity}, the "
+                f"destination's has {sampler._max_capacity}; build it with "
+                f"max_capacity={capacity}",
+            )
+    elif prioritized_dump:
+        raise _kind_error(where, "sampler", "a prioritized sampler", sampler)
+    if isinstance(sampler, SamplerWithoutReplacement) != without_replacement_dump:
+        dumped = (
+            "a sampler without replacement"
+            if without_replacement_dump
+            else "no sampler-without-replacement state"
+        )
+        raise _kind_error(where, "sampler", dumped, sampler)
+
+
+def _check_writer(writer: Any, path: Path, where: str) -> None:
+    state_file = path / _WRITER_STATE
+    if not state_file.is_file():
+        raise FileNotFoundError(
+            f"{where} has no writer state ({str(state_file)!r} is missing); pass the "
+            "directory given to TorchRL's rb.dumps(dir)",
+        )
+    max_value_dump = "rank_key" in _read_json(state_file)
+    if isinstance(writer, TensorDictMaxValueWriter) != max_value_dump:
+        dumped = "a TensorDictMaxValueWriter" if max_value_dump else "a round-robin writer"
+        raise _kind_error(where, "writer", dumped, writer)
+
+
+class _StreamingCheckpointer(ZarrStorageCheckpointer):
+    """Loads a TorchRL storage dump (checked beforehand) in blocks, with a progress bar."""
+
+    def __init__(self, *, progress: bool, block_bytes: int | None) -> None:
+        super().__init__()
+        self.progress = progress
+        self.block_bytes = block_bytes
+
+    def loads(self, storage: ZarrStorage, path: str | os.PathLike[str]) -> None:
+        source, length = _open_dumped_rows(Path(path).absolute())
+        capacity = int(source.shape[0])
+        per_row = math.prod(source.shape[1 : storage.ndim])
+        rows = min(capacity, -(-length // per_row))
+
+        def read(start: int, stop: int) -> Any:
+            return source[start:stop].clone()
+
+        def write(where: slice, block: Any) -> None:
+            storage.set(where, block, set_cursor=False)
+
+        _copy_blocks(
+            read,
+            write,
+            rows=rows,
+            row_nbytes=_row_nbytes(source),
+            block_bytes=self.block_bytes,
+            progress=self.progress,
+            desc="import rows",
+        )
+        storage.restore(length=length, cursor=rows % capacity)
+
+
+# --- export ------------------------------------------------------------------------------------
+
+
+def export_torchrl(
+    source: str | os.PathLike[str],
+    dest_dir: str | os.PathLike[str],
+    *,
+    allow_pickle: bool = False,
+    transform: Any = None,
+    progress: bool = True,
+    block_bytes: int | None = None,
+) -> Path:
+    """Export a store saved with :func:`zarr_rb.save` to the layout of TorchRL's ``rb.dumps``.
+
+    A replay buffer built the same way on ``LazyMemmapStorage`` then restores it with
+    TorchRL alone, ``rb.loads(dest_dir)``: same length and rows, same sampler state (e.g.
+    priorities), writer cursor, generator state, transform state and batch size. The rows
+    are written as memory-mapped files in ``dest_dir/storage``, in blocks of about
+    ``block_bytes``; ``source`` is not modified.
+
+    What TorchRL's layout cannot hold does not come across: TorchRL restores no storage
+    cursor (a ``SliceSampler`` on a full buffer may then cut trajectories at another row)
+    and a plain-tensor (not TensorDict) storage can only be loaded by TorchRL into a
+    buffer that was already filled once.
+
+    Args:
+        source: a zarr_rb store holding a buffer saved with :func:`zarr_rb.save`.
+        dest_dir: a new or empty directory.
+        allow_pickle: unpickle the saved transforms (see :func:`zarr_rb.load`); only for
+            stores you trust.
+        transform: a transform built like the saved one, to restore its state without
+            unpickling (see :func:`zarr_rb.load`).
+        progress: show a progress bar while rows are copied.
+        block_bytes: bytes of rows held in RAM at once (default :data:`BLOCK_BYTES`).
+
+    Returns:
+        The absolute path of ``dest_dir``.
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist.
+        NotAStoreError: ``source`` is not a zarr_rb store.
+        NoSavedBufferError: ``source`` holds data but no buffer saved with ``zarr_rb.save``.
+        FileExistsError: ``dest_dir`` exists and is not an empty directory.
+        zarr_rb.PickleNotAllowedError: the buffer has transforms; pass ``allow_pickle`` or
+            ``transform``.
+        ValueError: the store has never been written to (TorchRL cannot dump an
+            uninitialised storage).
+
+    Examples:
+        >>> import zarr_rb
+        >>> from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
+        >>> from zarr_rb.convert import export_torchrl
+        >>> rb = TensorDictReplayBuffer(storage=zarr_rb.ZarrStorage(1000, "runs/a.zarr"))
+        >>> # ... rb.extend(...) ...
+        >>> zarr_rb.save(rb)
+        >>> export_torchrl("runs/a.zarr", "ckpt", progress=False)
+        PosixPath('.../ckpt')
+        >>> torchrl_rb = TensorDictReplayBuffer(storage=LazyMemmapStorage(1000))
+        >>> torchrl_rb.loads("ckpt")
+    """
+    from torchrl.data import LazyMemmapStorage
+
+    src = Path(source).absolute()
+    dest = Path(dest_dir).absolute()
+    _check_export_source(src)
+    _check_export_destination(dest)
+    rb = load(src, allow_pickle=allow_pickle, transform=transform)
+    storage: ZarrStorage = rb.storage
+    created = not dest.exists()
+    try:
+        schema = storage.schema
+        if schema is None:
+            raise ValueError(
+                f"store {str(src)!r} has never been written to, and TorchRL cannot dump an "
+                "uninitialised storage; extend the buffer before exporting it",
+            )
+        memmap = LazyMemmapStorage(
+            storage.max_size,
+            scratch_dir=dest / "storage",
+            ndim=storage.ndim,
+            auto_cleanup=False,
+        )
+        rows = storage._len_along_dim0 or 0
+
+        def read(start: int, stop: int) -> Any:
+            return storage._read(np.arange(start, stop, dtype=np.int64), schema)
+
+        def write(where: slice, block: Any) -> None:
+            memmap.set(where, block, set_cursor=False)
+
+        if rows == 0:
+            write(slice(0, 1), read(0, 1))  # allocate the files; the length stays 0
+        _copy_blocks(
+            read,
+            write,
+            rows=rows,
+            row_nbytes=schema.row_nbytes,
+            block_bytes=block_bytes,
+            progress=progress,
+            desc="export rows",
+        )
+        memmap._len = len(storage)
+        if rows:
+            memmap._set_last_cursor((storage.cursor - 1) % schema.rows)
+        # TorchRL's own ReplayBuffer.dumps writes the layout, around the memory-mapped
+        # copy: the storage only refreshes its metadata (it dumps into its own files).
+        rb._storage = memmap
+        try:
+            rb.dumps(dest)
+        finally:
+            rb._storage = storage
+    except BaseException:
+        _remove_partial_export(dest, created=created)
+        raise
+    finally:
+        storage.close()
+    return dest
+
+
+def _check_export_source(src: Path) -> None:
+    if not src.exists():
+        raise FileNotFoundError(
+            f"zarr_rb store {str(src)!r} does not exist; pass the path of a store saved "
+            "with zarr_rb.save",
+        )
+    if src.is_dir() and not _is_store(src) and (src / "storage" / TORCHRL_METADATA).is_file():
+        raise NotAStoreError(
+            f"{str(src)!r} is a TorchRL dump, not a zarr_rb store; convert it with "
+            "zarr_rb.convert.import_torchrl",
+        )
+
+
+def _check_export_destination(dest: Path) -> None:
+    if dest.exists() and not dest.is_dir():
+        raise FileExistsError(
+            f"export destination {str(dest)!r} is a file; pass a new or empty directory",
+        )
+    if dest.is_dir() and any(dest.iterdir()):
+        raise FileExistsError(
+            f"export destination {str(dest)!r} is not empty; pass a new or empty directory "
+            "(or remove it first)",
+        )
+
+
+def _remove_partial_export(dest: Path, *, created: bool) -> None:
+    """Undo a failed export: ``dest`` was new or empty, so all of its content is ours."""
+    if created:
+        shutil.rmtree(dest, ignore_errors=True)
+        return
+    for child in dest.iterdir() if dest.is_dir() else ():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
