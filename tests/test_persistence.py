@@ -392,7 +392,9 @@ def test_planted_pickle_never_runs_without_opt_in(tmp_path):
     attrs = location.read_group_attributes(f"state/{slot}")
     attrs["zarr_rb_state"]["children"]["transforms"]["tensors"]["pickle"]["shape"] = [blob.size]
     location.write_group_attributes(f"state/{slot}", attrs)
-    location.write_state_array(f"{group}/pickle", blob)
+    _, writes = location.write_state_array(f"{group}/pickle", blob)
+    for write in writes:
+        write.result()
 
     with pytest.raises(PickleNotAllowedError):
         zarr_rb.load(path)

@@ -147,11 +147,11 @@ class LocalLocation:
             raise ValueError(f"group {path!r}: expected a JSON object of attributes")
         return attributes
 
-    def write_state_array(self, path: str, values: np.ndarray) -> int:
-        """Write a (small) state array, rewriting only the chunks whose bytes changed.
+    def write_state_array(self, path: str, values: np.ndarray) -> tuple[int, list[Any]]:
+        """Start writing a (small) state array, rewriting only the chunks whose bytes changed.
 
         Returns:
-            The number of bytes (uncompressed) actually written.
+            The number of bytes (uncompressed) being written, and the futures to wait for.
         """
         values = np.ascontiguousarray(values)
         if values.ndim == 0:
@@ -163,29 +163,20 @@ class LocalLocation:
         if array is None or array.shape != values.shape or array.dtype != values.dtype:
             self._create_state_array(path, values)
             array = self.open_array(path, read_only=False)
-            array.write_rows(np.arange(values.shape[0]), values).result()
-            return int(values.nbytes)
+            return int(values.nbytes), [array.write_rows(np.arange(values.shape[0]), values)]
         chunk = array.chunk_rows
-        old = array.read_rows(np.arange(values.shape[0])).result()
         rows = values.shape[0]
-        n_chunks = -(-rows // chunk)
-        # Compare raw bytes so that NaNs compare equal to themselves.
-        changed_rows = (
-            old.reshape(rows, -1).view(np.uint8) != values.reshape(rows, -1).view(np.uint8)
-        ).any(axis=1)
-        padded = np.zeros(n_chunks * chunk, dtype=bool)
-        padded[:rows] = changed_rows
-        changed = np.flatnonzero(padded.reshape(n_chunks, chunk).any(axis=1))
+        old = _as_bits(array.read_rows(np.arange(rows)).result())
+        new = _as_bits(values)
         futures = []
-        for index in changed.tolist():
-            start, stop = index * chunk, min(rows, (index + 1) * chunk)
-            futures.append(array.write_rows(np.arange(start, stop), values[start:stop]))
-        for future in futures:
-            future.result()
-        return int(
-            sum(min(rows, (i + 1) * chunk) - i * chunk for i in changed.tolist())
-            * values[:1].nbytes
-        )
+        written = 0
+        for start in range(0, rows, chunk):
+            stop = min(rows, start + chunk)
+            # Bitwise comparison: NaNs equal themselves, -0.0 differs from 0.0.
+            if not np.array_equal(old[start:stop], new[start:stop]):
+                futures.append(array.write_rows(np.arange(start, stop), values[start:stop]))
+                written += values[start:stop].nbytes
+        return written, futures
 
     def _create_state_array(self, path: str, values: np.ndarray) -> None:
         import zarr
@@ -268,6 +259,14 @@ def _progress(total: int, desc: str, *, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False)
+
+
+def _as_bits(array: np.ndarray) -> np.ndarray:
+    """The same bytes as unsigned integers of the same width (for bitwise comparison)."""
+    width = array.dtype.itemsize
+    if width in (1, 2, 4, 8):
+        return array.view(np.dtype(f"u{width}"))
+    return array.view(np.uint8)
 
 
 def _walk_files(root: Path) -> Iterator[Path]:

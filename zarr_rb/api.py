@@ -126,11 +126,18 @@ def load(
             f"store {str(storage.path)!r} holds data but no saved buffer; open the data with "
             "ZarrStorage(path=...), or save a buffer there with zarr_rb.save(rb, path)",
         )
-    storage.restore(length=saved.length, cursor=saved.cursor)
-    return load_buffer(
-        storage._store.location,
-        saved.group,
-        storage=storage,
-        transform=transform,
-        allow_pickle=allow_pickle,
-    )
+    committed_length = len(storage)
+    storage._len = 0
+    try:
+        return load_buffer(
+            storage._store.location,
+            saved.group,
+            storage=storage,
+            restore_storage=lambda: storage.restore(length=saved.length, cursor=saved.cursor),
+            transform=transform,
+            allow_pickle=allow_pickle,
+        )
+    except BaseException:
+        storage._len = committed_length  # leave the store exactly as it was
+        storage.close()
+        raise

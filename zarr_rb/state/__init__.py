@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from zarr_rb._engine import LocalLocation
@@ -43,6 +44,7 @@ def save_buffer(rb: Any, location: LocalLocation, group: str) -> int:
         adapter.save(obj, node)
     save_generator(rb, root.child("generator"))
     save_transforms(rb, root.child("transforms"))
+    root.wait()
     location.write_group_attributes(group, {"zarr_rb_state": attrs})
     return root.bytes_written
 
@@ -52,10 +54,17 @@ def load_buffer(
     group: str,
     *,
     storage: Any,
+    restore_storage: Callable[[], None],
     transform: Any = None,
     allow_pickle: bool = False,
 ) -> Any:
-    """Rebuild the buffer saved in ``group`` around ``storage``."""
+    """Rebuild the buffer saved in ``group`` around ``storage``.
+
+    ``storage`` must look empty while the buffer is built (TorchRL's prioritized buffers
+    would otherwise give every stored row a default priority, only for the saved ones to
+    replace them); ``restore_storage`` then brings back its length and cursor, before the
+    saved component state is loaded.
+    """
     attrs = location.read_group_attributes(group).get("zarr_rb_state")
     if not isinstance(attrs, dict):
         raise FileNotFoundError(f"no buffer state in group {group!r} of {location.root}")
@@ -75,6 +84,7 @@ def load_buffer(
         writer=components["writer"][2],
         transform=transform,
     )
+    restore_storage()
     for role, (adapter, node, _) in components.items():
         adapter.load(getattr(rb, role), node)
     generator = load_generator(root.child("generator"))

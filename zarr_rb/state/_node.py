@@ -32,6 +32,7 @@ class StateNode:
         self._root: StateNode = self if parent is None else parent._root
         self.bytes_written = 0
         """Bytes written by this node and its children (counted on the root node)."""
+        self._pending: list[Any] = []
 
     def child(self, name: str) -> StateNode:
         attrs = self.attrs.setdefault("children", {}).setdefault(name, {})
@@ -45,7 +46,15 @@ class StateNode:
             "shape": list(tensor.shape),
         }
         flat = to_numpy(tensor.reshape(-1)) if tensor.numel() else np.zeros(1, np.uint8)
-        self._root.bytes_written += self.location.write_state_array(f"{self.path}/{name}", flat)
+        written, futures = self.location.write_state_array(f"{self.path}/{name}", flat)
+        self._root.bytes_written += written
+        self._root._pending.extend(futures)
+
+    def wait(self) -> None:
+        """Wait for every array write started under this (root) node."""
+        for future in self._root._pending:
+            future.result()
+        self._root._pending.clear()
 
     def get_tensor(self, name: str) -> torch.Tensor:
         spec = self.attrs.get("tensors", {}).get(name)
