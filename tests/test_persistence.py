@@ -141,28 +141,25 @@ def test_resume_draws_identical_indices_and_data(tmp_path, case, where):
     From step k on, A and B draw identical indices and identical data.
     """
     k, total = 7, 14  # the ring (96 rows) wraps around before the end
-    a_path = tmp_path / "a.zarr"
-    rb_a = make_buffer(
-        case,
-        ZarrStorage(CAPACITY, a_path, compression=COMPRESSION),
-        torch.Generator().manual_seed(0),
-    )
-    run(rb_a, range(k))
+
+    def trained_until_k(path: Path):
+        rb = make_buffer(
+            case,
+            ZarrStorage(CAPACITY, path, compression=COMPRESSION),
+            torch.Generator().manual_seed(0),
+        )
+        run(rb, range(k))
+        return rb
+
+    rb_a = trained_until_k(tmp_path / "a.zarr")
     saved_at = zarr_rb.save(rb_a, tmp_path / "b.zarr" if where == "snapshot" else None)
     expected = run(rb_a, range(k, total))
     if where == "in_place":
-        # Run A's later steps rewrote the store; replay them from a second, identical run.
+        # Run A's later steps rewrote its store; save in place from an identical twin run.
         rb_a.storage.close()
-        twin_path = tmp_path / "twin.zarr"
-        twin = make_buffer(
-            case,
-            ZarrStorage(CAPACITY, twin_path, compression=COMPRESSION),
-            torch.Generator().manual_seed(0),
-        )
-        run(twin, range(k))
-        zarr_rb.save(twin)
+        twin = trained_until_k(tmp_path / "twin.zarr")
+        saved_at = zarr_rb.save(twin)
         twin.storage.close()
-        saved_at = twin_path
     rb_b = zarr_rb.load(saved_at)
     assert type(rb_b) is type(rb_a)
     assert type(rb_b.sampler) is type(rb_a.sampler)
