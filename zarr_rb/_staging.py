@@ -66,8 +66,9 @@ class WriteBuffer:
 
     def _new_block(self, index: int) -> Block:
         n = self.block_rows
+        # Uninitialised: only rows marked dirty are ever read or written.
         values = {
-            key: torch.zeros((n, *shape), dtype=self._dtypes[key])
+            key: torch.empty((n, *shape), dtype=self._dtypes[key])
             for key, shape in self._element_shapes.items()
         }
         dirty = np.zeros(n, dtype=bool)
@@ -79,28 +80,33 @@ class WriteBuffer:
 
     def stage(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
-    ) -> tuple[np.ndarray, list[int]]:
+    ) -> tuple[list[tuple[int, int]], list[int]]:
         """Stage what belongs in RAM.
 
         ``rows`` is sorted and unique, ``values[key][i]`` belongs to ``rows[i]``.
 
         Returns:
-            The positions (into ``rows``) that were *not* staged and must be written
-            directly, and the indices of blocks that became full.
+            The ranges of positions (into ``rows``) that were *not* staged and must be
+            written directly (whole blocks, and scattered rows of blocks not in RAM), and
+            the indices of blocks that became full.
         """
         block_ids = rows // self.block_rows
         # Boundaries of the runs of equal block ids (rows are sorted).
         starts = np.flatnonzero(np.diff(block_ids, prepend=-1))
         stops = np.append(starts[1:], rows.size)
-        direct: list[np.ndarray] = []
+        direct: list[tuple[int, int]] = []
         full: list[int] = []
         for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
             index = int(block_ids[start])
             offsets = rows[start:stop] - index * self.block_rows
             block = self._blocks.get(index)
             contiguous = offsets[-1] - offsets[0] + 1 == offsets.size
-            if block is None and not contiguous:
-                direct.append(np.arange(start, stop))
+            whole = (
+                contiguous and offsets[0] == 0 and offsets.size == self._block_rows_in_array(index)
+            )
+            if block is None and (whole or not contiguous):
+                # A whole block needs no staging; scattered rows are not worth a block.
+                direct.append((start, stop))
                 continue
             if block is None:
                 block = self._new_block(index)
@@ -110,8 +116,7 @@ class WriteBuffer:
             block.dirty[offsets] = True
             if block.full:
                 full.append(index)
-        not_staged = np.concatenate(direct) if direct else np.zeros(0, dtype=np.int64)
-        return not_staged, full
+        return direct, full
 
     def staged_rows(self, rows: np.ndarray) -> tuple[np.ndarray, list[tuple[Block, np.ndarray]]]:
         """Which of ``rows`` (sorted, unique) are held in RAM.

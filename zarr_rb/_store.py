@@ -278,10 +278,11 @@ class Store:
             ]
             blocks.extend(self._buffer.pop(index) for index in oldest)
         writes = [_block_rows(block) for block in blocks]
-        if direct.size:
-            writes.append(
-                (rows[direct], {key: v[torch.from_numpy(direct)] for key, v in values.items()})
-            )
+        # Slices of the caller's tensors: views, not copies.
+        writes.extend(
+            (rows[start:stop], {key: value[start:stop] for key, value in values.items()})
+            for start, stop in direct
+        )
         if writes:
             self._write_to_disk(writes)
             self._commit()

@@ -269,8 +269,11 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 data, schema=schema, index_shape=index_shape, where=where
             )
             rows, last = _unique_last(index)
-            position = torch.from_numpy(last)
-            leaves = {key: value[position] for key, value in all_leaves.items()}
+            if rows.size == index.size and (rows == index).all():
+                leaves = all_leaves  # already sorted and unique: no gather, no copy
+            else:
+                position = torch.from_numpy(last)
+                leaves = {key: value[position] for key, value in all_leaves.items()}
         if set_cursor:
             self._set_last_cursor(cursor)
             self._get_new_len(data, cursor)
