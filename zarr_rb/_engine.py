@@ -299,13 +299,22 @@ class RowArray:
         return int(shape[0])
 
     def read_rows(self, rows: np.ndarray) -> ts.Future[np.ndarray]:
-        """Start reading ``rows`` (sorted, unique); the future yields ``[len(rows), ...]``."""
-        if rows.size and rows[-1] - rows[0] + 1 == rows.size:
-            return self._array[int(rows[0]) : int(rows[-1]) + 1].read()
+        """Start reading ``rows`` (any order, repeats allowed): ``[len(rows), ...]``."""
+        if _is_run(rows):
+            return self._array[int(rows[0]) : int(rows[0]) + rows.size].read()
         return self._array[rows].read()
 
     def write_rows(self, rows: np.ndarray, values: np.ndarray) -> ts.WriteFutures:
-        """Start writing ``values[i]`` to row ``rows[i]`` (``rows`` sorted, unique)."""
-        if rows.size and rows[-1] - rows[0] + 1 == rows.size:
-            return self._array[int(rows[0]) : int(rows[-1]) + 1].write(values)
+        """Start writing ``values[i]`` to row ``rows[i]`` (``rows`` unique)."""
+        if _is_run(rows):
+            return self._array[int(rows[0]) : int(rows[0]) + rows.size].write(values)
         return self._array[rows].write(values)
+
+
+def _is_run(rows: np.ndarray) -> bool:
+    """Whether ``rows`` is ``start, start + 1, ...`` (read or written as one slice)."""
+    if rows.size == 0:
+        return False
+    return rows.size == 1 or bool(
+        rows[-1] - rows[0] + 1 == rows.size and (np.diff(rows) == 1).all()
+    )

@@ -119,7 +119,7 @@ class WriteBuffer:
         return direct, full
 
     def staged_rows(self, rows: np.ndarray) -> tuple[np.ndarray, list[tuple[Block, np.ndarray]]]:
-        """Which of ``rows`` (sorted, unique) are held in RAM.
+        """Which of ``rows`` (any order, repeats allowed) are held in RAM.
 
         Returns:
             A boolean mask over ``rows``, and for each block involved the block with
@@ -131,11 +131,10 @@ class WriteBuffer:
             return hit, served
         block_ids = rows // self.block_rows
         for index, block in self._blocks.items():
-            lo, hi = np.searchsorted(block_ids, [index, index + 1])
-            if lo == hi:
+            positions = np.flatnonzero(block_ids == index)
+            if not positions.size:
                 continue
-            positions = np.arange(lo, hi)
-            offsets = rows[lo:hi] - index * self.block_rows
+            offsets = rows[positions] - index * self.block_rows
             positions = positions[block.dirty[offsets]]
             if positions.size:
                 hit[positions] = True

@@ -372,7 +372,7 @@ class Store:
     # --- reading ---------------------------------------------------------------------------
 
     def read(self, rows: np.ndarray, keys: Iterable[Key]) -> dict[Key, torch.Tensor]:
-        """Read rows (sorted, unique) of some leaves, RAM-held rows included."""
+        """Read rows (any order, repeats allowed) of some leaves, RAM-held rows included."""
         keys = list(keys)
         if self.read_only:
             return self._read_committed(rows, keys)
@@ -404,6 +404,14 @@ class Store:
         raise KeyError(key)
 
     def _read_disk(self, rows: np.ndarray, keys: list[Key]) -> dict[Key, torch.Tensor]:
+        if rows.size == 0:
+            return {
+                key: torch.empty(
+                    (0, *self.element_shape(self._leaf(key))),
+                    dtype=TORCH_DTYPES[self._leaf(key).dtype],
+                )
+                for key in keys
+            }
         futures = {key: self.array(key).read_rows(rows) for key in keys}
         return {
             key: from_numpy(future.result(), TORCH_DTYPES[self._leaf(key).dtype])

@@ -46,6 +46,7 @@ from zarr_rb.errors import (
     NotAStoreError,
     ReadOnlyError,
     SchemaMismatchError,
+    StoreCorruptedError,
     UnsupportedDataError,
 )
 from zarr_rb.state._buffer import buffer_config
@@ -69,10 +70,13 @@ _WRITER_STATE = "metadata.json"
 # --- shared helpers ----------------------------------------------------------------------------
 
 
+def _check_block_bytes(block_bytes: int | None) -> None:
+    if block_bytes is not None and int(block_bytes) < 1:
+        raise ValueError(f"expected block_bytes >= 1 (or None for BLOCK_BYTES), got {block_bytes}")
+
+
 def _block_rows(row_nbytes: int, block_bytes: int | None) -> int:
     limit = BLOCK_BYTES if block_bytes is None else int(block_bytes)
-    if limit < 1:
-        raise ValueError(f"expected block_bytes >= 1, got {block_bytes}")
     return max(1, limit // max(1, row_nbytes))
 
 
@@ -113,7 +117,7 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except ValueError as error:
-        raise SchemaMismatchError(
+        raise StoreCorruptedError(
             f"{str(path)!r} is not valid JSON ({error}); the TorchRL dump is damaged, "
             "write it again with rb.dumps(dir)",
         ) from error
@@ -140,7 +144,8 @@ def import_torchrl(
     that :func:`zarr_rb.load` alone rebuilds the buffer.
 
     Rows the destination store already holds are overwritten; its length becomes that of
-    the dump.
+    the dump. Like TorchRL's ``rb.loads``, this unpickles the dump's ``prefetch.pkl`` (and
+    reads its ``transform.t`` with ``torch.load``): import only dumps you trust.
 
     Args:
         source_dir: the directory given to ``rb.dumps`` (it holds ``storage/``,
@@ -164,6 +169,10 @@ def import_torchrl(
         ReadOnlyError: ``buffer``'s storage was opened read-only.
         SchemaMismatchError: capacity, batch dimensions, sampler or writer kind differ
             between the dump and ``buffer`` (nothing is written then).
+        StoreCorruptedError: a JSON file of the dump cannot be parsed.
+
+    An error raised by TorchRL while it restores the sampler or writer (after the rows
+    were copied) leaves the store with the dumped rows and without a new saved state.
 
     Examples:
         >>> import zarr_rb
@@ -177,6 +186,7 @@ def import_torchrl(
         >>> path = import_torchrl("ckpt", new, progress=False)
         >>> rb = zarr_rb.load(path)           # later, from the path alone
     """
+    _check_block_bytes(block_bytes)
     source = Path(source_dir).absolute()
     storage = _import_destination(buffer, source)
     _check_torchrl_dump(source)
@@ -433,6 +443,7 @@ def export_torchrl(
     """
     from torchrl.data import LazyMemmapStorage
 
+    _check_block_bytes(block_bytes)
     src = Path(source).absolute()
     dest = Path(dest_dir).absolute()
     _check_export_source(src)

@@ -349,15 +349,19 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 )
             return np.array([row], dtype=np.int64), 0
         tensor = _as_index_tensor(head)
-        flat = tensor.reshape(-1).numpy()
-        flat = np.where(flat < 0, flat + length, flat)
-        if flat.size and (flat.min() < 0 or flat.max() >= length):
-            raise RowIndexError(
-                f"store {str(self.path)!r}: index out of range for {length} rows: "
-                f"{_preview(flat[(flat < 0) | (flat >= length)])}",
-            )
+        flat = self._check_rows(tensor.reshape(-1).numpy(), length)
         rows, inverse = np.unique(flat, return_inverse=True)
         return rows, torch.from_numpy(inverse.reshape(tensor.shape))
+
+    def _check_rows(self, rows: np.ndarray, length: int) -> np.ndarray:
+        """Rows with negative indices wrapped; raises for any outside ``[0, length)``."""
+        rows = np.where(rows < 0, rows + length, rows)
+        if rows.size and (rows.min() < 0 or rows.max() >= length):
+            raise RowIndexError(
+                f"store {str(self.path)!r}: index out of range for {length} rows: "
+                f"{_preview(rows[(rows < 0) | (rows >= length)])}",
+            )
+        return rows
 
     def _read(self, rows: np.ndarray, schema: Schema) -> Any:
         leaves = self._store.read(rows, (leaf.key for leaf in schema.leaves))
@@ -375,6 +379,18 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             head = slice(None)
         if isinstance(head, slice) and not rest and head.indices(length) == (0, length, 1):
             out = self._lazy_view(length)
+        elif not rest and not isinstance(head, slice) and not _is_int(head):
+            # A row index (sampler output): read rows in the order asked, repeats included.
+            tensor = _as_index_tensor(head)
+            rows = self._check_rows(tensor.reshape(-1).numpy(), length)
+            leaves = self._store.read(rows, (leaf.key for leaf in schema.leaves))
+            shape = (*tensor.shape, *schema.batch_shape[1:])
+            out = _convert.build(
+                {key: v.reshape(*tensor.shape, *v.shape[1:]) for key, v in leaves.items()},
+                schema=schema,
+                batch_shape=shape,
+                device=None,
+            )
         else:
             rows, position = self._rows_of(head, length)
             block = self._read(rows, schema)
