@@ -47,7 +47,7 @@ class Compression:
 
     codec: Codec = "zstd"
     level: int = 1
-    chunk_rows: int = 4
+    chunk_rows: int = 2
     block_rows: int | None = None
     large_row_bytes: int = 1024
 
