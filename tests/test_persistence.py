@@ -405,3 +405,32 @@ def test_planted_pickle_never_runs_without_opt_in(tmp_path):
         zarr_rb.load(path, allow_pickle=True)
     assert marker.exists()
     os.unlink(marker)
+
+
+def test_round_robin_generations_survive_save_and_load(tmp_path):
+    storage = ZarrStorage(CAPACITY, tmp_path / "rb.zarr")
+    rb = TensorDictReplayBuffer(
+        storage=storage, writer=TensorDictRoundRobinWriter(track_generations=True), batch_size=4
+    )
+    for step in range(8):  # wraps: some slots are written twice
+        rb.extend(transitions(BATCH, step))
+    generation = rb.writer._generation.clone()
+    zarr_rb.save(rb)
+    loaded = zarr_rb.load(tmp_path / "rb.zarr")
+    assert loaded.writer._track_generations
+    assert torch.equal(loaded.writer._generation, generation)
+    assert loaded.writer._write_count == 8 * BATCH
+
+
+def test_ndim2_buffer_saves_and_loads(tmp_path):
+    storage = ZarrStorage(64, tmp_path / "rb.zarr", ndim=2)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=4)
+    data = transitions(24, 0).reshape(6, 4)
+    rb.extend(data)
+    expected = rb.storage[:].clone()
+    zarr_rb.save(rb)
+    rb.storage.close()
+    loaded = zarr_rb.load(tmp_path / "rb.zarr")
+    assert loaded.storage.ndim == 2
+    assert len(loaded) == 24
+    assert_identical(loaded.storage[:], expected)

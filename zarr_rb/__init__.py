@@ -12,6 +12,7 @@ from zarr_rb._format import FORMAT_VERSION
 from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
 from zarr_rb.api import load, save
+from zarr_rb.convert import export_torchrl, import_torchrl
 from zarr_rb.errors import (
     FormatVersionError,
     NoSavedBufferError,
@@ -46,6 +47,8 @@ __all__ = [
     "ZarrRBError",
     "ZarrStorage",
     "__version__",
+    "export_torchrl",
+    "import_torchrl",
     "load",
     "save",
 ]

@@ -114,7 +114,7 @@ class Store:
         path: str | os.PathLike[str],
         *,
         max_size: int | None,
-        ndim: int,
+        ndim: int | None,
         read_only: bool,
         compression: Compression,
     ) -> Store:
@@ -144,7 +144,7 @@ class Store:
             if max_size is None:
                 raise ValueError(f"max_size is required to create a new store at {str(root)!r}")
             root.mkdir(parents=True, exist_ok=True)
-            meta = StoreMeta(max_size=max_size, ndim=ndim, schema=None, commit=Commit())
+            meta = StoreMeta(max_size=max_size, ndim=ndim or 1, schema=None, commit=Commit())
             location.write_root_attributes({ATTRS_KEY: meta.to_json()})
             location.create_group(DATA_GROUP)
             return cls(location, meta, read_only=False, compression=compression)
@@ -160,7 +160,7 @@ class Store:
                 f"{where} holds a buffer of max_size={meta.max_size}, got max_size={max_size}; "
                 f"pass max_size={meta.max_size} (or None) to reopen it, or use another path",
             )
-        if ndim != meta.ndim:
+        if ndim is not None and ndim != meta.ndim:
             raise SchemaMismatchError(
                 f"{where} holds a buffer with ndim={meta.ndim}, got ndim={ndim}",
             )

@@ -81,7 +81,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     Keyword Args:
         ndim: number of batch dimensions counted by ``max_size`` (1 or 2; 2 for
-            ``[time, n_envs]`` layouts).
+            ``[time, n_envs]`` layouts). ``None``: the store's own when reopening, 1 for a
+            new store.
         device: device of the tensors returned by :meth:`get`.
         read_only: open an existing store for reading; :meth:`refresh` picks up
             commits made by its writer.
@@ -106,12 +107,12 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         max_size: int | None = None,
         path: str | os.PathLike[str] | None = None,
         *,
-        ndim: int = 1,
+        ndim: int | None = None,
         device: torch.device | str = "cpu",
         read_only: bool = False,
         compression: Compression | None = None,
     ) -> None:
-        if ndim < 1:
+        if ndim is not None and ndim < 1:
             raise ValueError(f"expected ndim >= 1, got {ndim}")
         if max_size is not None and int(max_size) < 1:
             raise ValueError(f"expected max_size >= 1, got {max_size}")
@@ -130,7 +131,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         )
         length = store.length
         self.__dict__["_store"] = store
-        super().__init__(storage=None, max_size=store.meta.max_size, device=device, ndim=ndim)
+        super().__init__(
+            storage=None, max_size=store.meta.max_size, device=device, ndim=store.meta.ndim
+        )
         store.length = length
         self.initialized = store.schema is not None
         if self.initialized and store.committed.length:

@@ -185,15 +185,23 @@ def _both(*fns: Callable[[Any, StateNode], None]) -> Callable[[Any, StateNode], 
 def _round_robin_save(obj: Any, node: StateNode) -> None:
     node.attrs["cursor"] = int(obj._cursor)
     node.attrs["write_count"] = int(obj._write_count)
+    generation = obj._generation if obj._track_generations else None
+    node.attrs["has_generation"] = generation is not None
+    if generation is not None:
+        node.put_tensor("generation", generation)
 
 
 def _round_robin_load(obj: Any, node: StateNode) -> None:
     obj._cursor = int(node.attrs["cursor"])
     obj._write_count = int(node.attrs["write_count"])
+    if node.attrs.get("has_generation"):
+        obj._generation = node.get_tensor("generation")
+        obj._align_generation_device()
 
 
 def _max_value_save(obj: Any, node: StateNode) -> None:
     node.attrs["cursor"] = int(obj._cursor)
+    node.attrs["write_count"] = int(obj._write_count)
     heap = obj._current_top_values
     # TorchRL dumps the heap as one float32 tensor, which corrupts indices above 2**24;
     # ranks and indices are kept apart here, indices as int64.
@@ -203,6 +211,7 @@ def _max_value_save(obj: Any, node: StateNode) -> None:
 
 def _max_value_load(obj: Any, node: StateNode) -> None:
     obj._cursor = int(node.attrs["cursor"])
+    obj._write_count = int(node.attrs.get("write_count", 0))
     ranks = node.get_tensor("ranks").tolist()
     indices = node.get_tensor("indices").tolist()
     # The saved list is already a valid heap: it is restored in the same order.
@@ -262,15 +271,17 @@ ADAPTERS: dict[str, Adapter] = {
         ),
         Adapter(
             W.RoundRobinWriter,
-            lambda o: {},
-            lambda c: W.RoundRobinWriter(),
+            lambda o: {"track_generations": bool(o._track_generations)},
+            lambda c: W.RoundRobinWriter(track_generations=bool(c.get("track_generations", False))),
             _round_robin_save,
             _round_robin_load,
         ),
         Adapter(
             W.TensorDictRoundRobinWriter,
-            lambda o: {},
-            lambda c: W.TensorDictRoundRobinWriter(),
+            lambda o: {"track_generations": bool(o._track_generations)},
+            lambda c: W.TensorDictRoundRobinWriter(
+                track_generations=bool(c.get("track_generations", False))
+            ),
             _round_robin_save,
             _round_robin_load,
         ),
