@@ -51,6 +51,9 @@ from zarr_rb.errors import (
 
 _MAX_STAGED_BLOCKS = 8
 _READ_RETRIES = 20
+MIRROR_LIMIT_BYTES = 256 * 2**20
+"""Small leaves (actions, rewards, flags, trajectory ids) are mirrored in RAM by the writer
+when all of them together take at most this much."""
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -99,6 +102,8 @@ class Store:
         self.length = meta.commit.length * self._elements_per_row(meta.schema)
         self.cursor = meta.commit.cursor
         self._arrays: dict[Key, RowArray] = {}
+        self._mirror: dict[Key, torch.Tensor] = {}
+        self._mirrorable: frozenset[Key] = frozenset()
         self._buffer: WriteBuffer | None = None
         self._published: np.ndarray | None = None
         self._valid: np.ndarray | None = None
@@ -193,6 +198,19 @@ class Store:
             block_rows=block_rows,
             rows=schema.rows,
         )
+        small = [
+            leaf
+            for leaf in schema.leaves
+            if math.prod(self.element_shape(leaf)) * leaf.itemsize
+            < self.compression.large_row_bytes
+        ]
+        if (
+            not self.read_only
+            and schema.rows
+            * sum(math.prod(self.element_shape(leaf)) * leaf.itemsize for leaf in small)
+            <= MIRROR_LIMIT_BYTES
+        ):
+            self._mirrorable = frozenset(leaf.key for leaf in small)
         readable = self.committed.readable_mask(schema.rows)
         self._published = readable
         # Rows past the committed length hold fill values or rows of an interrupted write:
@@ -269,6 +287,10 @@ class Store:
         """Write ``values[key][i]`` to row ``rows[i]`` (``rows`` sorted and unique)."""
         self._check_writable()
         assert self._buffer is not None
+        if self._mirror:
+            index = torch.from_numpy(rows)
+            for key, mirror in self._mirror.items():
+                mirror[index] = values[key]
         direct, full = self._buffer.stage(rows, values)
         blocks = [self._buffer.pop(index) for index in full]
         if len(self._buffer) > _MAX_STAGED_BLOCKS:
@@ -323,6 +345,7 @@ class Store:
         """Forget rows held in RAM (after ``empty``)."""
         if self._buffer is not None:
             self._buffer.clear()
+        self._mirror.clear()
 
     def _staged_mask(self) -> np.ndarray:
         mask = np.zeros(self.rows, dtype=bool)
@@ -376,6 +399,12 @@ class Store:
         keys = list(keys)
         if self.read_only:
             return self._read_committed(rows, keys)
+        mirrored = [key for key in keys if key in self._mirrorable]
+        if mirrored:
+            index = torch.from_numpy(rows)
+            out = {key: self._mirror_of(key)[index] for key in mirrored}
+            rest = [key for key in keys if key not in self._mirrorable]
+            return {**out, **self.read(rows, rest)} if rest else out
         assert self._buffer is not None
         hit, served = self._buffer.staged_rows(rows)
         out = self._read_disk(rows[~hit] if hit.any() else rows, keys)
@@ -395,6 +424,19 @@ class Store:
                 tensor[torch.from_numpy(positions)] = block.values[key][torch.from_numpy(offsets)]
             result[key] = tensor
         return result
+
+    def _mirror_of(self, key: Key) -> torch.Tensor:
+        """The whole array of a small leaf in RAM, read once, then kept up to date by writes."""
+        mirror = self._mirror.get(key)
+        if mirror is None:
+            assert self._buffer is not None
+            mirror = self._read_disk(np.arange(self.rows), [key])[key].clone()
+            _, served = self._buffer.staged_rows(np.arange(self.rows))
+            for block, positions in served:
+                offsets = torch.from_numpy(positions - block.index * self._buffer.block_rows)
+                mirror[torch.from_numpy(positions)] = block.values[key][offsets]
+            self._mirror[key] = mirror
+        return mirror
 
     def _leaf(self, key: Key) -> LeafSpec:
         assert self.schema is not None

@@ -1,0 +1,444 @@
+"""zarr_rb against TorchRL's storages, side by side, on real Atari frames.
+
+One command, one process, the same data for every storage::
+
+    python benchmarks/run.py                       # default sizes: a few minutes on 2 cores
+    python benchmarks/run.py --scale 4             # four times the rows
+    python benchmarks/run.py --out-of-core --rows 1000000   # buffer larger than RAM
+
+It prints a markdown table and writes the same figures as JSON (``--json``). Storages:
+``ZarrStorage``, TorchRL's ``LazyMemmapStorage`` and ``LazyTensorStorage``, and
+tensordict's own Zarr backend (``TensorDict.to_zarr`` / ``PersistentTensorDict``) as the
+naive Zarr reference. Data: real ALE frames (Pong and Breakout; 84x84 grayscale, 4-frame
+stacks; obs and next/obs, action, reward, done, episode ids) generated with a seeded
+random policy and cached under ``benchmarks/.cache``, plus random uint8 frames that no
+codec can compress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torchrl.data import (
+    LazyMemmapStorage,
+    LazyTensorStorage,
+    PrioritizedSampler,
+    RandomSampler,
+    SliceSampler,
+    TensorDictPrioritizedReplayBuffer,
+    TensorDictReplayBuffer,
+)
+
+import zarr_rb
+
+CACHE = Path(__file__).parent / ".cache"
+GAMES = {"pong": "ALE/Pong-v5", "breakout": "ALE/Breakout-v5"}
+BATCH = 1024
+SAMPLE = 256
+SLICE_LEN = 32
+POOL_ROWS = 16_384
+"""Distinct Pong transitions cycled through by the out-of-core run."""
+
+
+# --- data ------------------------------------------------------------------------------------
+
+
+def atari_episode_frames(game: str, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rows + 1`` stacked frames and the episode id of each, cached on disk."""
+    path = CACHE / f"{game}-{rows}-{seed}.npz"
+    if path.exists():
+        cached = np.load(path)
+        return cached["frames"], cached["episodes"]
+    import ale_py
+    import gymnasium as gym
+
+    gym.register_envs(ale_py)
+    env = gym.make(GAMES[game], frameskip=1, repeat_action_probability=0.0)
+    env = gym.wrappers.AtariPreprocessing(env, frame_skip=4, screen_size=84, noop_max=30)
+    env = gym.wrappers.FrameStackObservation(env, 4)
+    rng = np.random.default_rng(seed)
+    frames = np.empty((rows + 1, 4, 84, 84), dtype=np.uint8)
+    episodes = np.zeros(rows + 1, dtype=np.int64)
+    obs, _ = env.reset(seed=seed)
+    frames[0], episode = obs, 0
+    for i in range(1, rows + 1):
+        obs, _, terminated, truncated, _ = env.step(int(rng.integers(env.action_space.n)))
+        if terminated or truncated:
+            obs, _ = env.reset()
+            episode += 1
+        frames[i], episodes[i] = obs, episode
+    CACHE.mkdir(parents=True, exist_ok=True)
+    np.savez(path, frames=frames, episodes=episodes)
+    return frames, episodes
+
+
+def dataset(name: str, rows: int) -> TensorDict:
+    if name == "random":
+        rng = np.random.default_rng(0)
+        frames = rng.integers(0, 256, (rows + 1, 4, 84, 84), dtype=np.uint8)
+        episodes = np.arange(rows + 1) // 500
+    else:
+        frames, episodes = atari_episode_frames(name, rows, seed=0)
+    frames_t = torch.from_numpy(frames)
+    episode = torch.from_numpy(episodes[:-1])
+    done = torch.from_numpy(episodes[1:] != episodes[:-1]).unsqueeze(-1)
+    return TensorDict(
+        {
+            "observation": frames_t[:-1],
+            "action": torch.randint(0, 6, (rows,), generator=torch.Generator().manual_seed(0)),
+            "episode": episode,
+            "next": {
+                "observation": frames_t[1:],
+                "reward": torch.zeros(rows, 1),
+                "done": done,
+            },
+        },
+        batch_size=[rows],
+    )
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+def timings(fn: Callable[[], Any], repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def median_p95(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    return {
+        "median_ms": statistics.median(ordered) * 1e3,
+        "p95_ms": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] * 1e3,
+    }
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def disk_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def make_storage(kind: str, rows: int, where: Path) -> Any:
+    if kind == "ZarrStorage":
+        return zarr_rb.ZarrStorage(rows, where / "rb.zarr")
+    if kind == "LazyMemmapStorage":
+        return LazyMemmapStorage(rows, scratch_dir=where / "memmap")
+    return LazyTensorStorage(rows)
+
+
+def bench_torchrl_storage(kind: str, data: TensorDict, where: Path, samples: int) -> dict[str, Any]:
+    rows = data.shape[0]
+    storage = make_storage(kind, rows, where)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=SAMPLE)
+    raw = data.bytes()
+
+    def extend() -> None:
+        for start in range(0, rows, BATCH):
+            rb.extend(data[start : start + BATCH])
+        if isinstance(storage, zarr_rb.ZarrStorage):
+            storage.flush()
+
+    (extend_s,) = timings(extend, 1)
+    random = timings(rb.sample, samples)
+    slices = TensorDictReplayBuffer(
+        storage=storage,
+        sampler=SliceSampler(slice_len=SLICE_LEN, traj_key="episode", strict_length=False),
+        batch_size=SAMPLE,
+    )
+    slice_times = timings(slices.sample, samples)
+    result: dict[str, Any] = {
+        "extend_gbps": raw / extend_s / 1e9,
+        "sample_random": median_p95(random),
+        "sample_slices": median_p95(slice_times),
+        "raw_bytes": raw,
+        "disk_bytes": None if kind == "LazyTensorStorage" else disk_bytes(where),
+    }
+    if isinstance(storage, zarr_rb.ZarrStorage):
+        storage.close()
+    return result
+
+
+def bench_tensordict_zarr(data: TensorDict, where: Path, samples: int) -> dict[str, Any]:
+    """tensordict's own Zarr backend: one uncompressed chunk per leaf, zarr-python I/O.
+
+    It has no append, so "extend" is its best case: one bulk ``to_zarr`` of all rows.
+    """
+    rows = data.shape[0]
+    path = where / "td.zarr"
+    start = time.perf_counter()
+    ptd = data.to_zarr(path)
+    extend_s = time.perf_counter() - start
+    g = torch.Generator().manual_seed(0)
+
+    def sample() -> None:
+        index = torch.randint(0, rows, (SAMPLE,), generator=g).sort().values
+        ptd[index].to_tensordict()
+
+    random = timings(sample, max(3, samples // 10))
+    result = {
+        "extend_gbps": data.bytes() / extend_s / 1e9,
+        "sample_random": median_p95(random),
+        "sample_slices": None,
+        "raw_bytes": data.bytes(),
+        "disk_bytes": disk_bytes(path),
+    }
+    ptd.close()
+    return result
+
+
+def bench_save_load(data: TensorDict, where: Path) -> dict[str, Any]:
+    """In-place save and load at two buffer sizes, zarr_rb against LazyMemmapStorage."""
+    out: dict[str, Any] = {}
+    for rows in (data.shape[0] // 4, data.shape[0]):
+        part = data[:rows]
+        zdir, mdir = where / f"z{rows}", where / f"m{rows}"
+        zdir.mkdir()
+        mdir.mkdir()
+        zrb = TensorDictReplayBuffer(
+            storage=zarr_rb.ZarrStorage(rows, zdir / "rb.zarr"), batch_size=SAMPLE
+        )
+        mrb = TensorDictReplayBuffer(
+            storage=LazyMemmapStorage(rows, scratch_dir=mdir / "scratch"), batch_size=SAMPLE
+        )
+        for rb in (zrb, mrb):
+            for start in range(0, rows, BATCH):
+                rb.extend(part[start : start + BATCH])
+        zrb.extend(part[:7])  # a few rows still in RAM, as during training
+        zsave = timings(lambda rb=zrb: zarr_rb.save(rb), 3)
+        zload = timings(lambda d=zdir: zarr_rb.load(d / "rb.zarr"), 3)
+        msave = timings(lambda rb=mrb, d=mdir: rb.dumps(d / "dump"), 1)
+
+        def memmap_load(d: Path = mdir, n: int = rows) -> None:
+            TensorDictReplayBuffer(
+                storage=LazyMemmapStorage(n, scratch_dir=d / "load"), batch_size=SAMPLE
+            ).loads(d / "dump")
+
+        mload = timings(memmap_load, 1)
+        zrb.storage.close()
+        out[str(rows)] = {
+            "raw_gb": part.bytes() / 1e9,
+            "zarr_save_s": statistics.median(zsave),
+            "zarr_load_s": statistics.median(zload),
+            "memmap_dumps_s": msave[0],
+            "memmap_loads_s": mload[0],
+        }
+    return out
+
+
+def bench_prioritized(capacity: int, where: Path) -> dict[str, float]:
+    storage = zarr_rb.ZarrStorage(capacity, where / "prio.zarr")
+    rb = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=storage, batch_size=256)
+    rb.extend(TensorDict({"x": torch.zeros(capacity, dtype=torch.uint8)}, [capacity]))
+    rb.update_priority(torch.arange(capacity), torch.rand(capacity) + 0.01)
+    zarr_rb.save(rb)
+
+    def touch_and_save() -> None:
+        rb.update_priority(torch.randint(0, capacity, (256,)), torch.rand(256) + 0.01)
+        zarr_rb.save(rb)
+
+    saves = timings(touch_and_save, 3)
+    loads = timings(lambda: zarr_rb.load(storage.path), 3)
+    sampler: PrioritizedSampler = rb.sampler
+    dumps = timings(lambda: sampler.dumps(where / "prio-torchrl"), 1)
+    fresh = PrioritizedSampler(capacity, 0.7, 0.5)
+    loads_t = timings(lambda: fresh.loads(where / "prio-torchrl"), 1)
+    storage.close()
+    return {
+        "zarr_save_s": statistics.median(saves),
+        "zarr_load_s": statistics.median(loads),
+        "torchrl_dumps_s": dumps[0],
+        "torchrl_loads_s": loads_t[0],
+    }
+
+
+def out_of_core(rows: int, samples: int, where: Path) -> dict[str, Any]:
+    """Fill a ZarrStorage far beyond RAM with cycled Pong frames, then sample from it."""
+    pool = dataset("pong", POOL_ROWS)
+    storage = zarr_rb.ZarrStorage(rows, where / "big.zarr")
+    rb = TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=SAMPLE)
+    start = time.perf_counter()
+    for begin in range(0, rows, min(BATCH, pool.shape[0])):
+        size = min(BATCH, rows - begin, pool.shape[0])
+        offset = begin % (pool.shape[0] - size + 1)
+        batch = pool[offset : offset + size].clone()
+        batch["episode"] += begin  # distinct episodes across cycles
+        rb.extend(batch)
+    storage.flush()
+    fill_s = time.perf_counter() - start
+    sample_times = timings(rb.sample, samples)
+    raw = storage.nbytes_raw()
+    disk = storage.nbytes_on_disk()
+    storage.close()
+    return {
+        "rows": rows,
+        "raw_gb": raw / 1e9,
+        "disk_gb": disk / 1e9,
+        "fill_s": fill_s,
+        "fill_gbps": raw / fill_s / 1e9,
+        "sample_random": median_p95(sample_times),
+        "peak_rss_gb": peak_rss_gb(),
+    }
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def ratios_to_memmap(per_storage: dict[str, Any]) -> dict[str, float]:
+    """ZarrStorage's figures divided by LazyMemmapStorage's, measured in the same run."""
+    z, m = per_storage["ZarrStorage"], per_storage["LazyMemmapStorage"]
+    return {
+        "extend": z["extend_gbps"] / m["extend_gbps"],
+        "sample_random": z["sample_random"]["median_ms"] / m["sample_random"]["median_ms"],
+        "sample_slices": z["sample_slices"]["median_ms"] / m["sample_slices"]["median_ms"],
+        "disk": z["disk_bytes"] / m["disk_bytes"],
+    }
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = [f"machine: {results['machine']}", ""]
+    for name, per_storage in results.get("datasets", {}).items():
+        lines += [
+            f"### {name} ({results['rows']} transitions, "
+            f"{per_storage['ZarrStorage']['raw_bytes'] / 1e9:.2f} GB raw)",
+            "",
+            "| storage | extend GB/s | sample random median / p95 ms "
+            "| sample slices median / p95 ms | disk MB |",
+            "|---|---|---|---|---|",
+        ]
+        for storage, r in per_storage.items():
+            slices = r["sample_slices"]
+            lines.append(
+                f"| {storage} | {fmt(r['extend_gbps'])} "
+                f"| {fmt(r['sample_random']['median_ms'], 1)} / "
+                f"{fmt(r['sample_random']['p95_ms'], 1)} "
+                f"| {fmt(slices and slices['median_ms'], 1)} / "
+                f"{fmt(slices and slices['p95_ms'], 1)} "
+                f"| {fmt(r['disk_bytes'] and r['disk_bytes'] / 1e6, 1)} |"
+            )
+        ratios = ratios_to_memmap(per_storage)
+        lines += [
+            "",
+            "ZarrStorage / LazyMemmapStorage: "
+            f"extend {ratios['extend']:.2f}x, sample random {ratios['sample_random']:.2f}x, "
+            f"sample slices {ratios['sample_slices']:.2f}x, disk 1/{1 / ratios['disk']:.0f}",
+            "",
+        ]
+    if "save_load" in results:
+        lines += [
+            "### save in place and load (pong)",
+            "",
+            "| rows | raw GB | zarr_rb.save s | zarr_rb.load s "
+            "| LazyMemmap rb.dumps s | LazyMemmap rb.loads s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for rows, r in results["save_load"].items():
+            lines.append(
+                f"| {rows} | {r['raw_gb']:.2f} | {r['zarr_save_s']:.3f} | {r['zarr_load_s']:.3f} "
+                f"| {r['memmap_dumps_s']:.3f} | {r['memmap_loads_s']:.3f} |"
+            )
+        lines.append("")
+    if "prioritized" in results:
+        p = results["prioritized"]
+        lines += [
+            f"### PrioritizedSampler state, capacity {results['prioritized_capacity']}",
+            "",
+            "| zarr_rb.save s | zarr_rb.load s | TorchRL dumps s | TorchRL loads s |",
+            "|---|---|---|---|",
+            f"| {p['zarr_save_s']:.3f} | {p['zarr_load_s']:.3f} "
+            f"| {p['torchrl_dumps_s']:.3f} | {p['torchrl_loads_s']:.3f} |",
+            "",
+        ]
+    if "out_of_core" in results:
+        o = results["out_of_core"]
+        lines += [
+            "### out of core (ZarrStorage only)",
+            "",
+            f"{o['rows']} Pong transitions, {o['raw_gb']:.1f} GB raw, {o['disk_gb']:.2f} GB on "
+            f"disk; filled in {o['fill_s']:.0f} s ({o['fill_gbps']:.2f} GB/s); sample(256) "
+            f"median {o['sample_random']['median_ms']:.1f} ms, p95 "
+            f"{o['sample_random']['p95_ms']:.1f} ms; peak RSS {o['peak_rss_gb']:.2f} GB",
+            "",
+        ]
+    lines.append(f"peak RSS of the benchmark process: {results['peak_rss_gb']:.2f} GB")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=8192, help="transitions per dataset")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply --rows")
+    parser.add_argument("--samples", type=int, default=60, help="sample() calls per measurement")
+    parser.add_argument("--datasets", default="pong,breakout,random")
+    parser.add_argument("--prioritized-capacity", type=int, default=1_000_000)
+    parser.add_argument("--out-of-core", action="store_true", help="only the out-of-core run")
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results.json"))
+    parser.add_argument("--workdir", type=Path, default=None, help="where stores are written")
+    args = parser.parse_args(argv)
+    rows = int(args.rows * args.scale)
+    results: dict[str, Any] = {
+        "machine": f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} threads",
+        "rows": rows,
+    }
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        work = Path(tmp)
+        if args.out_of_core:
+            results["out_of_core"] = out_of_core(rows, args.samples, work)
+        else:
+            results["datasets"] = {}
+            for name in args.datasets.split(","):
+                data = dataset(name, rows)
+                per_storage = {}
+                for kind in ("ZarrStorage", "LazyMemmapStorage", "LazyTensorStorage"):
+                    where = work / f"{name}-{kind}"
+                    where.mkdir()
+                    per_storage[kind] = bench_torchrl_storage(kind, data, where, args.samples)
+                    shutil.rmtree(where)
+                where = work / f"{name}-tdzarr"
+                where.mkdir()
+                per_storage["TensorDict.to_zarr"] = bench_tensordict_zarr(data, where, args.samples)
+                shutil.rmtree(where)
+                results["datasets"][name] = per_storage
+                results.setdefault("ratios_to_memmap", {})[name] = ratios_to_memmap(per_storage)
+                if name == "pong":
+                    where = work / "save-load"
+                    where.mkdir()
+                    results["save_load"] = bench_save_load(data, where)
+                    shutil.rmtree(where)
+                del data
+                gc.collect()
+            results["prioritized_capacity"] = args.prioritized_capacity
+            results["prioritized"] = bench_prioritized(args.prioritized_capacity, work)
+    results["peak_rss_gb"] = peak_rss_gb()
+    print(report(results))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

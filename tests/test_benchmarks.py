@@ -1,0 +1,61 @@
+"""A tiny run of the benchmark suite, so that it keeps working (no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+
+
+def test_benchmark_suite_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import run
+
+    monkeypatch.setattr(run, "CACHE", tmp_path / "cache")
+    out = tmp_path / "results.json"
+    assert (
+        run.main(
+            [
+                "--rows",
+                "96",
+                "--samples",
+                "3",
+                "--datasets",
+                "pong,random",
+                "--prioritized-capacity",
+                "4096",
+                "--json",
+                str(out),
+                "--workdir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    results = json.loads(out.read_text())
+    assert set(results["datasets"]) == {"pong", "random"}
+    for per_storage in results["datasets"].values():
+        assert set(per_storage) == {
+            "ZarrStorage",
+            "LazyMemmapStorage",
+            "LazyTensorStorage",
+            "TensorDict.to_zarr",
+        }
+        assert per_storage["ZarrStorage"]["disk_bytes"] > 0
+    assert set(results["save_load"]) == {"24", "96"}
+    assert "| ZarrStorage |" in capsys.readouterr().out
+    sys.modules.pop("run", None)
+
+
+def test_out_of_core_smoke(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import run
+
+    monkeypatch.setattr(run, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(run, "POOL_ROWS", 64)
+    result = run.out_of_core(300, 3, tmp_path)
+    assert result["rows"] == 300
+    assert result["disk_gb"] > 0
+    sys.modules.pop("run", None)
