@@ -383,17 +383,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         if isinstance(head, slice) and not rest and head.indices(length) == (0, length, 1):
             out = self._lazy_view(length)
         elif not rest and not isinstance(head, slice) and not _is_int(head):
-            # A row index (sampler output): read rows in the order asked, repeats included.
-            tensor = _as_index_tensor(head)
-            rows = self._check_rows(tensor.reshape(-1).numpy(), length)
-            leaves = self._store.read(rows, (leaf.key for leaf in schema.leaves))
-            shape = (*tensor.shape, *schema.batch_shape[1:])
-            out = _convert.build(
-                {key: v.reshape(*tensor.shape, *v.shape[1:]) for key, v in leaves.items()},
-                schema=schema,
-                batch_shape=shape,
-                device=None,
-            )
+            out = self._gather(_as_index_tensor(head), schema, length)
         else:
             rows, position = self._rows_of(head, length)
             block = self._read(rows, schema)
@@ -401,6 +391,29 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             out = block if whole else block[(position, *rest)]
         if self.device != torch.device("cpu") and self.device != "auto":
             out = out.to(self.device)
+        return out
+
+    def _gather(self, index: torch.Tensor, schema: Schema, length: int) -> Any:
+        """Rows at a row index (a sampler's output), in the order asked, repeats included.
+
+        Samplers such as SliceSampler read ``storage[index]`` for a few flags, then the
+        buffer reads the very same rows: the last gather is kept and a copy of it is
+        handed out when the same index comes again, with no write in between and its
+        tensors untouched.
+        """
+        last = self.__dict__.get("_last_gather")
+        revision = self._mutation_revision
+        if last is not None and last.matches(index, revision):
+            return last.result.clone()
+        rows = self._check_rows(index.reshape(-1).numpy(), length)
+        leaves = self._store.read(rows, (leaf.key for leaf in schema.leaves))
+        out = _convert.build(
+            {key: v.reshape(*index.shape, *v.shape[1:]) for key, v in leaves.items()},
+            schema=schema,
+            batch_shape=(*index.shape, *schema.batch_shape[1:]),
+            device=None,
+        )
+        self.__dict__["_last_gather"] = _Gather(index.clone(), revision, out)
         return out
 
     def _lazy_view(self, length: int) -> Any:
@@ -473,6 +486,33 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             )
             bar.update(stop - start)
         bar.close()
+
+
+class _Gather:
+    """The last row gather: its index, the storage revision it saw, and its result."""
+
+    def __init__(self, index: torch.Tensor, revision: int, result: Any) -> None:
+        self.index = index
+        self.revision = revision
+        self.result = result
+        self._versions = self._leaf_versions()
+
+    def _leaf_versions(self) -> list[tuple[int, int]]:
+        tensors = (
+            [self.result]
+            if isinstance(self.result, torch.Tensor)
+            else list(self.result.values(include_nested=True, leaves_only=True))
+        )
+        return [(id(t), t._version) for t in tensors]
+
+    def matches(self, index: torch.Tensor, revision: int) -> bool:
+        return (
+            revision == self.revision
+            and index.shape == self.index.shape
+            and bool(torch.equal(index, self.index))
+            # The first caller may have modified the result in place: then it is stale.
+            and self._leaf_versions() == self._versions
+        )
 
 
 def _progress_bar(total: int, *, enabled: bool) -> Any:
