@@ -280,3 +280,24 @@ def test_compression_settings_are_applied(store_path):
     assert obs.shards[0] >= 256
     assert group["data/r"].shards is None
     assert storage.nbytes_on_disk() < frames.numel() / 20
+
+
+def test_repeated_gather_is_a_fresh_copy_of_current_rows(pair):
+    storage, reference = pair
+    index = torch.tensor([4, 2, 4])
+    first = storage.get(index)
+    first["obs"].add_(1000)  # the caller owns what it got
+    assert_identical(storage.get(index), reference.get(index))
+    second = storage.get(index)
+    third = storage.get(index)
+    assert third["obs"].data_ptr() != second["obs"].data_ptr()
+    update = make_data("tensordict", torch.float32, (1,), seed=11)
+    for s in (storage, reference):
+        s.set(torch.tensor([2]), update, set_cursor=False)
+    assert_identical(storage.get(index), reference.get(index))
+
+
+def test_runs_of_rows_read_in_order(pair):
+    storage, reference = pair
+    index = torch.cat([torch.arange(20, 28), torch.arange(0, 8), torch.arange(5, 13)])
+    assert_identical(storage.get(index), reference.get(index))
