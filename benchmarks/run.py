@@ -227,6 +227,14 @@ def bench_save_load(data: TensorDict, where: Path) -> dict[str, Any]:
         zrb.extend(part[:7])  # a few rows still in RAM, as during training
         zsave = timings(lambda rb=zrb: zarr_rb.save(rb), 3)
         zload = timings(lambda d=zdir: zarr_rb.load(d / "rb.zarr"), 3)
+        zdumps = timings(lambda rb=zrb, d=zdir: rb.dumps(d / "rb.zarr"), 3)
+
+        def zarr_loads(d: Path = zdir, n: int = rows) -> None:
+            TensorDictReplayBuffer(
+                storage=zarr_rb.ZarrStorage(n, d / "rb.zarr"), batch_size=SAMPLE
+            ).loads(d / "rb.zarr")
+
+        zloads = timings(zarr_loads, 3)
         msave = timings(lambda rb=mrb, d=mdir: rb.dumps(d / "dump"), 1)
 
         def memmap_load(d: Path = mdir, n: int = rows) -> None:
@@ -240,6 +248,8 @@ def bench_save_load(data: TensorDict, where: Path) -> dict[str, Any]:
             "raw_gb": part.bytes() / 1e9,
             "zarr_save_s": statistics.median(zsave),
             "zarr_load_s": statistics.median(zload),
+            "zarr_rb_dumps_s": statistics.median(zdumps),
+            "zarr_rb_loads_s": statistics.median(zloads),
             "memmap_dumps_s": msave[0],
             "memmap_loads_s": mload[0],
         }
@@ -352,13 +362,14 @@ def report(results: dict[str, Any]) -> str:
         lines += [
             "### save in place and load (pong)",
             "",
-            "| rows | raw GB | zarr_rb.save s | zarr_rb.load s "
+            "| rows | raw GB | zarr_rb.save s | zarr_rb.load s | Zarr rb.dumps s | Zarr rb.loads s "
             "| LazyMemmap rb.dumps s | LazyMemmap rb.loads s |",
-            "|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for rows, r in results["save_load"].items():
             lines.append(
                 f"| {rows} | {r['raw_gb']:.2f} | {r['zarr_save_s']:.3f} | {r['zarr_load_s']:.3f} "
+                f"| {r['zarr_rb_dumps_s']:.3f} | {r['zarr_rb_loads_s']:.3f} "
                 f"| {r['memmap_dumps_s']:.3f} | {r['memmap_loads_s']:.3f} |"
             )
         lines.append("")
