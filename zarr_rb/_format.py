@@ -442,5 +442,11 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
     )
 
 
+def preview_rows(rows: np.ndarray, limit: int = 8) -> str:
+    """A short listing of row numbers for error messages: ``[3, 9, ...] (12 rows)``."""
+    shown = ", ".join(str(int(r)) for r in rows[:limit])
+    return f"[{shown}{', ...' if rows.size > limit else ''}] ({rows.size} rows)"
+
+
 def leaves_by_key(leaves: Iterable[LeafSpec]) -> dict[tuple[str, ...], LeafSpec]:
     return {leaf.key: leaf for leaf in leaves}

@@ -37,7 +37,9 @@ from zarr_rb._format import (
     Schema,
     StoreMeta,
     commit_from_mask,
+    leaves_by_key,
     parse_store_meta,
+    preview_rows,
 )
 from zarr_rb._layout import Compression, choose_block_rows, leaf_layout
 from zarr_rb._staging import Block, Key, WriteBuffer
@@ -104,6 +106,7 @@ class Store:
         self._arrays: dict[Key, RowArray] = {}
         self._mirror: dict[Key, torch.Tensor] = {}
         self._mirrorable: frozenset[Key] = frozenset()
+        self._leaves: dict[Key, LeafSpec] = {}
         self._buffer: WriteBuffer | None = None
         self._published: np.ndarray | None = None
         self._valid: np.ndarray | None = None
@@ -192,6 +195,7 @@ class Store:
         return (*self.schema.batch_shape[1:], *leaf.shape)
 
     def _attach_schema(self, schema: Schema, block_rows: int) -> None:
+        self._leaves = leaves_by_key(schema.leaves)
         self._buffer = WriteBuffer(
             element_shapes={leaf.key: self.element_shape(leaf) for leaf in schema.leaves},
             dtypes={leaf.key: TORCH_DTYPES[leaf.dtype] for leaf in schema.leaves},
@@ -255,7 +259,7 @@ class Store:
         array = self._arrays.get(key)
         if array is None:
             assert self.schema is not None
-            leaf = next(leaf for leaf in self.schema.leaves if leaf.key == key)
+            leaf = self._leaf(key)
             try:
                 array = self.location.open_array(leaf.path, read_only=self.read_only)
             except ValueError as err:
@@ -439,11 +443,7 @@ class Store:
         return mirror
 
     def _leaf(self, key: Key) -> LeafSpec:
-        assert self.schema is not None
-        for leaf in self.schema.leaves:
-            if leaf.key == key:
-                return leaf
-        raise KeyError(key)
+        return self._leaves[key]
 
     def _read_disk(self, rows: np.ndarray, keys: list[Key]) -> dict[Key, torch.Tensor]:
         if rows.size == 0:
@@ -484,7 +484,7 @@ class Store:
             unreadable = rows[~self._published[rows]]
             if unreadable.size:
                 raise RowsNotCommittedError(
-                    f"store {str(self.location.root)!r}: rows {_preview(unreadable)} are not "
+                    f"store {str(self.location.root)!r}: rows {preview_rows(unreadable)} are not "
                     f"readable in commit {commit.generation} (length {commit.length}, holes "
                     f"{list(commit.holes)}); call refresh() to pick up newer commits",
                 )
@@ -524,8 +524,3 @@ def _block_rows(block: Block) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:
         return start + offsets, {key: v[: block.length] for key, v in block.values.items()}
     index = torch.from_numpy(offsets)
     return start + offsets, {key: v[index] for key, v in block.values.items()}
-
-
-def _preview(rows: np.ndarray, limit: int = 8) -> str:
-    shown = ", ".join(str(int(r)) for r in rows[:limit])
-    return f"[{shown}{', ...' if rows.size > limit else ''}] ({rows.size} rows)"

@@ -22,7 +22,7 @@ from torchrl.data.replay_buffers.utils import _is_int
 
 from zarr_rb import _convert
 from zarr_rb._checkpointer import ZarrStorageCheckpointer
-from zarr_rb._format import Schema
+from zarr_rb._format import Schema, preview_rows
 from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
 from zarr_rb._store import TORCH_DTYPES, Store
@@ -296,13 +296,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         else:
             tensor = _as_index_tensor(cursor)
             index, shape = tensor.reshape(-1).numpy(), tuple(tensor.shape)
-        index = np.where(index < 0, index + rows, index)
-        if index.size and (index.min() < 0 or index.max() >= rows):
-            raise RowIndexError(
-                f"store {str(self.path)!r}: write index out of range for {rows} rows: "
-                f"{_preview(index[(index < 0) | (index >= rows)])}",
-            )
-        return index.astype(np.int64), shape
+        return self._check_rows(index, rows, what="write index").astype(np.int64), shape
 
     def _patch_elements(
         self, cursor: tuple[Any, ...], data: Any, schema: Schema
@@ -356,13 +350,13 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         rows, inverse = np.unique(flat, return_inverse=True)
         return rows, torch.from_numpy(inverse.reshape(tensor.shape))
 
-    def _check_rows(self, rows: np.ndarray, length: int) -> np.ndarray:
+    def _check_rows(self, rows: np.ndarray, length: int, *, what: str = "index") -> np.ndarray:
         """Rows with negative indices wrapped; raises for any outside ``[0, length)``."""
         rows = np.where(rows < 0, rows + length, rows)
         if rows.size and (rows.min() < 0 or rows.max() >= length):
             raise RowIndexError(
-                f"store {str(self.path)!r}: index out of range for {length} rows: "
-                f"{_preview(rows[(rows < 0) | (rows >= length)])}",
+                f"store {str(self.path)!r}: {what} out of range for {length} rows: "
+                f"{preview_rows(rows[(rows < 0) | (rows >= length)])}",
             )
         return rows
 
@@ -526,8 +520,3 @@ def _unique_last(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     reversed_rows = index[::-1]
     rows, first_in_reversed = np.unique(reversed_rows, return_index=True)
     return rows, (index.size - 1 - first_in_reversed).astype(np.int64)
-
-
-def _preview(rows: np.ndarray, limit: int = 8) -> str:
-    shown = ", ".join(str(int(r)) for r in rows[:limit])
-    return f"[{shown}{', ...' if rows.size > limit else ''}]"
