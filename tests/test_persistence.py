@@ -434,3 +434,18 @@ def test_ndim2_buffer_saves_and_loads(tmp_path):
     assert loaded.storage.ndim == 2
     assert len(loaded) == 24
     assert_identical(loaded.storage[:], expected)
+
+
+def test_snapshot_leaves_out_interrupted_write_temporaries(tmp_path):
+    storage = ZarrStorage(CAPACITY, tmp_path / "a.zarr", compression=COMPRESSION)
+    rb = make_buffer("round_robin_td", storage, torch.Generator().manual_seed(0))
+    run(rb, range(2))
+    shard_dir = next(
+        p.parent for p in (storage.path / "data" / "obs" / "c").rglob("*") if p.is_file()
+    )
+    (shard_dir / "0.__lock").write_bytes(b"partial")
+    (storage.path / ".zarr.json.abc.tmp").write_text("{")
+    snapshot = zarr_rb.save(rb, tmp_path / "snap.zarr")
+    leftovers = [p for p in snapshot.rglob("*") if p.name.endswith((".__lock", ".tmp"))]
+    assert leftovers == []
+    assert len(zarr_rb.load(snapshot)) == len(rb)
