@@ -213,7 +213,10 @@ class LocalLocation:
         """
         target = Path(target).absolute()
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            raise FileExistsError(f"snapshot target {str(target)!r} exists and is not empty")
+            raise FileExistsError(
+                f"snapshot target {str(target)!r} exists and is not empty; save the snapshot to "
+                "a new path, or delete the old one first",
+            )
         # Temporaries of interrupted writes (ours end in .tmp, TensorStore's in .__lock) are
         # not part of the store; a hard-linked lock file would even be shared with it.
         files = [p for p in _walk_files(self.root) if not p.name.endswith((".tmp", ".__lock"))]
