@@ -14,14 +14,13 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import tensorstore as ts
 
-from zarr_rb._format import DATA_GROUP
 from zarr_rb._layout import Compression, LeafLayout
 
 ROOT_METADATA = "zarr.json"
@@ -200,9 +199,6 @@ class LocalLocation:
         array = self.open_array(path, read_only=True)
         return np.asarray(array.read_rows(np.arange(array.shape[0])).result())
 
-    def remove(self, path: str) -> None:
-        shutil.rmtree(self.root / path, ignore_errors=True)
-
     def snapshot_to(self, target: str | os.PathLike[str], *, progress: bool = False) -> int:
         """Make ``target`` an independent copy of this store; returns bytes copied.
 
@@ -223,7 +219,8 @@ class LocalLocation:
         target.mkdir(parents=True, exist_ok=True)
         same_device = os.stat(self.root).st_dev == os.stat(target).st_dev
         copied = 0
-        bar = _progress(sum(p.stat().st_size for p in files), "snapshot", enabled=progress)
+        total = sum(p.stat().st_size for p in files)
+        bar = progress_bar(total, desc="snapshot", unit="B", enabled=progress)
         for source in files:
             destination = target / source.relative_to(self.root)
             destination.parent.mkdir(parents=True, exist_ok=True)
@@ -241,9 +238,6 @@ class LocalLocation:
         bar.close()
         _fsync_dir(target)
         return copied
-
-    def data_dir(self) -> Path:
-        return self.root / DATA_GROUP
 
     def nbytes(self) -> int:
         """Bytes of all files of the store."""
@@ -264,20 +258,33 @@ class _Runs:
         return np.concatenate([future.result() for future in self._futures])
 
 
-class _NoProgress:
-    def update(self, n: int) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
-
-
-def _progress(total: int, desc: str, *, enabled: bool) -> Any:
-    if not enabled:
-        return _NoProgress()
+def progress_bar(total: int, *, desc: str, unit: str, enabled: bool) -> Any:
+    """A tqdm bar, silent unless ``enabled``."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, leave=False)
+    return tqdm(
+        total=total, desc=desc, unit=unit, unit_scale=True, disable=not enabled, leave=False
+    )
+
+
+def copy_in_blocks(
+    read: Callable[[int, int], Any],
+    write: Callable[[slice, Any], None],
+    *,
+    rows: int,
+    row_nbytes: int,
+    block_bytes: int,
+    progress: bool,
+    desc: str,
+) -> None:
+    """Copy rows ``[0, rows)`` block by block, ``write(slice(a, b), read(a, b))``, holding
+    about ``block_bytes`` bytes of rows in RAM at once."""
+    step = max(1, block_bytes // max(1, row_nbytes))
+    with progress_bar(rows, desc=desc, unit="row", enabled=progress) as bar:
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            write(slice(start, stop), read(start, stop))
+            bar.update(stop - start)
 
 
 def _as_bits(array: np.ndarray) -> np.ndarray:

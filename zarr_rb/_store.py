@@ -41,7 +41,7 @@ from zarr_rb._format import (
     parse_store_meta,
     preview_rows,
 )
-from zarr_rb._layout import Compression, choose_block_rows, leaf_layout
+from zarr_rb._layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb._staging import Block, Key, WriteBuffer
 from zarr_rb.errors import (
     NotAStoreError,
@@ -205,15 +205,10 @@ class Store:
         small = [
             leaf
             for leaf in schema.leaves
-            if math.prod(self.element_shape(leaf)) * leaf.itemsize
-            < self.compression.large_row_bytes
+            if row_nbytes(leaf, schema.batch_shape) < self.compression.large_row_bytes
         ]
-        if (
-            not self.read_only
-            and schema.rows
-            * sum(math.prod(self.element_shape(leaf)) * leaf.itemsize for leaf in small)
-            <= MIRROR_LIMIT_BYTES
-        ):
+        small_bytes = sum(row_nbytes(leaf, schema.batch_shape) for leaf in small)
+        if not self.read_only and schema.rows * small_bytes <= MIRROR_LIMIT_BYTES:
             self._mirrorable = frozenset(leaf.key for leaf in small)
         readable = self.committed.readable_mask(schema.rows)
         self._published = readable

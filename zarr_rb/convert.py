@@ -30,7 +30,6 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,7 @@ from torchrl.data.replay_buffers.samplers import PrioritizedSampler, SamplerWith
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxValueWriter
 
 from zarr_rb._checkpointer import TORCHRL_METADATA, ZarrStorageCheckpointer, _is_store
+from zarr_rb._engine import copy_in_blocks
 from zarr_rb.api import load, save
 from zarr_rb.errors import (
     NotAStoreError,
@@ -75,30 +75,9 @@ def _check_block_bytes(block_bytes: int | None) -> None:
         raise ValueError(f"expected block_bytes >= 1 (or None for BLOCK_BYTES), got {block_bytes}")
 
 
-def _block_rows(row_nbytes: int, block_bytes: int | None) -> int:
-    limit = BLOCK_BYTES if block_bytes is None else int(block_bytes)
-    return max(1, limit // max(1, row_nbytes))
-
-
-def _copy_blocks(
-    read: Callable[[int, int], Any],
-    write: Callable[[slice, Any], None],
-    *,
-    rows: int,
-    row_nbytes: int,
-    block_bytes: int | None,
-    progress: bool,
-    desc: str,
-) -> None:
-    """Copy rows ``[0, rows)`` block by block: ``write(slice(a, b), read(a, b))``."""
-    from tqdm.auto import tqdm
-
-    step = _block_rows(row_nbytes, block_bytes)
-    with tqdm(total=rows, desc=desc, unit="row", disable=not progress, leave=False) as bar:
-        for start in range(0, rows, step):
-            stop = min(rows, start + step)
-            write(slice(start, stop), read(start, stop))
-            bar.update(stop - start)
+def _resolve_block_bytes(block_bytes: int | None) -> int:
+    # BLOCK_BYTES is read at call time so that it can be tuned (and patched) module-wide.
+    return BLOCK_BYTES if block_bytes is None else int(block_bytes)
 
 
 def _leaves(data: Any) -> list[torch.Tensor]:
@@ -369,12 +348,12 @@ class _StreamingCheckpointer(ZarrStorageCheckpointer):
         def write(where: slice, block: Any) -> None:
             storage.set(where, block, set_cursor=False)
 
-        _copy_blocks(
+        copy_in_blocks(
             read,
             write,
             rows=rows,
             row_nbytes=_row_nbytes(source),
-            block_bytes=self.block_bytes,
+            block_bytes=_resolve_block_bytes(self.block_bytes),
             progress=self.progress,
             desc="import rows",
         )
@@ -474,12 +453,12 @@ def export_torchrl(
 
         if rows == 0:
             write(slice(0, 1), read(0, 1))  # allocate the files; the length stays 0
-        _copy_blocks(
+        copy_in_blocks(
             read,
             write,
             rows=rows,
             row_nbytes=schema.row_nbytes,
-            block_bytes=block_bytes,
+            block_bytes=_resolve_block_bytes(block_bytes),
             progress=progress,
             desc="export rows",
         )

@@ -22,6 +22,7 @@ from torchrl.data.replay_buffers.utils import _is_int
 
 from zarr_rb import _convert
 from zarr_rb._checkpointer import ZarrStorageCheckpointer
+from zarr_rb._engine import copy_in_blocks
 from zarr_rb._format import Schema, preview_rows
 from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
@@ -467,19 +468,15 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         if rows <= 0:
             return
         first = source[0:1]
-        row_nbytes = max(1, int(first.bytes()) if hasattr(first, "bytes") else first.nbytes)
-        step = max(1, (64 * 2**20) // row_nbytes)
-        bar = _progress_bar(rows, enabled=progress)
-        for start in range(0, rows, step):
-            stop = min(rows, start + step)
-            block = source[start:stop]
-            self.set(
-                slice(start, stop),
-                block.clone() if hasattr(block, "clone") else block,
-                set_cursor=False,
-            )
-            bar.update(stop - start)
-        bar.close()
+        copy_in_blocks(
+            lambda start, stop: source[start:stop].clone(),
+            lambda where, block: self.set(where, block, set_cursor=False),
+            rows=rows,
+            row_nbytes=int(first.bytes()) if hasattr(first, "bytes") else first.nbytes,
+            block_bytes=64 * 2**20,
+            progress=progress,
+            desc="copy rows",
+        )
 
 
 class _Gather:
@@ -507,12 +504,6 @@ class _Gather:
             # The first caller may have modified the result in place: then it is stale.
             and self._leaf_versions() == self._versions
         )
-
-
-def _progress_bar(total: int, *, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="copy rows", unit="row", disable=not enabled, leave=False)
 
 
 def _unique_last(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
