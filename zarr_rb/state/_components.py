@@ -139,8 +139,19 @@ def _prioritized_config(obj: Any) -> Config:
     }
 
 
+_PRIORITIZED_FIELDS = (
+    "max_capacity",
+    "alpha",
+    "beta",
+    "eps",
+    "dtype",
+    "reduction",
+    "max_priority_within_buffer",
+)
+
+
 def _prioritized_kwargs(config: Config) -> dict[str, Any]:
-    kwargs = dict(config)
+    kwargs = {name: config[name] for name in _PRIORITIZED_FIELDS}
     kwargs["dtype"] = getattr(torch, config["dtype"])
     return kwargs
 
@@ -262,7 +273,7 @@ ADAPTERS: dict[str, Adapter] = {
             S.PrioritizedSliceSampler,
             lambda o: {**_slice_config(o), **_prioritized_config(o)},
             lambda c: S.PrioritizedSliceSampler(
-                **_prioritized_kwargs({k: c[k] for k in _prioritized_config_keys()}),
+                **_prioritized_kwargs(c),
                 **_slice_kwargs(c),
                 span=tuple(c["span"]),
             ),
@@ -296,18 +307,6 @@ ADAPTERS: dict[str, Adapter] = {
         ),
     )
 }
-
-
-def _prioritized_config_keys() -> tuple[str, ...]:
-    return (
-        "max_capacity",
-        "alpha",
-        "beta",
-        "eps",
-        "dtype",
-        "reduction",
-        "max_priority_within_buffer",
-    )
 
 
 def adapter_for(obj: Any, *, role: str) -> Adapter:
