@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 RowReader = Callable[[np.ndarray], torch.Tensor]
-"""Reads rows (sorted, unique positions in the column) and returns ``[len(rows), ...]``."""
+"""Reads rows (positions in the column, any order, repeats allowed): ``[len(rows), ...]``."""
 
 
 class LazyColumn(torch.Tensor):
@@ -69,9 +69,7 @@ class LazyColumn(torch.Tensor):
             raise IndexError(
                 f"index out of range for a column of {self.shape[0]} rows: {rows.tolist()}"
             )
-        unique, inverse = torch.unique(flat, return_inverse=True)
-        block = self._reader(unique.numpy())
-        return block[inverse].reshape(*rows.shape, *self.shape[1:])
+        return self._reader(flat.numpy()).reshape(*rows.shape, *self.shape[1:])
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
