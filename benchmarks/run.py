@@ -226,13 +226,18 @@ def bench_save_load(data: TensorDict, where: Path) -> dict[str, Any]:
                 rb.extend(part[start : start + BATCH])
         zrb.extend(part[:7])  # a few rows still in RAM, as during training
         zsave = timings(lambda rb=zrb: zarr_rb.save(rb), 3)
-        zload = timings(lambda d=zdir: zarr_rb.load(d / "rb.zarr"), 3)
         zdumps = timings(lambda rb=zrb, d=zdir: rb.dumps(d / "rb.zarr"), 3)
+        zrb.storage.close()  # one writer per store: loading below opens it again
+
+        def zarr_load(d: Path = zdir) -> None:
+            zarr_rb.load(d / "rb.zarr").storage.close()
+
+        zload = timings(zarr_load, 3)
 
         def zarr_loads(d: Path = zdir, n: int = rows) -> None:
-            TensorDictReplayBuffer(
-                storage=zarr_rb.ZarrStorage(n, d / "rb.zarr"), batch_size=SAMPLE
-            ).loads(d / "rb.zarr")
+            storage = zarr_rb.ZarrStorage(n, d / "rb.zarr")
+            TensorDictReplayBuffer(storage=storage, batch_size=SAMPLE).loads(d / "rb.zarr")
+            storage.close()
 
         zloads = timings(zarr_loads, 3)
         msave = timings(lambda rb=mrb, d=mdir: rb.dumps(d / "dump"), 1)
@@ -243,7 +248,6 @@ def bench_save_load(data: TensorDict, where: Path) -> dict[str, Any]:
             ).loads(d / "dump")
 
         mload = timings(memmap_load, 1)
-        zrb.storage.close()
         out[str(rows)] = {
             "raw_gb": part.bytes() / 1e9,
             "zarr_save_s": statistics.median(zsave),
@@ -268,7 +272,8 @@ def bench_prioritized(capacity: int, where: Path) -> dict[str, float]:
         zarr_rb.save(rb)
 
     saves = timings(touch_and_save, 3)
-    loads = timings(lambda: zarr_rb.load(storage.path), 3)
+    storage.close()  # one writer per store: loading below opens it again
+    loads = timings(lambda: zarr_rb.load(storage.path).storage.close(), 3)
     sampler: PrioritizedSampler = rb.sampler
     dumps = timings(lambda: sampler.dumps(where / "prio-torchrl"), 1)
     fresh = PrioritizedSampler(capacity, 0.7, 0.5)

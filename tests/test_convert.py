@@ -175,7 +175,9 @@ def test_import_matches_torchrl(tmp_path: Path, name: str) -> None:
     fill(original)
     original.dumps(tmp_path / "dump")
 
-    path = import_torchrl(tmp_path / "dump", zarr_buffer(name, tmp_path / "rb.zarr"))
+    destination = zarr_buffer(name, tmp_path / "rb.zarr")
+    path = import_torchrl(tmp_path / "dump", destination)
+    destination.storage.close()  # one writer per store
     assert path == (tmp_path / "rb.zarr").absolute()
     rb = zarr_rb.load(path)
     assert type(rb) is type(original)
@@ -222,7 +224,9 @@ def test_max_value_writer_write_count(tmp_path: Path) -> None:
     original = torchrl_buffer("max_value")
     fill(original)
     original.dumps(tmp_path / "dump")
-    path = import_torchrl(tmp_path / "dump", zarr_buffer("max_value", tmp_path / "rb.zarr"))
+    destination = zarr_buffer("max_value", tmp_path / "rb.zarr")
+    path = import_torchrl(tmp_path / "dump", destination)
+    destination.storage.close()
     assert zarr_rb.load(path).writer._write_count == original.writer._write_count
 
 
@@ -283,8 +287,16 @@ def test_export_leaves_source_unchanged(tmp_path: Path) -> None:
     fill(source)
     zarr_rb.save(source)
     export_torchrl(tmp_path / "rb.zarr", tmp_path / "dump", progress=False)
-    # The source can still be used and saved; its store was not touched by the export.
-    assert_same_buffer(zarr_rb.load(tmp_path / "rb.zarr"), source)
+    # The export opened the store read-only, next to its writer: the store is unchanged...
+    saved = zarr_rb.load(tmp_path / "rb.zarr", read_only=True)
+    assert_identical(saved.storage[:], source.storage[:])
+    assert_same_state(saved, source)
+    # ...and its writer can go on and save.
+    source.extend(transitions(20, start=9000))
+    zarr_rb.save(source)
+    expected = source.storage.get(torch.arange(len(source)))
+    source.storage.close()
+    assert_identical(zarr_rb.load(tmp_path / "rb.zarr").storage[:], expected)
 
 
 def test_export_transforms(tmp_path: Path) -> None:
@@ -325,7 +337,9 @@ def test_round_trip(tmp_path: Path, name: str) -> None:
     source.storage.close()
 
     export_torchrl(tmp_path / "a.zarr", tmp_path / "dump", progress=False)
-    import_torchrl(tmp_path / "dump", zarr_buffer(name, tmp_path / "b.zarr"), progress=False)
+    destination = zarr_buffer(name, tmp_path / "b.zarr")
+    import_torchrl(tmp_path / "dump", destination, progress=False)
+    destination.storage.close()
     assert_same_buffer(zarr_rb.load(tmp_path / "b.zarr"), zarr_rb.load(tmp_path / "a.zarr"))
 
 
@@ -506,7 +520,9 @@ def test_import_streams_in_blocks(
     nbytes = row_nbytes(original.storage[:1])  # with the "index" key the buffer adds
     monkeypatch.setattr(convert, "BLOCK_BYTES", 10 * nbytes)
     spy = SetSpy(monkeypatch, ZarrStorage)
-    import_torchrl(tmp_path / "dump", zarr_buffer("prioritized", tmp_path / "rb.zarr"))
+    destination = zarr_buffer("prioritized", tmp_path / "rb.zarr")
+    import_torchrl(tmp_path / "dump", destination)
+    destination.storage.close()
     spy.check(rows_per_block=10)
     assert "import rows" in capsys.readouterr().err  # the progress bar
     monkeypatch.undo()
@@ -521,7 +537,7 @@ def test_export_streams_in_blocks(
     zarr_rb.save(source)
     source.storage.close()
     spy = SetSpy(monkeypatch, LazyMemmapStorage)
-    nbytes = zarr_rb.load(tmp_path / "rb.zarr").storage.schema.row_nbytes
+    nbytes = zarr_rb.load(tmp_path / "rb.zarr", read_only=True).storage.schema.row_nbytes
     export_torchrl(tmp_path / "rb.zarr", tmp_path / "dump", block_bytes=7 * nbytes + 3)
     spy.check(rows_per_block=7)
     assert "export rows" in capsys.readouterr().err  # the progress bar

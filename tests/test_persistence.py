@@ -242,6 +242,7 @@ def test_load_and_loads_read_no_data_chunk(tmp_path, monkeypatch):
     monkeypatch.setattr(RowArray, "read_rows", no_data_reads)
     loaded = zarr_rb.load(tmp_path / "rb.zarr")
     assert len(loaded) == sum(BATCH if step % 3 else BATCH + 5 for step in range(5))
+    loaded.storage.close()  # one writer per store
     again = make_buffer(
         "prioritized", ZarrStorage(CAPACITY, tmp_path / "rb.zarr"), torch.Generator()
     )
@@ -282,6 +283,7 @@ def test_max_value_writer_keeps_indices_above_2_pow_24(tmp_path):
     heap = [(0.5, 2**24 + 3), (0.75, 2**24 + 61), (0.9, 7)]
     rb.writer._current_top_values = list(heap)
     zarr_rb.save(rb)
+    storage.close()
     loaded = zarr_rb.load(tmp_path / "rb.zarr")
     assert loaded.writer._current_top_values == heap
     # float32 cannot tell these apart: the reason the heap is not stored as TorchRL does
@@ -398,7 +400,7 @@ def test_planted_pickle_never_runs_without_opt_in(tmp_path):
     fresh = Compose(
         ObservationNorm(loc=torch.tensor(0.0), scale=torch.tensor(1.0), in_keys=["reward"])
     )
-    zarr_rb.load(path, transform=fresh)
+    zarr_rb.load(path, transform=fresh).storage.close()
     assert not marker.exists()
     # The payload is real: with the opt-in it does run (and is then not a transform).
     with pytest.raises(StoreCorruptedError, match="not a torchrl Transform"):
@@ -416,6 +418,7 @@ def test_round_robin_generations_survive_save_and_load(tmp_path):
         rb.extend(transitions(BATCH, step))
     generation = rb.writer._generation.clone()
     zarr_rb.save(rb)
+    storage.close()
     loaded = zarr_rb.load(tmp_path / "rb.zarr")
     assert loaded.writer._track_generations
     assert torch.equal(loaded.writer._generation, generation)

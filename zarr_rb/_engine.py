@@ -9,11 +9,11 @@ own codec pipeline.
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import json
+import math
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,18 +21,18 @@ from typing import Any, Protocol
 import numpy as np
 import tensorstore as ts
 
+from zarr_rb._io import LOCK_FILE, Durability, announce, is_temporary, write_json_atomically
 from zarr_rb._layout import Compression, LeafLayout
 
 ROOT_METADATA = "zarr.json"
 STATE_CHUNK_BYTES = 2**20
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _checksummed(compressors: list[Any]) -> list[Any]:
+    """Codecs ending with a CRC32C of each stored chunk, so damage is detected on read."""
+    from zarr.codecs import Crc32cCodec
+
+    return [*compressors, Crc32cCodec()]
 
 
 class LocalLocation:
@@ -40,10 +40,14 @@ class LocalLocation:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).absolute()
+        self.durability = Durability(self.root)
         self._context = ts.Context(
             {
                 "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
                 "file_io_concurrency": {"limit": 32},
+                # Written files are fsynced once per commit (Durability.sync), together,
+                # rather than one by one as TensorStore writes them.
+                "file_io_sync": False,
             }
         )
 
@@ -64,25 +68,29 @@ class LocalLocation:
         return value
 
     def write_root_attributes(self, attributes: Mapping[str, Any]) -> None:
-        """Atomically replace the root group's ``zarr.json``.
+        """Publish new root attributes (a commit): make every file written since the last
+        commit durable, then atomically replace the root ``zarr.json``.
 
-        Write a temporary file, fsync it, rename it over the old one, fsync the
-        directory: a crash leaves either the old or the new metadata, never a mix.
+        A crash leaves either the old or the new metadata, never a mix, and the new one
+        never refers to data that a power loss could take back.
         """
+        self.durability.sync()
         document = {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
-        payload = json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
-        fd, tmp = tempfile.mkstemp(prefix=".zarr.json.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(payload)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.root / ROOT_METADATA)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(self.root)
+        write_json_atomically(self.root / ROOT_METADATA, document, publish=True)
+
+    def remove_temporaries(self) -> list[Path]:
+        """Delete files left by interrupted writes (only ever called by the store's writer)."""
+        removed = []
+        for path in _walk_files(self.root):
+            if is_temporary(path):
+                announce("remove", path)
+                path.unlink(missing_ok=True)
+                removed.append(path)
+        return removed
+
+    def _written_metadata(self, path: str) -> None:
+        announce("write", self.root / path)
+        self.durability.written([self.root / path / ROOT_METADATA])
 
     # --- arrays ----------------------------------------------------------------------------
 
@@ -98,6 +106,7 @@ class LocalLocation:
         """Create an array (and its parent groups) with zarr-python."""
         import zarr
 
+        self._written_metadata(path)
         group_path, _, name = path.rpartition("/")
         group = zarr.open_group(self.root / group_path, mode="a", zarr_format=3)
         group.create_array(
@@ -106,7 +115,7 @@ class LocalLocation:
             dtype=dtype,
             chunks=layout.chunks,
             shards=layout.shards,
-            compressors=compression.compressors(),
+            compressors=_checksummed(compression.compressors()),
             fill_value=0,
             attributes=dict(attributes),
             overwrite=True,
@@ -115,25 +124,32 @@ class LocalLocation:
     def create_group(self, path: str) -> None:
         import zarr
 
-        zarr.open_group(self.root / path, mode="a", zarr_format=3)
+        if not (self.root / path / ROOT_METADATA).exists():
+            self._written_metadata(path)
+            zarr.open_group(self.root / path, mode="a", zarr_format=3)
 
     def open_array(self, path: str, *, read_only: bool) -> RowArray:
         spec = {
             "driver": "zarr3",
             "kvstore": {"driver": "file", "path": str(self.root / path)},
+            # A chunk inside the committed range is never legitimately missing: reading
+            # one is an error, not fill values. For that, every written chunk is stored,
+            # even one that equals the fill value.
+            "fill_missing_data_reads": False,
+            "store_data_equal_to_fill_value": True,
         }
         array = ts.open(
             spec, open=True, read=True, write=not read_only, context=self._context
         ).result()
-        return RowArray(array, path)
+        return RowArray(array, path, root=self.root, durability=self.durability)
 
     # --- state groups: small arrays and JSON attributes -------------------------------------
 
     def write_group_attributes(self, path: str, attributes: Mapping[str, Any]) -> None:
-        import zarr
-
-        group = zarr.open_group(self.root / path, mode="a", zarr_format=3)
-        group.attrs.put(dict(attributes))
+        document = {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
+        (self.root / path).mkdir(parents=True, exist_ok=True)
+        write_json_atomically(self.root / path / ROOT_METADATA, document)
+        self.durability.written([self.root / path / ROOT_METADATA])
 
     def read_group_attributes(self, path: str) -> dict[str, Any]:
         try:
@@ -181,6 +197,7 @@ class LocalLocation:
         import zarr
         from zarr.codecs import ZstdCodec
 
+        self._written_metadata(path)
         group_path, _, name = path.rpartition("/")
         row_nbytes = max(1, values[:1].nbytes)
         chunk_rows = max(1, min(values.shape[0], STATE_CHUNK_BYTES // row_nbytes))
@@ -190,7 +207,7 @@ class LocalLocation:
             shape=values.shape,
             dtype=values.dtype,
             chunks=(chunk_rows, *values.shape[1:]),
-            compressors=[ZstdCodec(level=1)],
+            compressors=_checksummed([ZstdCodec(level=1)]),
             fill_value=0,
             overwrite=True,
         )
@@ -215,7 +232,7 @@ class LocalLocation:
             )
         # Temporaries of interrupted writes (ours end in .tmp, TensorStore's in .__lock) are
         # not part of the store; a hard-linked lock file would even be shared with it.
-        files = [p for p in _walk_files(self.root) if not p.name.endswith((".tmp", ".__lock"))]
+        files = [p for p in _walk_files(self.root) if not is_temporary(p) and p.name != LOCK_FILE]
         target.mkdir(parents=True, exist_ok=True)
         same_device = os.stat(self.root).st_dev == os.stat(target).st_dev
         copied = 0
@@ -236,7 +253,10 @@ class LocalLocation:
                 copied += size
             bar.update(size)
         bar.close()
-        _fsync_dir(target)
+        # The snapshot is published by its own commit: make its files durable first.
+        durability = Durability(target)
+        durability.written([target / p.relative_to(self.root) for p in files])
+        durability.sync()
         return copied
 
     def nbytes(self) -> int:
@@ -304,9 +324,22 @@ def _walk_files(root: Path) -> Iterator[Path]:
 class RowArray:
     """One Zarr array addressed by rows (its first dimension)."""
 
-    def __init__(self, array: ts.TensorStore, path: str) -> None:
+    def __init__(
+        self, array: ts.TensorStore, path: str, *, root: Path, durability: Durability
+    ) -> None:
         self._array = array
         self.path = path
+        self._dir = root / path
+        self._durability = durability
+        encoding = array.spec().to_json().get("metadata", {}).get("chunk_key_encoding", {})
+        self._v2_keys = encoding.get("name") == "v2"
+        self._separator = encoding.get("configuration", {}).get("separator", "/")
+        write_chunk = [int(c or 1) for c in array.chunk_layout.write_chunk.shape or ()]
+        # Chunk grid positions along the dimensions after the first (one, for our layouts).
+        grid = [
+            math.ceil(n / max(c, 1)) for n, c in zip(self.shape[1:], write_chunk[1:], strict=True)
+        ]
+        self._tail_positions = list(itertools.product(*(range(n) for n in grid)))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -323,6 +356,49 @@ class RowArray:
         assert shape is not None
         assert shape[0] is not None
         return int(shape[0])
+
+    @property
+    def read_chunk_rows(self) -> int:
+        """Rows per stored (inner) chunk: the unit a checksum covers."""
+        shape = self._array.chunk_layout.read_chunk.shape
+        assert shape is not None
+        assert shape[0] is not None
+        return int(shape[0])
+
+    def chunk_file(self, chunk: int, tail: tuple[int, ...] = ()) -> Path:
+        """The file holding write chunk (shard) ``chunk`` along the rows."""
+        indices = [str(chunk), *(str(i) for i in tail)]
+        key: str = self._separator.join(indices if self._v2_keys else ["c", *indices])
+        return self._dir / key
+
+    def chunk_files(self, rows: np.ndarray) -> list[Path]:
+        return [
+            self.chunk_file(int(chunk), tail)
+            for chunk in np.unique(rows // self.chunk_rows)
+            for tail in self._tail_positions
+        ]
+
+    def damaged_runs(self, start: int, stop: int) -> list[tuple[int, int, str]]:
+        """The stored chunks among rows ``[start, stop)`` that cannot be read back intact.
+
+        Returns:
+            ``(first_row, end_row, reason)`` for each damaged chunk (rows clipped to the
+            range asked).
+        """
+        try:
+            self._array[start:stop].read().result()
+            return []
+        except ValueError:
+            pass
+        step = self.read_chunk_rows
+        damaged = []
+        for first in range(start - start % step, stop, step):
+            a, b = max(first, start), min(first + step, stop)
+            try:
+                self._array[a:b].read().result()
+            except ValueError as err:
+                damaged.append((a, b, _short_reason(err)))
+        return damaged
 
     def read_rows(self, rows: np.ndarray) -> PendingRead:
         """Start reading ``rows`` (any order, repeats allowed): ``[len(rows), ...]``."""
@@ -343,10 +419,20 @@ class RowArray:
         return self._array[rows].read()
 
     def write_rows(self, rows: np.ndarray, values: np.ndarray) -> ts.WriteFutures:
-        """Start writing ``values[i]`` to row ``rows[i]`` (``rows`` unique)."""
+        """Start writing ``values[i]`` to row ``rows[i]`` (``rows`` unique).
+
+        The chunk files written are made durable by the next commit.
+        """
+        announce("write", self._dir)
+        self._durability.written(self.chunk_files(rows))
         if _is_run(rows):
             return self._array[int(rows[0]) : int(rows[0]) + rows.size].write(values)
         return self._array[rows].write(values)
+
+
+def _short_reason(err: Exception) -> str:
+    """TensorStore's error message without the source locations it appends."""
+    return str(err).split(" [source locations=")[0]
 
 
 def _is_run(rows: np.ndarray) -> bool:

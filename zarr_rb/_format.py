@@ -448,5 +448,12 @@ def preview_rows(rows: np.ndarray, limit: int = 8) -> str:
     return f"[{shown}{', ...' if rows.size > limit else ''}] ({rows.size} rows)"
 
 
+def describe_runs(runs: Sequence[tuple[int, int, str]] | Sequence[tuple[int, int]]) -> str:
+    """``rows 6-7, 12-13`` for error messages (half-open ranges, shown inclusive)."""
+    shown = ", ".join(f"{r[0]}-{r[1] - 1}" if r[1] - r[0] > 1 else f"{r[0]}" for r in runs[:8])
+    more = f" and {len(runs) - 8} more ranges" if len(runs) > 8 else ""
+    return f"rows {shown}{more}"
+
+
 def leaves_by_key(leaves: Iterable[LeafSpec]) -> dict[tuple[str, ...], LeafSpec]:
     return {leaf.key: leaf for leaf in leaves}

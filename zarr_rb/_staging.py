@@ -79,9 +79,9 @@ class WriteBuffer:
         return block
 
     def stage(
-        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
+        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, force: bool = False
     ) -> tuple[list[tuple[int, int]], list[int]]:
-        """Stage what belongs in RAM.
+        """Stage what belongs in RAM (everything, with ``force``).
 
         ``rows`` is sorted and unique, ``values[key][i]`` belongs to ``rows[i]``.
 
@@ -104,7 +104,7 @@ class WriteBuffer:
             whole = (
                 contiguous and offsets[0] == 0 and offsets.size == self._block_rows_in_array(index)
             )
-            if block is None and (whole or not contiguous):
+            if block is None and (whole or not contiguous) and not force:
                 # A whole block needs no staging; scattered rows are not worth a block.
                 direct.append((start, stop))
                 continue

@@ -17,12 +17,15 @@ numbers; it knows nothing about TorchRL.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,18 +40,24 @@ from zarr_rb._format import (
     Schema,
     StoreMeta,
     commit_from_mask,
+    describe_runs,
     leaves_by_key,
     parse_store_meta,
     preview_rows,
 )
+from zarr_rb._io import LOCK_FILE
 from zarr_rb._layout import Compression, choose_block_rows, leaf_layout, row_nbytes
+from zarr_rb._lock import WriterLock
 from zarr_rb._staging import Block, Key, WriteBuffer
 from zarr_rb.errors import (
+    ChunkCorruptedError,
     NotAStoreError,
     ReadOnlyError,
     RowsNotCommittedError,
     SchemaMismatchError,
     StoreCorruptedError,
+    StoreWriteError,
+    ZarrRBError,
 )
 
 _MAX_STAGED_BLOCKS = 8
@@ -95,8 +104,10 @@ class Store:
         *,
         read_only: bool,
         compression: Compression,
+        lock: WriterLock | None = None,
     ) -> None:
         self.location = location
+        self._lock = lock
         self.meta = meta
         self.read_only = read_only
         self.compression = compression
@@ -135,16 +146,11 @@ class Store:
                 f"{where} is a file, not a zarr_rb store; pass a directory path "
                 "(e.g. 'runs/buffer.zarr')",
             )
-        try:
-            document = location.read_root_metadata()
-        except (ValueError, UnicodeDecodeError) as err:
-            raise StoreCorruptedError(
-                f"{where}: root zarr.json is not valid JSON ({err})"
-            ) from None
+        document = _read_root(location)
         if document is None:
             if read_only:
                 raise FileNotFoundError(f"no zarr_rb store at {str(root)!r}")
-            if root.exists() and any(root.iterdir()):
+            if root.exists() and any(p.name != LOCK_FILE for p in root.iterdir()):
                 raise NotAStoreError(
                     f"{where} is a non-empty directory without a zarr_rb store; "
                     "choose a new or empty directory",
@@ -152,27 +158,31 @@ class Store:
             if max_size is None:
                 raise ValueError(f"max_size is required to create a new store at {str(root)!r}")
             root.mkdir(parents=True, exist_ok=True)
-            meta = StoreMeta(max_size=max_size, ndim=ndim or 1, schema=None, commit=Commit())
-            location.write_root_attributes({ATTRS_KEY: meta.to_json()})
-            location.create_group(DATA_GROUP)
-            return cls(location, meta, read_only=False, compression=compression)
-        attributes = document.get("attributes")
-        if not isinstance(attributes, dict) or ATTRS_KEY not in attributes:
-            raise NotAStoreError(
-                f"{where} is a Zarr hierarchy but not a zarr_rb store (no "
-                f"{ATTRS_KEY!r} attribute on its root group); choose another path",
-            )
-        meta = parse_store_meta(attributes, where=where)
-        if max_size is not None and max_size != meta.max_size:
-            raise SchemaMismatchError(
-                f"{where} holds a buffer of max_size={meta.max_size}, got max_size={max_size}; "
-                f"pass max_size={meta.max_size} (or None) to reopen it, or use another path",
-            )
-        if ndim is not None and ndim != meta.ndim:
-            raise SchemaMismatchError(
-                f"{where} holds a buffer with ndim={meta.ndim}, got ndim={ndim}",
-            )
-        return cls(location, meta, read_only=read_only, compression=compression)
+        else:
+            _check_is_store(document, where)
+        if read_only:
+            assert document is not None
+            meta = _parse_meta(document, where, max_size=max_size, ndim=ndim)
+            return cls(location, meta, read_only=True, compression=compression)
+        lock = WriterLock.acquire(root)
+        try:
+            # Now that no other writer can, re-read (another one may have committed or
+            # created the store meanwhile) and clear what interrupted writes left behind.
+            document = _read_root(location)
+            if document is None:
+                assert max_size is not None
+                meta = StoreMeta(max_size=max_size, ndim=ndim or 1, schema=None, commit=Commit())
+                store = cls(location, meta, read_only=False, compression=compression, lock=lock)
+                location.create_group(DATA_GROUP)
+                store._publish(meta.commit)
+                return store
+            _check_is_store(document, where)
+            meta = _parse_meta(document, where, max_size=max_size, ndim=ndim)
+            location.remove_temporaries()
+            return cls(location, meta, read_only=False, compression=compression, lock=lock)
+        except BaseException:
+            lock.release()
+            raise
 
     # --- schema ----------------------------------------------------------------------------
 
@@ -212,10 +222,9 @@ class Store:
             self._mirrorable = frozenset(leaf.key for leaf in small)
         readable = self.committed.readable_mask(schema.rows)
         self._published = readable
-        # Rows past the committed length hold fill values or rows of an interrupted write:
-        # they are rewritten before they are ever declared readable again.
+        # Rows known to hold intact data: those of the commit. Rows past it were never
+        # written or belong to an interrupted write; they become valid when written.
         self._valid = readable.copy()
-        self._valid[self.committed.length :] = True
 
     def initialize(self, schema: Schema) -> None:
         """Create the arrays of ``schema`` (first write of a new store)."""
@@ -228,6 +237,13 @@ class Store:
                 for i in range(2, leaf.path.count("/") + 1)
             }
         )
+        with self._writing("creating the arrays"):
+            self._create_arrays(schema, groups, block_rows)
+        self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows)
+        self._attach_schema(schema, block_rows)
+        self._publish(self.committed)
+
+    def _create_arrays(self, schema: Schema, groups: list[str], block_rows: int) -> None:
         for group in groups:
             self.location.create_group(group)
         for leaf in schema.leaves:
@@ -246,9 +262,6 @@ class Store:
                     ATTRS_KEY: {"dtype": leaf.dtype, "batch_dims": len(schema.batch_shape)}
                 },
             )
-        self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows)
-        self._attach_schema(schema, block_rows)
-        self._publish(self.committed)
 
     def array(self, key: Key) -> RowArray:
         array = self._arrays.get(key)
@@ -305,8 +318,18 @@ class Store:
             for start, stop in direct
         )
         if writes:
-            self._write_to_disk(writes)
+            try:
+                self._write_to_disk(writes)
+            except BaseException:
+                self._keep_in_ram(writes)
+                raise
             self._commit()
+
+    def _keep_in_ram(self, writes: Sequence[tuple[np.ndarray, Mapping[Key, torch.Tensor]]]) -> None:
+        """Stage the rows of failed writes, so that the next flush writes them again."""
+        assert self._buffer is not None
+        for rows, values in writes:
+            self._buffer.stage(rows, values, force=True)
 
     def _write_to_disk(
         self, writes: Sequence[tuple[np.ndarray, Mapping[Key, torch.Tensor]]]
@@ -321,14 +344,40 @@ class Store:
             # stays, so readers see holes rather than a shrinking buffer.
             self._publish_mask(self._published & ~touched, length=self.committed.length)
         self._valid &= ~touched
-        futures = [
-            self.array(key).write_rows(rows, to_numpy(tensor))
-            for rows, values in writes
-            for key, tensor in values.items()
-        ]
-        for future in futures:
-            future.result()
+        with self._writing("writing rows"):
+            futures = []
+            try:
+                for rows, values in writes:
+                    for key, tensor in values.items():
+                        futures.append(self.array(key).write_rows(rows, to_numpy(tensor)))
+            finally:
+                errors = []
+                for future in futures:
+                    try:
+                        future.result()
+                    except ValueError as err:
+                        errors.append(err)
+            if errors:
+                raise errors[0]
         self._valid |= touched
+
+    @contextlib.contextmanager
+    def _writing(self, what: str) -> Iterator[None]:
+        """Turn a failed write (a full disk, an I/O error) into a :class:`StoreWriteError`."""
+        try:
+            yield
+        except (OSError, ValueError) as err:
+            if isinstance(err, ZarrRBError):
+                raise
+            reason = str(err).split(" [source locations=")[0]
+            raise StoreWriteError(
+                _errno_of(err),
+                f"store {str(self.location.root)!r}: {what} failed ({reason}). The store "
+                f"stays at its last commit (generation {self.committed.generation}, length "
+                f"{self.committed.length}); rows not yet committed are kept in RAM. Free "
+                "space or fix the disk, then retry with flush() or zarr_rb.save(), or reopen "
+                "the store",
+            ) from None
 
     def flush(self) -> None:
         """Write every row held in RAM and publish a commit that covers them."""
@@ -336,8 +385,13 @@ class Store:
             return
         blocks = list(self._buffer)
         if blocks:
+            writes = [_block_rows(block) for block in blocks]
             self._buffer.clear()
-            self._write_to_disk([_block_rows(block) for block in blocks])
+            try:
+                self._write_to_disk(writes)
+            except BaseException:
+                self._keep_in_ram(writes)
+                raise
         self._commit()
 
     def discard(self) -> None:
@@ -383,12 +437,15 @@ class Store:
     def publish_saved(self, saved: Saved) -> None:
         """Flush, then publish the data commit together with a new save record."""
         self.flush()
-        self.meta = dataclasses.replace(self.meta, saved=saved)
-        self._publish(self.committed)
+        self._publish(self.committed, saved=saved)
 
-    def _publish(self, commit: Commit) -> None:
-        self.meta = dataclasses.replace(self.meta, commit=commit)
-        self.location.write_root_attributes({ATTRS_KEY: self.meta.to_json()})
+    def _publish(self, commit: Commit, *, saved: Saved | None = None) -> None:
+        meta = dataclasses.replace(self.meta, commit=commit)
+        if saved is not None:
+            meta = dataclasses.replace(meta, saved=saved)
+        with self._writing("publishing a commit"):
+            self.location.write_root_attributes({ATTRS_KEY: meta.to_json()})
+        self.meta = meta
         self.committed = commit
 
     # --- reading ---------------------------------------------------------------------------
@@ -398,6 +455,17 @@ class Store:
         keys = list(keys)
         if self.read_only:
             return self._read_committed(rows, keys)
+        assert self._buffer is not None
+        assert self._valid is not None
+        lost = ~self._valid[rows]
+        if lost.any():
+            lost &= ~self._buffer.staged_rows(rows)[0]
+            if lost.any():
+                raise RowsNotCommittedError(
+                    f"store {str(self.location.root)!r}: rows {preview_rows(rows[lost])} "
+                    "hold no intact data: a write to them was interrupted (a crash or a failed "
+                    "write) and they have not been rewritten since",
+                )
         mirrored = [key for key in keys if key in self._mirrorable]
         if mirrored:
             index = torch.from_numpy(rows)
@@ -429,7 +497,15 @@ class Store:
         mirror = self._mirror.get(key)
         if mirror is None:
             assert self._buffer is not None
-            mirror = self._read_disk(np.arange(self.rows), [key])[key].clone()
+            assert self._valid is not None
+            leaf = self._leaf(key)
+            mirror = torch.zeros(
+                (self.rows, *self.element_shape(leaf)), dtype=TORCH_DTYPES[leaf.dtype]
+            )
+            # Only rows known to be on disk: others were never written, or were lost to a
+            # crash or a failed write, and are not readable until they are rewritten.
+            on_disk = np.flatnonzero(self._valid)
+            mirror[torch.from_numpy(on_disk)] = self._read_disk(on_disk, [key])[key]
             _, served = self._buffer.staged_rows(np.arange(self.rows))
             for block, positions in served:
                 offsets = torch.from_numpy(positions - block.index * self._buffer.block_rows)
@@ -450,10 +526,31 @@ class Store:
                 for key in keys
             }
         futures = {key: self.array(key).read_rows(rows) for key in keys}
-        return {
-            key: from_numpy(future.result(), TORCH_DTYPES[self._leaf(key).dtype])
-            for key, future in futures.items()
-        }
+        out = {}
+        for key, future in futures.items():
+            try:
+                out[key] = from_numpy(future.result(), TORCH_DTYPES[self._leaf(key).dtype])
+            except ValueError as err:
+                raise self._damage(key, rows, err) from None
+        return out
+
+    def _damage(self, key: Key, rows: np.ndarray, err: ValueError) -> ValueError:
+        """Why reading ``rows`` of a leaf failed: the damaged chunks among them, if any."""
+        array = self.array(key)
+        step = array.read_chunk_rows
+        damaged: list[tuple[int, int, str]] = []
+        for chunk in np.unique(rows // step).tolist():
+            damaged.extend(array.damaged_runs(chunk * step, min(self.rows, (chunk + 1) * step)))
+        if not damaged:
+            return err  # nothing is damaged now: the chunk changed while it was read
+        return ChunkCorruptedError(
+            f"store {str(self.location.root)!r}: array {array.path!r}, "
+            f"{describe_runs(damaged)}, cannot be read back intact ({damaged[0][2]}). "
+            "Nothing was returned. `python -m zarr_rb verify <store>` lists every damaged "
+            "chunk; `--repair` withdraws the damaged rows from the readable range",
+            array=array.path,
+            rows=[(a, b) for a, b, _ in damaged],
+        )
 
     def refresh(self) -> Commit:
         """Re-read the commit record (readers); returns it."""
@@ -485,10 +582,13 @@ class Store:
                 )
             try:
                 out = self._read_disk(rows, keys)
-            except ValueError as err:  # a shard replaced while it was being read
+            except ValueError as err:  # damaged, or a shard replaced while it was read
                 out, last_error = None, err
-            if self.refresh().generation == commit.generation and out is not None:
+            unchanged = self.refresh().generation == commit.generation
+            if unchanged and out is not None:
                 return out
+            if unchanged and isinstance(last_error, ChunkCorruptedError):
+                raise last_error
             time.sleep(0.001 * (attempt + 1))
         raise RowsNotCommittedError(
             f"store {str(self.location.root)!r}: rows kept changing while being read "
@@ -505,10 +605,55 @@ class Store:
         finally:
             self.closed = True
             self._arrays.clear()
+            if self._lock is not None:
+                self._lock.release()
 
     @property
     def path(self) -> Path:
         return self.location.root
+
+
+def _read_root(location: LocalLocation) -> dict[str, Any] | None:
+    try:
+        return location.read_root_metadata()
+    except (ValueError, UnicodeDecodeError) as err:
+        raise StoreCorruptedError(
+            f"store {str(location.root)!r}: root zarr.json is not valid JSON ({err})"
+        ) from None
+
+
+def _check_is_store(document: dict[str, Any], where: str) -> None:
+    attributes = document.get("attributes")
+    if not isinstance(attributes, dict) or ATTRS_KEY not in attributes:
+        raise NotAStoreError(
+            f"{where} is a Zarr hierarchy but not a zarr_rb store (no "
+            f"{ATTRS_KEY!r} attribute on its root group); choose another path",
+        )
+
+
+def _parse_meta(
+    document: dict[str, Any], where: str, *, max_size: int | None, ndim: int | None
+) -> StoreMeta:
+    meta = parse_store_meta(document["attributes"], where=where)
+    if max_size is not None and max_size != meta.max_size:
+        raise SchemaMismatchError(
+            f"{where} holds a buffer of max_size={meta.max_size}, got max_size={max_size}; "
+            f"pass max_size={meta.max_size} (or None) to reopen it, or use another path",
+        )
+    if ndim is not None and ndim != meta.ndim:
+        raise SchemaMismatchError(
+            f"{where} holds a buffer with ndim={meta.ndim}, got ndim={ndim}",
+        )
+    return meta
+
+
+def _errno_of(err: BaseException) -> int | None:
+    """The OS error number of a failed write (TensorStore reports it in its message)."""
+    number = getattr(err, "errno", None)
+    if isinstance(number, int):
+        return number
+    found = re.search(r"OS error (\d+)", str(err))
+    return int(found.group(1)) if found else None
 
 
 def _block_rows(block: Block) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:

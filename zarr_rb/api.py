@@ -100,6 +100,7 @@ def load(
     allow_pickle: bool = False,
     transform: Any = None,
     device: str = "cpu",
+    read_only: bool = False,
 ) -> Any:
     """Rebuild a replay buffer saved with :func:`save`, without reading any row.
 
@@ -113,12 +114,15 @@ def load(
         transform: a transform built like the saved one; receives the saved state without
             any unpickling (an alternative to ``allow_pickle``).
         device: device of the tensors the storage returns.
+        read_only: open the store for reading only: the buffer samples but cannot be
+            extended or saved, takes no writer lock and writes nothing, so it can be
+            opened while the store's writer is at work.
 
     Raises:
         NoSavedBufferError: the store holds data but no saved buffer.
         zarr_rb.state.PickleNotAllowedError: transforms need ``allow_pickle`` or ``transform``.
     """
-    storage = ZarrStorage(path=path, device=device)
+    storage = ZarrStorage(path=path, device=device, read_only=read_only)
     saved = storage._store.meta.saved
     if saved is None:
         storage.close()

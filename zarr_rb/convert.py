@@ -427,7 +427,7 @@ def export_torchrl(
     dest = Path(dest_dir).absolute()
     _check_export_source(src)
     _check_export_destination(dest)
-    rb = load(src, allow_pickle=allow_pickle, transform=transform)
+    rb = load(src, allow_pickle=allow_pickle, transform=transform, read_only=True)
     storage: ZarrStorage = rb.storage
     created = not dest.exists()
     try:

@@ -9,7 +9,9 @@ storages.
 from __future__ import annotations
 
 __all__ = [
+    "ChunkCorruptedError",
     "FormatVersionError",
+    "LockedError",
     "NoSavedBufferError",
     "NotAStoreError",
     "ReadOnlyError",
@@ -17,6 +19,7 @@ __all__ = [
     "RowsNotCommittedError",
     "SchemaMismatchError",
     "StoreCorruptedError",
+    "StoreWriteError",
     "UnsupportedDataError",
     "ZarrRBError",
 ]
@@ -60,3 +63,36 @@ class RowIndexError(ZarrRBError, IndexError):
 
 class RowsNotCommittedError(ZarrRBError, IndexError):
     """A reader asked for rows that are not part of the last commit."""
+
+
+class ChunkCorruptedError(StoreCorruptedError):
+    """Stored rows cannot be read back intact: a chunk fails its checksum, is truncated,
+    empty or missing inside the committed range.
+
+    Attributes:
+        array: path of the array inside the store (``"data/obs"``).
+        rows: ``(start, stop)`` row ranges of the damaged chunks.
+    """
+
+    def __init__(self, message: str, *, array: str, rows: list[tuple[int, int]]) -> None:
+        super().__init__(message)
+        self.array = array
+        self.rows = rows
+
+
+class StoreWriteError(ZarrRBError, OSError):
+    """Writing to the store failed (a full disk, an I/O error). The store stays at its last
+    commit; ``errno`` is that of the underlying failure."""
+
+
+class LockedError(ZarrRBError, BlockingIOError):
+    """Another writer holds the store.
+
+    Attributes:
+        holder: ``{"host": ..., "pid": ..., "since": ...}`` of the writer that holds it
+            (as it recorded itself; empty if it could not be read).
+    """
+
+    def __init__(self, message: str, *, holder: dict[str, object]) -> None:
+        super().__init__(message)
+        self.holder = holder
