@@ -14,7 +14,9 @@ from zarr_rb._lazy import LazyColumn
 from zarr_rb.api import load, save
 from zarr_rb.convert import export_torchrl, import_torchrl
 from zarr_rb.errors import (
+    ChunkCorruptedError,
     FormatVersionError,
+    LockedError,
     NoSavedBufferError,
     NotAStoreError,
     ReadOnlyError,
@@ -22,19 +24,24 @@ from zarr_rb.errors import (
     RowsNotCommittedError,
     SchemaMismatchError,
     StoreCorruptedError,
+    StoreWriteError,
     UnsupportedDataError,
     ZarrRBError,
 )
 from zarr_rb.state import PickleNotAllowedError
 from zarr_rb.storage import ZarrStorage
+from zarr_rb.verify import DamagedChunk, VerifyReport, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FORMAT_VERSION",
+    "ChunkCorruptedError",
     "Compression",
+    "DamagedChunk",
     "FormatVersionError",
     "LazyColumn",
+    "LockedError",
     "NoSavedBufferError",
     "NotAStoreError",
     "PickleNotAllowedError",
@@ -43,7 +50,9 @@ __all__ = [
     "RowsNotCommittedError",
     "SchemaMismatchError",
     "StoreCorruptedError",
+    "StoreWriteError",
     "UnsupportedDataError",
+    "VerifyReport",
     "ZarrRBError",
     "ZarrStorage",
     "__version__",
@@ -51,4 +60,5 @@ __all__ = [
     "import_torchrl",
     "load",
     "save",
+    "verify",
 ]

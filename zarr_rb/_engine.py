@@ -21,8 +21,17 @@ from typing import Any, Protocol
 import numpy as np
 import tensorstore as ts
 
-from zarr_rb._io import LOCK_FILE, Durability, announce, is_temporary, write_json_atomically
+from zarr_rb._format import describe_runs
+from zarr_rb._io import (
+    LOCK_FILE,
+    Durability,
+    announce,
+    fsync,
+    is_temporary,
+    write_json_atomically,
+)
 from zarr_rb._layout import Compression, LeafLayout
+from zarr_rb.errors import ChunkCorruptedError, StoreCorruptedError
 
 ROOT_METADATA = "zarr.json"
 STATE_CHUNK_BYTES = 2**20
@@ -89,8 +98,20 @@ class LocalLocation:
         return removed
 
     def _written_metadata(self, path: str) -> None:
+        """Announce a zarr-python write at ``path``; it may also create the groups above it."""
         announce("write", self.root / path)
-        self.durability.written([self.root / path / ROOT_METADATA])
+        node = self.root / path
+        self.durability.written(
+            [node / ROOT_METADATA]
+            + [p / ROOT_METADATA for p in node.parents if self.root in p.parents]
+        )
+
+    def create_root(self) -> None:
+        """Create the store's directory, durably (its entry in its parent included)."""
+        missing = [p for p in (self.root, *self.root.parents) if not p.exists()]
+        self.root.mkdir(parents=True, exist_ok=True)
+        for directory in [self.root, *(p.parent for p in missing)]:
+            fsync(directory)
 
     # --- arrays ----------------------------------------------------------------------------
 
@@ -181,7 +202,11 @@ class LocalLocation:
             return int(values.nbytes), [array.write_rows(np.arange(values.shape[0]), values)]
         chunk = array.chunk_rows
         rows = values.shape[0]
-        old = _as_bits(array.read_rows(np.arange(rows)).result())
+        try:
+            old = _as_bits(array.read_rows(np.arange(rows)).result())
+        except ValueError:
+            # A save into this (unpublished) slot was interrupted: rewrite every chunk.
+            return int(values.nbytes), [array.write_rows(np.arange(rows), values)]
         new = _as_bits(values)
         futures = []
         written = 0
@@ -213,8 +238,25 @@ class LocalLocation:
         )
 
     def read_state_array(self, path: str) -> np.ndarray:
-        array = self.open_array(path, read_only=True)
-        return np.asarray(array.read_rows(np.arange(array.shape[0])).result())
+        try:
+            array = self.open_array(path, read_only=True)
+        except ValueError as err:
+            raise StoreCorruptedError(
+                f"store {str(self.root)!r}: cannot open state array {path!r} ({_short_reason(err)})"
+            ) from None
+        try:
+            return np.asarray(array.read_rows(np.arange(array.shape[0])).result())
+        except ValueError as err:
+            damaged = array.damaged_runs(0, array.shape[0]) or [
+                (0, array.shape[0], _short_reason(err))
+            ]
+            raise ChunkCorruptedError(
+                f"store {str(self.root)!r}: state array {path!r}, {describe_runs(damaged)}, "
+                f"cannot be read back intact ({damaged[0][2]}); the saved buffer state is "
+                "damaged: open the data with ZarrStorage(path=...) and save a buffer again",
+                array=path,
+                rows=[(a, b) for a, b, _ in damaged],
+            ) from None
 
     def snapshot_to(self, target: str | os.PathLike[str], *, progress: bool = False) -> int:
         """Make ``target`` an independent copy of this store; returns bytes copied.

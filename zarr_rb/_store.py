@@ -45,7 +45,7 @@ from zarr_rb._format import (
     parse_store_meta,
     preview_rows,
 )
-from zarr_rb._io import LOCK_FILE
+from zarr_rb._io import LOCK_FILE, is_temporary
 from zarr_rb._layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb._lock import WriterLock
 from zarr_rb._staging import Block, Key, WriteBuffer
@@ -150,14 +150,16 @@ class Store:
         if document is None:
             if read_only:
                 raise FileNotFoundError(f"no zarr_rb store at {str(root)!r}")
-            if root.exists() and any(p.name != LOCK_FILE for p in root.iterdir()):
+            if root.exists() and any(
+                p.name != LOCK_FILE and not is_temporary(p) for p in root.iterdir()
+            ):
                 raise NotAStoreError(
                     f"{where} is a non-empty directory without a zarr_rb store; "
                     "choose a new or empty directory",
                 )
             if max_size is None:
                 raise ValueError(f"max_size is required to create a new store at {str(root)!r}")
-            root.mkdir(parents=True, exist_ok=True)
+            location.create_root()
         else:
             _check_is_store(document, where)
         if read_only:
@@ -173,8 +175,11 @@ class Store:
                 assert max_size is not None
                 meta = StoreMeta(max_size=max_size, ndim=ndim or 1, schema=None, commit=Commit())
                 store = cls(location, meta, read_only=False, compression=compression, lock=lock)
-                location.create_group(DATA_GROUP)
+                # The root record first: once it exists, the directory is a store, and a
+                # crash before or after it leaves something that reopens.
                 store._publish(meta.commit)
+                with store.writing("creating the data group"):
+                    location.create_group(DATA_GROUP)
                 return store
             _check_is_store(document, where)
             meta = _parse_meta(document, where, max_size=max_size, ndim=ndim)
@@ -237,7 +242,7 @@ class Store:
                 for i in range(2, leaf.path.count("/") + 1)
             }
         )
-        with self._writing("creating the arrays"):
+        with self.writing("creating the arrays"):
             self._create_arrays(schema, groups, block_rows)
         self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows)
         self._attach_schema(schema, block_rows)
@@ -344,7 +349,7 @@ class Store:
             # stays, so readers see holes rather than a shrinking buffer.
             self._publish_mask(self._published & ~touched, length=self.committed.length)
         self._valid &= ~touched
-        with self._writing("writing rows"):
+        with self.writing("writing rows"):
             futures = []
             try:
                 for rows, values in writes:
@@ -362,7 +367,7 @@ class Store:
         self._valid |= touched
 
     @contextlib.contextmanager
-    def _writing(self, what: str) -> Iterator[None]:
+    def writing(self, what: str) -> Iterator[None]:
         """Turn a failed write (a full disk, an I/O error) into a :class:`StoreWriteError`."""
         try:
             yield
@@ -378,6 +383,18 @@ class Store:
                 "space or fix the disk, then retry with flush() or zarr_rb.save(), or reopen "
                 "the store",
             ) from None
+
+    def withdraw(self, rows: np.ndarray) -> int:
+        """Withdraw rows (a boolean mask) from the readable range until they are rewritten;
+        returns how many were readable."""
+        self._check_writable()
+        assert self._valid is not None
+        assert self._published is not None
+        withdrawn = int((self._published & rows).sum())
+        self._valid &= ~rows
+        if withdrawn:
+            self._publish_mask(self._published & ~rows, length=self.committed.length)
+        return withdrawn
 
     def flush(self) -> None:
         """Write every row held in RAM and publish a commit that covers them."""
@@ -443,7 +460,7 @@ class Store:
         meta = dataclasses.replace(self.meta, commit=commit)
         if saved is not None:
             meta = dataclasses.replace(meta, saved=saved)
-        with self._writing("publishing a commit"):
+        with self.writing("publishing a commit"):
             self.location.write_root_attributes({ATTRS_KEY: meta.to_json()})
         self.meta = meta
         self.committed = commit

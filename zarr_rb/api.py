@@ -90,7 +90,8 @@ def _save_into(rb: Any, store: Store, saved: Saved) -> None:
     # Alternate between two slots: the previous save stays intact until the new root
     # record, which names the new slot, is published.
     slot = 0 if previous is None else 1 - previous.slot
-    save_buffer(rb, store.location, f"{STATE_GROUP}/{slot}")
+    with store.writing("saving the buffer state"):
+        save_buffer(rb, store.location, f"{STATE_GROUP}/{slot}")
     store.publish_saved(Saved(slot=slot, length=saved.length, cursor=saved.cursor))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,12 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             ``[time, n_envs]`` layouts). ``None``: the store's own when reopening, 1 for a
             new store.
         device: device of the tensors returned by :meth:`get`.
-        read_only: open an existing store for reading; :meth:`refresh` picks up
-            commits made by its writer.
+        read_only: open an existing store for reading, next to its writer (any number
+            of readers; they take no lock and write nothing). :meth:`refresh` picks up
+            commits made by the writer.
+        refresh_interval: for read-only storages, refresh automatically when the length is
+            asked for (every sample does) and at least this many seconds have passed since
+            the last refresh. ``None``: only explicit :meth:`refresh` calls.
         compression: chunking and compression; see :class:`~zarr_rb.Compression`.
 
     Examples:
@@ -112,7 +117,15 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         device: torch.device | str = "cpu",
         read_only: bool = False,
         compression: Compression | None = None,
+        refresh_interval: float | None = None,
     ) -> None:
+        if refresh_interval is not None and not read_only:
+            raise ValueError(
+                "refresh_interval is for read-only storages (the writer always sees its own "
+                "rows); pass read_only=True",
+            )
+        if refresh_interval is not None and refresh_interval < 0:
+            raise ValueError(f"expected refresh_interval >= 0, got {refresh_interval}")
         if ndim is not None and ndim < 1:
             raise ValueError(f"expected ndim >= 1, got {ndim}")
         if max_size is not None and int(max_size) < 1:
@@ -140,11 +153,16 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         if self.initialized and store.committed.length:
             self._set_last_cursor((store.cursor - 1) % store.rows)
         self._finalizer = weakref.finalize(self, _close, store, tmpdir)
+        self.__dict__["_refresh_interval"] = refresh_interval
+        self.__dict__["_refreshed_at"] = time.monotonic()
 
     # --- TorchRL bookkeeping, backed by the store ------------------------------------------
 
     @property
     def _len(self) -> int:
+        interval = self.__dict__.get("_refresh_interval")
+        if interval is not None and time.monotonic() - self._refreshed_at >= interval:
+            self.refresh()
         return int(self.__dict__["_store"].length)
 
     @_len.setter
@@ -204,6 +222,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     def refresh(self) -> None:
         """Pick up the writer's latest commit (read-only storages)."""
+        self.__dict__["_refreshed_at"] = time.monotonic()
         self._store.refresh()
         self.initialized = self._store.schema is not None
         self._bump_mutation_revision()

@@ -1,0 +1,488 @@
+"""Tools to break a store on purpose: fault injection, a durability recorder, and a
+crash workload with its checker.
+
+They drive zarr_rb's own reliability tests (``tests/test_reliability.py``,
+``tests/test_crash.py``) and the long crash run (``benchmarks/crash.py``), and
+can check a deployment the same way.
+
+Everything here works on the file operations the engine announces (see
+:func:`zarr_rb._io.observe_io`): every write, removal, fsync and commit publish
+of a store goes through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from zarr_rb._io import LOCK_FILE, IOKind, is_temporary, observe_io
+
+__all__ = [
+    "ALL_KINDS",
+    "CrashCheck",
+    "CrashWorkload",
+    "DurabilityRecorder",
+    "FaultInjector",
+    "check_crashed_store",
+    "observe_io",
+    "run_crash_writer",
+]
+
+ALL_KINDS: tuple[IOKind, ...] = ("write", "remove", "fsync", "publish")
+
+
+class FaultInjector:
+    """An I/O observer that fails or kills the process at the ``at``-th operation.
+
+    Args:
+        at: 1-based number of the operation (counting only ``kinds``) to break; ``None``
+            only counts.
+        kinds: the operations counted.
+        error: the ``errno`` of the injected ``OSError`` (``ENOSPC``, ``EIO``, ...).
+        persistent: fail every operation from the ``at``-th on (a disk that stays full),
+            rather than only that one.
+        kill: SIGKILL the process instead of raising (a crash at that exact point).
+    """
+
+    def __init__(
+        self,
+        *,
+        at: int | None = None,
+        kinds: tuple[IOKind, ...] = ("write", "publish"),
+        error: int = errno.ENOSPC,
+        persistent: bool = False,
+        kill: bool = False,
+    ) -> None:
+        self.at = at
+        self.kinds = kinds
+        self.error = error
+        self.persistent = persistent
+        self.kill = kill
+        self.count = 0
+        self.fired = 0
+        self.events: list[tuple[IOKind, Path]] = []
+
+    def __call__(self, kind: IOKind, path: Path) -> None:
+        if kind not in self.kinds:
+            return
+        self.count += 1
+        self.events.append((kind, path))
+        if self.at is None or self.count < self.at:
+            return
+        if self.count > self.at and not self.persistent:
+            return
+        if self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.fired += 1
+        raise OSError(
+            self.error, f"{os.strerror(self.error)} (injected at {kind} #{self.count})", str(path)
+        )
+
+
+def _entry_state(path: Path) -> tuple[Any, ...] | None:
+    """What must be durable about a file (its inode and content stamp) or a directory (its
+    entries and their inodes)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    if path.is_dir():
+        entries = frozenset(
+            (p.name, p.stat().st_ino)
+            for p in path.iterdir()
+            if not is_temporary(p) and p.name != LOCK_FILE
+        )
+        return ("dir", st.st_ino, entries)
+    return ("file", st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _tree_state(root: Path) -> dict[Path, tuple[Any, ...]]:
+    state: dict[Path, tuple[Any, ...]] = {}
+    for dirpath, _, filenames in os.walk(root):
+        directory = Path(dirpath)
+        entry = _entry_state(directory)
+        if entry is not None:
+            state[directory] = entry
+        for name in filenames:
+            path = directory / name
+            if is_temporary(path) or name == LOCK_FILE:
+                continue
+            entry = _entry_state(path)
+            if entry is not None:
+                state[path] = entry
+    return state
+
+
+class DurabilityRecorder:
+    """An I/O observer that checks, at every commit publish, that each file and directory
+    changed since the previous publish was fsynced after its last change.
+
+    It looks at the filesystem itself (inodes, sizes, modification times, directory
+    entries), not at what the engine says it wrote, so a write the engine forgot to
+    announce is caught too. Files written atomically (temporary file, fsync, rename)
+    count as fsynced through their temporary name.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+        self.publishes = 0
+        self.fsyncs = 0
+        self.writes = 0
+        self.checked = 0
+        self.violations: list[str] = []
+        self._last = _tree_state(self.root) if self.root.exists() else {}
+        self._synced_dirs: dict[Path, tuple[Any, ...] | None] = {}
+        self._synced_files: set[tuple[Any, ...]] = set()
+
+    def __call__(self, kind: IOKind, path: Path) -> None:
+        if kind == "fsync":
+            self.fsyncs += 1
+            state = _entry_state(path)
+            if state is not None and state[0] == "dir":
+                self._synced_dirs[path] = state
+            elif state is not None:
+                self._synced_files.add(state[1:])
+        elif kind == "write":
+            self.writes += 1
+        elif kind == "publish":
+            self._check()
+
+    def _check(self) -> None:
+        self.publishes += 1
+        now = _tree_state(self.root)
+        for path, state in now.items():
+            if self._last.get(path) == state:
+                continue
+            self.checked += 1
+            synced = (
+                self._synced_dirs.get(path) == state
+                if state[0] == "dir"
+                else state[1:] in self._synced_files
+            )
+            if not synced:
+                what = "directory" if state[0] == "dir" else "file"
+                self.violations.append(
+                    f"publish #{self.publishes}: {what} {path.relative_to(self.root)} changed "
+                    "since the previous commit and was not fsynced after its last change",
+                )
+        self._last = now
+
+
+# --- the crash workload --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CrashWorkload:
+    """A prioritized buffer extended with wrap-around, its priorities updated, flushed and
+    saved in a loop. Every row's content is a function of its step number ``t`` (the
+    ``t``-th transition ever written), so any mix of rows, keys or generations shows."""
+
+    capacity: int = 96
+    block_rows: int = 8
+    max_batch: int = 13
+    save_every: int = 5
+    flush_every: int = 7
+    alpha: float = 1.0  # priorities stored exactly (no pow rounding), compared bit for bit
+    beta: float = 0.5
+
+    @staticmethod
+    def rows(steps: torch.Tensor, capacity: int) -> Any:
+        from tensordict import TensorDict
+
+        t = steps.to(torch.int64)
+        pattern = torch.arange(1024, dtype=torch.int64)
+        obs = ((t[:, None] * 31 + pattern) % 251).to(torch.uint8).view(-1, 4, 16, 16)
+        return TensorDict(
+            {
+                "step": t,
+                "slot": t % capacity,
+                "obs": obs,
+                "reward": t.to(torch.float32) * 0.5,
+                "next": {
+                    "obs": ((t[:, None] * 31 + pattern + 7) % 251)
+                    .to(torch.uint8)
+                    .view(-1, 4, 16, 16)
+                },
+            },
+            batch_size=[t.numel()],
+        )
+
+    @staticmethod
+    def priority(steps: torch.Tensor) -> torch.Tensor:
+        return 1.0 + (steps % 97).to(torch.float32) / 8.0
+
+    def buffer(self, path: Path) -> Any:
+        from torchrl.data import TensorDictPrioritizedReplayBuffer
+
+        from zarr_rb._layout import Compression
+        from zarr_rb.storage import ZarrStorage
+
+        storage = ZarrStorage(
+            self.capacity, path, compression=Compression(block_rows=self.block_rows)
+        )
+        return TensorDictPrioritizedReplayBuffer(
+            alpha=self.alpha, beta=self.beta, storage=storage, batch_size=8
+        )
+
+    def step(self, rb: Any, rng: np.random.Generator, log: Any = None) -> int:
+        """Extend by a random number of rows and set their priorities; the new total."""
+        start = int(rb.writer._write_count)
+        n = int(rng.integers(1, self.max_batch + 1))
+        if log is not None:
+            log("extending", start + n)
+        steps = torch.arange(start, start + n)
+        index = rb.extend(self.rows(steps, self.capacity))
+        rb.update_priority(index, self.priority(steps))
+        return start + n
+
+
+class _Log:
+    """Lines appended to a file, one write each: they survive SIGKILL (page cache)."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def __call__(self, *words: object) -> None:
+        os.write(self._fd, (" ".join(str(w) for w in words) + "\n").encode())
+
+
+def run_crash_writer(
+    path: str,
+    log_path: str,
+    seed: int,
+    workload: CrashWorkload,
+    steps: int = 10**9,
+    kill_at: int | None = None,
+    kill_after_steps: int = 0,
+) -> None:
+    """The writer side of a crash test (run it in a child process and kill it).
+
+    Logs ``ready``, ``extending T`` (before the rows up to ``T`` are handed to ``extend``),
+    ``flushing T``/``flushed T`` and ``saving T``/``saved T``.
+    With ``kill_at``, the process SIGKILLs itself at the ``kill_at``-th store operation
+    of the first save after ``kill_after_steps`` steps; with ``kill_at=0`` it logs
+    ``events N``, the number of operations of that save, and exits.
+    """
+    import zarr_rb
+
+    log = _Log(Path(log_path))
+    rng = np.random.default_rng(seed)
+    rb = workload.buffer(Path(path))
+    log("ready")
+    total = 0
+    for step in range(1, steps + 1):
+        total = workload.step(rb, rng, log)
+        if kill_at is not None and step >= kill_after_steps:
+            injector = FaultInjector(at=kill_at or None, kinds=ALL_KINDS, kill=True)
+            log("saving", total)
+            with observe_io(injector):
+                zarr_rb.save(rb, progress=False)
+            log("saved", total)
+            log("events", injector.count)
+            return
+        if step % workload.save_every == 0:
+            log("saving", total)
+            zarr_rb.save(rb, progress=False)
+            log("saved", total)
+        elif step % workload.flush_every == 0:
+            log("flushing", total)
+            rb.storage.flush()
+            log("flushed", total)
+
+
+@dataclasses.dataclass(frozen=True)
+class CrashCheck:
+    """What :func:`check_crashed_store` found in a store after its writer was killed."""
+
+    length: int
+    holes: int
+    written: int
+    """Rows the writer had handed to ``extend`` when it died (from its log)."""
+    durable: int
+    """Rows covered by the last flush or save that returned."""
+    saved: int | None
+    """Write count of the save that ``zarr_rb.load`` restores (``None``: no save yet)."""
+    temporaries: int
+    """Files of interrupted writes found after the kill (all removed on reopening)."""
+
+
+def _log_values(log_path: Path) -> dict[str, list[int]]:
+    values: dict[str, list[int]] = {}
+    for line in log_path.read_text().splitlines():
+        word, *rest = line.split()
+        values.setdefault(word, []).extend(int(v) for v in rest)
+    return values
+
+
+def _fail(message: str) -> None:
+    raise AssertionError(message)
+
+
+def check_crashed_store(path: Path, log_path: Path, workload: CrashWorkload) -> CrashCheck:
+    """Check every promise a killed writer's store makes, then reopen it and write on.
+
+    Raises:
+        AssertionError: a promise is broken (with what and where).
+    """
+    from torchrl.data import PrioritizedSampler
+
+    import zarr_rb
+    from zarr_rb.storage import ZarrStorage
+
+    cap = workload.capacity
+    log = _log_values(log_path)
+    written = max(log.get("extending", [0]))
+    durable = max(log.get("flushed", []) + log.get("saved", []) + [0])
+    temporaries = sum(1 for p in path.rglob("*") if p.is_file() and is_temporary(p))
+    document = json.loads((path / "zarr.json").read_text()) if path.exists() else None
+    if document is None:  # killed before the store existed
+        if log.get("saved") or log.get("flushed"):
+            _fail("rows were extended but no store exists")
+        return CrashCheck(0, 0, 0, 0, None, temporaries)
+    meta = document["attributes"]["zarr_rb"]
+    commit = meta["commit"]
+
+    # Readers open it as it is (temporaries ignored), at exactly the last commit.
+    reader = ZarrStorage(path=path, read_only=True)
+    if len(reader) != commit["length"]:
+        _fail(f"reopened length {len(reader)} != committed length {commit['length']}")
+    holes = sum(b - a for a, b in commit["holes"])
+    length = len(reader)
+    if length:
+        readable = np.ones(length, bool)
+        for a, b in commit["holes"]:
+            readable[a:b] = False
+        rows = torch.from_numpy(np.flatnonzero(readable))
+        got = reader.get(rows)
+        steps = got["step"]
+        if not torch.equal(steps % cap, rows):
+            _fail(f"rows hold transitions of other slots: {rows[steps % cap != rows][:8]}")
+        expected = workload.rows(steps, cap)
+        for key in expected.keys(include_nested=True, leaves_only=True):
+            if not torch.equal(got[key], expected[key]):
+                bad = (got[key] != expected[key]).reshape(rows.numel(), -1).any(-1)
+                _fail(f"key {key}: rows {rows[bad][:8].tolist()} torn from their step")
+        frontier = int(steps.max()) + 1
+        if frontier > written:
+            _fail(f"a row from step {frontier - 1} but only {written} were written")
+        # A row may hold an older version than the newest written (the newest may still
+        # have been in RAM), but never one older than what a returned flush or save wrote.
+        for t in range(max(0, durable - cap), durable):
+            slot = t % cap
+            if slot < length and readable[slot] and int(got["step"][rows == slot]) < t:
+                _fail(f"row {slot}: step {t} was flushed, but an older step is readable")
+    if length < min(durable, cap):
+        _fail(f"length {length} lost rows: {durable} were flushed or saved")
+    reader.close()
+
+    saved = meta.get("saved")
+    saved_count = None
+    if saved is not None:
+        rb = zarr_rb.load(path, read_only=True)
+        saved_count = int(rb.writer._write_count)
+        if saved_count not in log.get("saving", []):
+            _fail(f"loaded write count {saved_count} is not one the writer saved")
+        if len(rb) != min(saved_count, cap) or rb.storage.cursor != saved_count % cap:
+            _fail(f"saved length/cursor {len(rb)}/{rb.storage.cursor} != {saved_count}")
+        if int(rb.writer._cursor) != saved_count % cap:
+            _fail(f"writer cursor {rb.writer._cursor} != {saved_count % cap}")
+        n = min(saved_count, cap)
+        index = torch.arange(n)
+        latest = saved_count - 1 - ((saved_count - 1 - index) % cap)
+        reference = PrioritizedSampler(cap, workload.alpha, workload.beta)
+        reference.update_priority(index, workload.priority(latest))
+        for tree in ("_sum_tree", "_min_tree"):
+            ours = torch.as_tensor(getattr(rb.sampler, tree)[index])
+            want = torch.as_tensor(getattr(reference, tree)[index])
+            if not torch.equal(ours, want):
+                _fail(f"sampler {tree} does not match the save of write count {saved_count}")
+        rb.storage.close()
+
+    # The writer reopens (clearing temporaries), and goes on from the last save.
+    rb = zarr_rb.load(path) if saved is not None else workload.buffer(path)
+    workload.step(rb, np.random.default_rng(0))
+    zarr_rb.save(rb, progress=False)
+    rb.storage.close()
+    left = [p for p in path.rglob("*") if p.is_file() and is_temporary(p)]
+    if left:
+        _fail(f"temporaries left after the writer reopened: {left[:4]}")
+    return CrashCheck(length, holes, written, durable, saved_count, temporaries)
+
+
+def forkserver_context() -> Any:
+    """A multiprocessing context whose children start in milliseconds, with torch, TorchRL
+    and zarr_rb already imported (a fresh interpreter takes seconds to import them)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["zarr_rb.testing", "torchrl.data", "tensordict"])
+    return context
+
+
+def kill_randomly(
+    where: Path, seed: int, workload: CrashWorkload, context: Any, *, max_delay: float = 1.0
+) -> CrashCheck:
+    """Start a crash writer, SIGKILL it at a random moment (seeded), check its store."""
+    rng = np.random.default_rng(seed)
+    path, log_path = where / "rb.zarr", where / "writer.log"
+    child = context.Process(
+        target=run_crash_writer, args=(str(path), str(log_path), seed, workload)
+    )
+    child.start()
+    early = rng.random() < 0.1  # sometimes while the store is being created
+    deadline = time.monotonic() + 30
+    while not early and time.monotonic() < deadline and child.is_alive():
+        if log_path.exists() and log_path.read_text().startswith("ready"):
+            break
+        time.sleep(0.005)
+    time.sleep(float(rng.uniform(0, 0.3 if early else max_delay)))
+    if child.is_alive():
+        os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    if child.exitcode != -signal.SIGKILL:
+        _fail(f"the writer exited with code {child.exitcode} before it was killed")
+    return check_crashed_store(path, log_path, workload)
+
+
+def kill_at_each_operation_of_a_save(
+    where: Path, workload: CrashWorkload, context: Any, *, after_steps: int = 23, stride: int = 1
+) -> Iterator[tuple[int, int, CrashCheck]]:
+    """Kill a writer at the 1st, 2nd, ... store operation of one save (a save after
+    ``after_steps`` steps, which wrapped the ring and saved before); check each store.
+
+    Yields:
+        ``(n, operations_of_the_save, check)`` for each kill point ``n``.
+    """
+    count_dir = where / "count"
+    count_dir.mkdir(parents=True)
+    child = context.Process(
+        target=run_crash_writer,
+        args=(str(count_dir / "rb.zarr"), str(count_dir / "log"), 0, workload),
+        kwargs={"kill_at": 0, "kill_after_steps": after_steps},
+    )
+    child.start()
+    child.join()
+    operations = _log_values(count_dir / "log")["events"][0]
+    for n in range(1, operations + 1, stride):
+        run_dir = where / f"kill-{n}"
+        run_dir.mkdir()
+        child = context.Process(
+            target=run_crash_writer,
+            args=(str(run_dir / "rb.zarr"), str(run_dir / "log"), 0, workload),
+            kwargs={"kill_at": n, "kill_after_steps": after_steps},
+        )
+        child.start()
+        child.join()
+        if child.exitcode != -signal.SIGKILL:
+            _fail(f"kill point {n}: writer exited with {child.exitcode}, not SIGKILL")
+        yield n, operations, check_crashed_store(run_dir / "rb.zarr", run_dir / "log", workload)
