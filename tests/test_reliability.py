@@ -34,6 +34,8 @@ from zarr_rb.testing import (
     CrashWorkload,
     DurabilityRecorder,
     FaultInjector,
+    count_fault_points,
+    inject_io_fault,
     observe_io,
 )
 
@@ -184,23 +186,6 @@ def test_recorder_catches_a_write_that_is_not_fsynced(tmp_path):
 # --- I/O faults --------------------------------------------------------------------------------
 
 
-def count_operations(path: Path) -> int:
-    """Store writes and commit publishes of the faulted workload below."""
-    injector = FaultInjector()
-    with observe_io(injector):
-        faulted_workload(path)
-    return injector.count
-
-
-def faulted_workload(path: Path):
-    rb = buffer(path)
-    extend(rb, 0, 30)
-    zarr_rb.save(rb)
-    extend(rb, 30, 37)  # wraps around
-    zarr_rb.save(rb)
-    return rb
-
-
 FAULTS = pytest.mark.parametrize(
     ("error", "persistent"),
     [(errno.ENOSPC, False), (errno.EIO, False), (errno.ENOSPC, True)],
@@ -208,55 +193,25 @@ FAULTS = pytest.mark.parametrize(
 )
 
 
+def io_faults(tmp_path: Path, error: int, persistent: bool, points: int | None) -> None:
+    """Inject ``error`` at the n-th store write or publish of a workload, for ``points``
+    values of n spread over all of them (``None``: every one)."""
+    operations = count_fault_points(WORKLOAD, tmp_path / "count.zarr")
+    assert operations > 20
+    step = 1 if points is None else max(1, operations // points)
+    for n in range(1 + (error + persistent) % step, operations + 1, step):
+        inject_io_fault(WORKLOAD, tmp_path / f"{n}.zarr", at=n, error=error, persistent=persistent)
+
+
 @FAULTS
 def test_io_fault_at_some_writes_is_typed_and_recoverable(tmp_path, error, persistent):
-    check_io_faults(tmp_path, error, persistent, points=8)
+    io_faults(tmp_path, error, persistent, points=8)
 
 
 @pytest.mark.slow
 @FAULTS
 def test_io_fault_at_every_write_is_typed_and_recoverable(tmp_path, error, persistent):
-    check_io_faults(tmp_path, error, persistent, points=None)
-
-
-def check_io_faults(tmp_path: Path, error: int, persistent: bool, points: int | None) -> None:
-    """Inject ``error`` at the n-th store write or publish of a workload, for ``points``
-    values of n spread over all of them (``None``: every one)."""
-    operations = count_operations(tmp_path / "count.zarr")
-    assert operations > 20
-    step = 1 if points is None else max(1, operations // points)
-    for n in range(1 + (error + persistent) % step, operations + 1, step):
-        path = tmp_path / f"{n}.zarr"
-        injector = FaultInjector(at=n, error=error, persistent=persistent)
-        rb = None
-        with observe_io(injector), pytest.raises(StoreWriteError) as info:
-            rb = faulted_workload(path)
-        assert info.value.errno == error
-        assert str(path) in str(info.value)
-        assert "last commit" in str(info.value)
-        # The store reopens at its last commit: only committed, intact rows.
-        if (path / "zarr.json").exists():
-            reader = ZarrStorage(path=path, read_only=True)
-            commit = json.loads((path / "zarr.json").read_text())["attributes"]["zarr_rb"]
-            assert len(reader) == commit["commit"]["length"]
-            readable = [
-                r
-                for r in range(len(reader))
-                if not any(a <= r < b for a, b in commit["commit"]["holes"])
-            ]
-            if readable:
-                got = rows_in(reader, torch.tensor(readable))
-                assert_identical(got, WORKLOAD.rows(got["step"], WORKLOAD.capacity))
-                assert torch.equal(got["step"] % WORKLOAD.capacity, torch.tensor(readable))
-            reader.close()
-        # A retry after the fault: reopen (the failed writer is gone) and run it again.
-        import gc
-
-        del rb
-        gc.collect()
-        rb = faulted_workload(tmp_path / f"retry-{n}.zarr")
-        rb.storage.close()
-        assert injector.fired >= 1
+    io_faults(tmp_path, error, persistent, points=None)
 
 
 def test_retry_on_the_same_buffer_after_a_full_disk(tmp_path):

@@ -37,6 +37,36 @@ ROOT_METADATA = "zarr.json"
 STATE_CHUNK_BYTES = 2**20
 
 
+MAX_CHUNK_ELEMENTS = 2**27
+"""Largest chunk (or shard) accepted from an array's metadata, in elements: a read
+allocates a whole chunk, so a hostile ``chunk_shape`` must not size one."""
+
+
+def array_metadata_problem(document: Any, shape: list[int]) -> str | None:
+    """What is wrong with an array's parsed ``zarr.json`` for an array of ``shape``."""
+    if not isinstance(document, dict) or document.get("node_type") != "array":
+        return "zarr.json does not describe an array"
+    if document.get("shape") != shape:
+        return f"shape {str(document.get('shape'))[:80]}, expected {shape}"
+    grid = document.get("chunk_grid")
+    config = grid.get("configuration") if isinstance(grid, dict) else None
+    chunk_shapes = [config.get("chunk_shape") if isinstance(config, dict) else None]
+    codecs = document.get("codecs")
+    for codec in codecs if isinstance(codecs, list) else []:
+        if isinstance(codec, dict) and codec.get("name") == "sharding_indexed":
+            config = codec.get("configuration")
+            chunk_shapes.append(config.get("chunk_shape") if isinstance(config, dict) else None)
+    for chunks in chunk_shapes:
+        valid = (
+            isinstance(chunks, list)
+            and len(chunks) == len(shape)
+            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in chunks)
+        )
+        if not valid or math.prod(chunks or ()) > MAX_CHUNK_ELEMENTS:
+            return f"invalid chunk shape {str(chunks)[:80]}"
+    return None
+
+
 def _checksummed(compressors: list[Any]) -> list[Any]:
     """Codecs ending with a CRC32C of each stored chunk, so damage is detected on read."""
     from zarr.codecs import Crc32cCodec
@@ -177,10 +207,18 @@ class LocalLocation:
             raw = (self.root / path / ROOT_METADATA).read_bytes()
         except FileNotFoundError:
             raise FileNotFoundError(f"no group {path!r} in store {str(self.root)!r}") from None
-        document = json.loads(raw.decode("utf-8"))
+        try:
+            document = json.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
+            raise StoreCorruptedError(
+                f"store {str(self.root)!r}: group {path!r} has an invalid zarr.json "
+                f"({type(err).__name__})"
+            ) from None
         attributes = document.get("attributes", {}) if isinstance(document, dict) else None
         if not isinstance(attributes, dict):
-            raise ValueError(f"group {path!r}: expected a JSON object of attributes")
+            raise StoreCorruptedError(
+                f"store {str(self.root)!r}: group {path!r}: expected a JSON object of attributes"
+            )
         return attributes
 
     def write_state_array(self, path: str, values: np.ndarray) -> tuple[int, list[Any]]:
@@ -237,7 +275,19 @@ class LocalLocation:
             overwrite=True,
         )
 
-    def read_state_array(self, path: str) -> np.ndarray:
+    def read_state_array(self, path: str, *, size: int) -> np.ndarray:
+        """Read a whole state array, which must hold ``size`` elements."""
+        where = f"store {str(self.root)!r}: state array {path!r}"
+        try:
+            document = json.loads((self.root / path / ROOT_METADATA).read_bytes())
+        except FileNotFoundError:
+            raise StoreCorruptedError(f"{where} is missing") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
+            document = f"invalid JSON ({type(err).__name__})"
+        # Checked before TensorStore sizes anything from it.
+        problem = array_metadata_problem(document, [size])
+        if problem is not None:
+            raise StoreCorruptedError(f"{where}: {problem}")
         try:
             array = self.open_array(path, read_only=True)
         except ValueError as err:

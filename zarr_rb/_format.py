@@ -420,6 +420,13 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
         max_size = _parse_int(value.get("max_size"), "max_size", lo=1)
         ndim = _parse_int(value.get("ndim"), "ndim", lo=1, hi=_MAX_DIMS)
         schema = parse_schema(value.get("schema"), ndim=ndim)
+        if schema is not None:
+            per_row = math.prod(schema.batch_shape[1:])
+            _expect(
+                schema.rows == -(-max_size // per_row),
+                f"batch_shape {list(schema.batch_shape)} to hold max_size={max_size}",
+                list(schema.batch_shape),
+            )
         rows = schema.rows if schema is not None else max_size
         block_rows = value.get("block_rows")
         if block_rows is not None:

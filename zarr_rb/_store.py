@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import re
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zarr_rb._engine import LocalLocation, RowArray
+from zarr_rb._engine import LocalLocation, RowArray, array_metadata_problem
 from zarr_rb._format import (
     ATTRS_KEY,
     DATA_GROUP,
@@ -211,6 +212,9 @@ class Store:
 
     def _attach_schema(self, schema: Schema, block_rows: int) -> None:
         self._leaves = leaves_by_key(schema.leaves)
+        # Row masks are sized from the schema: check it against an array on disk first.
+        first = schema.leaves[0]
+        self._check_array_metadata(first.path, (schema.rows, *self.element_shape(first)))
         self._buffer = WriteBuffer(
             element_shapes={leaf.key: self.element_shape(leaf) for leaf in schema.leaves},
             dtypes={leaf.key: TORCH_DTYPES[leaf.dtype] for leaf in schema.leaves},
@@ -273,13 +277,14 @@ class Store:
         if array is None:
             assert self.schema is not None
             leaf = self._leaf(key)
+            expected = (self.rows, *self.element_shape(leaf))
+            self._check_array_metadata(leaf.path, expected)
             try:
                 array = self.location.open_array(leaf.path, read_only=self.read_only)
             except ValueError as err:
                 raise StoreCorruptedError(
                     f"store {str(self.location.root)!r}: cannot open array {leaf.path!r} ({err})"
                 ) from None
-            expected = (self.rows, *self.element_shape(leaf))
             if array.shape != expected or array.dtype != np.dtype(leaf.stored_dtype):
                 raise StoreCorruptedError(
                     f"store {str(self.location.root)!r}: array {leaf.path!r} has shape "
@@ -288,6 +293,22 @@ class Store:
                 )
             self._arrays[key] = array
         return array
+
+    def _check_array_metadata(self, path: str, shape: tuple[int, ...]) -> None:
+        """Read an array's ``zarr.json`` with a bounded parser before TensorStore sees it,
+        and check its shape against the schema (before anything is sized from it)."""
+        where = f"store {str(self.location.root)!r}: array {path!r}"
+        try:
+            document = json.loads((self.location.root / path / "zarr.json").read_bytes())
+        except FileNotFoundError:
+            raise StoreCorruptedError(f"{where} is missing (no zarr.json)") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
+            raise StoreCorruptedError(
+                f"{where}: zarr.json is not valid JSON ({type(err).__name__})"
+            ) from None
+        problem = array_metadata_problem(document, list(shape))
+        if problem is not None:
+            raise StoreCorruptedError(f"{where}: {problem}")
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -571,9 +592,16 @@ class Store:
 
     def refresh(self) -> Commit:
         """Re-read the commit record (readers); returns it."""
-        document = self.location.read_root_metadata()
-        attributes = {} if document is None else document.get("attributes", {})
-        meta = parse_store_meta(attributes, where=f"store {str(self.location.root)!r}")
+        where = f"store {str(self.location.root)!r}"
+        document = _read_root(self.location)
+        if document is None:
+            raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
+        _check_is_store(document, where)
+        meta = parse_store_meta(document["attributes"], where=where)
+        if (meta.max_size, meta.ndim) != (self.meta.max_size, self.meta.ndim) or (
+            self.schema is not None and meta.schema != self.schema
+        ):
+            raise StoreCorruptedError(f"{where}: its size or schema changed while it was open")
         if meta.schema is not None and self.schema is None:
             self.meta = meta
             self._attach_schema(meta.schema, meta.block_rows or 1)
@@ -633,9 +661,10 @@ class Store:
 def _read_root(location: LocalLocation) -> dict[str, Any] | None:
     try:
         return location.read_root_metadata()
-    except (ValueError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise StoreCorruptedError(
-            f"store {str(location.root)!r}: root zarr.json is not valid JSON ({err})"
+            f"store {str(location.root)!r}: root zarr.json is not valid JSON "
+            f"({type(err).__name__}: {str(err)[:200]})"
         ) from None
 
 

@@ -24,7 +24,13 @@ from typing import Any
 
 from zarr_rb._format import STATE_GROUP, Saved
 from zarr_rb._store import Store
-from zarr_rb.errors import NoSavedBufferError, ReadOnlyError, UnsupportedDataError
+from zarr_rb.errors import (
+    NoSavedBufferError,
+    ReadOnlyError,
+    StoreCorruptedError,
+    UnsupportedDataError,
+    ZarrRBError,
+)
 from zarr_rb.state import load_buffer, save_buffer
 from zarr_rb.storage import ZarrStorage
 
@@ -142,7 +148,27 @@ def load(
             transform=transform,
             allow_pickle=allow_pickle,
         )
-    except BaseException:
+    except BaseException as err:
         storage._len = committed_length  # leave the store exactly as it was
         storage.close()
-        raise
+        if isinstance(err, ZarrRBError) or not isinstance(err, _INVALID_STATE):
+            raise
+        raise StoreCorruptedError(
+            f"store {str(storage.path)!r}: the saved buffer state in {saved.group!r} is "
+            f"invalid ({type(err).__name__}: {str(err)[:200]}); open the data with "
+            "ZarrStorage(path=...) and save a buffer again",
+        ) from None
+
+
+# What rebuilding TorchRL components from damaged or hostile state raises.
+_INVALID_STATE = (
+    KeyError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    IndexError,
+    RuntimeError,
+    OverflowError,
+    RecursionError,
+    AssertionError,
+)

@@ -34,6 +34,9 @@ __all__ = [
     "DurabilityRecorder",
     "FaultInjector",
     "check_crashed_store",
+    "count_fault_points",
+    "expected_rows",
+    "inject_io_fault",
     "observe_io",
     "run_crash_writer",
 ]
@@ -417,6 +420,102 @@ def check_crashed_store(path: Path, log_path: Path, workload: CrashWorkload) -> 
     if left:
         _fail(f"temporaries left after the writer reopened: {left[:4]}")
     return CrashCheck(length, holes, written, durable, saved_count, temporaries)
+
+
+# --- I/O faults ----------------------------------------------------------------------------
+
+
+def expected_rows(workload: CrashWorkload, total: int) -> Any:
+    """The rows a workload buffer holds after ``total`` sequential writes (slot order)."""
+    cap = workload.capacity
+    index = torch.arange(min(total, cap))
+    return workload.rows(total - 1 - ((total - 1 - index) % cap), cap)
+
+
+def _faulted_workload(workload: CrashWorkload, path: Path, opened: list[Any]) -> None:
+    """Two extends (the second wraps around), each followed by a save."""
+    import zarr_rb
+
+    rb = workload.buffer(path)
+    opened.append(rb)
+    for start, n in ((0, workload.capacity // 2 + 6), (workload.capacity // 2 + 6, 37)):
+        steps = torch.arange(start, start + n)
+        index = rb.extend(workload.rows(steps, workload.capacity))
+        rb.update_priority(index, workload.priority(steps))
+        zarr_rb.save(rb, progress=False)
+
+
+def count_fault_points(workload: CrashWorkload, path: Path) -> int:
+    """Store writes and commit publishes of the faulted workload (the points to break)."""
+    injector = FaultInjector()
+    opened: list[Any] = []
+    with observe_io(injector):
+        _faulted_workload(workload, path, opened)
+    opened[0].storage.close()
+    return injector.count
+
+
+def inject_io_fault(
+    workload: CrashWorkload, path: Path, *, at: int, error: int, persistent: bool
+) -> None:
+    """Fail the ``at``-th store write or publish of the faulted workload with ``error``
+    (once, or from then on), then check the promises:
+
+    * the error is a :class:`~zarr_rb.StoreWriteError` with that errno, naming the store;
+    * the store reopens (read-only, next to the failed writer) at its last commit, every
+      readable row intact;
+    * a retry after the fault, ``zarr_rb.save`` on the same buffer, succeeds, and the
+      store then loads with every row the buffer was given.
+    """
+    import zarr_rb
+    from zarr_rb.errors import StoreWriteError
+    from zarr_rb.storage import ZarrStorage
+
+    injector = FaultInjector(at=at, error=error, persistent=persistent)
+    opened: list[Any] = []
+    try:
+        with observe_io(injector):
+            _faulted_workload(workload, path, opened)
+    except StoreWriteError as err:
+        if err.errno != error or str(path) not in str(err) or "last commit" not in str(err):
+            _fail(f"fault {at}: unexpected error {err!r}")
+    else:
+        _fail(f"fault {at}: the injected error was swallowed")
+    if injector.fired < 1:
+        _fail(f"fault {at}: nothing was injected")
+    if (path / "zarr.json").exists():
+        commit = json.loads((path / "zarr.json").read_text())["attributes"]["zarr_rb"]["commit"]
+        reader = ZarrStorage(path=path, read_only=True)
+        if len(reader) != commit["length"]:
+            _fail(f"fault {at}: reopened length {len(reader)} != committed {commit['length']}")
+        readable = np.ones(len(reader), bool)
+        for a, b in commit["holes"]:
+            readable[a:b] = False
+        if readable.any():
+            rows = torch.from_numpy(np.flatnonzero(readable))
+            got = reader.get(rows).exclude("index")
+            want = workload.rows(got["step"], workload.capacity)
+            if not (torch.equal(got["step"] % workload.capacity, rows) and (got == want).all()):
+                _fail(f"fault {at}: committed rows are not intact")
+        reader.close()
+    if not opened or not opened[0].storage.initialized:
+        # The fault hit before the store had its arrays (creating them): no row could be
+        # kept, so the retry is the workload itself, on the same store.
+        if opened:
+            opened.pop().storage.close()
+        _faulted_workload(workload, path, opened)
+    rb = opened[0]
+    zarr_rb.save(rb, progress=False)  # the retry
+    total = int(rb.writer._write_count)
+    rb.storage.close()
+    loaded = zarr_rb.load(path)
+    got = loaded.storage.get(torch.arange(len(loaded))).exclude("index")
+    if (
+        int(loaded.writer._write_count) != total
+        or not (got == expected_rows(workload, total)).all()
+    ):
+        _fail(f"fault {at}: after the retry the store does not hold the {total} rows written")
+    loaded.storage.close()
 
 
 def forkserver_context() -> Any:

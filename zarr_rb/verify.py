@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
 import numpy as np
 
+from zarr_rb._engine import array_metadata_problem
 from zarr_rb._format import STATE_GROUP, describe_runs, mask_to_ranges
 from zarr_rb._layout import Compression
 from zarr_rb._store import Store
@@ -112,9 +114,9 @@ def verify(path: str | os.PathLike[str], *, repair: bool = False) -> VerifyRepor
             damaged.extend(_check_array(store, leaf.path, mask_to_ranges(readable), leaf.key))
         state_arrays, unreadable = _state_arrays(store)
         damaged.extend(unreadable)
-        for array_path in state_arrays:
+        for array_path, size in state_arrays:
             arrays += 1
-            damaged.extend(_check_array(store, array_path, None, None))
+            damaged.extend(_check_array(store, array_path, None, None, size=size))
         withdrawn = 0
         if repair:
             lost = np.zeros_like(readable)
@@ -139,11 +141,20 @@ def _check_array(
     array_path: str,
     ranges: tuple[tuple[int, int], ...] | None,
     key: tuple[str, ...] | None,
+    *,
+    size: int = 0,
 ) -> list[DamagedChunk]:
     try:
         if key is not None:
             array = store.array(key)
         else:
+            try:
+                document = json.loads((store.path / array_path / "zarr.json").read_bytes())
+            except (OSError, ValueError, UnicodeDecodeError, RecursionError) as err:
+                raise StoreCorruptedError(f"unreadable zarr.json ({type(err).__name__})") from None
+            problem = array_metadata_problem(document, [size])
+            if problem is not None:
+                raise StoreCorruptedError(problem)
             array = store.location.open_array(array_path, read_only=True)
     except (StoreCorruptedError, ValueError) as err:
         return [DamagedChunk(array_path, (0, 0), f"cannot open the array: {err}")]
@@ -163,22 +174,46 @@ def _check_array(
     return damaged
 
 
-def _state_arrays(store: Store) -> tuple[list[str], list[DamagedChunk]]:
-    """The arrays of the saved buffer state (those ``zarr_rb.load`` reads), and the
-    metadata files among them that cannot be parsed."""
+def _state_arrays(store: Store) -> tuple[list[tuple[str, int]], list[DamagedChunk]]:
+    """The arrays of the saved buffer state with their sizes, as the save recorded them
+    (what ``zarr_rb.load`` reads), and the problems found in that record."""
     saved = store.meta.saved
     if saved is None:
         return [], []
-    root = store.path / saved.group
-    found: list[str] = []
+    try:
+        attrs = store.location.read_group_attributes(saved.group).get("zarr_rb_state")
+    except (StoreCorruptedError, FileNotFoundError) as err:
+        return [], [DamagedChunk(saved.group, (0, 0), str(err))]
+    found: list[tuple[str, int]] = []
     damaged: list[DamagedChunk] = []
-    for metadata in sorted(root.rglob("zarr.json")):
-        where = metadata.parent.relative_to(store.path).as_posix()
-        try:
-            document = json.loads(metadata.read_bytes())
-        except (ValueError, UnicodeDecodeError) as err:
-            damaged.append(DamagedChunk(where, (0, 0), f"zarr.json is not valid JSON ({err})"))
-            continue
-        if isinstance(document, dict) and document.get("node_type") == "array":
-            found.append(where)
+
+    def walk(node: object, path: str, depth: int) -> None:
+        if not isinstance(node, dict) or depth > 16:
+            damaged.append(DamagedChunk(path, (0, 0), "invalid buffer state record"))
+            return
+        tensors = node.get("tensors", {})
+        children = node.get("children", {})
+        if not isinstance(tensors, dict) or not isinstance(children, dict):
+            damaged.append(DamagedChunk(path, (0, 0), "invalid buffer state record"))
+            return
+        for name, spec in tensors.items():
+            shape = spec.get("shape") if isinstance(spec, dict) else None
+            valid = isinstance(shape, list) and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+            )
+            if not valid or not _is_name(name):
+                damaged.append(DamagedChunk(f"{path}/{name}", (0, 0), "invalid tensor record"))
+            elif math.prod(shape or ()):
+                found.append((f"{path}/{name}", math.prod(shape or ())))
+        for name, child in children.items():
+            if _is_name(name):
+                walk(child, f"{path}/{name}", depth + 1)
+            else:
+                damaged.append(DamagedChunk(path, (0, 0), f"invalid child name {name!r}"))
+
+    walk(attrs, saved.group, 0)
     return found, damaged
+
+
+def _is_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and "/" not in name and "\x00" not in name

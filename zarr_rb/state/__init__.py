@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from zarr_rb._engine import LocalLocation
+from zarr_rb.errors import StoreCorruptedError
 from zarr_rb.state._buffer import (
     PickleNotAllowedError,
     buffer_config,
@@ -49,6 +50,22 @@ def save_buffer(rb: Any, location: LocalLocation, group: str) -> int:
     return root.bytes_written
 
 
+_MAX_SETTING = 2**24
+
+
+def _check_sizes(config: Any, *, limit: int, what: str) -> None:
+    """Every integer setting (batch sizes, slice lengths, capacities) within ``limit``:
+    TorchRL sizes allocations from them, so a damaged or hostile one must not."""
+    if isinstance(config, dict):
+        for value in config.values():
+            _check_sizes(value, limit=limit, what=what)
+    elif isinstance(config, list):
+        for value in config:
+            _check_sizes(value, limit=limit, what=what)
+    elif isinstance(config, int) and not 0 <= config <= limit:
+        raise ValueError(f"{what} setting {config} is outside [0, {limit}]")
+
+
 def load_buffer(
     location: LocalLocation,
     group: str,
@@ -67,16 +84,30 @@ def load_buffer(
     """
     attrs = location.read_group_attributes(group).get("zarr_rb_state")
     if not isinstance(attrs, dict):
-        raise FileNotFoundError(f"no buffer state in group {group!r} of {location.root}")
+        raise StoreCorruptedError(
+            f"store {str(location.root)!r}: the save record names group {group!r}, which "
+            "holds no buffer state; open the data with ZarrStorage(path=...) and save again"
+        )
     root = StateNode(location, group, attrs)
     components = {}
     for role in ("sampler", "writer"):
         node = root.child(role)
         adapter = adapter_named(node.attrs["class"], role=role)
-        components[role] = (adapter, node, adapter.build(node.attrs["config"]))
+        config = node.attrs["config"]
+        capacity = config.get("max_capacity", 1)
+        if not isinstance(capacity, int) or not 0 < capacity <= storage.max_size:
+            raise ValueError(
+                f"{role} max_capacity {capacity!r} is not within the storage's "
+                f"max_size {storage.max_size}"
+            )
+        _check_sizes(config, limit=max(storage.max_size, _MAX_SETTING), what=role)
+        components[role] = (adapter, node, adapter.build(config))
     transform = load_transforms(
         root.child("transforms"), transform=transform, allow_pickle=allow_pickle
     )
+    _check_sizes(attrs["buffer"], limit=max(storage.max_size, _MAX_SETTING), what="buffer")
+    if attrs["buffer"]["batch_size"] == 0:
+        raise ValueError("buffer batch_size 0")
     rb = build_buffer(
         attrs["buffer"],
         storage=storage,

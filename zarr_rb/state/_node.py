@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -62,9 +63,12 @@ class StateNode:
             raise KeyError(f"no tensor {name!r} in {self.path!r}")
         dtype = TORCH_DTYPES[spec["dtype"]]
         shape = tuple(int(n) for n in spec["shape"])
-        if 0 in shape:
+        if any(n < 0 for n in shape) or len(shape) > 32:
+            raise ValueError(f"invalid shape {shape} for tensor {name!r} in {self.path!r}")
+        size = math.prod(shape)
+        if size == 0:
             return torch.empty(shape, dtype=dtype)
-        flat = self.location.read_state_array(f"{self.path}/{name}")
+        flat = self.location.read_state_array(f"{self.path}/{name}", size=size)
         return from_numpy(flat, dtype).reshape(shape).clone()
 
     def has_tensor(self, name: str) -> bool:

@@ -1,0 +1,65 @@
+"""kill -9 a writer that extends (wrapping around), updates priorities, flushes and saves;
+the store must reopen at its last commit with every committed row intact."""
+
+from __future__ import annotations
+
+import pytest
+
+from zarr_rb.testing import (
+    CrashWorkload,
+    forkserver_context,
+    kill_at_each_operation_of_a_save,
+    kill_randomly,
+)
+
+WORKLOAD = CrashWorkload()
+
+
+@pytest.fixture(scope="module")
+def context():
+    return forkserver_context()
+
+
+def random_kills(tmp_path, context, seeds) -> None:
+    saved = 0
+    for seed in seeds:
+        where = tmp_path / f"seed-{seed}"
+        where.mkdir()
+        check = kill_randomly(where, seed, WORKLOAD, context)
+        saved += check.saved is not None
+    assert saved >= len(seeds) // 2  # most kills land after a save, in steady state
+
+
+def test_random_kills(tmp_path, context):
+    random_kills(tmp_path, context, range(8))
+
+
+@pytest.mark.slow
+def test_many_random_kills(tmp_path, context):
+    random_kills(tmp_path, context, range(100, 160))
+
+
+def kills_during_a_save(tmp_path, context, stride: int) -> tuple[list[int | None], int]:
+    """The write count ``load`` restores after a kill at each chosen operation of a save."""
+    outcomes, operations = [], 0
+    for _, operations, check in kill_at_each_operation_of_a_save(  # noqa: B007
+        tmp_path, WORKLOAD, context, stride=stride
+    ):
+        outcomes.append(check.saved)
+    assert operations > 20
+    # Killed before the publish, load() restores the previous save; after it, the new one.
+    previous, new = outcomes[0], check.written
+    assert previous is not None
+    assert set(outcomes) <= {previous, new}
+    assert outcomes == sorted(outcomes, key=lambda saved: saved == new)  # one switch
+    return outcomes, new
+
+
+def test_kill_at_some_operations_of_a_save(tmp_path, context):
+    kills_during_a_save(tmp_path, context, stride=7)
+
+
+@pytest.mark.slow
+def test_kill_at_every_operation_of_a_save(tmp_path, context):
+    outcomes, new = kills_during_a_save(tmp_path, context, stride=1)
+    assert outcomes[-1] == new  # the last operation is the fsync after the publish
