@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import zarr_rb
@@ -179,6 +179,7 @@ FUZZ_SETTINGS = {
 
 @settings(max_examples=40, **FUZZ_SETTINGS)
 @given(mutation=mutations())
+@example(mutation=("zarr.json", "replace", (245309, [])))  # an unhashable leaf dtype
 def test_hostile_metadata_gets_typed_errors(template, mutation):
     run_fuzz(template, mutation)
 

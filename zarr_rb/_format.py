@@ -347,7 +347,11 @@ def _parse_leaf(value: object, kind: Kind) -> LeafSpec:
     )
     assert isinstance(key_raw, list)
     dtype = value.get("dtype")
-    _expect(dtype in STORED_DTYPES, f"a dtype among {sorted(STORED_DTYPES)}", dtype)
+    _expect(
+        isinstance(dtype, str) and dtype in STORED_DTYPES,
+        f"a dtype among {sorted(STORED_DTYPES)}",
+        dtype,
+    )
     assert isinstance(dtype, str)
     shape = _parse_int_list(value.get("shape"), "leaf shape")
     _expect(math.prod(shape) <= 2**40, "a leaf shape of bounded size", shape)
