@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -120,3 +121,12 @@ class Durability:
                 fsync(directory)
         self._durable_dirs |= new_dirs
         self._written.difference_update(files)
+
+
+def errno_of(err: BaseException) -> int | None:
+    """The OS error number of a failed write (TensorStore reports it in its message)."""
+    number = getattr(err, "errno", None)
+    if isinstance(number, int):
+        return number
+    found = re.search(r"OS error (\d+)", str(err))
+    return int(found.group(1)) if found else None

@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
-import re
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from zarr_rb._engine import LocalLocation, RowArray, array_metadata_problem
+from zarr_rb._dtypes import TORCH_DTYPES, from_numpy, to_numpy
+from zarr_rb._engine import LocalLocation, RowArray
 from zarr_rb._format import (
     ATTRS_KEY,
     DATA_GROUP,
@@ -46,16 +44,16 @@ from zarr_rb._format import (
     parse_store_meta,
     preview_rows,
 )
-from zarr_rb._io import LOCK_FILE, is_temporary
+from zarr_rb._io import LOCK_FILE, errno_of, is_temporary
 from zarr_rb._layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb._lock import WriterLock
+from zarr_rb._metadata import check_array_metadata, check_is_store, parse_meta, read_root
 from zarr_rb._staging import Block, Key, WriteBuffer
 from zarr_rb.errors import (
     ChunkCorruptedError,
     NotAStoreError,
     ReadOnlyError,
     RowsNotCommittedError,
-    SchemaMismatchError,
     StoreCorruptedError,
     StoreWriteError,
     ZarrRBError,
@@ -66,33 +64,6 @@ _READ_RETRIES = 20
 MIRROR_LIMIT_BYTES = 256 * 2**20
 """Small leaves (actions, rewards, flags, trajectory ids) are mirrored in RAM by the writer
 when all of them together take at most this much."""
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-}
-
-
-def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor in its stored dtype (bfloat16 bits as uint16)."""
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(np.uint16)
-    return tensor.numpy()
-
-
-def from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 class Store:
@@ -147,7 +118,7 @@ class Store:
                 f"{where} is a file, not a zarr_rb store; pass a directory path "
                 "(e.g. 'runs/buffer.zarr')",
             )
-        document = _read_root(location)
+        document = read_root(location)
         if document is None:
             if read_only:
                 raise FileNotFoundError(f"no zarr_rb store at {str(root)!r}")
@@ -162,16 +133,16 @@ class Store:
                 raise ValueError(f"max_size is required to create a new store at {str(root)!r}")
             location.create_root()
         else:
-            _check_is_store(document, where)
+            check_is_store(document, where)
         if read_only:
             assert document is not None
-            meta = _parse_meta(document, where, max_size=max_size, ndim=ndim)
+            meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
             return cls(location, meta, read_only=True, compression=compression)
         lock = WriterLock.acquire(root)
         try:
             # Now that no other writer can, re-read (another one may have committed or
             # created the store meanwhile) and clear what interrupted writes left behind.
-            document = _read_root(location)
+            document = read_root(location)
             if document is None:
                 assert max_size is not None
                 meta = StoreMeta(max_size=max_size, ndim=ndim or 1, schema=None, commit=Commit())
@@ -182,8 +153,8 @@ class Store:
                 with store.writing("creating the data group"):
                     location.create_group(DATA_GROUP)
                 return store
-            _check_is_store(document, where)
-            meta = _parse_meta(document, where, max_size=max_size, ndim=ndim)
+            check_is_store(document, where)
+            meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
             location.remove_temporaries()
             return cls(location, meta, read_only=False, compression=compression, lock=lock)
         except BaseException:
@@ -214,7 +185,7 @@ class Store:
         self._leaves = leaves_by_key(schema.leaves)
         # Row masks are sized from the schema: check it against an array on disk first.
         first = schema.leaves[0]
-        self._check_array_metadata(first.path, (schema.rows, *self.element_shape(first)))
+        check_array_metadata(self.location, first.path, (schema.rows, *self.element_shape(first)))
         self._buffer = WriteBuffer(
             element_shapes={leaf.key: self.element_shape(leaf) for leaf in schema.leaves},
             dtypes={leaf.key: TORCH_DTYPES[leaf.dtype] for leaf in schema.leaves},
@@ -278,7 +249,7 @@ class Store:
             assert self.schema is not None
             leaf = self._leaf(key)
             expected = (self.rows, *self.element_shape(leaf))
-            self._check_array_metadata(leaf.path, expected)
+            check_array_metadata(self.location, leaf.path, expected)
             try:
                 array = self.location.open_array(leaf.path, read_only=self.read_only)
             except ValueError as err:
@@ -293,22 +264,6 @@ class Store:
                 )
             self._arrays[key] = array
         return array
-
-    def _check_array_metadata(self, path: str, shape: tuple[int, ...]) -> None:
-        """Read an array's ``zarr.json`` with a bounded parser before TensorStore sees it,
-        and check its shape against the schema (before anything is sized from it)."""
-        where = f"store {str(self.location.root)!r}: array {path!r}"
-        try:
-            document = json.loads((self.location.root / path / "zarr.json").read_bytes())
-        except FileNotFoundError:
-            raise StoreCorruptedError(f"{where} is missing (no zarr.json)") from None
-        except (ValueError, UnicodeDecodeError, RecursionError) as err:
-            raise StoreCorruptedError(
-                f"{where}: zarr.json is not valid JSON ({type(err).__name__})"
-            ) from None
-        problem = array_metadata_problem(document, list(shape))
-        if problem is not None:
-            raise StoreCorruptedError(f"{where}: {problem}")
 
     # --- writing ---------------------------------------------------------------------------
 
@@ -397,7 +352,7 @@ class Store:
                 raise
             reason = str(err).split(" [source locations=")[0]
             raise StoreWriteError(
-                _errno_of(err),
+                errno_of(err),
                 f"store {str(self.location.root)!r}: {what} failed ({reason}). The store "
                 f"stays at its last commit (generation {self.committed.generation}, length "
                 f"{self.committed.length}); rows not yet committed are kept in RAM. Free "
@@ -593,10 +548,10 @@ class Store:
     def refresh(self) -> Commit:
         """Re-read the commit record (readers); returns it."""
         where = f"store {str(self.location.root)!r}"
-        document = _read_root(self.location)
+        document = read_root(self.location)
         if document is None:
             raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
-        _check_is_store(document, where)
+        check_is_store(document, where)
         meta = parse_store_meta(document["attributes"], where=where)
         if (meta.max_size, meta.ndim) != (self.meta.max_size, self.meta.ndim) or (
             self.schema is not None and meta.schema != self.schema
@@ -656,50 +611,6 @@ class Store:
     @property
     def path(self) -> Path:
         return self.location.root
-
-
-def _read_root(location: LocalLocation) -> dict[str, Any] | None:
-    try:
-        return location.read_root_metadata()
-    except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise StoreCorruptedError(
-            f"store {str(location.root)!r}: root zarr.json is not valid JSON "
-            f"({type(err).__name__}: {str(err)[:200]})"
-        ) from None
-
-
-def _check_is_store(document: dict[str, Any], where: str) -> None:
-    attributes = document.get("attributes")
-    if not isinstance(attributes, dict) or ATTRS_KEY not in attributes:
-        raise NotAStoreError(
-            f"{where} is a Zarr hierarchy but not a zarr_rb store (no "
-            f"{ATTRS_KEY!r} attribute on its root group); choose another path",
-        )
-
-
-def _parse_meta(
-    document: dict[str, Any], where: str, *, max_size: int | None, ndim: int | None
-) -> StoreMeta:
-    meta = parse_store_meta(document["attributes"], where=where)
-    if max_size is not None and max_size != meta.max_size:
-        raise SchemaMismatchError(
-            f"{where} holds a buffer of max_size={meta.max_size}, got max_size={max_size}; "
-            f"pass max_size={meta.max_size} (or None) to reopen it, or use another path",
-        )
-    if ndim is not None and ndim != meta.ndim:
-        raise SchemaMismatchError(
-            f"{where} holds a buffer with ndim={meta.ndim}, got ndim={ndim}",
-        )
-    return meta
-
-
-def _errno_of(err: BaseException) -> int | None:
-    """The OS error number of a failed write (TensorStore reports it in its message)."""
-    number = getattr(err, "errno", None)
-    if isinstance(number, int):
-        return number
-    found = re.search(r"OS error (\d+)", str(err))
-    return int(found.group(1)) if found else None
 
 
 def _block_rows(block: Block) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:

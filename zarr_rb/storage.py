@@ -23,11 +23,12 @@ from torchrl.data.replay_buffers.utils import _is_int
 
 from zarr_rb import _convert
 from zarr_rb._checkpointer import ZarrStorageCheckpointer
+from zarr_rb._dtypes import TORCH_DTYPES
 from zarr_rb._engine import copy_in_blocks
 from zarr_rb._format import Schema, preview_rows
 from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
-from zarr_rb._store import TORCH_DTYPES, Store
+from zarr_rb._store import Store
 from zarr_rb.errors import RowIndexError
 
 __all__ = ["ZarrStorage"]

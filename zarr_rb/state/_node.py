@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from zarr_rb._dtypes import TORCH_DTYPES, from_numpy, to_numpy
 from zarr_rb._engine import LocalLocation
-from zarr_rb._store import TORCH_DTYPES, from_numpy, to_numpy
 
 
 class StateNode:
