@@ -10,7 +10,6 @@ own codec pipeline.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import shutil
@@ -28,6 +27,7 @@ from zarr_rb._io import (
     announce,
     fsync,
     is_temporary,
+    load_json,
     write_json_atomically,
 )
 from zarr_rb._layout import Compression, LeafLayout
@@ -101,7 +101,7 @@ class LocalLocation:
             raw = (self.root / ROOT_METADATA).read_bytes()
         except FileNotFoundError:
             return None
-        value = json.loads(raw.decode("utf-8"))
+        value = load_json(raw)
         if not isinstance(value, dict):
             raise ValueError(f"expected a JSON object, got {type(value).__name__}")
         return value
@@ -208,7 +208,7 @@ class LocalLocation:
         except FileNotFoundError:
             raise FileNotFoundError(f"no group {path!r} in store {str(self.root)!r}") from None
         try:
-            document = json.loads(raw.decode("utf-8"))
+            document = load_json(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise StoreCorruptedError(
                 f"store {str(self.root)!r}: group {path!r} has an invalid zarr.json "
@@ -279,7 +279,7 @@ class LocalLocation:
         """Read a whole state array, which must hold ``size`` elements."""
         where = f"store {str(self.root)!r}: state array {path!r}"
         try:
-            document = json.loads((self.root / path / ROOT_METADATA).read_bytes())
+            document = load_json((self.root / path / ROOT_METADATA).read_bytes())
         except FileNotFoundError:
             raise StoreCorruptedError(f"{where} is missing") from None
         except (ValueError, UnicodeDecodeError, RecursionError) as err:

@@ -130,3 +130,25 @@ def errno_of(err: BaseException) -> int | None:
         return number
     found = re.search(r"OS error (\d+)", str(err))
     return int(found.group(1)) if found else None
+
+
+MAX_JSON_DEPTH = 64
+_JSON_STRING = re.compile(rb'"(?:\\.|[^"\\])*"')
+
+
+def load_json(raw: bytes) -> Any:
+    """Parse a metadata file, refusing nesting deeper than :data:`MAX_JSON_DEPTH` before
+    any recursive parser sees it (metadata of a store is never deep).
+
+    Raises:
+        ValueError: invalid JSON (``UnicodeDecodeError`` included) or too deep.
+    """
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        import numpy as np
+
+        skeleton = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
+        steps = (skeleton == ord("[")).astype(np.int32) + (skeleton == ord("{"))
+        steps -= (skeleton == ord("]")).astype(np.int32) + (skeleton == ord("}"))
+        if steps.size and int(np.cumsum(steps).max()) > MAX_JSON_DEPTH:
+            raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return json.loads(raw.decode("utf-8"))

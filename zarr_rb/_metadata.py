@@ -3,11 +3,11 @@ record (is it a zarr_rb store, what does it hold) and each array's ``zarr.json``
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from zarr_rb._engine import LocalLocation, array_metadata_problem
 from zarr_rb._format import ATTRS_KEY, StoreMeta, parse_store_meta
+from zarr_rb._io import load_json
 from zarr_rb.errors import NotAStoreError, SchemaMismatchError, StoreCorruptedError
 
 
@@ -51,7 +51,7 @@ def check_array_metadata(location: LocalLocation, path: str, shape: tuple[int, .
     and check its shape against the schema (before anything is sized from it)."""
     where = f"store {str(location.root)!r}: array {path!r}"
     try:
-        document = json.loads((location.root / path / "zarr.json").read_bytes())
+        document = load_json((location.root / path / "zarr.json").read_bytes())
     except FileNotFoundError:
         raise StoreCorruptedError(f"{where} is missing (no zarr.json)") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as err:

@@ -16,7 +16,6 @@ From a shell: ``python -m zarr_rb verify runs/pong.zarr [--repair]``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 
 from zarr_rb._engine import array_metadata_problem
 from zarr_rb._format import STATE_GROUP, describe_runs, mask_to_ranges
+from zarr_rb._io import load_json
 from zarr_rb._layout import Compression
 from zarr_rb._store import Store
 from zarr_rb.errors import StoreCorruptedError
@@ -149,7 +149,7 @@ def _check_array(
             array = store.array(key)
         else:
             try:
-                document = json.loads((store.path / array_path / "zarr.json").read_bytes())
+                document = load_json((store.path / array_path / "zarr.json").read_bytes())
             except (OSError, ValueError, UnicodeDecodeError, RecursionError) as err:
                 raise StoreCorruptedError(f"unreadable zarr.json ({type(err).__name__})") from None
             problem = array_metadata_problem(document, [size])
