@@ -122,7 +122,9 @@ def fuzz(examples: int) -> dict[str, Any]:
         text=True,
     )
     if done.returncode != 0:
-        raise SystemExit(f"fuzzing failed:\n{done.stdout[-4000:]}")
+        raise SystemExit(
+            f"fuzzing failed (exit {done.returncode}):\n{done.stdout[-4000:]}{done.stderr[-2000:]}"
+        )
     return {
         "hypothesis_examples": examples,
         "huge_number_cases": "every value of 6 metadata files x 4 numbers",

@@ -172,10 +172,22 @@ def _index_to_json(where: Any) -> Any:
     return int(where)
 
 
+def _tree_leaves(obj: Any, node: StateNode, name: str) -> torch.Tensor:
+    """Saved leaves of a segment tree, checked: TorchRL's trees are C++ and take a wrong
+    shape or dtype without a word (or crash)."""
+    values = node.get_tensor(name)
+    if values.shape != (obj._max_capacity,) or values.dtype != obj.dtype:
+        raise ValueError(
+            f"{name}: saved leaves of shape {tuple(values.shape)} and dtype {values.dtype}, "
+            f"expected ({obj._max_capacity},) and {obj.dtype}"
+        )
+    return values
+
+
 def _prioritized_load(obj: Any, node: StateNode) -> None:
     index = torch.arange(obj._max_capacity)
-    obj._sum_tree[index] = node.get_tensor("sum_tree")
-    obj._min_tree[index] = node.get_tensor("min_tree")
+    obj._sum_tree[index] = _tree_leaves(obj, node, "sum_tree")
+    obj._min_tree[index] = _tree_leaves(obj, node, "min_tree")
     value, where = node.attrs["max_priority"], node.attrs["max_priority_index"]
     if isinstance(where, list):
         where = torch.tensor(where)
