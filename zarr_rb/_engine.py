@@ -275,19 +275,30 @@ class LocalLocation:
             overwrite=True,
         )
 
-    def read_state_array(self, path: str, *, size: int) -> np.ndarray:
-        """Read a whole state array, which must hold ``size`` elements."""
-        where = f"store {str(self.root)!r}: state array {path!r}"
+    def check_array_metadata(self, path: str, shape: tuple[int, ...]) -> None:
+        """Read an array's ``zarr.json`` with a bounded parser before TensorStore sees it,
+        and check it against the expected ``shape`` (before anything is sized from it).
+
+        Raises:
+            StoreCorruptedError: missing, unreadable, or not an array of that shape with
+                bounded chunks.
+        """
+        where = f"store {str(self.root)!r}: array {path!r}"
         try:
             document = load_json((self.root / path / ROOT_METADATA).read_bytes())
         except FileNotFoundError:
-            raise StoreCorruptedError(f"{where} is missing") from None
+            raise StoreCorruptedError(f"{where} is missing (no zarr.json)") from None
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
-            document = f"invalid JSON ({type(err).__name__})"
-        # Checked before TensorStore sizes anything from it.
-        problem = array_metadata_problem(document, [size])
+            raise StoreCorruptedError(
+                f"{where}: zarr.json is not valid JSON ({type(err).__name__})"
+            ) from None
+        problem = array_metadata_problem(document, list(shape))
         if problem is not None:
             raise StoreCorruptedError(f"{where}: {problem}")
+
+    def read_state_array(self, path: str, *, size: int) -> np.ndarray:
+        """Read a whole state array, which must hold ``size`` elements."""
+        self.check_array_metadata(path, (size,))
         try:
             array = self.open_array(path, read_only=True)
         except ValueError as err:
@@ -444,18 +455,12 @@ class RowArray:
     @property
     def chunk_rows(self) -> int:
         """Rows per chunk (per shard for sharded arrays: the unit written without reading)."""
-        shape = self._array.chunk_layout.write_chunk.shape
-        assert shape is not None
-        assert shape[0] is not None
-        return int(shape[0])
+        return _rows_of(self._array.chunk_layout.write_chunk)
 
     @property
     def read_chunk_rows(self) -> int:
         """Rows per stored (inner) chunk: the unit a checksum covers."""
-        shape = self._array.chunk_layout.read_chunk.shape
-        assert shape is not None
-        assert shape[0] is not None
-        return int(shape[0])
+        return _rows_of(self._array.chunk_layout.read_chunk)
 
     def chunk_file(self, chunk: int, tail: tuple[int, ...] = ()) -> Path:
         """The file holding write chunk (shard) ``chunk`` along the rows."""
@@ -520,6 +525,14 @@ class RowArray:
         if _is_run(rows):
             return self._array[int(rows[0]) : int(rows[0]) + rows.size].write(values)
         return self._array[rows].write(values)
+
+
+def _rows_of(grid: Any) -> int:
+    """Rows (first dimension) of a TensorStore chunk grid."""
+    shape = grid.shape
+    assert shape is not None
+    assert shape[0] is not None
+    return int(shape[0])
 
 
 def _short_reason(err: Exception) -> str:

@@ -1,13 +1,13 @@
-"""Metadata files of a store, read with bounded parsers and checked before use: the root
-record (is it a zarr_rb store, what does it hold) and each array's ``zarr.json``."""
+"""The root record of a store, read with a bounded parser and checked before use: is it a
+zarr_rb store, and what does it hold. (Arrays' ``zarr.json`` files are checked by
+``LocalLocation.check_array_metadata``.)"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from zarr_rb._engine import LocalLocation, array_metadata_problem
+from zarr_rb._engine import LocalLocation
 from zarr_rb._format import ATTRS_KEY, StoreMeta, parse_store_meta
-from zarr_rb._io import load_json
 from zarr_rb.errors import NotAStoreError, SchemaMismatchError, StoreCorruptedError
 
 
@@ -44,20 +44,3 @@ def parse_meta(
             f"{where} holds a buffer with ndim={meta.ndim}, got ndim={ndim}",
         )
     return meta
-
-
-def check_array_metadata(location: LocalLocation, path: str, shape: tuple[int, ...]) -> None:
-    """Read an array's ``zarr.json`` with a bounded parser before TensorStore sees it,
-    and check its shape against the schema (before anything is sized from it)."""
-    where = f"store {str(location.root)!r}: array {path!r}"
-    try:
-        document = load_json((location.root / path / "zarr.json").read_bytes())
-    except FileNotFoundError:
-        raise StoreCorruptedError(f"{where} is missing (no zarr.json)") from None
-    except (ValueError, UnicodeDecodeError, RecursionError) as err:
-        raise StoreCorruptedError(
-            f"{where}: zarr.json is not valid JSON ({type(err).__name__})"
-        ) from None
-    problem = array_metadata_problem(document, list(shape))
-    if problem is not None:
-        raise StoreCorruptedError(f"{where}: {problem}")

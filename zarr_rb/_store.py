@@ -47,7 +47,7 @@ from zarr_rb._format import (
 from zarr_rb._io import LOCK_FILE, errno_of, is_temporary
 from zarr_rb._layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb._lock import WriterLock
-from zarr_rb._metadata import check_array_metadata, check_is_store, parse_meta, read_root
+from zarr_rb._metadata import check_is_store, parse_meta, read_root
 from zarr_rb._staging import Block, Key, WriteBuffer
 from zarr_rb.errors import (
     ChunkCorruptedError,
@@ -185,7 +185,7 @@ class Store:
         self._leaves = leaves_by_key(schema.leaves)
         # Row masks are sized from the schema: check it against an array on disk first.
         first = schema.leaves[0]
-        check_array_metadata(self.location, first.path, (schema.rows, *self.element_shape(first)))
+        self.location.check_array_metadata(first.path, (schema.rows, *self.element_shape(first)))
         self._buffer = WriteBuffer(
             element_shapes={leaf.key: self.element_shape(leaf) for leaf in schema.leaves},
             dtypes={leaf.key: TORCH_DTYPES[leaf.dtype] for leaf in schema.leaves},
@@ -249,7 +249,7 @@ class Store:
             assert self.schema is not None
             leaf = self._leaf(key)
             expected = (self.rows, *self.element_shape(leaf))
-            check_array_metadata(self.location, leaf.path, expected)
+            self.location.check_array_metadata(leaf.path, expected)
             try:
                 array = self.location.open_array(leaf.path, read_only=self.read_only)
             except ValueError as err:

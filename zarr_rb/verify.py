@@ -22,9 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zarr_rb._engine import array_metadata_problem
 from zarr_rb._format import STATE_GROUP, describe_runs, mask_to_ranges
-from zarr_rb._io import load_json
 from zarr_rb._layout import Compression
 from zarr_rb._store import Store
 from zarr_rb.errors import StoreCorruptedError
@@ -148,13 +146,7 @@ def _check_array(
         if key is not None:
             array = store.array(key)
         else:
-            try:
-                document = load_json((store.path / array_path / "zarr.json").read_bytes())
-            except (OSError, ValueError, UnicodeDecodeError, RecursionError) as err:
-                raise StoreCorruptedError(f"unreadable zarr.json ({type(err).__name__})") from None
-            problem = array_metadata_problem(document, [size])
-            if problem is not None:
-                raise StoreCorruptedError(problem)
+            store.location.check_array_metadata(array_path, (size,))
             array = store.location.open_array(array_path, read_only=True)
     except (StoreCorruptedError, ValueError) as err:
         return [DamagedChunk(array_path, (0, 0), f"cannot open the array: {err}")]
