@@ -39,7 +39,7 @@ from torchrl.data.replay_buffers.writers import (
     TensorDictRoundRobinWriter,
 )
 
-from zarr_rb import Compression, SchemaMismatchError, ZarrStorage
+from zarr_rb import Compression, ZarrStorage
 
 MAX_SIZE = 64
 BATCH = 8
@@ -455,22 +455,27 @@ def test_max_value_writer_add(tmp_path: Path) -> None:
 
 
 def test_max_value_writer_extend_then_add(tmp_path: Path) -> None:
-    """Mixing ``extend`` and ``add`` on a max-value writer fails loudly and harmlessly.
+    """Mixing ``extend`` and ``add`` on a max-value writer grows a column, as in TorchRL.
 
     TorchRL's ``TensorDictMaxValueWriter`` sets an ``"index"`` entry on ``add`` but not on
-    ``extend``, so the second kind of write carries a key the first did not.
-    LazyTensorStorage grows a zero-filled column, LazyMemmapStorage raises ``KeyError``;
-    ZarrStorage keeps its schema fixed and raises ``SchemaMismatchError`` without touching
-    the stored rows.
+    ``extend``, so the second kind of write carries a key the first did not: the store grows
+    a column, in which the rows written before read as zeros (as in LazyTensorStorage), and
+    writes without the key keep its values.
     """
-    path = tmp_path / "rb.zarr"
-    rb = _max_value_twin(path).zarr
-    data = transitions(40)
-    rb.extend(data.clone())
-    with pytest.raises(SchemaMismatchError, match="index"):
-        rb.add(transitions(1, start=1000)[0].apply(lambda x: x + 100))
-    assert len(rb.storage) == 40
-    assert_same(rb.storage[:], data, "storage[:]")
+    twin = _max_value_twin(tmp_path / "rb.zarr")
+    twin.extend(transitions(40))
+    for i in range(30):
+        twin.add(
+            transitions(1, start=1000 + i)[0].apply(
+                lambda x: x + 100 if x.is_floating_point() else x
+            )
+        )
+    twin.check()
+    assert ("index",) in {leaf.key for leaf in twin.zarr.storage.schema.leaves}
+    twin.extend(transitions(40, start=2000))
+    twin.check(flush=True)
+    for seed in range(3):
+        twin.sample(seed)
 
 
 # --- slice samplers -------------------------------------------------------------------------

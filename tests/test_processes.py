@@ -59,6 +59,8 @@ def test_reader_sees_only_committed_rows_while_writer_extends(store_path):
     lengths, reads, withheld = [], 0, 0
     try:
         while writer.poll() is None or reads == 0:
+            if writer.poll() not in (None, 0):
+                break  # the writer failed: reported below
             reader.refresh()
             n = len(reader)
             lengths.append(n)

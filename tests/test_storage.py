@@ -189,10 +189,10 @@ def test_lazy_full_view_reads_only_the_keys_asked(store_path, monkeypatch):
     read_keys: list[tuple[str, ...]] = []
     original = storage._store.read
 
-    def spy(rows, keys):
+    def spy(rows, keys, **kwargs):
         keys = list(keys)
         read_keys.extend(keys)
-        return original(rows, keys)
+        return original(rows, keys, **kwargs)
 
     monkeypatch.setattr(storage._store, "read", spy)
     view = storage[:]

@@ -19,10 +19,11 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
+from torchrl.data.replay_buffers.checkpointers import TensorStorageCheckpointer
 
 from zarr_rb._engine import ROOT_METADATA
 from zarr_rb._format import ATTRS_KEY
+from zarr_rb._torchrl_state import copy_rows, copy_store
 
 if TYPE_CHECKING:
     from zarr_rb.storage import ZarrStorage
@@ -39,10 +40,18 @@ def _is_store(path: Path) -> bool:
     return isinstance(document, dict) and ATTRS_KEY in document.get("attributes", {})
 
 
-class ZarrStorageCheckpointer(StorageCheckpointerBase):  # type: ignore[misc]
-    """Dumps a :class:`ZarrStorage` by flushing it in place, or by snapshotting it."""
+class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
+    """Dumps a :class:`ZarrStorage` by flushing it in place, or by snapshotting it.
+
+    With save or load hooks registered (``rb.register_save_hook``), dumps and loads take
+    TorchRL's own route instead, through the hooks: the rows are read, transformed and
+    written in TorchRL's layout.
+    """
 
     def dumps(self, storage: ZarrStorage, path: str | os.PathLike[str]) -> None:
+        if self._save_hooks:
+            super().dumps(storage, Path(path))
+            return
         path = Path(path).absolute()
         storage.flush()
         if storage.path in (path, path.parent):
@@ -73,14 +82,17 @@ class ZarrStorageCheckpointer(StorageCheckpointerBase):  # type: ignore[misc]
             with _ZarrStorage(path=path, read_only=True) as other:
                 length, cursor = len(other), other.cursor
         elif (path / TORCHRL_METADATA).is_file():
-            self._load_torchrl_layout(storage, path)
+            if self._load_hooks:
+                super().loads(storage, path)
+            else:
+                self._load_torchrl_layout(storage, path)
             return
         else:
             raise FileNotFoundError(
                 f"{str(path)!r} holds neither a zarr_rb store nor a TorchRL storage dump",
             )
         if source != storage.path.resolve():
-            storage._copy_from(source)
+            copy_store(source, storage)
         storage.restore(length=length, cursor=cursor)
 
     @staticmethod
@@ -95,5 +107,5 @@ class ZarrStorageCheckpointer(StorageCheckpointerBase):  # type: ignore[misc]
         length = int(metadata["len"])
         per_row = math.prod(source.batch_size[1 : storage.ndim])
         rows = min(source.shape[0], -(-length // per_row))
-        storage.copy_rows_from(source, rows=rows)
+        copy_rows(source, storage, rows=rows)
         storage.restore(length=length, cursor=rows % source.shape[0])

@@ -38,6 +38,12 @@ def kind_of(data: Any) -> Kind:
     )
 
 
+def device_of(data: Any) -> torch.device | None:
+    """The device of a tensor or tensor collection (``None`` for a collection without one)."""
+    device = data.device
+    return None if device is None else torch.device(device)
+
+
 def _as_tensordict(data: Any) -> TensorDictBase:
     if is_tensorclass(data):
         td: TensorDictBase = data._tensordict
@@ -52,16 +58,27 @@ def flatten(data: Any) -> dict[Key, torch.Tensor]:
         return {(): data}
     leaves: dict[Key, torch.Tensor] = {}
     for key, value in _as_tensordict(data).items(include_nested=True, leaves_only=True):
-        key_tuple = (key,) if isinstance(key, str) else tuple(key)
+        path = key_tuple(key)
         if not isinstance(value, torch.Tensor) or is_tensor_collection(value):
             raise UnsupportedDataError(
-                f"entry {key_tuple!r} is a {type(value).__name__}; only tensor leaves can be "
+                f"entry {path!r} is a {type(value).__name__}; only tensor leaves can be "
                 "stored (non-tensor data is not supported yet)",
             )
-        leaves[key_tuple] = value
+        leaves[path] = value
     if not leaves:
         raise UnsupportedDataError("cannot store a TensorDict without tensor leaves")
     return leaves
+
+
+def row_nbytes(data: Any) -> int:
+    """Bytes of one row (one index along dim 0) of ``data``, from shapes and dtypes only
+    (nothing is read from lazy columns)."""
+    if isinstance(data, torch.Tensor):
+        leaves = [data]
+    else:
+        td = data._tensordict if is_tensorclass(data) else data
+        leaves = list(td.values(include_nested=True, leaves_only=True))
+    return sum(math.prod(leaf.shape[1:]) * leaf.dtype.itemsize for leaf in leaves)
 
 
 def tensorclass_name(cls: type) -> str:
@@ -120,32 +137,21 @@ def infer_schema(data: Any, *, batched: bool, ndim: int, max_size: int) -> Schem
 
 def leaves_for_write(
     data: Any, *, schema: Schema, index_shape: tuple[int, ...], where: str
-) -> dict[Key, torch.Tensor]:
+) -> tuple[dict[Key, torch.Tensor], list[LeafSpec]]:
     """Validate ``data`` against ``schema`` and return its leaves as ``[n, *row_shape]``.
 
     ``index_shape`` is the shape of the row index the data is written at (``()`` for a
-    single row).
+    single row). Keys the store does not hold yet are new columns: their specs are
+    returned too (their leaves are among the returned ones). Keys of the store that
+    ``data`` lacks keep their values in the rows written.
     """
-    if kind_of(data) != schema.kind and {kind_of(data), schema.kind} != {
-        "tensordict",
-        "tensorclass",
-    }:
-        raise SchemaMismatchError(
-            f"{where} holds {schema.kind} data, got a {type(data).__name__}",
-        )
-    leaves = flatten(data)
-    expected = {leaf.key: leaf for leaf in schema.leaves}
-    missing = sorted(set(expected) - set(leaves))
-    extra = sorted(set(leaves) - set(expected))
-    if missing or extra:
-        raise SchemaMismatchError(
-            f"{where}: the written data's keys differ from the stored keys "
-            f"(missing: {missing}, unexpected: {extra}); every write must carry the same "
-            "keys as the first one",
-        )
+    _check_kind(data, schema, where)
+    lead = len(index_shape) + len(schema.batch_shape) - 1
+    new = new_leaves(data, schema=schema, lead=lead, where=where)
+    expected = {leaf.key: leaf for leaf in (*schema.leaves, *new)}
     n = math.prod(index_shape)
     out: dict[Key, torch.Tensor] = {}
-    for key, tensor in leaves.items():
+    for key, tensor in flatten(data).items():
         leaf = expected[key]
         row_shape = (*schema.batch_shape[1:], *leaf.shape)
         if dtype_name(tensor.dtype) != leaf.dtype:
@@ -161,7 +167,49 @@ def leaves_for_write(
                 f"{row_shape})",
             )
         out[key] = tensor.detach().to("cpu").reshape(n, *row_shape)
-    return out
+    return out, new
+
+
+def new_leaves(data: Any, *, schema: Schema, lead: int, where: str) -> list[LeafSpec]:
+    """Specs of the keys of ``data`` that the store does not hold (new columns), whose first
+    ``lead`` dimensions are batch dimensions."""
+    _check_kind(data, schema, where)
+    held = {leaf.key for leaf in schema.leaves}
+    new = []
+    for key, tensor in flatten(data).items():
+        if key in held:
+            continue
+        dtype = dtype_name(tensor.dtype)
+        stored_dtype(dtype)
+        if tensor.ndim < lead:
+            raise SchemaMismatchError(
+                f"{where}: new entry {key!r} has shape {tuple(tensor.shape)}, expected at "
+                f"least {lead} batch dimensions",
+            )
+        new.append(LeafSpec(key=parse_key(key), dtype=dtype, shape=tuple(tensor.shape[lead:])))
+    return new
+
+
+def _check_kind(data: Any, schema: Schema, where: str) -> None:
+    if kind_of(data) != schema.kind and {kind_of(data), schema.kind} != {
+        "tensordict",
+        "tensorclass",
+    }:
+        raise SchemaMismatchError(
+            f"{where} holds {schema.kind} data, got a {type(data).__name__}",
+        )
+
+
+def key_tuple(key: Any) -> Key:
+    """A nested key (``"a"`` or ``("a", "b")``) as a tuple."""
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def as_patch(patch: Mapping[Any, torch.Tensor], index: torch.Tensor) -> TensorDict:
+    """``rb.update_if_present``'s patch (``{key: [n, ...]}``) as a TensorDict of ``n`` rows."""
+    return TensorDict(
+        {key_tuple(key): value for key, value in patch.items()}, batch_size=index.shape[:1]
+    )
 
 
 def build(
@@ -175,11 +223,9 @@ def build(
     if schema.kind == "tensor":
         tensor = leaves[()]
         return tensor if device is None else tensor.to(device)
-    td = TensorDict(batch_size=(*batch_shape, *schema.item_batch_shape))
+    td = TensorDict(batch_size=(*batch_shape, *schema.item_batch_shape), device=device)
     for key, value in leaves.items():
         td.set(key, value)
-    if device is not None:
-        td = td.to(device)
     if schema.kind == "tensorclass" and schema.tensorclass is not None:
         cls = resolve_tensorclass(schema.tensorclass)
         if cls is None:

@@ -117,6 +117,14 @@ class LocalLocation:
         document = {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
         write_json_atomically(self.root / ROOT_METADATA, document, publish=True)
 
+    def remove_tree(self, path: str) -> None:
+        """Delete a group and everything under it (only the store's writer calls this, and
+        only for nodes that the published root record no longer refers to)."""
+        target = self.root / path
+        if target.exists():
+            announce("remove", target)
+            shutil.rmtree(target)
+
     def remove_temporaries(self) -> list[Path]:
         """Delete files left by interrupted writes (only ever called by the store's writer)."""
         removed = []

@@ -237,6 +237,9 @@ class StoreMeta:
     """Rows per write block (the shard height of large leaves); set with the schema."""
     saved: Saved | None = None
     format: int = FORMAT_VERSION
+    compression: Mapping[str, Any] | None = None
+    """The ``Compression`` settings the store was created with (``None`` in stores written
+    before they were recorded)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -247,6 +250,7 @@ class StoreMeta:
             "schema": None if self.schema is None else self.schema.to_json(),
             "commit": self.commit.to_json(),
             "saved": None if self.saved is None else self.saved.to_json(),
+            "compression": None if self.compression is None else dict(self.compression),
         }
 
 
@@ -336,6 +340,29 @@ def parse_saved(value: object, *, max_size: int) -> Saved | None:
         length=_parse_int(value.get("length"), "saved length", hi=max_size),
         cursor=_parse_int(value.get("cursor"), "saved cursor", hi=max_size),
     )
+
+
+_CODECS = ("zstd", "lz4", "none")
+
+
+def parse_compression(value: object) -> dict[str, Any] | None:
+    """The recorded compression settings, checked field by field (``None`` if absent)."""
+    if value is None:
+        return None
+    _expect(isinstance(value, Mapping), "'compression' to be an object or null", value)
+    assert isinstance(value, Mapping)
+    codec = value.get("codec")
+    _expect(codec in _CODECS, f"a codec among {_CODECS}", codec)
+    block_rows = value.get("block_rows")
+    return {
+        "codec": codec,
+        "level": _parse_int(value.get("level"), "compression level", lo=-(2**17), hi=22),
+        "chunk_rows": _parse_int(value.get("chunk_rows"), "chunk_rows", lo=1, hi=2**31),
+        "block_rows": None
+        if block_rows is None
+        else _parse_int(block_rows, "compression block_rows", lo=1, hi=2**31),
+        "large_row_bytes": _parse_int(value.get("large_row_bytes"), "large_row_bytes"),
+    }
 
 
 def _parse_leaf(value: object, kind: Kind) -> LeafSpec:
@@ -440,6 +467,7 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
         )
         commit = parse_commit(value.get("commit"), rows=rows)
         saved = parse_saved(value.get("saved"), max_size=max_size)
+        compression = parse_compression(value.get("compression"))
     except StoreCorruptedError as err:
         raise StoreCorruptedError(f"{where}: {err}") from None
     return StoreMeta(
@@ -450,6 +478,7 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
         block_rows=block_rows,
         saved=saved,
         format=fmt,
+        compression=compression,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from zarr_rb._format import LeafSpec
@@ -77,6 +78,11 @@ class Compression:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> Compression:
+        """The settings recorded by :meth:`to_json` (already checked by the format parser)."""
+        return cls(**{field.name: value[field.name] for field in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -118,6 +118,28 @@ class WriteBuffer:
                 full.append(index)
         return direct, full
 
+    def patch(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> np.ndarray:
+        """Write some keys of rows held in RAM there (``rows`` sorted and unique).
+
+        Returns:
+            A mask over ``rows``: which were held in RAM and took the new values. No block is
+            created: the other keys of a row that is not held would be unknown.
+        """
+        hit, served = self.staged_rows(rows)
+        for block, positions in served:
+            offsets = torch.from_numpy(rows[positions] - block.index * self.block_rows)
+            picked = torch.from_numpy(positions)
+            for key, tensor in values.items():
+                block.values[key][offsets] = tensor[picked]
+        return hit
+
+    def add_key(self, key: Key, element_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """A new leaf: held rows read as zeros in it until written."""
+        self._element_shapes[key] = element_shape
+        self._dtypes[key] = dtype
+        for block in self._blocks.values():
+            block.values[key] = torch.zeros((self.block_rows, *element_shape), dtype=dtype)
+
     def staged_rows(self, rows: np.ndarray) -> tuple[np.ndarray, list[tuple[Block, np.ndarray]]]:
         """Which of ``rows`` (any order, repeats allowed) are held in RAM.
 

@@ -12,7 +12,7 @@ The commit protocol (see DESIGN.md):
   read is retried (a seqlock), so a read never returns a torn transition.
 
 This module works with leaf dictionaries ``{key: tensor[rows, ...]}`` and row
-numbers; it knows nothing about TorchRL.
+numbers; it knows nothing about TorchRL. Stores are opened by :mod:`zarr_rb._open`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -32,7 +31,6 @@ from zarr_rb._dtypes import TORCH_DTYPES, from_numpy, to_numpy
 from zarr_rb._engine import LocalLocation, RowArray
 from zarr_rb._format import (
     ATTRS_KEY,
-    DATA_GROUP,
     Commit,
     LeafSpec,
     Saved,
@@ -44,14 +42,14 @@ from zarr_rb._format import (
     parse_store_meta,
     preview_rows,
 )
-from zarr_rb._io import LOCK_FILE, errno_of, is_temporary
+from zarr_rb._io import errno_of
 from zarr_rb._layout import Compression, choose_block_rows, leaf_layout, row_nbytes
+from zarr_rb._ledger import Ledger
 from zarr_rb._lock import WriterLock
-from zarr_rb._metadata import check_is_store, parse_meta, read_root
+from zarr_rb._metadata import check_is_store, read_root
 from zarr_rb._staging import Block, Key, WriteBuffer
 from zarr_rb.errors import (
     ChunkCorruptedError,
-    NotAStoreError,
     ReadOnlyError,
     RowsNotCommittedError,
     StoreCorruptedError,
@@ -65,9 +63,12 @@ MIRROR_LIMIT_BYTES = 256 * 2**20
 """Small leaves (actions, rewards, flags, trajectory ids) are mirrored in RAM by the writer
 when all of them together take at most this much."""
 
+Write = tuple[np.ndarray, Mapping[Key, torch.Tensor]]
+"""Rows (sorted, unique) and the values of some or all leaves for them."""
+
 
 class Store:
-    """One zarr_rb store: open it with :meth:`open`, never construct it directly."""
+    """One zarr_rb store: open it with :func:`zarr_rb._open.open_store`."""
 
     def __init__(
         self,
@@ -91,75 +92,14 @@ class Store:
         self._mirrorable: frozenset[Key] = frozenset()
         self._leaves: dict[Key, LeafSpec] = {}
         self._buffer: WriteBuffer | None = None
-        self._published: np.ndarray | None = None
-        self._valid: np.ndarray | None = None
+        self._ledger: Ledger | None = None
+        self._retries: list[Write] = []
+        """Writes of some keys that failed: written again by the next flush."""
+        self._schema_on_disk = meta.schema
+        """The schema of the last published record (keys added since are published next)."""
         self.closed = False
         if meta.schema is not None:
             self._attach_schema(meta.schema, meta.block_rows or 1)
-
-    # --- opening ---------------------------------------------------------------------------
-
-    @classmethod
-    def open(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        max_size: int | None,
-        ndim: int | None,
-        read_only: bool,
-        compression: Compression,
-    ) -> Store:
-        """Open the store at ``path``, creating it when it does not exist (and not read-only)."""
-        location = LocalLocation(path)
-        root = location.root
-        where = f"store {str(root)!r}"
-        if root.exists() and not root.is_dir():
-            raise NotAStoreError(
-                f"{where} is a file, not a zarr_rb store; pass a directory path "
-                "(e.g. 'runs/buffer.zarr')",
-            )
-        document = read_root(location)
-        if document is None:
-            if read_only:
-                raise FileNotFoundError(f"no zarr_rb store at {str(root)!r}")
-            if root.exists() and any(
-                p.name != LOCK_FILE and not is_temporary(p) for p in root.iterdir()
-            ):
-                raise NotAStoreError(
-                    f"{where} is a non-empty directory without a zarr_rb store; "
-                    "choose a new or empty directory",
-                )
-            if max_size is None:
-                raise ValueError(f"max_size is required to create a new store at {str(root)!r}")
-            location.create_root()
-        else:
-            check_is_store(document, where)
-        if read_only:
-            assert document is not None
-            meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
-            return cls(location, meta, read_only=True, compression=compression)
-        lock = WriterLock.acquire(root)
-        try:
-            # Now that no other writer can, re-read (another one may have committed or
-            # created the store meanwhile) and clear what interrupted writes left behind.
-            document = read_root(location)
-            if document is None:
-                assert max_size is not None
-                meta = StoreMeta(max_size=max_size, ndim=ndim or 1, schema=None, commit=Commit())
-                store = cls(location, meta, read_only=False, compression=compression, lock=lock)
-                # The root record first: once it exists, the directory is a store, and a
-                # crash before or after it leaves something that reopens.
-                store._publish(meta.commit)
-                with store.writing("creating the data group"):
-                    location.create_group(DATA_GROUP)
-                return store
-            check_is_store(document, where)
-            meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
-            location.remove_temporaries()
-            return cls(location, meta, read_only=False, compression=compression, lock=lock)
-        except BaseException:
-            lock.release()
-            raise
 
     # --- schema ----------------------------------------------------------------------------
 
@@ -175,6 +115,11 @@ class Store:
     def rows(self) -> int:
         assert self.schema is not None
         return self.schema.rows
+
+    @property
+    def length_rows(self) -> int:
+        """Rows covered by ``length`` (elements)."""
+        return -(-self.length // self._elements_per_row(self.schema))
 
     def element_shape(self, leaf: LeafSpec) -> tuple[int, ...]:
         """Shape of one row of a leaf's array."""
@@ -192,6 +137,14 @@ class Store:
             block_rows=block_rows,
             rows=schema.rows,
         )
+        self._update_mirrorable()
+        # Rows known to hold intact data: those of the commit. Rows past it were never
+        # written or belong to an interrupted write; they become intact when written.
+        self._ledger = Ledger(self.committed.readable_mask(schema.rows), self._leaves)
+
+    def _update_mirrorable(self) -> None:
+        schema = self.schema
+        assert schema is not None
         small = [
             leaf
             for leaf in schema.leaves
@@ -200,47 +153,76 @@ class Store:
         small_bytes = sum(row_nbytes(leaf, schema.batch_shape) for leaf in small)
         if not self.read_only and schema.rows * small_bytes <= MIRROR_LIMIT_BYTES:
             self._mirrorable = frozenset(leaf.key for leaf in small)
-        readable = self.committed.readable_mask(schema.rows)
-        self._published = readable
-        # Rows known to hold intact data: those of the commit. Rows past it were never
-        # written or belong to an interrupted write; they become valid when written.
-        self._valid = readable.copy()
+        else:
+            self._mirrorable = frozenset()
+            self._mirror.clear()
 
     def initialize(self, schema: Schema) -> None:
         """Create the arrays of ``schema`` (first write of a new store)."""
         self._check_writable()
         block_rows = choose_block_rows(self.compression, schema.leaves, schema.batch_shape)
+        with self.writing("creating the arrays"):
+            self._create_arrays(schema.leaves, schema.batch_shape, block_rows)
+        self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows)
+        self._attach_schema(schema, block_rows)
+        self.publish_meta()
+
+    def add_leaves(self, leaves: Sequence[LeafSpec]) -> None:
+        """Add columns to an initialised store. Rows already written read as zeros in them,
+        as in TorchRL's storages; the new schema is published with the next commit."""
+        self._check_writable()
+        schema = self.schema
+        assert schema is not None
+        assert self._buffer is not None
+        assert self._ledger is not None
+        block_rows = self.meta.block_rows or 1
+        with self.writing("creating the arrays of new keys"):
+            self._create_arrays(leaves, schema.batch_shape, block_rows)
+        grown = dataclasses.replace(
+            schema, leaves=tuple(sorted((*schema.leaves, *leaves), key=lambda leaf: leaf.key))
+        )
+        self.meta = dataclasses.replace(self.meta, schema=grown)
+        self._leaves = leaves_by_key(grown.leaves)
+        for leaf in leaves:
+            self._buffer.add_key(leaf.key, self.element_shape(leaf), TORCH_DTYPES[leaf.dtype])
+        self._update_mirrorable()
+        # Zeros on disk for every row that holds data there (intact here, or published to
+        # readers), so that those rows stay whole with the new keys; rows waiting in RAM get
+        # zeros there too (add_key).
+        on_disk = self._ledger.intact | self._ledger.published
+        with self.writing("writing zeros into new keys"):
+            futures = []
+            for start, stop in _runs(on_disk, block_rows):
+                rows = np.arange(start, stop)
+                for leaf in leaves:
+                    zeros = np.zeros((rows.size, *self.element_shape(leaf)), leaf.stored_dtype)
+                    futures.append(self.array(leaf.key).write_rows(rows, zeros))
+            for future in futures:
+                future.result()
+        self._ledger.add_keys(leaf.key for leaf in leaves)
+
+    def _create_arrays(
+        self, leaves: Sequence[LeafSpec], batch_shape: tuple[int, ...], block_rows: int
+    ) -> None:
         groups = sorted(
             {
                 "/".join(leaf.path.split("/")[:i])
-                for leaf in schema.leaves
+                for leaf in leaves
                 for i in range(2, leaf.path.count("/") + 1)
             }
         )
-        with self.writing("creating the arrays"):
-            self._create_arrays(schema, groups, block_rows)
-        self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows)
-        self._attach_schema(schema, block_rows)
-        self._publish(self.committed)
-
-    def _create_arrays(self, schema: Schema, groups: list[str], block_rows: int) -> None:
         for group in groups:
             self.location.create_group(group)
-        for leaf in schema.leaves:
+        for leaf in leaves:
             layout = leaf_layout(
-                leaf,
-                batch_shape=schema.batch_shape,
-                block_rows=block_rows,
-                compression=self.compression,
+                leaf, batch_shape=batch_shape, block_rows=block_rows, compression=self.compression
             )
             self.location.create_array(
                 leaf.path,
                 layout=layout,
                 dtype=leaf.stored_dtype,
                 compression=self.compression,
-                attributes={
-                    ATTRS_KEY: {"dtype": leaf.dtype, "batch_dims": len(schema.batch_shape)}
-                },
+                attributes={ATTRS_KEY: {"dtype": leaf.dtype, "batch_dims": len(batch_shape)}},
             )
 
     def array(self, key: Key) -> RowArray:
@@ -277,13 +259,37 @@ class Store:
             raise ValueError(f"store {str(self.location.root)!r} is closed")
 
     def write(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
-        """Write ``values[key][i]`` to row ``rows[i]`` (``rows`` sorted and unique)."""
+        """Write ``values[key][i]`` to row ``rows[i]`` (``rows`` sorted and unique).
+
+        ``values`` holds every leaf (a row write) or some of them (the other leaves of those
+        rows keep their values).
+        """
         self._check_writable()
         assert self._buffer is not None
-        if self._mirror:
-            index = torch.from_numpy(rows)
-            for key, mirror in self._mirror.items():
-                mirror[index] = values[key]
+        index = torch.from_numpy(rows)
+        for key in self._mirror.keys() & values.keys():
+            self._mirror[key][index] = values[key]
+        if values.keys() == self._leaves.keys():
+            writes = self._stage_rows(rows, values)
+        else:
+            # Rows waiting in RAM take the new values there; the others are written now.
+            in_ram = self._buffer.patch(rows, values)
+            elsewhere = np.flatnonzero(~in_ram)
+            writes = []
+            if elsewhere.size:
+                picked = torch.from_numpy(elsewhere)
+                writes.append((rows[elsewhere], {k: v[picked] for k, v in values.items()}))
+        if writes:
+            try:
+                self._write_to_disk(writes)
+            except BaseException:
+                self._keep_for_retry(writes)
+                raise
+            self._commit()
+
+    def _stage_rows(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> list[Write]:
+        """Stage whole rows in RAM by block; returns what must be written now."""
+        assert self._buffer is not None
         direct, full = self._buffer.stage(rows, values)
         blocks = [self._buffer.pop(index) for index in full]
         if len(self._buffer) > _MAX_STAGED_BLOCKS:
@@ -292,39 +298,35 @@ class Store:
                 : len(self._buffer) - _MAX_STAGED_BLOCKS
             ]
             blocks.extend(self._buffer.pop(index) for index in oldest)
-        writes = [_block_rows(block) for block in blocks]
+        writes: list[Write] = [_block_rows(block) for block in blocks]
         # Slices of the caller's tensors: views, not copies.
         writes.extend(
             (rows[start:stop], {key: value[start:stop] for key, value in values.items()})
             for start, stop in direct
         )
-        if writes:
-            try:
-                self._write_to_disk(writes)
-            except BaseException:
-                self._keep_in_ram(writes)
-                raise
-            self._commit()
+        return writes
 
-    def _keep_in_ram(self, writes: Sequence[tuple[np.ndarray, Mapping[Key, torch.Tensor]]]) -> None:
-        """Stage the rows of failed writes, so that the next flush writes them again."""
+    def _keep_for_retry(self, writes: Sequence[Write]) -> None:
+        """Keep the rows of failed writes, so that the next flush writes them again: whole
+        rows wait in RAM (and are served from there), writes of some keys are queued."""
         assert self._buffer is not None
         for rows, values in writes:
-            self._buffer.stage(rows, values, force=True)
+            if values.keys() == self._leaves.keys():
+                self._buffer.stage(rows, values, force=True)
+            else:
+                self._retries.append((rows, values))
 
-    def _write_to_disk(
-        self, writes: Sequence[tuple[np.ndarray, Mapping[Key, torch.Tensor]]]
-    ) -> None:
-        assert self._published is not None
-        assert self._valid is not None
+    def _write_to_disk(self, writes: Sequence[Write]) -> None:
+        assert self._ledger is not None
         touched = np.zeros(self.rows, dtype=bool)
         for rows, _ in writes:
             touched[rows] = True
-        if (self._published & touched).any():
+        withdrawal = self._ledger.withdrawal_for(touched)
+        if withdrawal is not None:
             # Withdraw the rows about to change before touching a byte of them; the length
             # stays, so readers see holes rather than a shrinking buffer.
-            self._publish_mask(self._published & ~touched, length=self.committed.length)
-        self._valid &= ~touched
+            self._publish_mask(withdrawal, length=self.committed.length)
+        was_intact = self._ledger.start_write(touched)
         with self.writing("writing rows"):
             futures = []
             try:
@@ -340,7 +342,8 @@ class Store:
                         errors.append(err)
             if errors:
                 raise errors[0]
-        self._valid |= touched
+        keys = {key for _, values in writes for key in values}
+        self._ledger.finish_write(touched, was_intact, keys)
 
     @contextlib.contextmanager
     def writing(self, what: str) -> Iterator[None]:
@@ -364,27 +367,29 @@ class Store:
         """Withdraw rows (a boolean mask) from the readable range until they are rewritten;
         returns how many were readable."""
         self._check_writable()
-        assert self._valid is not None
-        assert self._published is not None
-        withdrawn = int((self._published & rows).sum())
-        self._valid &= ~rows
+        assert self._ledger is not None
+        withdrawn = int((self._ledger.published & rows).sum())
+        self._ledger.withdraw(rows)
         if withdrawn:
-            self._publish_mask(self._published & ~rows, length=self.committed.length)
+            self._publish_mask(self._ledger.published & ~rows, length=self.committed.length)
         return withdrawn
 
     def flush(self) -> None:
         """Write every row held in RAM and publish a commit that covers them."""
         if self.read_only or self.closed or self._buffer is None:
             return
-        blocks = list(self._buffer)
-        if blocks:
-            writes = [_block_rows(block) for block in blocks]
-            self._buffer.clear()
+        writes = [_block_rows(block) for block in self._buffer]
+        self._buffer.clear()
+        if writes:
             try:
                 self._write_to_disk(writes)
             except BaseException:
-                self._keep_in_ram(writes)
+                self._keep_for_retry(writes)
                 raise
+        while self._retries:
+            retry = self._retries[0]
+            self._write_to_disk([retry])
+            self._retries.pop(0)
         self._commit()
 
     def discard(self) -> None:
@@ -392,6 +397,7 @@ class Store:
         if self._buffer is not None:
             self._buffer.clear()
         self._mirror.clear()
+        self._retries.clear()
 
     def _staged_mask(self) -> np.ndarray:
         mask = np.zeros(self.rows, dtype=bool)
@@ -406,15 +412,14 @@ class Store:
         if self.schema is None:
             self._publish(dataclasses.replace(self.committed, length=0, holes=()))
             return
-        assert self._valid is not None
-        assert self._published is not None
-        length_rows = -(-self.length // self._elements_per_row(self.schema))
+        assert self._ledger is not None
         # Rows waiting in RAM keep their previous, still intact, committed content.
-        readable = self._valid & ~(self._staged_mask() & ~self._published)
-        readable[length_rows:] = False
+        readable = self._ledger.intact & ~(self._staged_mask() & ~self._ledger.published)
+        readable[self.length_rows :] = False
         self._publish_mask(readable)
 
     def _publish_mask(self, readable: np.ndarray, *, length: int | None = None) -> None:
+        assert self._ledger is not None
         commit = commit_from_mask(
             readable, generation=self.committed.generation + 1, cursor=self.cursor, length=length
         )
@@ -422,15 +427,20 @@ class Store:
             commit.length == self.committed.length
             and commit.holes == self.committed.holes
             and commit.cursor == self.committed.cursor
+            and self.schema == self._schema_on_disk
         ):
             return
         self._publish(commit)
-        self._published = readable.copy()
+        self._ledger.published_as(readable)
 
     def publish_saved(self, saved: Saved) -> None:
         """Flush, then publish the data commit together with a new save record."""
         self.flush()
         self._publish(self.committed, saved=saved)
+
+    def publish_meta(self) -> None:
+        """Publish the store's settings and schema with the current commit."""
+        self._publish(self.committed)
 
     def _publish(self, commit: Commit, *, saved: Saved | None = None) -> None:
         meta = dataclasses.replace(self.meta, commit=commit)
@@ -440,66 +450,78 @@ class Store:
             self.location.write_root_attributes({ATTRS_KEY: meta.to_json()})
         self.meta = meta
         self.committed = commit
+        self._schema_on_disk = meta.schema
 
     # --- reading ---------------------------------------------------------------------------
 
-    def read(self, rows: np.ndarray, keys: Iterable[Key]) -> dict[Key, torch.Tensor]:
-        """Read rows (any order, repeats allowed) of some leaves, RAM-held rows included."""
+    def read(
+        self, rows: np.ndarray, keys: Iterable[Key], *, unwritten_as_zeros: bool = False
+    ) -> dict[Key, torch.Tensor]:
+        """Read rows (any order, repeats allowed) of some leaves, RAM-held rows included.
+
+        Args:
+            unwritten_as_zeros: rows past the length that hold no data for a key read as
+                zeros (as the unused capacity of TorchRL's storages), instead of raising.
+
+        Raises:
+            RowsNotCommittedError: a row holds no intact data for a key (a read-only store:
+                a row outside the commit).
+        """
         keys = list(keys)
         if self.read_only:
             return self._read_committed(rows, keys)
         assert self._buffer is not None
-        assert self._valid is not None
-        lost = ~self._valid[rows]
-        if lost.any():
-            lost &= ~self._buffer.staged_rows(rows)[0]
-            if lost.any():
-                raise RowsNotCommittedError(
-                    f"store {str(self.location.root)!r}: rows {preview_rows(rows[lost])} "
-                    "hold no intact data: a write to them was interrupted (a crash or a failed "
-                    "write) and they have not been rewritten since",
-                )
-        mirrored = [key for key in keys if key in self._mirrorable]
-        if mirrored:
-            index = torch.from_numpy(rows)
-            out = {key: self._mirror_of(key)[index] for key in mirrored}
-            rest = [key for key in keys if key not in self._mirrorable]
-            return {**out, **self.read(rows, rest)} if rest else out
-        assert self._buffer is not None
+        assert self._ledger is not None
         hit, served = self._buffer.staged_rows(rows)
-        out = self._read_disk(rows[~hit] if hit.any() else rows, keys)
-        if not hit.any():
-            return out
-        assert self.schema is not None
-        result: dict[Key, torch.Tensor] = {}
-        miss = torch.from_numpy(np.flatnonzero(~hit))
+        on_disk: dict[Key, np.ndarray] = {}
         for key in keys:
-            leaf_dtype = TORCH_DTYPES[self._leaf(key).dtype]
-            tensor = torch.empty(
-                (rows.size, *self.element_shape(self._leaf(key))), dtype=leaf_dtype
-            )
-            tensor[miss] = out[key]
-            for block, positions in served:
-                offsets = rows[positions] - block.index * self._buffer.block_rows
-                tensor[torch.from_numpy(positions)] = block.values[key][torch.from_numpy(offsets)]
-            result[key] = tensor
-        return result
+            readable = self._ledger.readable(rows, key) | hit
+            if not readable.all():
+                lost = ~readable
+                if unwritten_as_zeros:
+                    lost &= rows < self.length_rows  # past the length: unused capacity
+                if lost.any():
+                    raise RowsNotCommittedError(
+                        f"store {str(self.location.root)!r}: rows {preview_rows(rows[lost])} "
+                        f"hold no intact data for key {key!r}: nothing was written there yet, "
+                        "or a write to them was interrupted (a crash or a failed write) and "
+                        "they have not been rewritten since",
+                    )
+            on_disk[key] = readable & ~hit
+        mirrored = {key: self._mirror_of(key) for key in keys if key in self._mirrorable}
+        if not hit.any() and all(on_disk[key].all() for key in keys):
+            out = self._read_disk({key: rows for key in keys if key not in mirrored})
+        else:
+            out = self._read_disk({key: rows[on_disk[key]] for key in keys if key not in mirrored})
+            for key, part in out.items():
+                tensor = torch.zeros((rows.size, *part.shape[1:]), dtype=part.dtype)
+                tensor[torch.from_numpy(np.flatnonzero(on_disk[key]))] = part
+                for block, positions in served:
+                    offsets = rows[positions] - block.index * self._buffer.block_rows
+                    tensor[torch.from_numpy(positions)] = block.values[key][
+                        torch.from_numpy(offsets)
+                    ]
+                out[key] = tensor
+        index = torch.from_numpy(rows)
+        out.update({key: mirror[index] for key, mirror in mirrored.items()})
+        return {key: out[key] for key in keys}
 
     def _mirror_of(self, key: Key) -> torch.Tensor:
         """The whole array of a small leaf in RAM, read once, then kept up to date by writes."""
         mirror = self._mirror.get(key)
         if mirror is None:
             assert self._buffer is not None
-            assert self._valid is not None
+            assert self._ledger is not None
             leaf = self._leaf(key)
             mirror = torch.zeros(
                 (self.rows, *self.element_shape(leaf)), dtype=TORCH_DTYPES[leaf.dtype]
             )
-            # Only rows known to be on disk: others were never written, or were lost to a
+            # Only cells known to be on disk: others were never written, or were lost to a
             # crash or a failed write, and are not readable until they are rewritten.
-            on_disk = np.flatnonzero(self._valid)
-            mirror[torch.from_numpy(on_disk)] = self._read_disk(on_disk, [key])[key]
-            _, served = self._buffer.staged_rows(np.arange(self.rows))
+            every_row = np.arange(self.rows)
+            on_disk = np.flatnonzero(self._ledger.readable(every_row, key))
+            mirror[torch.from_numpy(on_disk)] = self._read_disk({key: on_disk})[key]
+            _, served = self._buffer.staged_rows(every_row)
             for block, positions in served:
                 offsets = torch.from_numpy(positions - block.index * self._buffer.block_rows)
                 mirror[torch.from_numpy(positions)] = block.values[key][offsets]
@@ -509,20 +531,20 @@ class Store:
     def _leaf(self, key: Key) -> LeafSpec:
         return self._leaves[key]
 
-    def _read_disk(self, rows: np.ndarray, keys: list[Key]) -> dict[Key, torch.Tensor]:
-        if rows.size == 0:
-            return {
-                key: torch.empty(
-                    (0, *self.element_shape(self._leaf(key))),
-                    dtype=TORCH_DTYPES[self._leaf(key).dtype],
-                )
-                for key in keys
-            }
-        futures = {key: self.array(key).read_rows(rows) for key in keys}
+    def _read_disk(self, requests: Mapping[Key, np.ndarray]) -> dict[Key, torch.Tensor]:
+        """Read ``requests[key]`` rows of each key; the reads of all keys run together."""
+        futures = {
+            key: self.array(key).read_rows(rows) for key, rows in requests.items() if rows.size
+        }
         out = {}
-        for key, future in futures.items():
+        for key, rows in requests.items():
+            dtype = TORCH_DTYPES[self._leaf(key).dtype]
+            future = futures.get(key)
+            if future is None:
+                out[key] = torch.empty((0, *self.element_shape(self._leaf(key))), dtype=dtype)
+                continue
             try:
-                out[key] = from_numpy(future.result(), TORCH_DTYPES[self._leaf(key).dtype])
+                out[key] = from_numpy(future.result(), dtype)
             except ValueError as err:
                 raise self._damage(key, rows, err) from None
         return out
@@ -545,6 +567,21 @@ class Store:
             rows=[(a, b) for a, b, _ in damaged],
         )
 
+    def unreadable_rows(self) -> np.ndarray:
+        """Rows inside the length that cannot be read: withdrawn by a crash, a failed write
+        or a repair, and not rewritten since (samplers must not draw them)."""
+        if self.schema is None:
+            return np.empty(0, dtype=np.int64)
+        assert self._ledger is not None
+        n = self.length_rows
+        readable = (self._ledger.published if self.read_only else self._ledger.intact)[:n]
+        if readable.all():
+            return np.empty(0, dtype=np.int64)
+        unreadable = ~readable
+        if not self.read_only:
+            unreadable &= ~self._staged_mask()[:n]
+        return np.flatnonzero(unreadable)
+
     def refresh(self) -> Commit:
         """Re-read the commit record (readers); returns it."""
         where = f"store {str(self.location.root)!r}"
@@ -553,27 +590,32 @@ class Store:
             raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
         check_is_store(document, where)
         meta = parse_store_meta(document["attributes"], where=where)
-        if (meta.max_size, meta.ndim) != (self.meta.max_size, self.meta.ndim) or (
-            self.schema is not None and meta.schema != self.schema
+        if (meta.max_size, meta.ndim) != (self.meta.max_size, self.meta.ndim) or not _grows(
+            self.schema, meta.schema
         ):
             raise StoreCorruptedError(f"{where}: its size or schema changed while it was open")
         if meta.schema is not None and self.schema is None:
             self.meta = meta
             self._attach_schema(meta.schema, meta.block_rows or 1)
-        self.meta = dataclasses.replace(self.meta, commit=meta.commit, saved=meta.saved)
+        elif meta.schema != self.schema:
+            assert meta.schema is not None
+            self._leaves = leaves_by_key(meta.schema.leaves)  # keys added by the writer
+        self.meta = dataclasses.replace(
+            self.meta, schema=meta.schema, commit=meta.commit, saved=meta.saved
+        )
         self.committed = meta.commit
         self.length = meta.commit.length * self._elements_per_row(self.schema)
         self.cursor = meta.commit.cursor
-        if self.schema is not None:
-            self._published = meta.commit.readable_mask(self.rows)
+        if self._ledger is not None:
+            self._ledger.published_as(meta.commit.readable_mask(self.rows))
         return meta.commit
 
     def _read_committed(self, rows: np.ndarray, keys: list[Key]) -> dict[Key, torch.Tensor]:
         last_error: Exception | None = None
         for attempt in range(_READ_RETRIES):
             commit = self.committed
-            assert self._published is not None
-            unreadable = rows[~self._published[rows]]
+            assert self._ledger is not None
+            unreadable = rows[~self._ledger.published[rows]]
             if unreadable.size:
                 raise RowsNotCommittedError(
                     f"store {str(self.location.root)!r}: rows {preview_rows(unreadable)} are not "
@@ -581,7 +623,7 @@ class Store:
                     f"{list(commit.holes)}); call refresh() to pick up newer commits",
                 )
             try:
-                out = self._read_disk(rows, keys)
+                out = self._read_disk(dict.fromkeys(keys, rows))
             except ValueError as err:  # damaged, or a shard replaced while it was read
                 out, last_error = None, err
             unchanged = self.refresh().generation == commit.generation
@@ -613,7 +655,24 @@ class Store:
         return self.location.root
 
 
-def _block_rows(block: Block) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:
+def _grows(old: Schema | None, new: Schema | None) -> bool:
+    """Whether ``new`` is ``old`` with more leaves (the only change a writer publishes)."""
+    if old is None or new is None:
+        return old is None
+    same = dataclasses.replace(new, leaves=old.leaves) == old
+    return same and set(old.leaves) <= set(new.leaves)
+
+
+def _runs(mask: np.ndarray, step: int) -> Iterator[tuple[int, int]]:
+    """The ``True`` runs of ``mask`` as ``(start, stop)``, cut at multiples of ``step``."""
+    padded = np.concatenate(([False], mask, [False]))
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+        for first in range(start, stop, step):
+            yield first, min(stop, (first // step + 1) * step)
+
+
+def _block_rows(block: Block) -> Write:
     """The rows a block holds and their values (all of them when the block is full)."""
     offsets = np.flatnonzero(block.dirty[: block.length])
     start = block.index * block.dirty.size

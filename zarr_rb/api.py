@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from zarr_rb._format import STATE_GROUP, Saved
+from zarr_rb._open import open_store
 from zarr_rb._store import Store
 from zarr_rb.errors import (
     NoSavedBufferError,
@@ -77,11 +78,11 @@ def save(rb: Any, path: str | os.PathLike[str] | None = None, *, progress: bool 
         return target
     storage.flush()
     storage._store.location.snapshot_to(target, progress=progress)
-    snapshot = Store.open(
+    snapshot = open_store(
         target,
+        mode="r+",
         max_size=storage.max_size,
         ndim=storage.ndim,
-        read_only=False,
         compression=storage._store.compression,
     )
     try:

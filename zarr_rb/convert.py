@@ -35,11 +35,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, is_tensorclass
+from tensordict import TensorDict
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler, SamplerWithoutReplacement
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxValueWriter
 
 from zarr_rb._checkpointer import TORCHRL_METADATA, ZarrStorageCheckpointer, _is_store
+from zarr_rb._convert import row_nbytes
 from zarr_rb._engine import copy_in_blocks
 from zarr_rb.api import load, save
 from zarr_rb.errors import (
@@ -78,18 +79,6 @@ def _check_block_bytes(block_bytes: int | None) -> None:
 def _resolve_block_bytes(block_bytes: int | None) -> int:
     # BLOCK_BYTES is read at call time so that it can be tuned (and patched) module-wide.
     return BLOCK_BYTES if block_bytes is None else int(block_bytes)
-
-
-def _leaves(data: Any) -> list[torch.Tensor]:
-    if isinstance(data, torch.Tensor):
-        return [data]
-    td = data._tensordict if is_tensorclass(data) else data
-    return list(td.values(include_nested=True, leaves_only=True))
-
-
-def _row_nbytes(data: Any) -> int:
-    """Bytes of one row (one index along dim 0) of ``data``, from shapes and dtypes only."""
-    return sum(math.prod(leaf.shape[1:]) * leaf.dtype.itemsize for leaf in _leaves(data))
 
 
 def _read_json(path: Path) -> Any:
@@ -352,7 +341,7 @@ class _StreamingCheckpointer(ZarrStorageCheckpointer):
             read,
             write,
             rows=rows,
-            row_nbytes=_row_nbytes(source),
+            row_nbytes=row_nbytes(source),
             block_bytes=_resolve_block_bytes(self.block_bytes),
             progress=self.progress,
             desc="import rows",

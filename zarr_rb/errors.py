@@ -14,11 +14,14 @@ __all__ = [
     "LockedError",
     "NoSavedBufferError",
     "NotAStoreError",
+    "NotSupportedError",
     "ReadOnlyError",
     "RowIndexError",
     "RowsNotCommittedError",
     "SchemaMismatchError",
     "StoreCorruptedError",
+    "StoreExistsError",
+    "StoreNotFoundError",
     "StoreWriteError",
     "UnsupportedDataError",
     "ZarrRBError",
@@ -31,6 +34,20 @@ class ZarrRBError(Exception):
 
 class NotAStoreError(ZarrRBError, FileExistsError):
     """The path exists but does not hold a zarr_rb store."""
+
+
+class StoreNotFoundError(ZarrRBError, FileNotFoundError):
+    """No zarr_rb store at the path, and the mode asked for an existing one."""
+
+
+class StoreExistsError(ZarrRBError, FileExistsError):
+    """A store exists at the path and the mode (``"w-"``, ``existsok=False``) forbids reusing
+    it."""
+
+
+class NotSupportedError(ZarrRBError, NotImplementedError):
+    """A TorchRL feature that ZarrStorage does not offer (yet); the message says what to do
+    instead."""
 
 
 class NoSavedBufferError(ZarrRBError, FileNotFoundError):

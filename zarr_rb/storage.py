@@ -1,9 +1,9 @@
 """``ZarrStorage``: a drop-in, out-of-core TorchRL storage on sharded Zarr v3 arrays.
 
-This module adapts a :class:`~zarr_rb._store.Store` to TorchRL's
-``TensorStorage`` contract (index forms, length and cursor bookkeeping, lazy
-initialisation from the first write). It is the only module that touches
-TorchRL's storage internals.
+This module adapts a :class:`~zarr_rb._store.Store` to TorchRL's ``TensorStorage``
+contract (constructor keywords, index forms, length and cursor bookkeeping, lazy
+initialisation from the first write, writable views). The private TorchRL names it
+relies on go through :mod:`zarr_rb._compat`.
 """
 
 from __future__ import annotations
@@ -14,86 +14,77 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torchrl.data.replay_buffers.storages import TensorStorage
-from torchrl.data.replay_buffers.utils import _is_int
 
-from zarr_rb import _convert
+from zarr_rb import _compat, _convert, _torchrl_state
 from zarr_rb._checkpointer import ZarrStorageCheckpointer
 from zarr_rb._dtypes import TORCH_DTYPES
-from zarr_rb._engine import copy_in_blocks
 from zarr_rb._format import Schema, preview_rows
 from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
+from zarr_rb._open import MODES, Mode, open_store
 from zarr_rb._store import Store
-from zarr_rb.errors import RowIndexError
+from zarr_rb.errors import NotSupportedError, ReadOnlyError, RowIndexError
 
 __all__ = ["ZarrStorage"]
 
-
-def _close(store: Store, tmpdir: str | None) -> None:
-    try:
-        store.close()
-    finally:
-        if tmpdir is not None:
-            shutil.rmtree(tmpdir, ignore_errors=True)
-
-
-def _flip_list(data: list[Any]) -> Any:
-    from tensordict import is_tensor_collection
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-
-    if all(is_tensor_collection(item) for item in data):
-        return torch.stack(data)
-    flat, specs = zip(*(tree_flatten(item) for item in data), strict=True)
-    return tree_unflatten([torch.stack(items) for items in zip(*flat, strict=True)], specs[0])
-
-
-def _as_index_tensor(index: Any) -> torch.Tensor:
-    tensor = torch.as_tensor(index)
-    if tensor.dtype == torch.bool:
-        return tensor.nonzero().squeeze(-1)
-    if tensor.is_floating_point() or tensor.is_complex():
-        raise TypeError(f"expected an integer or boolean index, got dtype {tensor.dtype}")
-    return tensor.to(torch.int64).cpu()
+Key = tuple[str, ...]
 
 
 class ZarrStorage(TensorStorage):  # type: ignore[misc]
     """A TorchRL storage whose data lives in chunked, compressed Zarr v3 arrays.
 
-    A drop-in for :class:`~torchrl.data.LazyMemmapStorage`: the schema is taken
-    from the first write, and the storage works with TorchRL's replay buffers,
-    samplers and writers unchanged. Rows are written in place, so the store on
-    disk is at once the buffer, its checkpoint and a dataset that other processes
-    can open read-only.
+    A drop-in for :class:`~torchrl.data.LazyMemmapStorage` and
+    :class:`~torchrl.data.LazyTensorStorage`: it takes their keywords, the schema is taken
+    from the first write, and it works with TorchRL's replay buffers, samplers, writers and
+    checkpointers unchanged. Rows are written in place, so the store on disk is at once the
+    buffer, its checkpoint and a dataset that other processes can open read-only.
 
-    Rows are gathered in RAM by block (a shard of the large leaves) and written
-    when a block is full, on :meth:`flush` and on :meth:`close`; rows still in RAM
-    are visible to this storage but not to other processes until they are
-    committed.
+    Rows are gathered in RAM by block (a shard of the large leaves) and written when a block
+    is full, on :meth:`flush` and on :meth:`close`; rows still in RAM are visible to this
+    storage but not to other processes until they are committed.
 
     Args:
-        max_size: capacity in elements (as for ``LazyMemmapStorage``). May be
-            ``None`` when ``path`` holds a store; must match it otherwise.
-        path: directory of the store. An existing store is reopened with its
-            schema, length and cursor (no row is read); a missing one is created.
-            ``None`` uses a temporary directory removed with the storage.
+        max_size: capacity in elements (as for ``LazyMemmapStorage``). May be ``None`` when
+            ``path`` holds a store; must match it otherwise.
+        path: directory of the store. ``None`` uses a temporary directory removed with the
+            storage.
 
     Keyword Args:
+        mode: as in zarr: ``"a"`` (default) reopens the store at ``path`` with its schema,
+            length and cursor (no row is read) or creates it; ``"r"`` reads an existing
+            store (as ``read_only=True``); ``"r+"`` writes an existing store; ``"w"`` starts
+            over, removing what the store held; ``"w-"`` creates a store and fails with
+            :class:`~zarr_rb.errors.StoreExistsError` if one exists. A buffer built on a
+            reopened store appends after its last row.
         ndim: number of batch dimensions counted by ``max_size`` (1 or 2; 2 for
             ``[time, n_envs]`` layouts). ``None``: the store's own when reopening, 1 for a
             new store.
-        device: device of the tensors returned by :meth:`get`.
-        read_only: open an existing store for reading, next to its writer (any number
-            of readers; they take no lock and write nothing). :meth:`refresh` picks up
-            commits made by the writer.
+        device: device of the tensors returned by :meth:`get`; ``"auto"`` takes the device
+            of the first data written.
+        read_only: open an existing store for reading, next to its writer (any number of
+            readers; they take no lock and write nothing). :meth:`refresh` picks up commits
+            made by the writer.
         refresh_interval: for read-only storages, refresh automatically when the length is
             asked for (every sample does) and at least this many seconds have passed since
             the last refresh. ``None``: only explicit :meth:`refresh` calls.
-        compression: chunking and compression; see :class:`~zarr_rb.Compression`.
+        compression: chunking and compression of a new store; see
+            :class:`~zarr_rb.Compression`. A reopened store keeps its own (``None``), and a
+            different setting is an error.
+        scratch_dir: ``LazyMemmapStorage``'s name for ``path``.
+        existsok: ``LazyMemmapStorage``'s switch: ``True`` is ``mode="a"``, ``False`` is
+            ``mode="w-"``.
+        auto_cleanup: delete the store when the storage is closed or garbage-collected, and
+            at exit. Default: only for temporary stores (``path=None``).
+        compilable: as for TorchRL's storages (bookkeeping in plain Python numbers). The I/O
+            of a store cannot be traced by ``torch.compile``, which breaks the graph there.
+        shared_init: not supported yet (raises :class:`~zarr_rb.errors.NotSupportedError`).
+        consolidated, cleanup_memmap: layout hints of TorchRL's in-RAM storage, accepted and
+            without effect on a store.
 
     Examples:
         >>> import torch
@@ -108,19 +99,36 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     _store: Store
     _default_checkpointer = ZarrStorageCheckpointer
+    device: torch.device | Literal["auto"]
 
     def __init__(
         self,
         max_size: int | None = None,
         path: str | os.PathLike[str] | None = None,
         *,
+        mode: Mode | None = None,
         ndim: int | None = None,
         device: torch.device | str = "cpu",
         read_only: bool = False,
         compression: Compression | None = None,
         refresh_interval: float | None = None,
+        scratch_dir: str | os.PathLike[str] | None = None,
+        existsok: bool | None = None,
+        auto_cleanup: bool | None = None,
+        compilable: bool = False,
+        shared_init: bool = False,
+        consolidated: bool = False,
+        cleanup_memmap: bool = True,
     ) -> None:
-        if refresh_interval is not None and not read_only:
+        del consolidated, cleanup_memmap  # layout hints of TorchRL's in-RAM storages
+        if shared_init:
+            raise NotSupportedError(
+                "ZarrStorage(shared_init=True): initialising a storage from several processes "
+                "is not supported yet. Write a first batch in the parent process before the "
+                "buffer is handed to other processes",
+            )
+        mode = _resolve_mode(mode, read_only=read_only, existsok=existsok)
+        if refresh_interval is not None and mode != "r":
             raise ValueError(
                 "refresh_interval is for read-only storages (the writer always sees its own "
                 "rows); pass read_only=True",
@@ -131,31 +139,45 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             raise ValueError(f"expected ndim >= 1, got {ndim}")
         if max_size is not None and int(max_size) < 1:
             raise ValueError(f"expected max_size >= 1, got {max_size}")
+        if device != "auto":
+            device = torch.device(device)  # a bad device fails here, before the store opens
+        path = _one_path(path, scratch_dir)
         tmpdir = None
         if path is None:
-            if read_only:
-                raise ValueError("read_only=True needs the path of an existing store")
+            if mode in ("r", "r+"):
+                raise ValueError(f"mode={mode!r} needs the path of an existing store")
             tmpdir = tempfile.mkdtemp(prefix="zarr_rb-")
             path = Path(tmpdir) / "buffer.zarr"
-        store = Store.open(
+        store = open_store(
             path,
+            mode=mode,
             max_size=None if max_size is None else int(max_size),
             ndim=ndim,
-            read_only=read_only,
-            compression=compression or Compression(),
+            compression=compression,
         )
-        length = store.length
-        self.__dict__["_store"] = store
-        super().__init__(
-            storage=None, max_size=store.meta.max_size, device=device, ndim=store.meta.ndim
-        )
-        store.length = length
-        self.initialized = store.schema is not None
-        if self.initialized and store.committed.length:
-            self._set_last_cursor((store.cursor - 1) % store.rows)
-        self._finalizer = weakref.finalize(self, _close, store, tmpdir)
-        self.__dict__["_refresh_interval"] = refresh_interval
-        self.__dict__["_refreshed_at"] = time.monotonic()
+        try:
+            length = store.length
+            self.__dict__["_store"] = store
+            super().__init__(
+                storage=None,
+                max_size=store.meta.max_size,
+                device=device,
+                ndim=store.meta.ndim,
+                compilable=compilable,
+            )
+            store.length = length
+            self.initialized = store.schema is not None
+            if self.initialized and store.committed.length:
+                _compat.set_last_cursor(self, (store.cursor - 1) % store.rows)
+            self.existsok = existsok
+            self.auto_cleanup = tmpdir is not None if auto_cleanup is None else bool(auto_cleanup)
+            self.__dict__["_refresh_interval"] = refresh_interval
+            self.__dict__["_refreshed_at"] = time.monotonic()
+        except BaseException:
+            _close(store, tmpdir)
+            raise
+        remove = tmpdir if tmpdir is not None else (store.path if self.auto_cleanup else None)
+        self._finalizer = weakref.finalize(self, _close, store, remove)
 
     # --- TorchRL bookkeeping, backed by the store ------------------------------------------
 
@@ -177,14 +199,22 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     @property
     def _storage(self) -> Any:
-        """A lazy view of the full capacity (schema only; rows are read on use)."""
+        """The full capacity as lazy, writable columns (what TorchRL's checkpointers and
+        hooks read and write); unused capacity reads as zeros."""
         schema = self.__dict__["_store"].schema if "_store" in self.__dict__ else None
-        return None if schema is None else self._lazy_view(schema.rows)
+        return None if schema is None else self._lazy_view(schema.rows, unused_as_zeros=True)
 
     @_storage.setter
     def _storage(self, value: Any) -> None:
         if value is not None:
             raise TypeError("ZarrStorage keeps its data on disk; it cannot adopt a tensor")
+
+    def attach(self, buffer: Any) -> None:
+        """Attach a replay buffer; one built on a reopened store appends after its last row."""
+        super().attach(buffer)
+        if len(self) and not self.read_only and hasattr(buffer, "_init_writer"):
+            writer = _compat.writer_to_build(buffer)
+            _compat.set_writer_position(writer, cursor=self.cursor, write_count=len(self))
 
     # --- public API ------------------------------------------------------------------------
 
@@ -194,14 +224,14 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         return self._store.path
 
     @property
+    def scratch_dir(self) -> str:
+        """``LazyMemmapStorage``'s name for :attr:`path`."""
+        return str(self.path)
+
+    @property
     def cursor(self) -> int:
-        """Row the next sequential write goes to: one past the last row written.
-
-        A new replay buffer's writer starts at row 0. To append to a reopened store rather
-        than overwrite its oldest rows, hand this to the writer::
-
-            rb.writer.load_state_dict({"_cursor": storage.cursor, "_write_count": len(storage)})
-        """
+        """Row the next sequential write goes to: one past the last row written. A buffer
+        built on a reopened store starts its writer there."""
         return int(self._store.cursor)
 
     @property
@@ -213,20 +243,50 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         """Keys, dtypes and shapes of the stored data (``None`` before the first write)."""
         return self._store.schema
 
+    @property
+    def compression(self) -> Compression:
+        """The store's chunking and compression settings."""
+        return self._store.compression
+
     def flush(self) -> None:
         """Write the rows held in RAM and commit: other processes then see every row."""
         self._store.flush()
 
     def close(self) -> None:
-        """Flush and release the store. The storage cannot be used afterwards."""
+        """Flush and release the store. The storage cannot be used afterwards.
+
+        A temporary store (``path=None``), or any store with ``auto_cleanup=True``, is
+        deleted as it closes.
+        """
         self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._store.closed
+
+    def cleanup(self) -> bool:
+        """Close the storage and delete its store from disk (as ``LazyMemmapStorage.cleanup``).
+
+        Returns:
+            Whether a directory was deleted: ``False`` once it is gone (a second call, or a
+            store deleted by someone else).
+        """
+        if self.read_only:
+            raise ReadOnlyError(
+                f"store {str(self.path)!r} was opened read-only: a reader does not delete the "
+                "store; call cleanup() on its writer, or close() this reader",
+            )
+        if not self._finalizer.alive:
+            return False
+        self._finalizer.detach()
+        return _close(self._store, self.path)
 
     def refresh(self) -> None:
         """Pick up the writer's latest commit (read-only storages)."""
         self.__dict__["_refreshed_at"] = time.monotonic()
         self._store.refresh()
         self.initialized = self._store.schema is not None
-        self._bump_mutation_revision()
+        _compat.bump_revision(self)
 
     def nbytes_on_disk(self) -> int:
         """Bytes of all files of the store."""
@@ -237,8 +297,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         schema = self._store.schema
         if schema is None:
             return 0
-        rows = self._len_along_dim0 or 0
-        return rows * schema.row_nbytes
+        return _compat.length_along_dim0(self) * schema.row_nbytes
 
     def __enter__(self) -> ZarrStorage:
         return self
@@ -266,7 +325,13 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     # --- writes ----------------------------------------------------------------------------
 
+    def _init(self, data: Any) -> None:
+        """Create the store's arrays from one element (TorchRL's checkpointers call this)."""
+        self._initialize(data, batched=False)
+
     def _initialize(self, data: Any, *, batched: bool) -> None:
+        if self.device == "auto":
+            self.device = _convert.device_of(data) or torch.device("cpu")
         schema = _convert.infer_schema(
             data, batched=batched, ndim=self.ndim, max_size=self.max_size
         )
@@ -279,7 +344,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         if isinstance(data, list):
             data = _flip_list(data)
         if not self.initialized:
-            self._initialize(data, batched=not _is_int(cursor))
+            self._initialize(data, batched=not _compat.is_int(cursor))
         schema = store.schema
         assert schema is not None
         where = f"store {str(self.path)!r}"
@@ -289,9 +354,11 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             rows, leaves = self._patch_elements(cursor, data, schema)
         else:
             index, index_shape = self._write_rows_index(cursor, schema.rows)
-            all_leaves = _convert.leaves_for_write(
+            all_leaves, new = _convert.leaves_for_write(
                 data, schema=schema, index_shape=index_shape, where=where
             )
+            if new:
+                store.add_leaves(new)
             rows, last = _unique_last(index)
             if rows.size == index.size and (rows == index).all():
                 leaves = all_leaves  # already sorted and unique: no gather, no copy
@@ -299,19 +366,20 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 position = torch.from_numpy(last)
                 leaves = {key: value[position] for key, value in all_leaves.items()}
         if set_cursor:
-            self._set_last_cursor(cursor)
-            self._get_new_len(data, cursor)
+            _compat.set_last_cursor(self, cursor)
+            _compat.grow_length(self, data, cursor)
         store.write(rows, leaves)
-        if set_cursor and self._last_cursor_index is not None:
-            store.cursor = (self._last_cursor_index + 1) % schema.rows
-        self._bump_mutation_revision()
+        last_row = _compat.last_cursor_index(self)
+        if set_cursor and last_row is not None:
+            store.cursor = (last_row + 1) % schema.rows
+        _compat.bump_revision(self)
 
     def _write_rows_index(self, cursor: Any, rows: int) -> tuple[np.ndarray, tuple[int, ...]]:
         """Rows addressed by a write cursor (relative to capacity, like TorchRL's storages)."""
         if isinstance(cursor, slice):
             index = np.arange(*cursor.indices(rows))
             return index, (index.size,)
-        if _is_int(cursor):
+        if _compat.is_int(cursor):
             index = np.array([int(cursor)])
             shape: tuple[int, ...] = ()
         else:
@@ -321,32 +389,50 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     def _patch_elements(
         self, cursor: tuple[Any, ...], data: Any, schema: Schema
-    ) -> tuple[np.ndarray, dict[tuple[str, ...], torch.Tensor]]:
+    ) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:
         """Rows touched by a multi-dimensional index, read and patched with ``data``."""
+        where = f"store {str(self.path)!r}"
         head, rest = cursor[0], cursor[1:]
-        length = schema.rows
-        rows, position = self._rows_of(head, length)
-        block = self._read(rows, schema)
+        rows, position = self._rows_of(head, schema.rows)
+        lead = data.ndim - len(schema.item_batch_shape) if _convert.kind_of(data) != "tensor" else 0
+        new = _convert.new_leaves(data, schema=schema, lead=lead, where=where)
+        if new:
+            self._store.add_leaves(new)
+        grown = self._store.schema
+        assert grown is not None
+        block = self._read(rows, grown, unused_as_zeros=True)
         block[(position, *rest)] = data
-        leaves = _convert.leaves_for_write(
-            block, schema=schema, index_shape=(rows.size,), where=f"store {str(self.path)!r}"
+        leaves, _ = _convert.leaves_for_write(
+            block, schema=grown, index_shape=(rows.size,), where=where
         )
         return rows, leaves
+
+    def write_leaf(self, key: Key, rows: np.ndarray, values: torch.Tensor) -> None:
+        """Write ``values[i]`` into row ``rows[i]`` of one leaf (any order; the last of
+        repeated rows wins): what writes into the lazy columns of ``storage[:]`` do."""
+        self._store._check_writable()
+        rows = self._check_rows(rows.astype(np.int64), self._store.rows, what="write index")
+        unique, last = _unique_last(rows)
+        if unique.size != rows.size or (unique != rows).any():
+            values = values[torch.from_numpy(last)]
+        self._store.write(unique, {key: values.detach().to("cpu")})
+        _compat.bump_revision(self)
 
     def _empty(self) -> None:
         self._store._check_writable()
         self._store.discard()
         self._len = 0
         self._store.flush()
-        self._bump_mutation_revision()
+        _compat.bump_revision(self)
 
     def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> None:
-        """Patch some keys of some elements (``rb.update_if_present``), through ``set``."""
-        where = tuple(index.unbind(-1)) if index.ndim > 1 else index
-        current = self.get(where)
+        """Patch some keys of some elements (``rb.update_if_present``): those keys only are
+        written, after TorchRL validated the whole patch."""
+        if index.ndim > 1:
+            self.set(tuple(index.unbind(-1)), _convert.as_patch(patch, index), set_cursor=False)
+            return
         for key, value in patch.items():
-            current.set(key, value)
-        self.set(where, current, set_cursor=False)
+            self.write_leaf(_convert.key_tuple(key), index.cpu().numpy(), value)
 
     # --- reads -----------------------------------------------------------------------------
 
@@ -358,7 +444,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 raise ValueError("negative slice steps are not supported (as in torch)")
             rows = np.arange(start, stop, step, dtype=np.int64)
             return rows, slice(0, rows.size)
-        if _is_int(head):
+        if _compat.is_int(head):
             row = int(head) + (length if int(head) < 0 else 0)
             if not 0 <= row < length:
                 raise RowIndexError(
@@ -381,30 +467,38 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             )
         return rows
 
-    def _read(self, rows: np.ndarray, schema: Schema) -> Any:
-        leaves = self._store.read(rows, (leaf.key for leaf in schema.leaves))
+    @property
+    def _build_device(self) -> torch.device | None:
+        """The device of returned TensorDicts as they are built (CPU data is built there)."""
+        return torch.device("cpu") if self.device == torch.device("cpu") else None
+
+    def _read(self, rows: np.ndarray, schema: Schema, *, unused_as_zeros: bool = False) -> Any:
+        keys = [leaf.key for leaf in schema.leaves]
+        leaves = self._store.read(rows, keys, unwritten_as_zeros=unused_as_zeros)
         batch_shape = (rows.size, *schema.batch_shape[1:])
-        return _convert.build(leaves, schema=schema, batch_shape=batch_shape, device=None)
+        return _convert.build(
+            leaves, schema=schema, batch_shape=batch_shape, device=self._build_device
+        )
 
     def get(self, index: Any) -> Any:
         if not self.initialized:
             raise RuntimeError("Cannot get elements out of a non-initialized storage.")
         schema = self._store.schema
         assert schema is not None
-        length = self._len_along_dim0 or 0
+        length = _compat.length_along_dim0(self)
         head, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
         if isinstance(index, tuple) and not index:
             head = slice(None)
         if isinstance(head, slice) and not rest and head.indices(length) == (0, length, 1):
             out = self._lazy_view(length)
-        elif not rest and not isinstance(head, slice) and not _is_int(head):
+        elif not rest and not isinstance(head, slice) and not _compat.is_int(head):
             out = self._gather(_as_index_tensor(head), schema, length)
         else:
             rows, position = self._rows_of(head, length)
             block = self._read(rows, schema)
             whole = isinstance(position, slice) and not rest
             out = block if whole else block[(position, *rest)]
-        if self.device != torch.device("cpu") and self.device != "auto":
+        if self._build_device is None and self.device != "auto":
             out = out.to(self.device)
         return out
 
@@ -417,7 +511,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         tensors untouched.
         """
         last = self.__dict__.get("_last_gather")
-        revision = self._mutation_revision
+        revision = _compat.revision(self)
         if last is not None and last.matches(index, revision):
             return last.result.clone()
         rows = self._check_rows(index.reshape(-1).numpy(), length)
@@ -426,77 +520,106 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             {key: v.reshape(*index.shape, *v.shape[1:]) for key, v in leaves.items()},
             schema=schema,
             batch_shape=(*index.shape, *schema.batch_shape[1:]),
-            device=None,
+            device=self._build_device,
         )
         self.__dict__["_last_gather"] = _Gather(index.clone(), revision, out)
         return out
 
-    def _lazy_view(self, length: int) -> Any:
-        """Every leaf as a :class:`LazyColumn` over rows ``[0, length)``."""
+    def _lazy_view(self, length: int, *, unused_as_zeros: bool = False) -> Any:
+        """Every leaf as a writable :class:`LazyColumn` over rows ``[0, length)``."""
         schema = self._store.schema
         assert schema is not None
-        store = self._store
-        columns = {}
-        for leaf in schema.leaves:
-
-            def reader(rows: np.ndarray, key: tuple[str, ...] = leaf.key) -> torch.Tensor:
-                tensor: torch.Tensor = store.read(rows, [key])[key]
-                return tensor
-
-            shape = (length, *store.element_shape(leaf))
-            columns[leaf.key] = LazyColumn(shape, TORCH_DTYPES[leaf.dtype], reader)
+        columns = {
+            leaf.key: LazyColumn(
+                (length, *self._store.element_shape(leaf)),
+                TORCH_DTYPES[leaf.dtype],
+                source=_LeafSource(self, leaf.key, length, unused_as_zeros=unused_as_zeros),
+            )
+            for leaf in schema.leaves
+        }
         return _convert.build(
-            columns, schema=schema, batch_shape=(length, *schema.batch_shape[1:]), device=None
+            columns,
+            schema=schema,
+            batch_shape=(length, *schema.batch_shape[1:]),
+            device=self._build_device,
+        )
+
+    def _rand_given_ndim(self, batch_size: int) -> Any:
+        """Random element indices (RandomSampler), drawn among the rows that can be read:
+        rows withdrawn by a crash or by ``verify --repair`` are never drawn."""
+        unreadable = self._store.unreadable_rows()
+        if not unreadable.size:
+            return super()._rand_given_ndim(batch_size)
+        readable = np.setdiff1d(np.arange(self._store.length_rows), unreadable)
+        if not readable.size:
+            raise RuntimeError(
+                f"store {str(self.path)!r}: no row can be sampled: every row is withdrawn "
+                f"({preview_rows(unreadable)})",
+            )
+        generator = _compat.storage_generator(self)
+        pick = torch.randint(readable.size, (batch_size,), generator=generator)
+        rows = torch.from_numpy(readable)[pick]
+        if self.ndim == 1:
+            return rows
+        return (
+            rows,
+            *(torch.randint(n, (batch_size,), generator=generator) for n in self.shape[1:]),
         )
 
     # --- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """A small dict (path, length, cursor) after flushing; the rows stay on disk."""
-        self.flush()
-        return {
-            "path": str(self.path),
-            "initialized": self.initialized,
-            "_len": self._len,
-            "cursor": self._store.cursor,
-        }
+        """TorchRL's storage state: the rows (lazily: read only when copied), ``initialized``
+        and ``_len``, plus where they live, so that another storage of any type (TorchRL's
+        or a ZarrStorage) loads them, and this store reloads them without a copy."""
+        return _torchrl_state.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore length and cursor; rows are copied when the state names another store."""
-        source = Path(state_dict["path"]).absolute()
-        if source != self.path:
-            self._copy_from(source)
-        self.restore(length=int(state_dict["_len"]), cursor=int(state_dict["cursor"]))
+        """Load the state of any TorchRL tensor storage, or of a ZarrStorage (no copy when it
+        names this very store)."""
+        _torchrl_state.load_state_dict(self, state_dict)
 
     def restore(self, *, length: int, cursor: int) -> None:
         """Set length and cursor (e.g. to those of a save) and commit them."""
         self._len = length
         self._store.cursor = cursor
         if self.initialized and length:
-            self._set_last_cursor((cursor - 1) % self._store.rows)
+            _compat.set_last_cursor(self, (cursor - 1) % self._store.rows)
         self._store.flush()
-        self._bump_mutation_revision()
-
-    def _copy_from(self, source: Path) -> None:
-        with ZarrStorage(path=source, ndim=self.ndim, read_only=True) as other:
-            if other.schema is not None:
-                self.copy_rows_from(other, rows=other._len_along_dim0 or 0)
+        _compat.bump_revision(self)
 
     def copy_rows_from(self, source: Any, *, rows: int, progress: bool = False) -> None:
         """Copy rows ``[0, rows)`` of ``source`` (anything sliceable by rows: a storage,
         a memory-mapped TensorDict) into this storage, in blocks of about 64 MiB."""
-        if rows <= 0:
-            return
-        first = source[0:1]
-        copy_in_blocks(
-            lambda start, stop: source[start:stop].clone(),
-            lambda where, block: self.set(where, block, set_cursor=False),
-            rows=rows,
-            row_nbytes=int(first.bytes()) if hasattr(first, "bytes") else first.nbytes,
-            block_bytes=64 * 2**20,
-            progress=progress,
-            desc="copy rows",
-        )
+        _torchrl_state.copy_rows(source, self, rows=rows, progress=progress)
+
+
+class _LeafSource:
+    """The rows of one leaf of a :class:`ZarrStorage`, for its lazy columns."""
+
+    def __init__(
+        self, storage: ZarrStorage, key: Key, length: int, *, unused_as_zeros: bool
+    ) -> None:
+        self._storage = storage
+        self._key = key
+        self._length = length
+        self._unused_as_zeros = unused_as_zeros
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def revision(self) -> int:
+        return _compat.revision(self._storage)
+
+    def read(self, rows: np.ndarray) -> torch.Tensor:
+        store = self._storage._store
+        values = store.read(rows, [self._key], unwritten_as_zeros=self._unused_as_zeros)
+        return values[self._key]
+
+    def write(self, rows: np.ndarray, values: torch.Tensor) -> None:
+        self._storage.write_leaf(self._key, rows, values)
 
 
 class _Gather:
@@ -524,6 +647,69 @@ class _Gather:
             # The first caller may have modified the result in place: then it is stale.
             and self._leaf_versions() == self._versions
         )
+
+
+def _close(store: Store, remove: str | os.PathLike[str] | None) -> bool:
+    """Close ``store``, then delete ``remove`` (its temporary directory, or the store itself
+    for ``auto_cleanup``); returns whether something was deleted."""
+    try:
+        store.close()
+    finally:
+        removed = remove is not None and os.path.isdir(remove)
+        if removed:
+            assert remove is not None
+            shutil.rmtree(remove, ignore_errors=True)
+    return removed
+
+
+def _one_path(
+    path: str | os.PathLike[str] | None, scratch_dir: str | os.PathLike[str] | None
+) -> str | os.PathLike[str] | None:
+    """``path``, also accepted under LazyMemmapStorage's name ``scratch_dir``."""
+    if path is not None and scratch_dir is not None and Path(path) != Path(scratch_dir):
+        raise ValueError(
+            f"got path={str(path)!r} and scratch_dir={str(scratch_dir)!r}; scratch_dir is "
+            "another name for path: pass one of them",
+        )
+    return path if path is not None else scratch_dir
+
+
+def _resolve_mode(mode: Mode | None, *, read_only: bool, existsok: bool | None) -> Mode:
+    """One mode from ``mode``, ``read_only`` and LazyMemmapStorage's ``existsok``."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"expected mode among {MODES}, got {mode!r}")
+    implied: list[Mode] = []
+    if read_only:
+        implied.append("r")
+    if existsok is not None:
+        implied.append("a" if existsok else "w-")
+    if mode is not None:
+        implied.append(mode)
+    if len(set(implied)) > 1:
+        raise ValueError(
+            f"read_only={read_only}, existsok={existsok} and mode={mode!r} ask for different "
+            "modes; pass only one of them",
+        )
+    return implied[0] if implied else "a"
+
+
+def _flip_list(data: list[Any]) -> Any:
+    from tensordict import is_tensor_collection
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    if all(is_tensor_collection(item) for item in data):
+        return torch.stack(data)
+    flat, specs = zip(*(tree_flatten(item) for item in data), strict=True)
+    return tree_unflatten([torch.stack(items) for items in zip(*flat, strict=True)], specs[0])
+
+
+def _as_index_tensor(index: Any) -> torch.Tensor:
+    tensor = torch.as_tensor(index)
+    if tensor.dtype == torch.bool:
+        return tensor.nonzero().squeeze(-1)
+    if tensor.is_floating_point() or tensor.is_complex():
+        raise TypeError(f"expected an integer or boolean index, got dtype {tensor.dtype}")
+    return tensor.to(torch.int64).cpu()
 
 
 def _unique_last(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from zarr_rb._format import STATE_GROUP, describe_runs, mask_to_ranges
-from zarr_rb._layout import Compression
+from zarr_rb._open import open_store
 from zarr_rb._store import Store
 from zarr_rb.errors import StoreCorruptedError
 
@@ -96,8 +96,8 @@ def verify(path: str | os.PathLike[str], *, repair: bool = False) -> VerifyRepor
         StoreCorruptedError: the root metadata itself cannot be read.
         LockedError: ``repair=True`` while another writer holds the store.
     """
-    store = Store.open(
-        path, max_size=None, ndim=None, read_only=not repair, compression=Compression()
+    store = open_store(
+        path, mode="r+" if repair else "r", max_size=None, ndim=None, compression=None
     )
     try:
         damaged: list[DamagedChunk] = []

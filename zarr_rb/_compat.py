@@ -1,0 +1,121 @@
+"""Every private name of TorchRL that zarr_rb relies on, in one place.
+
+TorchRL's storages, samplers, writers and buffers keep their state in private attributes
+and call private hooks on their storage. zarr_rb reads and writes some of that state (to
+save and restore it, to append after a reopened store's last row, to keep samplers off
+rows a crash withdrew) and overrides some hooks (``ZarrStorage`` is a ``TensorStorage``).
+Everything of that kind goes through this module, and ``tests/test_compat.py`` checks each
+name against the installed TorchRL, so that a release that renames one fails loudly,
+naming the name and the TorchRL version, instead of breaking a buffer quietly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torchrl
+from torchrl.data.replay_buffers import samplers as _samplers
+from torchrl.data.replay_buffers import writers as _writers
+from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer
+from torchrl.data.replay_buffers.storages import TensorStorage
+from torchrl.data.replay_buffers.utils import _is_int
+
+TORCHRL_VERSION: str = torchrl.__version__
+
+OVERRIDDEN: dict[str, str] = {
+    "_len": "TorchRL reads and sets the storage's length through it",
+    "_total_shape": "the storage's full shape, read by len and shape computations",
+    "_storage": "the full-capacity data, read and written by checkpointers and hooks",
+    "_init": "called with a first element by TorchRL's checkpointers",
+    "_empty": "called by rb.empty()",
+    "_rand_given_ndim": "RandomSampler draws its indices through it",
+    "_apply_conditional_patch": "rb.update_if_present writes through it",
+    "_default_checkpointer": "rb.dumps / rb.loads use it",
+}
+"""Hooks of ``TensorStorage`` that ``ZarrStorage`` overrides, and why TorchRL needs them."""
+
+USED: dict[type, tuple[str, ...]] = {
+    TensorStorage: (
+        "_set_last_cursor",
+        "_last_cursor",
+        "_last_cursor_index",
+        "_get_new_len",
+        "_len_along_dim0",
+        "_bump_mutation_revision",
+        "_mutation_revision",
+        "_attached_entities",
+        "_rng",
+    ),
+    ReplayBuffer: ("_init_writer", "_maybe_make_writer"),
+    _writers.RoundRobinWriter: ("_cursor", "_write_count"),
+}
+"""Private names read, written or called, by the TorchRL class that defines them."""
+
+is_int = _is_int
+"""TorchRL's test for an integer index (Python and numpy ints, 0-d tensors)."""
+
+
+# --- storages ------------------------------------------------------------------------------
+
+
+def set_last_cursor(storage: Any, cursor: Any) -> None:
+    """Record the index of the last write (TorchRL's checkpointers and samplers read it)."""
+    storage._set_last_cursor(cursor)
+
+
+def last_cursor_index(storage: Any) -> int | None:
+    """The last row written, as TorchRL's slice samplers see it."""
+    index = storage._last_cursor_index
+    return None if index is None else int(index)
+
+
+def grow_length(storage: Any, data: Any, cursor: Any) -> None:
+    """Grow the storage's length by what ``data`` written at ``cursor`` adds (TorchRL's rule)."""
+    storage._get_new_len(data, cursor)
+
+
+def bump_revision(storage: Any) -> None:
+    """Tell samplers' caches (trajectory boundaries) that the data changed."""
+    storage._bump_mutation_revision()
+
+
+def revision(storage: Any) -> int:
+    return int(storage._mutation_revision)
+
+
+def length_along_dim0(storage: Any) -> int:
+    return int(storage._len_along_dim0 or 0)
+
+
+def storage_generator(storage: Any) -> torch.Generator | None:
+    """The generator the buffer handed its storage (``rb.set_rng``)."""
+    generator: torch.Generator | None = storage._rng
+    return generator
+
+
+# --- buffers and writers -------------------------------------------------------------------
+
+
+def writer_to_build(buffer: Any) -> Any:
+    """The writer a buffer that is being built will use (building it now if it was given as
+    a class, a factory or ``None``), so that its state can be set before its first write."""
+    writer = buffer._maybe_make_writer(buffer._init_writer)
+    buffer._init_writer = writer
+    return writer
+
+
+def set_writer_position(writer: Any, *, cursor: int, write_count: int) -> bool:
+    """Put a round-robin writer at ``cursor`` (its next write) having written ``write_count``
+    elements; returns whether ``writer`` is one (other writers keep their own order)."""
+    if not isinstance(writer, _writers.RoundRobinWriter):
+        return False
+    writer._cursor = cursor
+    writer._write_count = write_count
+    return True
+
+
+def is_sampler(obj: Any, name: str) -> bool:
+    """Whether ``obj`` is an instance of TorchRL's sampler class ``name``."""
+    cls = getattr(_samplers, name)
+    return isinstance(obj, cls)

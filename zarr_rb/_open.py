@@ -1,0 +1,169 @@
+"""Opening a store in one of zarr's modes: what must exist, what is created, what is reused.
+
+``"r"``: read only, the store must exist. ``"r+"``: write, the store must exist.
+``"a"``: write, created when missing. ``"w"``: write, starting over (an existing
+store's rows and saved state are removed). ``"w-"``: create, failing if a store
+exists. Writers take the store's lock for as long as the store is open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Literal
+
+from zarr_rb._engine import LocalLocation
+from zarr_rb._format import DATA_GROUP, STATE_GROUP, Commit, StoreMeta, parse_store_meta
+from zarr_rb._io import LOCK_FILE, is_temporary
+from zarr_rb._layout import Compression
+from zarr_rb._lock import WriterLock
+from zarr_rb._metadata import check_is_store, parse_meta, read_root
+from zarr_rb._store import Store
+from zarr_rb.errors import (
+    NotAStoreError,
+    SchemaMismatchError,
+    StoreExistsError,
+    StoreNotFoundError,
+)
+
+Mode = Literal["r", "r+", "a", "w", "w-"]
+MODES: tuple[Mode, ...] = ("r", "r+", "a", "w", "w-")
+
+
+def open_store(
+    path: str | os.PathLike[str],
+    *,
+    mode: Mode,
+    max_size: int | None,
+    ndim: int | None,
+    compression: Compression | None,
+) -> Store:
+    """Open the store at ``path`` in ``mode`` (see the module's docstring).
+
+    ``max_size`` and ``ndim`` must match an existing store's (``None``: take its own);
+    ``compression`` too (``None``: the store's own settings).
+    """
+    location = LocalLocation(path)
+    root = location.root
+    where = f"store {str(root)!r}"
+    if root.exists() and not root.is_dir():
+        raise NotAStoreError(
+            f"{where} is a file, not a zarr_rb store; pass a directory path "
+            "(e.g. 'runs/buffer.zarr')",
+        )
+    document = read_root(location)
+    if document is not None:
+        check_is_store(document, where)
+    if mode == "r":
+        if document is None:
+            raise StoreNotFoundError(f"no zarr_rb store at {str(root)!r}")
+        meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
+        return Store(
+            location, meta, read_only=True, compression=_compression_of(meta, compression, where)
+        )
+    if document is None:
+        if mode == "r+":
+            raise StoreNotFoundError(
+                f"no zarr_rb store at {str(root)!r} (mode='r+' opens an existing store; "
+                "mode='a' creates a missing one)"
+            )
+        _check_empty(root, where)
+        if max_size is None:
+            raise ValueError(f"max_size is required to create a new store at {str(root)!r}")
+        location.create_root()
+    elif mode == "w-":
+        raise _exists_error(where)
+    lock = WriterLock.acquire(root)
+    try:
+        # Now that no other writer can, re-read (another one may have committed or
+        # created the store meanwhile) and clear what interrupted writes left behind.
+        document = read_root(location)
+        generation = 0
+        if document is not None:
+            check_is_store(document, where)
+            if mode == "w-":
+                raise _exists_error(where)
+            if mode != "w":
+                meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
+                if meta.schema is None and compression is not None:
+                    # Nothing was written with the recorded settings yet: take the new ones.
+                    meta = dataclasses.replace(meta, compression=compression.to_json())
+                location.remove_temporaries()
+                return Store(
+                    location,
+                    meta,
+                    read_only=False,
+                    compression=_compression_of(meta, compression, where),
+                    lock=lock,
+                )
+            old = parse_store_meta(document["attributes"], where=where)
+            max_size = old.max_size if max_size is None else max_size
+            ndim = old.ndim if ndim is None else ndim
+            generation = old.commit.generation + 1
+        assert max_size is not None
+        return _create(location, lock, max_size, ndim or 1, compression, generation, document)
+    except BaseException:
+        lock.release()
+        raise
+
+
+def _create(
+    location: LocalLocation,
+    lock: WriterLock,
+    max_size: int,
+    ndim: int,
+    compression: Compression | None,
+    generation: int,
+    previous: object,
+) -> Store:
+    """A new, empty store (``previous``: the root record of the store it replaces)."""
+    compression = compression or Compression()
+    meta = StoreMeta(
+        max_size=max_size,
+        ndim=ndim,
+        schema=None,
+        commit=Commit(generation=generation),
+        compression=compression.to_json(),
+    )
+    store = Store(location, meta, read_only=False, compression=compression, lock=lock)
+    # The root record first: once it exists, the directory is a store (an empty one when
+    # starting over), and a crash before or after it leaves something that reopens. Only
+    # then are the old rows and state removed.
+    store.publish_meta()
+    with store.writing("creating the data group"):
+        if previous is not None:
+            location.remove_tree(DATA_GROUP)
+            location.remove_tree(STATE_GROUP)
+        location.create_group(DATA_GROUP)
+    return store
+
+
+def _check_empty(root: Path, where: str) -> None:
+    if root.exists() and any(p.name != LOCK_FILE and not is_temporary(p) for p in root.iterdir()):
+        raise NotAStoreError(
+            f"{where} is a non-empty directory without a zarr_rb store; "
+            "choose a new or empty directory",
+        )
+
+
+def _exists_error(where: str) -> StoreExistsError:
+    return StoreExistsError(
+        f"{where} already exists and mode='w-' (or existsok=False) refuses to reuse it; pass "
+        "mode='a' to append to it, mode='w' to start over, or choose a new path",
+    )
+
+
+def _compression_of(meta: StoreMeta, given: Compression | None, where: str) -> Compression:
+    """The store's own compression settings; ``given`` must match them once rows were written
+    with them."""
+    if meta.compression is None:
+        return given or Compression()
+    recorded = Compression.from_json(meta.compression)
+    if given is not None and given != recorded:
+        raise SchemaMismatchError(
+            f"{where} was created with {recorded!r}, got compression={given!r}; a store keeps "
+            "the compression it was created with: pass compression=None to reopen it, or "
+            "mode='w' to start over with new settings",
+        )
+    return recorded
