@@ -37,12 +37,12 @@ def _substitutes() -> dict[str, type]:
     from zarr_rb import ZarrStorage
 
     def counted(name: str) -> type:
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        def init(self: Any, *args: Any, **kwargs: Any) -> None:
             if _CURRENT:
                 _BUILT.add(_CURRENT[-1])
             ZarrStorage.__init__(self, *args, **kwargs)
 
-        cls = type(name, (ZarrStorage,), {"__init__": __init__, "__module__": __name__})
+        cls = type(name, (ZarrStorage,), {"__init__": init, "__module__": __name__})
         globals()[name] = cls  # picklable by name
         return cls
 
