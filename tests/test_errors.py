@@ -152,7 +152,8 @@ def test_corrupted_metadata(filled, store_path, mutate):
     [
         (TensorDict({"__x": torch.zeros(2)}, [2]), "reserves"),
         (torch.zeros(2, 2, dtype=torch.complex64), "complex64"),
-        ({"obs": torch.zeros(2)}, "expected a torch.Tensor"),
+        ({"obs": torch.zeros(2), "n": 3}, r"pytree leaf \('n',\) is a int"),
+        (3, "expected a torch.Tensor"),
     ],
 )
 def test_unsupported_data(data, match):

@@ -11,6 +11,7 @@ naming the name and the TorchRL version, instead of breaking a buffer quietly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ import torchrl
 from torchrl.data.replay_buffers import samplers as _samplers
 from torchrl.data.replay_buffers import writers as _writers
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer
-from torchrl.data.replay_buffers.storages import TensorStorage
+from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.utils import _is_int
 
 TORCHRL_VERSION: str = torchrl.__version__
@@ -46,9 +47,19 @@ USED: dict[type, tuple[str, ...]] = {
         "_mutation_revision",
         "_attached_entities",
         "_rng",
+        "_mutation_revision_value",
+        "__getstate__",
+        "__setstate__",
     ),
-    ReplayBuffer: ("_init_writer", "_maybe_make_writer"),
+    ReplayBuffer: ("_init_writer", "_maybe_make_writer", "_init_sampler", "_maybe_make_sampler"),
     _writers.RoundRobinWriter: ("_cursor", "_write_count"),
+    _samplers.PrioritizedSampler: ("_sum_tree", "_min_tree", "_max_capacity"),
+    _samplers.SamplerWithoutReplacement: (
+        "_get_sample_list",
+        "_sample_list",
+        "_remaining_batches",
+    ),
+    _samplers.SliceSampler: ("_get_stop_and_length",),
 }
 """Private names read, written or called, by the TorchRL class that defines them."""
 
@@ -88,6 +99,27 @@ def length_along_dim0(storage: Any) -> int:
     return int(storage._len_along_dim0 or 0)
 
 
+def storage_state(storage: Any) -> dict[str, Any]:
+    """The picklable state of a storage, as TorchRL's ``Storage.__getstate__`` makes it (its
+    shared counters turned into plain numbers, or kept shared for a spawned child)."""
+    state: dict[str, Any] = Storage.__getstate__(storage)
+    return state
+
+
+def set_storage_state(storage: Any, state: dict[str, Any]) -> None:
+    Storage.__setstate__(storage, state)
+
+
+def share_revision(storage: Any, shared: dict[str, Any]) -> None:
+    """Make storages that share one store share one mutation revision (TorchRL's samplers
+    cache trajectory boundaries by it)."""
+    revision = shared.get("revision")
+    if revision is None:
+        shared["revision"] = storage._mutation_revision_value
+    else:
+        storage._mutation_revision_value = revision
+
+
 def storage_generator(storage: Any) -> torch.Generator | None:
     """The generator the buffer handed its storage (``rb.set_rng``)."""
     generator: torch.Generator | None = storage._rng
@@ -95,6 +127,12 @@ def storage_generator(storage: Any) -> torch.Generator | None:
 
 
 # --- buffers and writers -------------------------------------------------------------------
+
+
+def is_buffer_being_built(buffer: Any) -> bool:
+    """Whether ``buffer`` is a replay buffer in the middle of building its components
+    (TorchRL attaches the storage first, then makes the sampler and the writer)."""
+    return isinstance(buffer, ReplayBuffer) and hasattr(buffer, "_init_writer")
 
 
 def writer_to_build(buffer: Any) -> Any:
@@ -113,6 +151,58 @@ def set_writer_position(writer: Any, *, cursor: int, write_count: int) -> bool:
     writer._cursor = cursor
     writer._write_count = write_count
     return True
+
+
+def sampler_to_build(buffer: Any) -> Any:
+    """The sampler a buffer that is being built will use (built now if it was given as a
+    class, a factory or ``None``)."""
+    sampler = buffer._maybe_make_sampler(buffer._init_sampler)
+    buffer._init_sampler = sampler
+    return sampler
+
+
+def exclude_from_priority_trees(sampler: Any, index: torch.Tensor) -> None:
+    """Give elements a priority of exactly zero (never drawn; ``update_priority`` would add
+    ``eps``)."""
+    index = index[index < sampler._max_capacity]
+    if index.numel():
+        dtype = sampler.dtype
+        sampler._sum_tree[index] = torch.zeros(index.shape, dtype=dtype)
+        sampler._min_tree[index] = torch.full(index.shape, float("inf"), dtype=dtype)
+
+
+def drop_from_permutation(sampler: Any, index: torch.Tensor, batch_size: int) -> None:
+    """Remove elements from a without-replacement sampler's current permutation."""
+    order = sampler._sample_list
+    if order is None:
+        return
+    order = order[~torch.isin(order, index.to(order.device))]
+    sampler._sample_list = order
+    batches = order.numel() // batch_size if sampler.drop_last else -(-order.numel() // batch_size)
+    sampler._remaining_batches = batches
+
+
+def wrap_permutation(sampler: Any, after: Callable[[int], None]) -> None:
+    """Call ``after(batch_size)`` each time a without-replacement sampler draws a new
+    permutation."""
+    draw = sampler._get_sample_list
+
+    def get_sample_list(storage: Any, len_storage: int, batch_size: int) -> None:
+        draw(storage, len_storage, batch_size)
+        after(batch_size)
+
+    sampler._get_sample_list = get_sample_list
+
+
+def wrap_trajectory_boundaries(sampler: Any, around: Callable[..., Any]) -> None:
+    """Route a slice sampler's trajectory boundaries through
+    ``around(boundaries, storage, fallback)``, where ``boundaries`` computes TorchRL's."""
+    boundaries = sampler._get_stop_and_length
+
+    def get_stop_and_length(storage: Any, fallback: bool = True) -> Any:
+        return around(boundaries, storage, fallback)
+
+    sampler._get_stop_and_length = get_stop_and_length
 
 
 def is_sampler(obj: Any, name: str) -> bool:

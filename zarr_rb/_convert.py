@@ -6,6 +6,7 @@ A storage keeps ``{key: tensor}`` leaves; users hand it tensors, TensorDicts
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -13,10 +14,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from tensordict import TensorDict, TensorDictBase, is_tensor_collection, is_tensorclass
 
 from zarr_rb._format import Kind, LeafSpec, Schema, parse_key, stored_dtype
-from zarr_rb.errors import SchemaMismatchError, UnsupportedDataError
+from zarr_rb._io import load_json
+from zarr_rb.errors import SchemaMismatchError, StoreCorruptedError, UnsupportedDataError
 
 Key = tuple[str, ...]
 
@@ -32,16 +35,68 @@ def kind_of(data: Any) -> Kind:
         return "tensordict"
     if isinstance(data, torch.Tensor):
         return "tensor"
+    if not pytree.tree_flatten(data)[1].is_leaf():
+        return "pytree"
     raise UnsupportedDataError(
-        f"expected a torch.Tensor, a TensorDict or a tensorclass instance, got "
-        f"{type(data).__name__}",
+        f"expected a torch.Tensor, a TensorDict, a tensorclass instance or a pytree of "
+        f"tensors (dicts, lists, tuples), got {type(data).__name__}",
     )
 
 
 def device_of(data: Any) -> torch.device | None:
-    """The device of a tensor or tensor collection (``None`` for a collection without one)."""
-    device = data.device
+    """The device of data (``None`` for a collection without one)."""
+    device = next(iter(flatten(data).values())).device if kind_of(data) == "pytree" else data.device
     return None if device is None else torch.device(device)
+
+
+def _path_part(entry: Any) -> str:
+    """One step of a pytree path as a key part: a dict key, a sequence index, an attribute."""
+    if isinstance(entry, pytree.MappingKey):
+        return str(entry.key)
+    if isinstance(entry, pytree.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, pytree.GetAttrKey):
+        return entry.name
+    return str(entry)
+
+
+def _pytree_leaves(data: Any) -> dict[Key, torch.Tensor]:
+    leaves: dict[Key, torch.Tensor] = {}
+    for path, value in pytree.tree_flatten_with_path(data)[0]:
+        key = tuple(_path_part(entry) for entry in path)
+        if not isinstance(value, torch.Tensor):
+            raise UnsupportedDataError(
+                f"pytree leaf {key!r} is a {type(value).__name__}; only tensor leaves can be "
+                "stored",
+            )
+        if key in leaves:
+            raise UnsupportedDataError(
+                f"pytree leaves at {key!r} collide once their path is written as names "
+                "(e.g. the keys 0 and '0' of one dict); rename one of them",
+            )
+        leaves[key] = value
+    return leaves
+
+
+def treespec_of(data: Any) -> str:
+    """The structure of a pytree, as JSON."""
+    try:
+        return str(pytree.treespec_dumps(pytree.tree_flatten(data)[1]))
+    except (TypeError, NotImplementedError) as err:
+        raise UnsupportedDataError(f"cannot record the structure of this pytree ({err})") from None
+
+
+@functools.lru_cache(maxsize=64)
+def load_treespec(text: str) -> pytree.TreeSpec:
+    """A recorded pytree structure (checked: stores are untrusted input)."""
+    try:
+        load_json(text.encode("utf-8"))  # bounded nesting before the recursive loader
+        return pytree.treespec_loads(text)
+    except (ValueError, TypeError, KeyError, RecursionError, NotImplementedError) as err:
+        raise StoreCorruptedError(
+            f"invalid zarr_rb metadata: the recorded pytree structure cannot be read "
+            f"({type(err).__name__})",
+        ) from None
 
 
 def _as_tensordict(data: Any) -> TensorDictBase:
@@ -53,9 +108,13 @@ def _as_tensordict(data: Any) -> TensorDictBase:
 
 
 def flatten(data: Any) -> dict[Key, torch.Tensor]:
-    """The leaves of ``data`` keyed by tuple keys (``()`` for a bare tensor)."""
-    if kind_of(data) == "tensor":
+    """The leaves of ``data`` keyed by tuple keys (``()`` for a bare tensor; the path of each
+    leaf for a pytree, in the pytree's order)."""
+    kind = kind_of(data)
+    if kind == "tensor":
         return {(): data}
+    if kind == "pytree":
+        return _pytree_leaves(data)
     leaves: dict[Key, torch.Tensor] = {}
     for key, value in _as_tensordict(data).items(include_nested=True, leaves_only=True):
         path = key_tuple(key)
@@ -73,11 +132,7 @@ def flatten(data: Any) -> dict[Key, torch.Tensor]:
 def row_nbytes(data: Any) -> int:
     """Bytes of one row (one index along dim 0) of ``data``, from shapes and dtypes only
     (nothing is read from lazy columns)."""
-    if isinstance(data, torch.Tensor):
-        leaves = [data]
-    else:
-        td = data._tensordict if is_tensorclass(data) else data
-        leaves = list(td.values(include_nested=True, leaves_only=True))
+    leaves = flatten(data).values()
     return sum(math.prod(leaf.shape[1:]) * leaf.dtype.itemsize for leaf in leaves)
 
 
@@ -110,7 +165,11 @@ def infer_schema(data: Any, *, batched: bool, ndim: int, max_size: int) -> Schem
     """
     kind = kind_of(data)
     lead = ndim if batched else ndim - 1
-    data_batch = tuple(data.shape) if kind != "tensor" else tuple(data.shape[:lead])
+    leaves_of_data = flatten(data)
+    if kind in ("tensor", "pytree"):
+        data_batch = tuple(next(iter(leaves_of_data.values())).shape[:lead])
+    else:
+        data_batch = tuple(data.shape)
     if len(data_batch) < lead:
         raise UnsupportedDataError(
             f"expected data with at least {lead} batch dimensions for ndim={ndim}, got batch "
@@ -118,9 +177,9 @@ def infer_schema(data: Any, *, batched: bool, ndim: int, max_size: int) -> Schem
         )
     trailing = data_batch[1:lead] if batched else data_batch[:lead]
     rows = -(-max_size // max(1, math.prod(trailing)))
-    item_batch = data_batch[lead:] if kind != "tensor" else ()
+    item_batch = data_batch[lead:] if kind not in ("tensor", "pytree") else ()
     leaves = []
-    for key, tensor in flatten(data).items():
+    for key, tensor in leaves_of_data.items():
         dtype = dtype_name(tensor.dtype)
         stored_dtype(dtype)
         leaves.append(
@@ -129,9 +188,11 @@ def infer_schema(data: Any, *, batched: bool, ndim: int, max_size: int) -> Schem
     return Schema(
         kind=kind,
         batch_shape=(rows, *trailing),
-        leaves=tuple(sorted(leaves, key=lambda leaf: leaf.key)),
+        # A pytree's leaves keep its own order (rebuilding it needs that order).
+        leaves=tuple(leaves if kind == "pytree" else sorted(leaves, key=lambda leaf: leaf.key)),
         tensorclass=tensorclass_name(type(data)) if kind == "tensorclass" else None,
         item_batch_shape=tuple(item_batch),
+        treespec=treespec_of(data) if kind == "pytree" else None,
     )
 
 
@@ -175,8 +236,14 @@ def new_leaves(data: Any, *, schema: Schema, lead: int, where: str) -> list[Leaf
     ``lead`` dimensions are batch dimensions."""
     _check_kind(data, schema, where)
     held = {leaf.key for leaf in schema.leaves}
+    leaves = flatten(data)
+    if schema.kind == "pytree" and leaves.keys() != held:
+        raise SchemaMismatchError(
+            f"{where}: the pytree written has leaves {sorted(leaves)}, the store holds "
+            f"{sorted(held)}; every write must have the structure of the first one",
+        )
     new = []
-    for key, tensor in flatten(data).items():
+    for key, tensor in leaves.items():
         if key in held:
             continue
         dtype = dtype_name(tensor.dtype)
@@ -198,6 +265,24 @@ def _check_kind(data: Any, schema: Schema, where: str) -> None:
         raise SchemaMismatchError(
             f"{where} holds {schema.kind} data, got a {type(data).__name__}",
         )
+
+
+def clone(data: Any) -> Any:
+    """A copy of data of any kind."""
+    if kind_of(data) == "pytree":
+        return pytree.tree_map(torch.clone, data)
+    return data.clone()
+
+
+def assign(block: Any, index: Any, data: Any) -> None:
+    """``block[index] = data``, leaf by leaf for pytrees."""
+    if kind_of(block) != "pytree":
+        block[index] = data
+        return
+    for target, value in zip(
+        pytree.tree_flatten(block)[0], pytree.tree_flatten(data)[0], strict=True
+    ):
+        target[index] = value
 
 
 def key_tuple(key: Any) -> Key:
@@ -223,6 +308,12 @@ def build(
     if schema.kind == "tensor":
         tensor = leaves[()]
         return tensor if device is None else tensor.to(device)
+    if schema.kind == "pytree":
+        assert schema.treespec is not None
+        values = [leaves[leaf.key] for leaf in schema.leaves]
+        if device is not None:
+            values = [value.to(device) for value in values]
+        return pytree.tree_unflatten(values, load_treespec(schema.treespec))
     td = TensorDict(batch_size=(*batch_shape, *schema.item_batch_shape), device=device)
     for key, value in leaves.items():
         td.set(key, value)

@@ -37,8 +37,9 @@ STATE_GROUP = "state"
 TENSOR_LEAF_NAME = "tensor"
 """Array name used under ``data/`` when the storage holds a bare tensor."""
 
-Kind = Literal["tensordict", "tensorclass", "tensor"]
-KINDS: tuple[Kind, ...] = ("tensordict", "tensorclass", "tensor")
+Kind = Literal["tensordict", "tensorclass", "tensor", "pytree"]
+KINDS: tuple[Kind, ...] = ("tensordict", "tensorclass", "tensor", "pytree")
+_MAX_TREESPEC_CHARS = 2**20
 
 # torch dtype name -> dtype of the Zarr array. Zarr v3 has no bfloat16, so its bits
 # are kept as uint16 and the real dtype is recorded in the leaf spec.
@@ -151,6 +152,9 @@ class Schema:
     """``"module:qualname"`` of the tensorclass for ``kind == "tensorclass"``."""
     item_batch_shape: tuple[int, ...] = ()
     """Batch dimensions of one stored TensorDict beyond the storage's own ``ndim``."""
+    treespec: str | None = None
+    """For ``kind == "pytree"``: the structure (``torch.utils._pytree.treespec_dumps``); the
+    leaves are in its order."""
 
     @property
     def rows(self) -> int:
@@ -169,6 +173,7 @@ class Schema:
             "tensorclass": self.tensorclass,
             "item_batch_shape": list(self.item_batch_shape),
             "leaves": [leaf.to_json() for leaf in self.leaves],
+            "treespec": self.treespec,
         }
 
 
@@ -413,6 +418,16 @@ def parse_schema(value: object, *, ndim: int) -> Schema | None:
     tensorclass = value.get("tensorclass")
     _expect(tensorclass is None or isinstance(tensorclass, str), "a tensorclass name", tensorclass)
     assert tensorclass is None or isinstance(tensorclass, str)
+    treespec = value.get("treespec")
+    _expect(
+        (treespec is None) == (kind != "pytree")
+        and (
+            treespec is None or (isinstance(treespec, str) and len(treespec) <= _MAX_TREESPEC_CHARS)
+        ),
+        "a treespec string for pytree data (and only for it)",
+        str(treespec)[:80],
+    )
+    assert treespec is None or isinstance(treespec, str)
     item_batch_shape = _parse_int_list(value.get("item_batch_shape", []), "item_batch_shape")
     for leaf in leaves:
         _expect(
@@ -426,6 +441,7 @@ def parse_schema(value: object, *, ndim: int) -> Schema | None:
         leaves=leaves,
         tensorclass=tensorclass,
         item_batch_shape=item_batch_shape,
+        treespec=treespec,
     )
 
 

@@ -33,7 +33,13 @@ def check_is_store(document: dict[str, Any], where: str) -> None:
 def parse_meta(
     document: dict[str, Any], where: str, *, max_size: int | None, ndim: int | None
 ) -> StoreMeta:
-    meta = parse_store_meta(document["attributes"], where=where)
+    return check_meta(
+        parse_store_meta(document["attributes"], where=where), where, max_size=max_size, ndim=ndim
+    )
+
+
+def check_meta(meta: StoreMeta, where: str, *, max_size: int | None, ndim: int | None) -> StoreMeta:
+    """``meta``, if the store it describes has the ``max_size`` and ``ndim`` asked for."""
     if max_size is not None and max_size != meta.max_size:
         raise SchemaMismatchError(
             f"{where} holds a buffer of max_size={meta.max_size}, got max_size={max_size}; "

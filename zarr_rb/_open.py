@@ -18,9 +18,10 @@ from zarr_rb._format import DATA_GROUP, STATE_GROUP, Commit, StoreMeta, parse_st
 from zarr_rb._io import LOCK_FILE, is_temporary
 from zarr_rb._layout import Compression
 from zarr_rb._lock import WriterLock
-from zarr_rb._metadata import check_is_store, parse_meta, read_root
+from zarr_rb._metadata import check_is_store, check_meta, parse_meta, read_root
 from zarr_rb._store import Store
 from zarr_rb.errors import (
+    LockedError,
     NotAStoreError,
     SchemaMismatchError,
     StoreExistsError,
@@ -29,6 +30,12 @@ from zarr_rb.errors import (
 
 Mode = Literal["r", "r+", "a", "w", "w-"]
 MODES: tuple[Mode, ...] = ("r", "r+", "a", "w", "w-")
+
+_WRITERS: dict[Path, Store] = {}
+"""The stores this process has open for writing. A store has one writer per process:
+storages opened on a store already open here share it (its rows, its RAM buffer, its
+lock), which is how pickling a buffer within a process, reopening a path in a notebook
+or ``zarr_rb.load`` right after ``zarr_rb.save`` work."""
 
 
 def open_store(
@@ -52,6 +59,10 @@ def open_store(
             f"{where} is a file, not a zarr_rb store; pass a directory path "
             "(e.g. 'runs/buffer.zarr')",
         )
+    key = root.resolve()
+    open_here = _WRITERS.get(key)
+    if open_here is not None and mode != "r":
+        return _share(open_here, mode, max_size=max_size, ndim=ndim, compression=compression)
     document = read_root(location)
     if document is not None:
         check_is_store(document, where)
@@ -76,36 +87,85 @@ def open_store(
         raise _exists_error(where)
     lock = WriterLock.acquire(root)
     try:
-        # Now that no other writer can, re-read (another one may have committed or
-        # created the store meanwhile) and clear what interrupted writes left behind.
-        document = read_root(location)
-        generation = 0
-        if document is not None:
-            check_is_store(document, where)
-            if mode == "w-":
-                raise _exists_error(where)
-            if mode != "w":
-                meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
-                if meta.schema is None and compression is not None:
-                    # Nothing was written with the recorded settings yet: take the new ones.
-                    meta = dataclasses.replace(meta, compression=compression.to_json())
-                location.remove_temporaries()
-                return Store(
-                    location,
-                    meta,
-                    read_only=False,
-                    compression=_compression_of(meta, compression, where),
-                    lock=lock,
-                )
-            old = parse_store_meta(document["attributes"], where=where)
-            max_size = old.max_size if max_size is None else max_size
-            ndim = old.ndim if ndim is None else ndim
-            generation = old.commit.generation + 1
-        assert max_size is not None
-        return _create(location, lock, max_size, ndim or 1, compression, generation, document)
+        store = _open_locked(
+            location, lock, mode, max_size=max_size, ndim=ndim, compression=compression
+        )
     except BaseException:
         lock.release()
         raise
+    _WRITERS[key] = store
+    store.on_close(_forget)
+    return store
+
+
+def _forget(store: Store) -> None:
+    _WRITERS.pop(store.path.resolve(), None)
+
+
+def _share(
+    store: Store,
+    mode: Mode,
+    *,
+    max_size: int | None,
+    ndim: int | None,
+    compression: Compression | None,
+) -> Store:
+    """The store this process already has open for writing, for one more storage."""
+    where = f"store {str(store.path)!r}"
+    if mode in ("w", "w-"):
+        if mode == "w-":
+            raise _exists_error(where)
+        raise LockedError(
+            f"{where} is open for writing by another ZarrStorage of this process; mode='w' "
+            "would remove rows under it: close that storage first (storage.close(), or "
+            "rb.storage.close())",
+            holder={"pid": os.getpid(), "this_process": True},
+        )
+    meta = dataclasses.replace(store.meta, commit=store.committed)
+    check_meta(meta, where, max_size=max_size, ndim=ndim)
+    _compression_of(meta, compression, where)
+    return store.acquire()
+
+
+def _open_locked(
+    location: LocalLocation,
+    lock: WriterLock,
+    mode: Mode,
+    *,
+    max_size: int | None,
+    ndim: int | None,
+    compression: Compression | None,
+) -> Store:
+    """Open (or create) the store once its writer lock is held."""
+    root = location.root
+    where = f"store {str(root)!r}"
+    # Now that no other writer can, re-read (another one may have committed or
+    # created the store meanwhile) and clear what interrupted writes left behind.
+    document = read_root(location)
+    generation = 0
+    if document is not None:
+        check_is_store(document, where)
+        if mode == "w-":
+            raise _exists_error(where)
+        if mode != "w":
+            meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
+            if meta.schema is None and compression is not None:
+                # Nothing was written with the recorded settings yet: take the new ones.
+                meta = dataclasses.replace(meta, compression=compression.to_json())
+            location.remove_temporaries()
+            return Store(
+                location,
+                meta,
+                read_only=False,
+                compression=_compression_of(meta, compression, where),
+                lock=lock,
+            )
+        old = parse_store_meta(document["attributes"], where=where)
+        max_size = old.max_size if max_size is None else max_size
+        ndim = old.ndim if ndim is None else ndim
+        generation = old.commit.generation + 1
+    assert max_size is not None
+    return _create(location, lock, max_size, ndim or 1, compression, generation, document)
 
 
 def _create(

@@ -20,9 +20,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import shutil
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,6 +100,12 @@ class Store:
         """Writes of some keys that failed: written again by the next flush."""
         self._schema_on_disk = meta.schema
         """The schema of the last published record (keys added since are published next)."""
+        self.users = 1
+        """Storages of this process that have this store open (they share one writer)."""
+        self.shared: dict[str, Any] = {}
+        """State that the storages sharing this store share (their mutation revision)."""
+        self._remove: list[Path] = []
+        self._on_close: list[Callable[[Store], None]] = []
         self.closed = False
         if meta.schema is not None:
             self._attach_schema(meta.schema, meta.block_rows or 1)
@@ -455,13 +464,20 @@ class Store:
     # --- reading ---------------------------------------------------------------------------
 
     def read(
-        self, rows: np.ndarray, keys: Iterable[Key], *, unwritten_as_zeros: bool = False
+        self,
+        rows: np.ndarray,
+        keys: Iterable[Key],
+        *,
+        unwritten_as_zeros: bool = False,
+        unreadable_as_zeros: bool = False,
     ) -> dict[Key, torch.Tensor]:
         """Read rows (any order, repeats allowed) of some leaves, RAM-held rows included.
 
         Args:
             unwritten_as_zeros: rows past the length that hold no data for a key read as
                 zeros (as the unused capacity of TorchRL's storages), instead of raising.
+            unreadable_as_zeros: every row that cannot be read (holes too) reads as zeros;
+                for callers that then leave those rows out (samplers' trajectory scans).
 
         Raises:
             RowsNotCommittedError: a row holds no intact data for a key (a read-only store:
@@ -469,14 +485,14 @@ class Store:
         """
         keys = list(keys)
         if self.read_only:
-            return self._read_committed(rows, keys)
+            return self._read_committed(rows, keys, unreadable_as_zeros=unreadable_as_zeros)
         assert self._buffer is not None
         assert self._ledger is not None
         hit, served = self._buffer.staged_rows(rows)
         on_disk: dict[Key, np.ndarray] = {}
         for key in keys:
             readable = self._ledger.readable(rows, key) | hit
-            if not readable.all():
+            if not readable.all() and not unreadable_as_zeros:
                 lost = ~readable
                 if unwritten_as_zeros:
                     lost &= rows < self.length_rows  # past the length: unused capacity
@@ -610,20 +626,24 @@ class Store:
             self._ledger.published_as(meta.commit.readable_mask(self.rows))
         return meta.commit
 
-    def _read_committed(self, rows: np.ndarray, keys: list[Key]) -> dict[Key, torch.Tensor]:
+    def _read_committed(
+        self, rows: np.ndarray, keys: list[Key], *, unreadable_as_zeros: bool
+    ) -> dict[Key, torch.Tensor]:
         last_error: Exception | None = None
         for attempt in range(_READ_RETRIES):
             commit = self.committed
             assert self._ledger is not None
-            unreadable = rows[~self._ledger.published[rows]]
-            if unreadable.size:
+            published = self._ledger.published[rows]
+            if not published.all() and not unreadable_as_zeros:
                 raise RowsNotCommittedError(
-                    f"store {str(self.location.root)!r}: rows {preview_rows(unreadable)} are not "
-                    f"readable in commit {commit.generation} (length {commit.length}, holes "
-                    f"{list(commit.holes)}); call refresh() to pick up newer commits",
+                    f"store {str(self.location.root)!r}: rows {preview_rows(rows[~published])} "
+                    f"are not readable in commit {commit.generation} (length {commit.length}, "
+                    f"holes {list(commit.holes)}); call refresh() to pick up newer commits",
                 )
             try:
-                out = self._read_disk(dict.fromkeys(keys, rows))
+                out = self._read_disk(dict.fromkeys(keys, rows[published]))
+                if not published.all():
+                    out = {key: _spread(value, published) for key, value in out.items()}
             except ValueError as err:  # damaged, or a shard replaced while it was read
                 out, last_error = None, err
             unchanged = self.refresh().generation == commit.generation
@@ -639,9 +659,26 @@ class Store:
 
     # --- lifetime --------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def acquire(self) -> Store:
+        """One more user of this open store (another storage of this process)."""
+        self.users += 1
+        return self
+
+    def remove_when_closed(self, path: str | os.PathLike[str]) -> None:
+        """Delete ``path`` (the store, or the temporary directory holding it) once the last
+        user has closed the store."""
+        self._remove.append(Path(path))
+
+    def close(self) -> bool:
+        """One user is done with the store; the last one flushes it, releases its lock and
+        deletes what :meth:`remove_when_closed` named. Returns whether something was
+        deleted."""
         if self.closed:
-            return
+            return False
+        self.users -= 1
+        if self.users > 0:
+            self.flush()
+            return False
         try:
             self.flush()
         finally:
@@ -649,10 +686,28 @@ class Store:
             self._arrays.clear()
             if self._lock is not None:
                 self._lock.release()
+            for callback in self._on_close:
+                callback(self)
+        removed = False
+        for path in self._remove:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+                removed = True
+        return removed
+
+    def on_close(self, callback: Callable[[Store], None]) -> None:
+        self._on_close.append(callback)
 
     @property
     def path(self) -> Path:
         return self.location.root
+
+
+def _spread(values: torch.Tensor, where: np.ndarray) -> torch.Tensor:
+    """``values`` at the ``True`` positions of ``where``, zeros elsewhere."""
+    out = torch.zeros((where.size, *values.shape[1:]), dtype=values.dtype)
+    out[torch.from_numpy(np.flatnonzero(where))] = values
+    return out
 
 
 def _grows(old: Schema | None, new: Schema | None) -> bool:

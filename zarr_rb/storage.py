@@ -8,11 +8,13 @@ relies on go through :mod:`zarr_rb._compat`.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import tempfile
+import threading
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,15 +26,17 @@ from zarr_rb import _compat, _convert, _torchrl_state
 from zarr_rb._checkpointer import ZarrStorageCheckpointer
 from zarr_rb._dtypes import TORCH_DTYPES
 from zarr_rb._format import Schema, preview_rows
+from zarr_rb._holes import guard_sampler
 from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
 from zarr_rb._open import MODES, Mode, open_store
 from zarr_rb._store import Store
-from zarr_rb.errors import NotSupportedError, ReadOnlyError, RowIndexError
+from zarr_rb.errors import LockedError, NotSupportedError, ReadOnlyError, RowIndexError
 
 __all__ = ["ZarrStorage"]
 
 Key = tuple[str, ...]
+_HANDLE = "_zarr_rb_handle"
 
 
 class ZarrStorage(TensorStorage):  # type: ignore[misc]
@@ -174,10 +178,22 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             self.__dict__["_refresh_interval"] = refresh_interval
             self.__dict__["_refreshed_at"] = time.monotonic()
         except BaseException:
-            _close(store, tmpdir)
+            if tmpdir is not None:
+                store.remove_when_closed(tmpdir)
+            store.close()
             raise
-        remove = tmpdir if tmpdir is not None else (store.path if self.auto_cleanup else None)
-        self._finalizer = weakref.finalize(self, _close, store, remove)
+        if tmpdir is not None:
+            store.remove_when_closed(tmpdir)
+        elif self.auto_cleanup:
+            store.remove_when_closed(store.path)
+        self._attach_store(store)
+
+    def _attach_store(self, store: Store) -> None:
+        self.__dict__["_store"] = store
+        self.__dict__["_thread_state"] = threading.local()
+        # Storages of this process on one store see one data revision (samplers' caches).
+        _compat.share_revision(self, store.shared)
+        self._finalizer = weakref.finalize(self, store.close)
 
     # --- TorchRL bookkeeping, backed by the store ------------------------------------------
 
@@ -210,11 +226,32 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             raise TypeError("ZarrStorage keeps its data on disk; it cannot adopt a tensor")
 
     def attach(self, buffer: Any) -> None:
-        """Attach a replay buffer; one built on a reopened store appends after its last row."""
+        """Attach a replay buffer: its sampler will skip rows that cannot be read (withdrawn
+        by a crash or a repair), and a buffer built on a reopened store appends after its
+        last row."""
         super().attach(buffer)
-        if len(self) and not self.read_only and hasattr(buffer, "_init_writer"):
+        if not _compat.is_buffer_being_built(buffer):
+            return
+        guard_sampler(_compat.sampler_to_build(buffer), self)
+        if len(self) and not self.read_only:
             writer = _compat.writer_to_build(buffer)
             _compat.set_writer_position(writer, cursor=self.cursor, write_count=len(self))
+
+    @property
+    def _unreadable_as_zeros(self) -> bool:
+        return bool(getattr(self._thread_state, "unreadable_as_zeros", False))
+
+    @contextlib.contextmanager
+    def unreadable_read_as_zeros(self) -> Iterator[None]:
+        """Inside the block, and in this thread only, rows that cannot be read (holes) read as
+        zeros from lazy views: for trajectory scans that then leave those rows out."""
+        state = self._thread_state
+        previous = getattr(state, "unreadable_as_zeros", False)
+        state.unreadable_as_zeros = True
+        try:
+            yield
+        finally:
+            state.unreadable_as_zeros = previous
 
     # --- public API ------------------------------------------------------------------------
 
@@ -279,7 +316,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         if not self._finalizer.alive:
             return False
         self._finalizer.detach()
-        return _close(self._store, self.path)
+        self._store.remove_when_closed(self.path)
+        return self._store.close()
 
     def refresh(self) -> None:
         """Pick up the writer's latest commit (read-only storages)."""
@@ -306,11 +344,36 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(
-            "ZarrStorage cannot be pickled: it holds open file handles. To share a buffer "
-            "with another process, flush() it and open ZarrStorage(path=..., read_only=True) "
-            "there.",
-        )
+        """Pickles as a handle: the store's path and the storage's settings, never its open
+        files or rows. Unpickled in this process, it shares the open store; in another
+        process, it opens the store there (read-only storages only, for now: a store has
+        one writer process)."""
+        self.flush()
+        state = _compat.storage_state(self)
+        for name in ("_store", "_finalizer", "_thread_state", "_last_gather"):
+            state.pop(name, None)
+        state[_HANDLE] = {"path": str(self.path), "read_only": self.read_only}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        handle = state.pop(_HANDLE)
+        _compat.set_storage_state(self, state)
+        try:
+            store = open_store(
+                handle["path"],
+                mode="r" if handle["read_only"] else "r+",
+                max_size=self.max_size,
+                ndim=self.ndim,
+                compression=None,
+            )
+        except LockedError as err:
+            raise LockedError(
+                f"{err}. A ZarrStorage unpickled in another process joins its store as a "
+                "writer, and a store takes one writer process for now: share a read-only "
+                "storage (ZarrStorage(path=..., read_only=True)) with other processes",
+                holder=err.holder,
+            ) from None
+        self._attach_store(store)
 
     def __repr__(self) -> str:
         schema = self._store.schema
@@ -394,14 +457,15 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         where = f"store {str(self.path)!r}"
         head, rest = cursor[0], cursor[1:]
         rows, position = self._rows_of(head, schema.rows)
-        lead = data.ndim - len(schema.item_batch_shape) if _convert.kind_of(data) != "tensor" else 0
+        kind = _convert.kind_of(data)
+        lead = 0 if kind in ("tensor", "pytree") else data.ndim - len(schema.item_batch_shape)
         new = _convert.new_leaves(data, schema=schema, lead=lead, where=where)
         if new:
             self._store.add_leaves(new)
         grown = self._store.schema
         assert grown is not None
         block = self._read(rows, grown, unused_as_zeros=True)
-        block[(position, *rest)] = data
+        _convert.assign(block, (position, *rest), data)
         leaves, _ = _convert.leaves_for_write(
             block, schema=grown, index_shape=(rows.size,), where=where
         )
@@ -486,6 +550,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         schema = self._store.schema
         assert schema is not None
         length = _compat.length_along_dim0(self)
+        if _is_key(index):
+            # storage.get("done") or storage.get(("next", "done")): that column, lazily.
+            return self.get(slice(None))[index]
         head, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
         if isinstance(index, tuple) and not index:
             head = slice(None)
@@ -513,7 +580,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         last = self.__dict__.get("_last_gather")
         revision = _compat.revision(self)
         if last is not None and last.matches(index, revision):
-            return last.result.clone()
+            return _convert.clone(last.result)
         rows = self._check_rows(index.reshape(-1).numpy(), length)
         leaves = self._store.read(rows, (leaf.key for leaf in schema.leaves))
         out = _convert.build(
@@ -614,8 +681,13 @@ class _LeafSource:
         return _compat.revision(self._storage)
 
     def read(self, rows: np.ndarray) -> torch.Tensor:
-        store = self._storage._store
-        values = store.read(rows, [self._key], unwritten_as_zeros=self._unused_as_zeros)
+        storage = self._storage
+        values = storage._store.read(
+            rows,
+            [self._key],
+            unwritten_as_zeros=self._unused_as_zeros,
+            unreadable_as_zeros=storage._unreadable_as_zeros,
+        )
         return values[self._key]
 
     def write(self, rows: np.ndarray, values: torch.Tensor) -> None:
@@ -632,12 +704,7 @@ class _Gather:
         self._versions = self._leaf_versions()
 
     def _leaf_versions(self) -> list[tuple[int, int]]:
-        tensors = (
-            [self.result]
-            if isinstance(self.result, torch.Tensor)
-            else list(self.result.values(include_nested=True, leaves_only=True))
-        )
-        return [(id(t), t._version) for t in tensors]
+        return [(id(t), t._version) for t in _convert.flatten(self.result).values()]
 
     def matches(self, index: torch.Tensor, revision: int) -> bool:
         return (
@@ -647,19 +714,6 @@ class _Gather:
             # The first caller may have modified the result in place: then it is stale.
             and self._leaf_versions() == self._versions
         )
-
-
-def _close(store: Store, remove: str | os.PathLike[str] | None) -> bool:
-    """Close ``store``, then delete ``remove`` (its temporary directory, or the store itself
-    for ``auto_cleanup``); returns whether something was deleted."""
-    try:
-        store.close()
-    finally:
-        removed = remove is not None and os.path.isdir(remove)
-        if removed:
-            assert remove is not None
-            shutil.rmtree(remove, ignore_errors=True)
-    return removed
 
 
 def _one_path(
@@ -701,6 +755,13 @@ def _flip_list(data: list[Any]) -> Any:
         return torch.stack(data)
     flat, specs = zip(*(tree_flatten(item) for item in data), strict=True)
     return tree_unflatten([torch.stack(items) for items in zip(*flat, strict=True)], specs[0])
+
+
+def _is_key(index: Any) -> bool:
+    """Whether ``index`` is a (nested) key of the data rather than a row index."""
+    if isinstance(index, str):
+        return True
+    return isinstance(index, tuple) and bool(index) and all(isinstance(i, str) for i in index)
 
 
 def _as_index_tensor(index: Any) -> torch.Tensor:
