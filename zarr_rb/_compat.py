@@ -182,27 +182,31 @@ def drop_from_permutation(sampler: Any, index: torch.Tensor, batch_size: int) ->
     sampler._remaining_batches = batches
 
 
-def wrap_permutation(sampler: Any, after: Callable[[int], None]) -> None:
-    """Call ``after(batch_size)`` each time a without-replacement sampler draws a new
-    permutation."""
-    draw = sampler._get_sample_list
+class _Around:
+    """One method of one object, routed through ``hook(method, *args, **kwargs)``, where
+    ``method`` is the class's own. Picklable (the buffer and its sampler pickle) when
+    ``hook`` is."""
 
-    def get_sample_list(storage: Any, len_storage: int, batch_size: int) -> None:
-        draw(storage, len_storage, batch_size)
-        after(batch_size)
+    def __init__(self, obj: Any, name: str, hook: Callable[..., Any]) -> None:
+        self.obj = obj
+        self.name = name
+        self.hook = hook
 
-    sampler._get_sample_list = get_sample_list
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        method = getattr(type(self.obj), self.name).__get__(self.obj)
+        return self.hook(method, *args, **kwargs)
 
 
-def wrap_trajectory_boundaries(sampler: Any, around: Callable[..., Any]) -> None:
-    """Route a slice sampler's trajectory boundaries through
-    ``around(boundaries, storage, fallback)``, where ``boundaries`` computes TorchRL's."""
-    boundaries = sampler._get_stop_and_length
-
-    def get_stop_and_length(storage: Any, fallback: bool = True) -> Any:
-        return around(boundaries, storage, fallback)
-
-    sampler._get_stop_and_length = get_stop_and_length
+def route_method(obj: Any, name: str, hook: Callable[..., Any]) -> bool:
+    """Route ``obj.<name>(...)`` through ``hook(method, ...)`` (once: returns whether it was
+    routed now). ``name`` is a sampler method of :data:`USED`: ``sample``,
+    ``_get_sample_list`` (a without-replacement sampler draws a permutation),
+    ``_get_stop_and_length`` (a slice sampler finds trajectory boundaries)."""
+    if isinstance(obj.__dict__.get(name), _Around):
+        return False
+    getattr(type(obj), name)  # fails loudly if TorchRL renamed it
+    obj.__dict__[name] = _Around(obj, name, hook)
+    return True
 
 
 def is_sampler(obj: Any, name: str) -> bool:

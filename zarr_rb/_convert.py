@@ -10,6 +10,7 @@ import functools
 import math
 import sys
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ from tensordict import TensorDict, TensorDictBase, is_tensor_collection, is_tens
 
 from zarr_rb._format import Kind, LeafSpec, Schema, parse_key, stored_dtype
 from zarr_rb._io import load_json
+from zarr_rb._lazy import LazyColumn
 from zarr_rb.errors import SchemaMismatchError, StoreCorruptedError, UnsupportedDataError
 
 Key = tuple[str, ...]
@@ -140,11 +142,26 @@ def tensorclass_name(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def _remember_tensorclass(cls: type) -> str:
+    name = tensorclass_name(cls)
+    _SEEN_TENSORCLASSES[name] = cls
+    return name
+
+
+_SEEN_TENSORCLASSES: weakref.WeakValueDictionary[str, type] = weakref.WeakValueDictionary()
+"""Tensorclasses this process wrote, by name (also those defined inside a function, which
+no import path reaches)."""
+
+
 def resolve_tensorclass(name: str) -> type | None:
-    """The tensorclass called ``name`` if its module is already imported.
+    """The tensorclass called ``name`` if this process wrote it or its module is already
+    imported.
 
     Modules named in a store are never imported: opening a store must not run code.
     """
+    seen = _SEEN_TENSORCLASSES.get(name)
+    if seen is not None:
+        return seen
     module_name, _, qualname = name.partition(":")
     module = sys.modules.get(module_name)
     obj: Any = module
@@ -190,7 +207,7 @@ def infer_schema(data: Any, *, batched: bool, ndim: int, max_size: int) -> Schem
         batch_shape=(rows, *trailing),
         # A pytree's leaves keep its own order (rebuilding it needs that order).
         leaves=tuple(leaves if kind == "pytree" else sorted(leaves, key=lambda leaf: leaf.key)),
-        tensorclass=tensorclass_name(type(data)) if kind == "tensorclass" else None,
+        tensorclass=_remember_tensorclass(type(data)) if kind == "tensorclass" else None,
         item_batch_shape=tuple(item_batch),
         treespec=treespec_of(data) if kind == "pytree" else None,
     )
@@ -227,6 +244,8 @@ def leaves_for_write(
                 f"{(*index_shape, *row_shape)} (index shape {index_shape} + stored shape "
                 f"{row_shape})",
             )
+        if isinstance(tensor, LazyColumn):
+            tensor = tensor.materialize()  # read before any of the rows written changes
         out[key] = tensor.detach().to("cpu").reshape(n, *row_shape)
     return out, new
 
@@ -272,6 +291,19 @@ def clone(data: Any) -> Any:
     if kind_of(data) == "pytree":
         return pytree.tree_map(torch.clone, data)
     return data.clone()
+
+
+def select(data: Any, index: Any) -> Any:
+    """``data[index]``, leaf by leaf for pytrees."""
+    if kind_of(data) == "pytree":
+        return pytree.tree_map(lambda leaf: leaf[index], data)
+    return data[index]
+
+
+def to_device(data: Any, device: torch.device) -> Any:
+    if kind_of(data) == "pytree":
+        return pytree.tree_map(lambda leaf: leaf.to(device), data)
+    return data.to(device)
 
 
 def assign(block: Any, index: Any, data: Any) -> None:

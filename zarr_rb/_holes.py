@@ -30,23 +30,27 @@ from zarr_rb import _compat
 if TYPE_CHECKING:
     from zarr_rb.storage import ZarrStorage
 
-_GUARDED = "_zarr_rb_guarded"
-
 
 def guard_sampler(sampler: Any, storage: ZarrStorage) -> None:
     """Make ``sampler`` skip the unreadable rows of ``storage`` (once per sampler)."""
-    if getattr(sampler, _GUARDED, None) is storage:
-        return
-    setattr(sampler, _GUARDED, storage)
     if _compat.is_sampler(sampler, "PrioritizedSampler"):
-        _before_each_sample(sampler, functools.partial(_zero_priorities, sampler, storage))
+        _compat.route_method(
+            sampler, "sample", functools.partial(_sample_with_zero_priorities, zarr=storage)
+        )
     if _compat.is_sampler(sampler, "SliceSampler"):
-        _compat.wrap_trajectory_boundaries(
-            sampler, functools.partial(_boundaries_without_holes, storage=storage)
+        # A prioritized slice sampler needs trajectories that cover every row: there each
+        # hole stays a trajectory of its own, which its zero priority keeps from being drawn.
+        keep = _compat.is_sampler(sampler, "PrioritizedSampler")
+        _compat.route_method(
+            sampler,
+            "_get_stop_and_length",
+            functools.partial(_boundaries_without_holes, zarr=storage, keep_holes=keep),
         )
     elif _compat.is_sampler(sampler, "SamplerWithoutReplacement"):
-        _compat.wrap_permutation(
-            sampler, functools.partial(_drop_holes_from_permutation, sampler, storage)
+        _compat.route_method(
+            sampler,
+            "_get_sample_list",
+            functools.partial(_permutation_without_holes, zarr=storage),
         )
 
 
@@ -64,46 +68,40 @@ def _elements_per_row(storage: ZarrStorage) -> int:
     return 1 if shape is None else math.prod(shape[1:])
 
 
-def _before_each_sample(sampler: Any, prepare: Any) -> None:
-    sample = sampler.sample
-
-    @functools.wraps(sample)
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        prepare()
-        return sample(*args, **kwargs)
-
-    sampler.sample = guarded
-
-
-def _zero_priorities(sampler: Any, storage: ZarrStorage) -> None:
-    holes = storage._store.unreadable_rows()
+def _sample_with_zero_priorities(sample: Any, *args: Any, zarr: ZarrStorage, **kwargs: Any) -> Any:
+    holes = zarr._store.unreadable_rows()
     if holes.size:
-        _compat.exclude_from_priority_trees(sampler, _element_indices(holes, storage))
+        _compat.exclude_from_priority_trees(sample.__self__, _element_indices(holes, zarr))
+    return sample(*args, **kwargs)
 
 
-def _drop_holes_from_permutation(sampler: Any, storage: ZarrStorage, batch_size: int) -> None:
-    holes = storage._store.unreadable_rows()
+def _permutation_without_holes(
+    draw: Any, storage: Any, len_storage: int, batch_size: int, *, zarr: ZarrStorage
+) -> None:
+    draw(storage, len_storage, batch_size)
+    holes = zarr._store.unreadable_rows()
     if holes.size:
-        _compat.drop_from_permutation(sampler, _element_indices(holes, storage), batch_size)
+        _compat.drop_from_permutation(draw.__self__, _element_indices(holes, zarr), batch_size)
 
 
 def _boundaries_without_holes(
-    boundaries: Any, storage_arg: Any, fallback: bool, *, storage: ZarrStorage
+    boundaries: Any, storage: Any, fallback: bool = True, *, zarr: ZarrStorage, keep_holes: bool
 ) -> Any:
-    """A slice sampler's trajectory boundaries (``boundaries(storage_arg, fallback)``),
-    computed with holes read as zeros, then cut at the holes."""
-    if not storage._store.unreadable_rows().size:
-        return boundaries(storage_arg, fallback)
-    with storage.unreadable_read_as_zeros():
-        found = boundaries(storage_arg, fallback)
-    return _cut_at_holes(found, storage=storage)
+    """A slice sampler's trajectory boundaries (``boundaries(storage, fallback)``), computed
+    with holes read as zeros, then cut at the holes."""
+    if not zarr._store.unreadable_rows().size:
+        return boundaries(storage, fallback)
+    with zarr.unreadable_read_as_zeros():
+        found = boundaries(storage, fallback)
+    return _cut_at_holes(found, storage=zarr, keep_holes=keep_holes)
 
 
 def _cut_at_holes(
-    boundaries: Any, *, storage: ZarrStorage
+    boundaries: Any, *, storage: ZarrStorage, keep_holes: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Trajectories ``(start, stop, lengths)`` (TorchRL's layout: inclusive ``[N, ndim]``
-    coordinates) cut at the storage's holes, the holes themselves left out."""
+    coordinates) cut at the storage's holes; each hole row is left out, or kept as a
+    trajectory of one row (``keep_holes``)."""
     start, stop, lengths = boundaries
     holes = storage._store.unreadable_rows()
     if not holes.size:
@@ -122,6 +120,8 @@ def _cut_at_holes(
     cut_start, cut_stop, cut_lengths = find_start_stop_traj(
         end=end, at_capacity=full, cursor=_compat.last_cursor_index(storage)
     )
-    keep = ~torch.isin(cut_start[:, 0], hole_rows)
+    keep = torch.ones(cut_start.shape[0], dtype=torch.bool)
+    if not keep_holes:
+        keep = ~torch.isin(cut_start[:, 0], hole_rows)
     device = start.device
     return cut_start[keep].to(device), cut_stop[keep].to(device), cut_lengths[keep].to(device)

@@ -235,8 +235,10 @@ class LazyColumn(torch.Tensor):
         kwargs = kwargs or {}
         written = _written_column(func, args, kwargs)
         if written is not None:
-            column, position = written
-            return column._write(func, args, kwargs, leading=position == 0)
+            column, position, listed = written
+            if listed and len(args[position]) > 1:
+                return _write_each(func, args, kwargs, position)
+            return column._write(func, args, kwargs, leading=position == 0 and not listed)
         if args and isinstance(args[0], LazyColumn) and func.is_view:
             return args[0]._view(func, args[1:], kwargs)
         if (
@@ -258,13 +260,41 @@ def _plain(value: Any) -> Any:
 
 def _written_column(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[LazyColumn, int] | None:
-    """The LazyColumn ``func`` writes into, and its position among the arguments."""
+) -> tuple[LazyColumn, int, bool] | None:
+    """The LazyColumn ``func`` writes into, its position among the arguments, and whether
+    it is in a list there (the ``_foreach_*_`` ops TensorDict uses for ``update_``,
+    ``copy_``...)."""
     for position, argument in enumerate(func._schema.arguments):
         value = args[position] if position < len(args) else kwargs.get(argument.name)
         alias = argument.alias_info
-        if isinstance(value, LazyColumn) and alias is not None and alias.is_write:
-            return value, position
+        if alias is None or not alias.is_write:
+            continue
+        if isinstance(value, LazyColumn):
+            return value, position, False
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, LazyColumn):
+                    return item, position, True
+    return None
+
+
+def _write_each(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], position: int) -> Any:
+    """Run a ``_foreach_*_`` op that writes into LazyColumns one element at a time: each
+    LazyColumn takes its own write, the plain tensors theirs."""
+    targets = args[position]
+    n = len(targets)
+    if func is _aten._foreach_copy_.default:
+        for target, source in zip(targets, args[1], strict=True):
+            target.copy_(_plain(source))  # a LazyColumn writes it through
+        return None
+    for i in range(n):
+
+        def pick(value: Any, i: int = i) -> Any:
+            if isinstance(value, (list, tuple)) and len(value) == n:
+                return [value[i]]
+            return value
+
+        func(*(pick(value) for value in args), **{k: pick(v) for k, v in kwargs.items()})
     return None
 
 

@@ -102,6 +102,8 @@ class Store:
         """The schema of the last published record (keys added since are published next)."""
         self.users = 1
         """Storages of this process that have this store open (they share one writer)."""
+        self.version = 0
+        """Grows with every change of the rows this store serves (lazy columns' caches)."""
         self.shared: dict[str, Any] = {}
         """State that the storages sharing this store share (their mutation revision)."""
         self._remove: list[Path] = []
@@ -275,6 +277,7 @@ class Store:
         """
         self._check_writable()
         assert self._buffer is not None
+        self.version += 1
         index = torch.from_numpy(rows)
         for key in self._mirror.keys() & values.keys():
             self._mirror[key][index] = values[key]
@@ -378,6 +381,7 @@ class Store:
         self._check_writable()
         assert self._ledger is not None
         withdrawn = int((self._ledger.published & rows).sum())
+        self.version += 1
         self._ledger.withdraw(rows)
         if withdrawn:
             self._publish_mask(self._ledger.published & ~rows, length=self.committed.length)
@@ -403,6 +407,7 @@ class Store:
 
     def discard(self) -> None:
         """Forget rows held in RAM (after ``empty``)."""
+        self.version += 1
         if self._buffer is not None:
             self._buffer.clear()
         self._mirror.clear()
@@ -620,6 +625,7 @@ class Store:
             self.meta, schema=meta.schema, commit=meta.commit, saved=meta.saved
         )
         self.committed = meta.commit
+        self.version += 1
         self.length = meta.commit.length * self._elements_per_row(self.schema)
         self.cursor = meta.commit.cursor
         if self._ledger is not None:
@@ -676,11 +682,15 @@ class Store:
         if self.closed:
             return False
         self.users -= 1
+        # A store deleted from under it (by another program) has nothing left to flush into.
+        gone = not self.path.exists()
         if self.users > 0:
-            self.flush()
+            if not gone:
+                self.flush()
             return False
         try:
-            self.flush()
+            if not gone:
+                self.flush()
         finally:
             self.closed = True
             self._arrays.clear()

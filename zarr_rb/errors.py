@@ -23,6 +23,7 @@ __all__ = [
     "StoreExistsError",
     "StoreNotFoundError",
     "StoreWriteError",
+    "UnstackableError",
     "UnsupportedDataError",
     "ZarrRBError",
 ]
@@ -68,6 +69,11 @@ class SchemaMismatchError(ZarrRBError, ValueError):
 
 class UnsupportedDataError(ZarrRBError, TypeError):
     """Data of a kind, dtype or key name that a store cannot hold."""
+
+
+class UnstackableError(UnsupportedDataError, RuntimeError):
+    """The elements of a list written at once cannot be stacked into one batch (TorchRL's
+    storages raise ``RuntimeError`` there too)."""
 
 
 class ReadOnlyError(ZarrRBError, PermissionError):

@@ -31,7 +31,13 @@ from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
 from zarr_rb._open import MODES, Mode, open_store
 from zarr_rb._store import Store
-from zarr_rb.errors import LockedError, NotSupportedError, ReadOnlyError, RowIndexError
+from zarr_rb.errors import (
+    LockedError,
+    NotSupportedError,
+    ReadOnlyError,
+    RowIndexError,
+    UnstackableError,
+)
 
 __all__ = ["ZarrStorage"]
 
@@ -473,14 +479,18 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     def write_leaf(self, key: Key, rows: np.ndarray, values: torch.Tensor) -> None:
         """Write ``values[i]`` into row ``rows[i]`` of one leaf (any order; the last of
-        repeated rows wins): what writes into the lazy columns of ``storage[:]`` do."""
+        repeated rows wins): what writes into the lazy columns of ``storage[:]`` do.
+
+        As with TorchRL's storages, whose views alias their memory, such writes leave the
+        storage's mutation revision to the buffer method that made them (``rb.set_``,
+        ``rb.update_``...), which moves it once.
+        """
         self._store._check_writable()
         rows = self._check_rows(rows.astype(np.int64), self._store.rows, what="write index")
         unique, last = _unique_last(rows)
         if unique.size != rows.size or (unique != rows).any():
             values = values[torch.from_numpy(last)]
         self._store.write(unique, {key: values.detach().to("cpu")})
-        _compat.bump_revision(self)
 
     def _empty(self) -> None:
         self._store._check_writable()
@@ -552,21 +562,24 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         length = _compat.length_along_dim0(self)
         if _is_key(index):
             # storage.get("done") or storage.get(("next", "done")): that column, lazily.
-            return self.get(slice(None))[index]
+            return _convert.select(self.get(slice(None)), index)
         head, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
         if isinstance(index, tuple) and not index:
             head = slice(None)
-        if isinstance(head, slice) and not rest and head.indices(length) == (0, length, 1):
+        if isinstance(head, slice) and head.indices(length) == (0, length, 1):
+            # Every row: a lazy, writable view (further indices narrow it, lazily too).
             out = self._lazy_view(length)
+            if rest:
+                out = _convert.select(out, (slice(None), *rest))
         elif not rest and not isinstance(head, slice) and not _compat.is_int(head):
             out = self._gather(_as_index_tensor(head), schema, length)
         else:
             rows, position = self._rows_of(head, length)
             block = self._read(rows, schema)
             whole = isinstance(position, slice) and not rest
-            out = block if whole else block[(position, *rest)]
+            out = block if whole else _convert.select(block, (position, *rest))
         if self._build_device is None and self.device != "auto":
-            out = out.to(self.device)
+            out = _convert.to_device(out, self.device)
         return out
 
     def _gather(self, index: torch.Tensor, schema: Schema, length: int) -> Any:
@@ -678,7 +691,7 @@ class _LeafSource:
 
     @property
     def revision(self) -> int:
-        return _compat.revision(self._storage)
+        return self._storage._store.version
 
     def read(self, rows: np.ndarray) -> torch.Tensor:
         storage = self._storage
@@ -748,13 +761,22 @@ def _resolve_mode(mode: Mode | None, *, read_only: bool, existsok: bool | None) 
 
 
 def _flip_list(data: list[Any]) -> Any:
+    """A list of elements (``rb.extend([...])``) as one batch of them."""
     from tensordict import is_tensor_collection
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
-    if all(is_tensor_collection(item) for item in data):
-        return torch.stack(data)
-    flat, specs = zip(*(tree_flatten(item) for item in data), strict=True)
-    return tree_unflatten([torch.stack(items) for items in zip(*flat, strict=True)], specs[0])
+    try:
+        if all(is_tensor_collection(item) for item in data):
+            return torch.stack(data)
+        flat, specs = zip(*(tree_flatten(item) for item in data), strict=True)
+        return tree_unflatten([torch.stack(items) for items in zip(*flat, strict=True)], specs[0])
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise UnstackableError(
+            f"Stacking the elements of the list resulted in an error ({err}): ZarrStorage, "
+            "like TorchRL's tensor storages, expects every element of the list to have the "
+            "same structure and shapes. If the list is compact (each leaf already a batch), "
+            "pass a tuple instead",
+        ) from None
 
 
 def _is_key(index: Any) -> bool:

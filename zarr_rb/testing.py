@@ -409,10 +409,13 @@ def check_crashed_store(path: Path, log_path: Path, workload: CrashWorkload) -> 
             want = torch.as_tensor(getattr(reference, tree)[index])
             if not torch.equal(ours, want):
                 _fail(f"sampler {tree} does not match the save of write count {saved_count}")
+        _check_sampling_avoids_holes(rb, commit["holes"])
         rb.storage.close()
 
-    # The writer reopens (clearing temporaries), and goes on from the last save.
+    # The writer reopens (clearing temporaries), samples, and goes on from the last save.
     rb = zarr_rb.load(path) if saved is not None else workload.buffer(path)
+    if len(rb):
+        _check_sampling_avoids_holes(rb, commit["holes"])
     workload.step(rb, np.random.default_rng(0))
     zarr_rb.save(rb, progress=False)
     rb.storage.close()
@@ -420,6 +423,16 @@ def check_crashed_store(path: Path, log_path: Path, workload: CrashWorkload) -> 
     if left:
         _fail(f"temporaries left after the writer reopened: {left[:4]}")
     return CrashCheck(length, holes, written, durable, saved_count, temporaries)
+
+
+def _check_sampling_avoids_holes(rb: Any, holes: list[list[int]]) -> None:
+    """A buffer on a crashed store samples without error, never from a withdrawn row."""
+    withdrawn = {row for start, stop in holes for row in range(start, stop)}
+    for _ in range(5):
+        _, info = rb.sample(return_info=True)
+        drawn = set(torch.as_tensor(info["index"]).reshape(-1).tolist())
+        if drawn & withdrawn:
+            _fail(f"sampled withdrawn rows {sorted(drawn & withdrawn)[:8]}")
 
 
 # --- I/O faults ----------------------------------------------------------------------------

@@ -1,0 +1,158 @@
+"""No sampler ever draws a row that a repair (or a crash) withdrew, and sampling such a store
+raises no error: every TorchRL sampler, on a writer and on a reader, fresh or loaded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.data import ReplayBuffer, TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
+from torchrl.data.replay_buffers.samplers import (
+    PrioritizedSampler,
+    PrioritizedSliceSampler,
+    RandomSampler,
+    SamplerWithoutReplacement,
+    SliceSampler,
+    SliceSamplerWithoutReplacement,
+)
+
+import zarr_rb
+from zarr_rb import Compression, RowsNotCommittedError, ZarrStorage
+
+ROWS = 96
+LAYOUT = Compression(chunk_rows=2, block_rows=8, large_row_bytes=64)
+HOLE = range(24, 32)  # one shard of the image leaf
+LENGTHS = (7, 12, 5, 9, 14, 6, 11, 8, 10, 4, 10)  # trajectories, some across the hole
+
+
+def transitions() -> TensorDict:
+    traj = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])[:ROWS]
+    done = torch.zeros(ROWS, 1, dtype=torch.bool)
+    done[torch.cumsum(torch.tensor(LENGTHS), 0)[:-1] - 1] = True
+    step = torch.arange(ROWS)
+    return TensorDict(
+        {
+            "step": step,
+            "obs": step.float().view(-1, 1, 1).expand(-1, 4, 4).clone(),
+            "traj": traj,
+            ("next", "done"): done,
+            ("next", "reward"): step.float().unsqueeze(-1),
+        },
+        batch_size=[ROWS],
+    )
+
+
+def withdraw_a_shard(path: Path) -> None:
+    """Lose the image shard of rows 24-31 and repair: those rows become holes."""
+    (path / "data" / "obs" / "c" / "3" / "0" / "0").unlink()
+    zarr_rb.verify(path, repair=True)
+    assert zarr_rb.verify(path).ok
+
+
+@pytest.fixture
+def holed_store(tmp_path: Path) -> Path:
+    path = tmp_path / "rb.zarr"
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(ROWS, path, compression=LAYOUT))
+    rb.extend(transitions())
+    rb.storage.close()
+    withdraw_a_shard(path)
+    return path
+
+
+SAMPLERS: dict[str, Callable[[], Any]] = {
+    "random": RandomSampler,
+    "without_replacement": lambda: SamplerWithoutReplacement(drop_last=False),
+    "slice_traj_key": lambda: SliceSampler(slice_len=4, traj_key="traj"),
+    "slice_end_key": lambda: SliceSampler(slice_len=4, end_key=("next", "done")),
+    "slice_not_strict": lambda: SliceSampler(slice_len=4, traj_key="traj", strict_length=False),
+    "slice_without_replacement": lambda: SliceSamplerWithoutReplacement(
+        slice_len=4, traj_key="traj"
+    ),
+    "prioritized": lambda: PrioritizedSampler(ROWS, alpha=0.7, beta=0.5),
+    "prioritized_slice": lambda: PrioritizedSliceSampler(
+        ROWS, alpha=0.7, beta=0.5, slice_len=4, traj_key="traj"
+    ),
+}
+
+
+def draws(rb: ReplayBuffer, times: int) -> set[int]:
+    rows: set[int] = set()
+    for _ in range(times):
+        sample = rb.sample()
+        rows.update(sample["step"].tolist())  # the step is the row
+    return rows
+
+
+@pytest.mark.parametrize("read_only", [False, True], ids=["writer", "reader"])
+@pytest.mark.parametrize("name", list(SAMPLERS))
+def test_no_sampler_draws_a_withdrawn_row(holed_store: Path, name: str, read_only: bool) -> None:
+    storage = ZarrStorage(path=holed_store, read_only=read_only)
+    assert len(storage) == ROWS  # the length stays: the rows are holes
+    with pytest.raises(RowsNotCommittedError):
+        storage.get(torch.tensor([HOLE[0]]))
+    rb = TensorDictReplayBuffer(storage=storage, sampler=SAMPLERS[name](), batch_size=16)
+    drawn = draws(rb, 60)
+    assert not drawn & set(HOLE), f"{name} drew withdrawn rows {sorted(drawn & set(HOLE))}"
+    assert len(drawn) > 40  # and it still draws from all the rest
+    storage.close()
+
+
+def test_a_rewritten_hole_is_drawn_again(holed_store: Path) -> None:
+    storage = ZarrStorage(path=holed_store)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=32)
+    assert not draws(rb, 30) & set(HOLE)
+    rows = transitions()[HOLE.start : HOLE.stop]
+    rb[HOLE.start : HOLE.stop] = rows  # every key but "index" (TensorDictReplayBuffer's)
+    assert not draws(rb, 30) & set(HOLE)  # not whole yet: still holes
+    rb[HOLE.start : HOLE.stop] = rows.set("index", torch.arange(HOLE.start, HOLE.stop))
+    assert draws(rb, 60) & set(HOLE)
+    storage.close()
+
+
+def test_prioritized_buffer_loaded_after_a_repair(tmp_path: Path) -> None:
+    """A saved prioritized buffer whose rows were then lost: the loaded sampler gives them
+    no weight (exactly zero), the others keep their saved priorities."""
+    path = tmp_path / "rb.zarr"
+    rb = TensorDictPrioritizedReplayBuffer(
+        alpha=1.0,
+        beta=0.5,
+        storage=ZarrStorage(ROWS, path, compression=LAYOUT),
+        batch_size=16,
+    )
+    rb.extend(transitions())
+    rb.update_priority(torch.arange(ROWS), torch.full((ROWS,), 2.0))
+    zarr_rb.save(rb)
+    rb.storage.close()
+    withdraw_a_shard(path)
+    loaded = zarr_rb.load(path)
+    drawn = draws(loaded, 60)
+    assert not drawn & set(HOLE)
+    assert len(drawn) > 40
+    leaves = torch.as_tensor(loaded.sampler._sum_tree[torch.arange(ROWS)])
+    assert (leaves[list(HOLE)] == 0).all()
+    assert (leaves[: HOLE.start] > 0).all()
+    loaded.storage.close()
+
+
+def test_two_dimensional_store(tmp_path: Path) -> None:
+    path = tmp_path / "rb.zarr"
+    data = TensorDict(
+        {"step": torch.arange(ROWS * 2).view(ROWS, 2), "obs": torch.zeros(ROWS, 2, 4, 4)},
+        batch_size=[ROWS, 2],
+    )
+    storage = ZarrStorage(ROWS * 2, path, ndim=2, compression=LAYOUT)
+    storage.set(slice(0, ROWS), data)
+    storage.close()
+    (path / "data" / "obs" / "c" / "3" / "0" / "0" / "0").unlink()
+    zarr_rb.verify(path, repair=True)
+    for make in (RandomSampler, SamplerWithoutReplacement):
+        storage = ZarrStorage(path=path)
+        rb = TensorDictReplayBuffer(storage=storage, sampler=make(), batch_size=16)
+        for _ in range(40):
+            rows = (rb.sample()["step"] // 2).tolist()
+            assert not set(rows) & set(HOLE)
+        storage.close()
