@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 import torchrl
+from torchrl.data.replay_buffers import replay_buffers as _buffers
 from torchrl.data.replay_buffers import samplers as _samplers
 from torchrl.data.replay_buffers import writers as _writers
+from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
 from torchrl.data.replay_buffers.utils import _is_int
@@ -45,23 +47,96 @@ USED: dict[type, tuple[str, ...]] = {
         "_len_along_dim0",
         "_bump_mutation_revision",
         "_mutation_revision",
-        "_attached_entities",
-        "_rng",
         "_mutation_revision_value",
-        "__getstate__",
-        "__setstate__",
+        "_attached_entities",
+        "_is_full",
+        "_rng",
     ),
-    ReplayBuffer: ("_init_writer", "_maybe_make_writer", "_init_sampler", "_maybe_make_sampler"),
-    _writers.RoundRobinWriter: ("_cursor", "_write_count"),
-    _samplers.PrioritizedSampler: ("_sum_tree", "_min_tree", "_max_capacity"),
+    Storage: ("__getstate__", "__setstate__"),
+    StorageCheckpointerBase: ("_save_hooks", "_load_hooks"),
+    ReplayBuffer: (
+        "_init_writer",
+        "_maybe_make_writer",
+        "_init_sampler",
+        "_maybe_make_sampler",
+        "_batch_size",
+        "_dim_extend",
+        "_pin_memory",
+        "_prefetch_cap",
+        "_sample_unit",
+        "_collate_fn",
+        "_is_tensordict",
+        "_consume_after_n_samples",
+        "_rng",
+        "_transform",
+        "_sampler",
+        "_writer",
+        "_storage",
+    ),
+    _buffers.PrioritizedReplayBuffer: (
+        "_sync",
+        "_prioritized_sampler",
+        "_prioritized_sampler_write_count",
+    ),
+    _buffers.TensorDictPrioritizedReplayBuffer: (
+        "_sync",
+        "_prioritized_sampler",
+        "_prioritized_sampler_write_count",
+    ),
+    _writers.RoundRobinWriter: (
+        "_cursor",
+        "_write_count",
+        "_track_generations",
+        "_generation",
+        "_align_generation_device",
+    ),
+    _writers.TensorDictMaxValueWriter: (
+        "_cursor",
+        "_write_count",
+        "_current_top_values",
+        "_rank_key",
+        "_reduction",
+    ),
+    _samplers.PrioritizedSampler: (
+        "_sum_tree",
+        "_min_tree",
+        "_max_capacity",
+        "_alpha",
+        "_beta",
+        "_eps",
+        "_max_priority",
+        "_max_priority_within_buffer",
+    ),
     _samplers.SamplerWithoutReplacement: (
         "_get_sample_list",
         "_sample_list",
         "_remaining_batches",
+        "_ran_out",
     ),
-    _samplers.SliceSampler: ("_get_stop_and_length",),
+    _samplers.SliceSampler: ("_get_stop_and_length", "_fetch_traj", "_traj_key_auto", "_cache"),
 }
 """Private names read, written or called, by the TorchRL class that defines them."""
+
+
+def get(obj: Any, name: str) -> Any:
+    """``obj.<name>``: a private TorchRL attribute, declared in :data:`USED`."""
+    _check_declared(obj, name)
+    return getattr(obj, name)
+
+
+def put(obj: Any, name: str, value: Any) -> None:
+    """``obj.<name> = value``: a private TorchRL attribute, declared in :data:`USED`."""
+    _check_declared(obj, name)
+    setattr(obj, name, value)
+
+
+def _check_declared(obj: Any, name: str) -> None:
+    if not any(name in USED.get(cls, ()) for cls in type(obj).__mro__):
+        raise AssertionError(
+            f"zarr_rb uses {type(obj).__qualname__}.{name}, which zarr_rb._compat.USED does "
+            "not declare (declare it there, where tests/test_compat.py checks it)",
+        )
+
 
 is_int = _is_int
 """TorchRL's test for an integer index (Python and numpy ints, 0-d tensors)."""
@@ -97,6 +172,22 @@ def revision(storage: Any) -> int:
 
 def length_along_dim0(storage: Any) -> int:
     return int(storage._len_along_dim0 or 0)
+
+
+def set_length(storage: Any, length: int) -> None:
+    """Set a storage's length in elements, as TorchRL's checkpointers do."""
+    storage._len = length
+
+
+def is_full(storage: Any) -> bool:
+    return bool(storage._is_full)
+
+
+def swap_storage(buffer: Any, storage: Any) -> Any:
+    """Put ``storage`` under ``buffer`` (for one ``dumps``); returns the previous one."""
+    previous = buffer._storage
+    buffer._storage = storage
+    return previous
 
 
 def storage_state(storage: Any) -> dict[str, Any]:
@@ -207,6 +298,14 @@ def route_method(obj: Any, name: str, hook: Callable[..., Any]) -> bool:
     getattr(type(obj), name)  # fails loudly if TorchRL renamed it
     obj.__dict__[name] = _Around(obj, name, hook)
     return True
+
+
+def is_prioritized_buffer(buffer: Any) -> bool:
+    """Whether ``buffer`` is one of TorchRL's prioritized buffer classes (they keep their
+    prioritized sampler, and with ``sync=False`` a second sampler, themselves)."""
+    return isinstance(
+        buffer, (_buffers.PrioritizedReplayBuffer, _buffers.TensorDictPrioritizedReplayBuffer)
+    )
 
 
 def is_sampler(obj: Any, name: str) -> bool:

@@ -358,5 +358,5 @@ def build(
                 stacklevel=3,
             )
             return td
-        return cls._from_tensordict(td)  # type: ignore[attr-defined]
+        return cls.from_tensordict(td)  # type: ignore[attr-defined]
     return td

@@ -64,8 +64,8 @@ def _element_indices(rows: np.ndarray, storage: ZarrStorage) -> torch.Tensor:
 
 
 def _elements_per_row(storage: ZarrStorage) -> int:
-    shape = storage._total_shape
-    return 1 if shape is None else math.prod(shape[1:])
+    schema = storage.schema
+    return 1 if schema is None else math.prod(schema.batch_shape[1:])
 
 
 def _sample_with_zero_priorities(sample: Any, *args: Any, zarr: ZarrStorage, **kwargs: Any) -> Any:
@@ -108,7 +108,7 @@ def _cut_at_holes(
         return start, stop, lengths
     shape = storage.shape
     assert shape is not None
-    full = bool(storage._is_full)
+    full = _compat.is_full(storage)
     rows = shape[0]
     end = torch.zeros(tuple(shape), dtype=torch.bool)
     end[tuple(stop.long().cpu().unbind(-1))] = True

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -69,6 +71,20 @@ when all of them together take at most this much."""
 Write = tuple[np.ndarray, Mapping[Key, torch.Tensor]]
 """Rows (sorted, unique) and the values of some or all leaves for them."""
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _serialized(method: _F) -> _F:
+    """One thread at a time in a store: a buffer's prefetch threads, a training loop and a
+    writer thread may share one."""
+
+    @functools.wraps(method)
+    def serialized(self: Store, *args: Any, **kwargs: Any) -> Any:
+        with self._mutex:
+            return method(self, *args, **kwargs)
+
+    return cast(_F, serialized)
+
 
 class Store:
     """One zarr_rb store: open it with :func:`zarr_rb._open.open_store`."""
@@ -83,6 +99,7 @@ class Store:
         lock: WriterLock | None = None,
     ) -> None:
         self.location = location
+        self._mutex = threading.RLock()
         self._lock = lock
         self.meta = meta
         self.read_only = read_only
@@ -168,6 +185,7 @@ class Store:
             self._mirrorable = frozenset()
             self._mirror.clear()
 
+    @_serialized
     def initialize(self, schema: Schema) -> None:
         """Create the arrays of ``schema`` (first write of a new store)."""
         self._check_writable()
@@ -178,6 +196,7 @@ class Store:
         self._attach_schema(schema, block_rows)
         self.publish_meta()
 
+    @_serialized
     def add_leaves(self, leaves: Sequence[LeafSpec]) -> None:
         """Add columns to an initialised store. Rows already written read as zeros in them,
         as in TorchRL's storages; the new schema is published with the next commit."""
@@ -269,6 +288,7 @@ class Store:
         if self.closed:
             raise ValueError(f"store {str(self.location.root)!r} is closed")
 
+    @_serialized
     def write(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
         """Write ``values[key][i]`` to row ``rows[i]`` (``rows`` sorted and unique).
 
@@ -375,6 +395,7 @@ class Store:
                 "the store",
             ) from None
 
+    @_serialized
     def withdraw(self, rows: np.ndarray) -> int:
         """Withdraw rows (a boolean mask) from the readable range until they are rewritten;
         returns how many were readable."""
@@ -387,6 +408,7 @@ class Store:
             self._publish_mask(self._ledger.published & ~rows, length=self.committed.length)
         return withdrawn
 
+    @_serialized
     def flush(self) -> None:
         """Write every row held in RAM and publish a commit that covers them."""
         if self.read_only or self.closed or self._buffer is None:
@@ -405,6 +427,7 @@ class Store:
             self._retries.pop(0)
         self._commit()
 
+    @_serialized
     def discard(self) -> None:
         """Forget rows held in RAM (after ``empty``)."""
         self.version += 1
@@ -447,11 +470,13 @@ class Store:
         self._publish(commit)
         self._ledger.published_as(readable)
 
+    @_serialized
     def publish_saved(self, saved: Saved) -> None:
         """Flush, then publish the data commit together with a new save record."""
         self.flush()
         self._publish(self.committed, saved=saved)
 
+    @_serialized
     def publish_meta(self) -> None:
         """Publish the store's settings and schema with the current commit."""
         self._publish(self.committed)
@@ -468,6 +493,7 @@ class Store:
 
     # --- reading ---------------------------------------------------------------------------
 
+    @_serialized
     def read(
         self,
         rows: np.ndarray,
@@ -588,6 +614,7 @@ class Store:
             rows=[(a, b) for a, b, _ in damaged],
         )
 
+    @_serialized
     def unreadable_rows(self) -> np.ndarray:
         """Rows inside the length that cannot be read: withdrawn by a crash, a failed write
         or a repair, and not rewritten since (samplers must not draw them)."""
@@ -603,8 +630,18 @@ class Store:
             unreadable &= ~self._staged_mask()[:n]
         return np.flatnonzero(unreadable)
 
+    @_serialized
     def refresh(self) -> Commit:
-        """Re-read the commit record (readers); returns it."""
+        """Re-read the commit record and move to it: its length, cursor and rows (readers);
+        returns it."""
+        commit = self._reread_commit()
+        self.length = commit.length * self._elements_per_row(self.schema)
+        self.cursor = commit.cursor
+        return commit
+
+    def _reread_commit(self) -> Commit:
+        """Re-read the commit record: which rows may be read now, and the keys the writer
+        added. The length and cursor this store shows stay (they move on :meth:`refresh`)."""
         where = f"store {str(self.location.root)!r}"
         document = read_root(self.location)
         if document is None:
@@ -624,10 +661,9 @@ class Store:
         self.meta = dataclasses.replace(
             self.meta, schema=meta.schema, commit=meta.commit, saved=meta.saved
         )
+        if meta.commit.generation != self.committed.generation:
+            self.version += 1
         self.committed = meta.commit
-        self.version += 1
-        self.length = meta.commit.length * self._elements_per_row(self.schema)
-        self.cursor = meta.commit.cursor
         if self._ledger is not None:
             self._ledger.published_as(meta.commit.readable_mask(self.rows))
         return meta.commit
@@ -652,7 +688,7 @@ class Store:
                     out = {key: _spread(value, published) for key, value in out.items()}
             except ValueError as err:  # damaged, or a shard replaced while it was read
                 out, last_error = None, err
-            unchanged = self.refresh().generation == commit.generation
+            unchanged = self._reread_commit().generation == commit.generation
             if unchanged and out is not None:
                 return out
             if unchanged and isinstance(last_error, ChunkCorruptedError):
@@ -665,6 +701,7 @@ class Store:
 
     # --- lifetime --------------------------------------------------------------------------
 
+    @_serialized
     def acquire(self) -> Store:
         """One more user of this open store (another storage of this process)."""
         self.users += 1
@@ -675,6 +712,7 @@ class Store:
         user has closed the store."""
         self._remove.append(Path(path))
 
+    @_serialized
     def close(self) -> bool:
         """One user is done with the store; the last one flushes it, releases its lock and
         deletes what :meth:`remove_when_closed` named. Returns whether something was

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict, is_tensor_collection
 
-from zarr_rb._convert import row_nbytes
+from zarr_rb._convert import clone, row_nbytes, select
 from zarr_rb._engine import copy_in_blocks
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def state_dict(storage: ZarrStorage) -> dict[str, Any]:
     storage.flush()
     rows: Any = {}
     if storage.initialized:
-        rows = storage._storage
+        rows = storage.full_view()
         if is_tensor_collection(rows):
             rows = rows.state_dict()
     return {
@@ -80,8 +80,8 @@ def copy_store(source: str | os.PathLike[str], storage: ZarrStorage) -> None:
 
 
 def _per_row(storage: ZarrStorage) -> int:
-    shape = storage._total_shape
-    return 1 if shape is None else math.prod(shape[1:])
+    schema = storage.schema
+    return 1 if schema is None else math.prod(schema.batch_shape[1:])
 
 
 def copy_rows(source: Any, storage: ZarrStorage, *, rows: int, progress: bool = False) -> None:
@@ -90,7 +90,7 @@ def copy_rows(source: Any, storage: ZarrStorage, *, rows: int, progress: bool = 
     if rows <= 0:
         return
     copy_in_blocks(
-        lambda start, stop: source[start:stop].clone(),
+        lambda start, stop: clone(select(source, slice(start, stop))),
         lambda where, block: storage.set(where, block, set_cursor=False),
         rows=rows,
         row_nbytes=row_nbytes(source),

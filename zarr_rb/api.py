@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from zarr_rb import _compat
 from zarr_rb._format import STATE_GROUP, Saved
 from zarr_rb._open import open_store
 from zarr_rb._store import Store
@@ -107,28 +108,40 @@ def load(
     *,
     allow_pickle: bool = False,
     transform: Any = None,
+    collate_fn: Any = None,
+    sample_unit: Any = None,
+    checkpointer: Any = None,
     device: str = "cpu",
     read_only: bool = False,
 ) -> Any:
     """Rebuild a replay buffer saved with :func:`save`, without reading any row.
 
     The buffer comes back as it was at the last save: same class, storage, sampler,
-    writer (and their state), batch size, generator state and transforms.
+    writer (and their state), every constructor setting (batch size, ``pin_memory``,
+    ``prefetch``, ``sync``, sample unit, checkpointer, ...), generator state and transforms.
+
+    In the process that saved it, the buffer may still be open: the loaded one shares its
+    store (see :class:`~zarr_rb.ZarrStorage`), at the saved length and cursor.
 
     Args:
         path: the store.
-        allow_pickle: unpickle the saved transform objects. Unpickling runs code stored in
-            the buffer: only pass ``True`` for stores you trust.
+        allow_pickle: unpickle the saved transforms and other code (a custom ``collate_fn``,
+            sample unit or checkpointer). Unpickling runs code stored in the buffer: only
+            pass ``True`` for stores you trust.
         transform: a transform built like the saved one; receives the saved state without
             any unpickling (an alternative to ``allow_pickle``).
+        collate_fn, sample_unit, checkpointer: the custom ones the buffer was built with,
+            instead of unpickling them.
         device: device of the tensors the storage returns.
         read_only: open the store for reading only: the buffer samples but cannot be
             extended or saved, takes no writer lock and writes nothing, so it can be
-            opened while the store's writer is at work.
+            opened while the store's writer is at work. It stays at the save (its length
+            and cursor) until ``rb.storage.refresh()``.
 
     Raises:
         NoSavedBufferError: the store holds data but no saved buffer.
-        zarr_rb.state.PickleNotAllowedError: transforms need ``allow_pickle`` or ``transform``.
+        zarr_rb.state.PickleNotAllowedError: code needs ``allow_pickle`` or the argument of
+            the same name.
     """
     storage = ZarrStorage(path=path, device=device, read_only=read_only)
     saved = storage._store.meta.saved
@@ -139,7 +152,7 @@ def load(
             "ZarrStorage(path=...), or save a buffer there with zarr_rb.save(rb, path)",
         )
     committed_length = len(storage)
-    storage._len = 0
+    _compat.set_length(storage, 0)
     try:
         return load_buffer(
             storage._store.location,
@@ -147,10 +160,15 @@ def load(
             storage=storage,
             restore_storage=lambda: storage.restore(length=saved.length, cursor=saved.cursor),
             transform=transform,
+            code_objects={
+                "collate_fn": collate_fn,
+                "sample_unit": sample_unit,
+                "checkpointer": checkpointer,
+            },
             allow_pickle=allow_pickle,
         )
     except BaseException as err:
-        storage._len = committed_length  # leave the store exactly as it was
+        _compat.set_length(storage, committed_length)  # leave the store as it was
         storage.close()
         if isinstance(err, ZarrRBError) or not isinstance(err, _INVALID_STATE):
             raise

@@ -39,6 +39,7 @@ from tensordict import TensorDict
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler, SamplerWithoutReplacement
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxValueWriter
 
+from zarr_rb import _compat
 from zarr_rb._checkpointer import TORCHRL_METADATA, ZarrStorageCheckpointer, _is_store
 from zarr_rb._convert import row_nbytes
 from zarr_rb._engine import copy_in_blocks
@@ -50,8 +51,7 @@ from zarr_rb.errors import (
     StoreCorruptedError,
     UnsupportedDataError,
 )
-from zarr_rb.state._buffer import buffer_config
-from zarr_rb.state._components import adapter_for
+from zarr_rb.state import check_savable
 from zarr_rb.storage import ZarrStorage
 
 __all__ = ["BLOCK_BYTES", "export_torchrl", "import_torchrl"]
@@ -169,7 +169,9 @@ def import_torchrl(
     writer = buffer.writer
     if isinstance(writer, RoundRobinWriter) and len(storage) and storage.schema is not None:
         # TorchRL's storage dump has no cursor: the writer's is the row written next.
-        storage.restore(length=len(storage), cursor=int(writer._cursor) % storage.schema.rows)
+        storage.restore(
+            length=len(storage), cursor=int(_compat.get(writer, "_cursor")) % storage.schema.rows
+        )
     return save(buffer, progress=progress)
 
 
@@ -188,9 +190,7 @@ def _import_destination(buffer: Any, source: Path) -> ZarrStorage:
             "open the destination with read_only=False",
         )
     # Fail before copying any row if zarr_rb.save would refuse the buffer afterwards.
-    buffer_config(buffer)
-    adapter_for(buffer.sampler, role="sampler")
-    adapter_for(buffer.writer, role="writer")
+    check_savable(buffer)
     return storage
 
 
@@ -432,7 +432,7 @@ def export_torchrl(
             ndim=storage.ndim,
             auto_cleanup=False,
         )
-        rows = storage._len_along_dim0 or 0
+        rows = _compat.length_along_dim0(storage)
 
         def read(start: int, stop: int) -> Any:
             return storage._read(np.arange(start, stop, dtype=np.int64), schema)
@@ -451,16 +451,16 @@ def export_torchrl(
             progress=progress,
             desc="export rows",
         )
-        memmap._len = len(storage)
+        _compat.set_length(memmap, len(storage))
         if rows:
-            memmap._set_last_cursor((storage.cursor - 1) % schema.rows)
+            _compat.set_last_cursor(memmap, (storage.cursor - 1) % schema.rows)
         # TorchRL's own ReplayBuffer.dumps writes the layout, around the memory-mapped
         # copy: the storage only refreshes its metadata (it dumps into its own files).
-        rb._storage = memmap
+        previous = _compat.swap_storage(rb, memmap)
         try:
             rb.dumps(dest)
         finally:
-            rb._storage = storage
+            _compat.swap_storage(rb, previous)
     except BaseException:
         _remove_partial_export(dest, created=created)
         raise

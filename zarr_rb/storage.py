@@ -14,9 +14,9 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
@@ -43,6 +43,15 @@ __all__ = ["ZarrStorage"]
 
 Key = tuple[str, ...]
 _HANDLE = "_zarr_rb_handle"
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _io_boundary(fn: _F) -> _F:
+    """Reads and writes of a store are I/O: ``torch.compile`` runs them as they are (one
+    graph break) instead of tracing into them and recompiling whenever the store's state
+    moves."""
+    return cast(_F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
 class ZarrStorage(TensorStorage):  # type: ignore[misc]
@@ -221,15 +230,19 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     @property
     def _storage(self) -> Any:
-        """The full capacity as lazy, writable columns (what TorchRL's checkpointers and
-        hooks read and write); unused capacity reads as zeros."""
-        schema = self.__dict__["_store"].schema if "_store" in self.__dict__ else None
-        return None if schema is None else self._lazy_view(schema.rows, unused_as_zeros=True)
+        """What TorchRL's checkpointers and hooks read and write: :meth:`full_view`."""
+        return self.full_view() if "_store" in self.__dict__ else None
 
     @_storage.setter
     def _storage(self, value: Any) -> None:
         if value is not None:
             raise TypeError("ZarrStorage keeps its data on disk; it cannot adopt a tensor")
+
+    def full_view(self) -> Any:
+        """The full capacity as lazy, writable columns (``None`` before the first write);
+        unused capacity reads as zeros."""
+        schema = self._store.schema
+        return None if schema is None else self._lazy_view(schema.rows, unused_as_zeros=True)
 
     def attach(self, buffer: Any) -> None:
         """Attach a replay buffer: its sampler will skip rows that cannot be read (withdrawn
@@ -394,6 +407,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     # --- writes ----------------------------------------------------------------------------
 
+    @_io_boundary
     def _init(self, data: Any) -> None:
         """Create the store's arrays from one element (TorchRL's checkpointers call this)."""
         self._initialize(data, batched=False)
@@ -407,6 +421,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         self._store.initialize(schema)
         self.initialized = True
 
+    @_io_boundary
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         store = self._store
         store._check_writable()
@@ -477,9 +492,11 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         )
         return rows, leaves
 
-    def write_leaf(self, key: Key, rows: np.ndarray, values: torch.Tensor) -> None:
-        """Write ``values[i]`` into row ``rows[i]`` of one leaf (any order; the last of
-        repeated rows wins): what writes into the lazy columns of ``storage[:]`` do.
+    @_io_boundary
+    def write_leaves(self, rows: np.ndarray, values: dict[Key, torch.Tensor]) -> None:
+        """Write ``values[key][i]`` into row ``rows[i]`` of some leaves, together (any order;
+        the last of repeated rows wins): what writes into the lazy columns of ``storage[:]``
+        and ``rb.update_if_present`` do.
 
         As with TorchRL's storages, whose views alias their memory, such writes leave the
         storage's mutation revision to the buffer method that made them (``rb.set_``,
@@ -489,9 +506,11 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         rows = self._check_rows(rows.astype(np.int64), self._store.rows, what="write index")
         unique, last = _unique_last(rows)
         if unique.size != rows.size or (unique != rows).any():
-            values = values[torch.from_numpy(last)]
-        self._store.write(unique, {key: values.detach().to("cpu")})
+            picked = torch.from_numpy(last)
+            values = {key: value[picked] for key, value in values.items()}
+        self._store.write(unique, {key: value.detach().to("cpu") for key, value in values.items()})
 
+    @_io_boundary
     def _empty(self) -> None:
         self._store._check_writable()
         self._store.discard()
@@ -499,14 +518,17 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         self._store.flush()
         _compat.bump_revision(self)
 
+    @_io_boundary
     def _apply_conditional_patch(self, index: torch.Tensor, patch: dict[Any, torch.Tensor]) -> None:
         """Patch some keys of some elements (``rb.update_if_present``): those keys only are
         written, after TorchRL validated the whole patch."""
         if index.ndim > 1:
             self.set(tuple(index.unbind(-1)), _convert.as_patch(patch, index), set_cursor=False)
             return
-        for key, value in patch.items():
-            self.write_leaf(_convert.key_tuple(key), index.cpu().numpy(), value)
+        self.write_leaves(
+            index.cpu().numpy(),
+            {_convert.key_tuple(key): value for key, value in patch.items()},
+        )
 
     # --- reads -----------------------------------------------------------------------------
 
@@ -554,6 +576,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             leaves, schema=schema, batch_shape=batch_shape, device=self._build_device
         )
 
+    @_io_boundary
     def get(self, index: Any) -> Any:
         if not self.initialized:
             raise RuntimeError("Cannot get elements out of a non-initialized storage.")
@@ -624,6 +647,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             device=self._build_device,
         )
 
+    @_io_boundary
     def _rand_given_ndim(self, batch_size: int) -> Any:
         """Random element indices (RandomSampler), drawn among the rows that can be read:
         rows withdrawn by a crash or by ``verify --repair`` are never drawn."""
@@ -704,7 +728,7 @@ class _LeafSource:
         return values[self._key]
 
     def write(self, rows: np.ndarray, values: torch.Tensor) -> None:
-        self._storage.write_leaf(self._key, rows, values)
+        self._storage.write_leaves(rows, {self._key: values})
 
 
 class _Gather:

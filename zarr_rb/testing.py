@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zarr_rb import _compat
 from zarr_rb._io import LOCK_FILE, IOKind, is_temporary, observe_io
 
 __all__ = [
@@ -239,7 +240,7 @@ class CrashWorkload:
 
     def step(self, rb: Any, rng: np.random.Generator, log: Any = None) -> int:
         """Extend by a random number of rows and set their priorities; the new total."""
-        start = int(rb.writer._write_count)
+        start = int(_compat.get(rb.writer, "_write_count"))
         n = int(rng.integers(1, self.max_batch + 1))
         if log is not None:
             log("extending", start + n)
@@ -392,13 +393,14 @@ def check_crashed_store(path: Path, log_path: Path, workload: CrashWorkload) -> 
     saved_count = None
     if saved is not None:
         rb = zarr_rb.load(path, read_only=True)
-        saved_count = int(rb.writer._write_count)
+        saved_count = int(_compat.get(rb.writer, "_write_count"))
         if saved_count not in log.get("saving", []):
             _fail(f"loaded write count {saved_count} is not one the writer saved")
         if len(rb) != min(saved_count, cap) or rb.storage.cursor != saved_count % cap:
             _fail(f"saved length/cursor {len(rb)}/{rb.storage.cursor} != {saved_count}")
-        if int(rb.writer._cursor) != saved_count % cap:
-            _fail(f"writer cursor {rb.writer._cursor} != {saved_count % cap}")
+        if int(_compat.get(rb.writer, "_cursor")) != saved_count % cap:
+            cursor = _compat.get(rb.writer, "_cursor")
+            _fail(f"writer cursor {cursor} != {saved_count % cap}")
         n = min(saved_count, cap)
         index = torch.arange(n)
         latest = saved_count - 1 - ((saved_count - 1 - index) % cap)
@@ -519,12 +521,12 @@ def inject_io_fault(
         _faulted_workload(workload, path, opened)
     rb = opened[0]
     zarr_rb.save(rb, progress=False)  # the retry
-    total = int(rb.writer._write_count)
+    total = int(_compat.get(rb.writer, "_write_count"))
     rb.storage.close()
     loaded = zarr_rb.load(path)
     got = loaded.storage.get(torch.arange(len(loaded))).exclude("index")
     if (
-        int(loaded.writer._write_count) != total
+        int(_compat.get(loaded.writer, "_write_count")) != total
         or not (got == expected_rows(workload, total)).all()
     ):
         _fail(f"fault {at}: after the retry the store does not hold the {total} rows written")

@@ -1,25 +1,44 @@
-"""Buffer state (sampler, writer, generator, transforms) to and from a store's state slots."""
+"""Buffer state (settings, sampler, writer, generator, transforms) to and from a store's
+state slots."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from zarr_rb import _compat as compat
 from zarr_rb._engine import LocalLocation
+from zarr_rb._holes import guard_sampler
 from zarr_rb.errors import StoreCorruptedError
-from zarr_rb.state._buffer import (
-    PickleNotAllowedError,
-    buffer_config,
-    build_buffer,
-    load_generator,
-    load_transforms,
-    save_generator,
-    save_transforms,
-)
+from zarr_rb.state._buffer import buffer_settings, build_buffer, load_generator, save_generator
 from zarr_rb.state._components import adapter_for, adapter_named
 from zarr_rb.state._node import StateNode
+from zarr_rb.state._objects import (
+    PickleNotAllowedError,
+    load_code_objects,
+    load_transforms,
+    save_code_objects,
+    save_transforms,
+)
 
-__all__ = ["PickleNotAllowedError", "load_buffer", "save_buffer"]
+__all__ = ["PickleNotAllowedError", "check_savable", "load_buffer", "save_buffer"]
+
+
+def _components(rb: Any) -> dict[str, Any]:
+    """The stateful components of a buffer, by role: its sampler and writer, and the
+    prioritized sampler a ``sync=False`` prioritized buffer keeps beside its sampler."""
+    components = {"sampler": rb.sampler, "writer": rb.writer}
+    if compat.is_prioritized_buffer(rb) and not compat.get(rb, "_sync"):
+        components["prioritized_sampler"] = compat.get(rb, "_prioritized_sampler")
+    return components
+
+
+def check_savable(rb: Any) -> None:
+    """Raise :class:`~zarr_rb.errors.UnsupportedDataError` now if ``rb`` could not be saved
+    (a buffer class or a component without an adapter), before anything is written."""
+    buffer_settings(rb)
+    for role, obj in _components(rb).items():
+        adapter_for(obj, role=role)
 
 
 def save_buffer(rb: Any, location: LocalLocation, group: str) -> int:
@@ -28,23 +47,19 @@ def save_buffer(rb: Any, location: LocalLocation, group: str) -> int:
     Every component is checked before anything is written, so an unsupported sampler or
     writer fails without touching the store.
     """
-    config = buffer_config(rb)
-    sampler, writer = rb.sampler, rb.writer
-    sampler_adapter = adapter_for(sampler, role="sampler")
-    writer_adapter = adapter_for(writer, role="writer")
+    config, objects = buffer_settings(rb)
+    components = {role: (obj, adapter_for(obj, role=role)) for role, obj in _components(rb).items()}
     attrs: dict[str, Any] = {"buffer": config}
     location.create_group(group.rpartition("/")[0])
     root = StateNode(location, group, attrs)
-    for role, obj, adapter in (
-        ("sampler", sampler, sampler_adapter),
-        ("writer", writer, writer_adapter),
-    ):
+    for role, (obj, adapter) in components.items():
         node = root.child(role)
         node.attrs["class"] = adapter.name
         node.attrs["config"] = adapter.config(obj)
         adapter.save(obj, node)
     save_generator(rb, root.child("generator"))
-    save_transforms(rb, root.child("transforms"))
+    save_transforms(compat.get(rb, "_transform"), root.child("transforms"))
+    save_code_objects(objects, root.child("objects"))
     root.wait()
     location.write_group_attributes(group, {"zarr_rb_state": attrs})
     return root.bytes_written
@@ -73,6 +88,7 @@ def load_buffer(
     storage: Any,
     restore_storage: Callable[[], None],
     transform: Any = None,
+    code_objects: dict[str, Any] | None = None,
     allow_pickle: bool = False,
 ) -> Any:
     """Rebuild the buffer saved in ``group`` around ``storage``.
@@ -81,6 +97,10 @@ def load_buffer(
     would otherwise give every stored row a default priority, only for the saved ones to
     replace them); ``restore_storage`` then brings back its length and cursor, before the
     saved component state is loaded.
+
+    Args:
+        code_objects: a custom ``collate_fn``, ``sample_unit`` or ``checkpointer`` to use
+            instead of unpickling the saved one.
     """
     attrs = location.read_group_attributes(group).get("zarr_rb_state")
     if not isinstance(attrs, dict):
@@ -89,8 +109,11 @@ def load_buffer(
             "holds no buffer state; open the data with ZarrStorage(path=...) and save again"
         )
     root = StateNode(location, group, attrs)
+    limit = max(storage.max_size, _MAX_SETTING)
     components = {}
-    for role in ("sampler", "writer"):
+    for role in attrs.get("children", {}):
+        if role not in ("sampler", "writer", "prioritized_sampler"):
+            continue
         node = root.child(role)
         adapter = adapter_named(node.attrs["class"], role=role)
         config = node.attrs["config"]
@@ -100,24 +123,33 @@ def load_buffer(
                 f"{role} max_capacity {capacity!r} is not within the storage's "
                 f"max_size {storage.max_size}"
             )
-        _check_sizes(config, limit=max(storage.max_size, _MAX_SETTING), what=role)
+        _check_sizes(config, limit=limit, what=role)
         components[role] = (adapter, node, adapter.build(config))
     transform = load_transforms(
         root.child("transforms"), transform=transform, allow_pickle=allow_pickle
     )
-    _check_sizes(attrs["buffer"], limit=max(storage.max_size, _MAX_SETTING), what="buffer")
+    objects = load_code_objects(
+        root.child("objects"), given=code_objects or {}, allow_pickle=allow_pickle
+    )
+    _check_sizes(attrs["buffer"], limit=limit, what="buffer")
     if attrs["buffer"]["batch_size"] == 0:
         raise ValueError("buffer batch_size 0")
+    built = {role: obj for role, (_, _, obj) in components.items()}
     rb = build_buffer(
         attrs["buffer"],
         storage=storage,
-        sampler=components["sampler"][2],
-        writer=components["writer"][2],
+        sampler=built["sampler"],
+        writer=built["writer"],
+        prioritized_sampler=built.get("prioritized_sampler"),
         transform=transform,
+        objects=objects,
     )
     restore_storage()
+    current = _components(rb)
     for role, (adapter, node, _) in components.items():
-        adapter.load(getattr(rb, role), node)
+        adapter.load(current[role], node)
+        if role != "writer":
+            guard_sampler(current[role], storage)
     generator = load_generator(root.child("generator"))
     if generator is not None:
         rb.set_rng(generator)

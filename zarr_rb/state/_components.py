@@ -15,6 +15,7 @@ import torch
 from torchrl.data.replay_buffers import samplers as S  # noqa: N812
 from torchrl.data.replay_buffers import writers as W  # noqa: N812
 
+from zarr_rb import _compat as compat
 from zarr_rb.errors import UnsupportedDataError
 from zarr_rb.state._node import StateNode
 
@@ -59,16 +60,20 @@ def _without_replacement_config(obj: Any) -> Config:
 
 def _without_replacement_save(obj: Any, node: StateNode) -> None:
     node.attrs["len_storage"] = int(obj.len_storage)
-    node.attrs["ran_out"] = bool(obj._ran_out)
-    node.attrs["has_sample_list"] = obj._sample_list is not None
-    if obj._sample_list is not None:
-        node.put_tensor("sample_list", obj._sample_list)
+    node.attrs["ran_out"] = bool(compat.get(obj, "_ran_out"))
+    node.attrs["has_sample_list"] = compat.get(obj, "_sample_list") is not None
+    if compat.get(obj, "_sample_list") is not None:
+        node.put_tensor("sample_list", compat.get(obj, "_sample_list"))
 
 
 def _without_replacement_load(obj: Any, node: StateNode) -> None:
     obj.len_storage = int(node.attrs["len_storage"])
-    obj._ran_out = bool(node.attrs["ran_out"])
-    obj._sample_list = node.get_tensor("sample_list") if node.attrs["has_sample_list"] else None
+    compat.put(obj, "_ran_out", bool(node.attrs["ran_out"]))
+    compat.put(
+        obj,
+        "_sample_list",
+        node.get_tensor("sample_list") if node.attrs["has_sample_list"] else None,
+    )
 
 
 _SLICE_FIELDS = (
@@ -99,11 +104,11 @@ def _slice_kwargs(config: Config) -> dict[str, Any]:
 
 
 def _slice_save(obj: Any, node: StateNode) -> None:
-    node.attrs["fetch_traj"] = bool(obj._fetch_traj)
+    node.attrs["fetch_traj"] = bool(compat.get(obj, "_fetch_traj"))
     node.attrs["traj_key_auto"] = bool(getattr(obj, "_traj_key_auto", False))
     cache = node.child("cache")
     entries = {}
-    for name, value in obj._cache.items():
+    for name, value in compat.get(obj, "_cache").items():
         parts = value if isinstance(value, (tuple, list)) else (value,)
         if not all(isinstance(p, torch.Tensor) for p in parts):
             continue  # derived values TorchRL recomputes from the storage
@@ -114,13 +119,13 @@ def _slice_save(obj: Any, node: StateNode) -> None:
 
 
 def _slice_load(obj: Any, node: StateNode) -> None:
-    obj._fetch_traj = bool(node.attrs["fetch_traj"])
-    obj._traj_key_auto = bool(node.attrs["traj_key_auto"])
+    compat.put(obj, "_fetch_traj", bool(node.attrs["fetch_traj"]))
+    compat.put(obj, "_traj_key_auto", bool(node.attrs["traj_key_auto"]))
     cache = node.child("cache")
-    obj._cache = {}
+    compat.put(obj, "_cache", {})
     for name, spec in cache.attrs.get("entries", {}).items():
         parts = [cache.get_tensor(f"{_safe(name)}-{i}") for i in range(spec["n"])]
-        obj._cache[name] = tuple(parts) if spec["tuple"] else parts[0]
+        compat.get(obj, "_cache")[name] = tuple(parts) if spec["tuple"] else parts[0]
 
 
 def _safe(name: str) -> str:
@@ -129,13 +134,13 @@ def _safe(name: str) -> str:
 
 def _prioritized_config(obj: Any) -> Config:
     return {
-        "max_capacity": int(obj._max_capacity),
-        "alpha": float(obj._alpha),
-        "beta": float(obj._beta),
-        "eps": float(obj._eps),
+        "max_capacity": int(compat.get(obj, "_max_capacity")),
+        "alpha": float(compat.get(obj, "_alpha")),
+        "beta": float(compat.get(obj, "_beta")),
+        "eps": float(compat.get(obj, "_eps")),
         "dtype": str(obj.dtype).removeprefix("torch."),
         "reduction": obj.reduction,
-        "max_priority_within_buffer": bool(obj._max_priority_within_buffer),
+        "max_priority_within_buffer": bool(compat.get(obj, "_max_priority_within_buffer")),
     }
 
 
@@ -158,10 +163,10 @@ def _prioritized_kwargs(config: Config) -> dict[str, Any]:
 
 def _prioritized_save(obj: Any, node: StateNode) -> None:
     # The segment trees answer vectorised reads: one call per tree, no Python loop.
-    index = torch.arange(obj._max_capacity)
-    node.put_tensor("sum_tree", torch.as_tensor(obj._sum_tree[index]))
-    node.put_tensor("min_tree", torch.as_tensor(obj._min_tree[index]))
-    value, where = obj._max_priority
+    index = torch.arange(compat.get(obj, "_max_capacity"))
+    node.put_tensor("sum_tree", torch.as_tensor(compat.get(obj, "_sum_tree")[index]))
+    node.put_tensor("min_tree", torch.as_tensor(compat.get(obj, "_min_tree")[index]))
+    value, where = compat.get(obj, "_max_priority")
     node.attrs["max_priority"] = None if value is None else float(value)
     node.attrs["max_priority_index"] = None if where is None else _index_to_json(where)
 
@@ -176,22 +181,23 @@ def _tree_leaves(obj: Any, node: StateNode, name: str) -> torch.Tensor:
     """Saved leaves of a segment tree, checked: TorchRL's trees are C++ and take a wrong
     shape or dtype without a word (or crash)."""
     values = node.get_tensor(name)
-    if values.shape != (obj._max_capacity,) or values.dtype != obj.dtype:
+    capacity = compat.get(obj, "_max_capacity")
+    if values.shape != (capacity,) or values.dtype != obj.dtype:
         raise ValueError(
             f"{name}: saved leaves of shape {tuple(values.shape)} and dtype {values.dtype}, "
-            f"expected ({obj._max_capacity},) and {obj.dtype}"
+            f"expected ({capacity},) and {obj.dtype}"
         )
     return values
 
 
 def _prioritized_load(obj: Any, node: StateNode) -> None:
-    index = torch.arange(obj._max_capacity)
-    obj._sum_tree[index] = _tree_leaves(obj, node, "sum_tree")
-    obj._min_tree[index] = _tree_leaves(obj, node, "min_tree")
+    index = torch.arange(compat.get(obj, "_max_capacity"))
+    compat.get(obj, "_sum_tree")[index] = _tree_leaves(obj, node, "sum_tree")
+    compat.get(obj, "_min_tree")[index] = _tree_leaves(obj, node, "min_tree")
     value, where = node.attrs["max_priority"], node.attrs["max_priority_index"]
     if isinstance(where, list):
         where = torch.tensor(where)
-    obj._max_priority = (value, where)
+    compat.put(obj, "_max_priority", (value, where))
 
 
 def _both(*fns: Callable[[Any, StateNode], None]) -> Callable[[Any, StateNode], None]:
@@ -206,26 +212,26 @@ def _both(*fns: Callable[[Any, StateNode], None]) -> Callable[[Any, StateNode], 
 
 
 def _round_robin_save(obj: Any, node: StateNode) -> None:
-    node.attrs["cursor"] = int(obj._cursor)
-    node.attrs["write_count"] = int(obj._write_count)
-    generation = obj._generation if obj._track_generations else None
+    node.attrs["cursor"] = int(compat.get(obj, "_cursor"))
+    node.attrs["write_count"] = int(compat.get(obj, "_write_count"))
+    generation = compat.get(obj, "_generation") if compat.get(obj, "_track_generations") else None
     node.attrs["has_generation"] = generation is not None
     if generation is not None:
         node.put_tensor("generation", generation)
 
 
 def _round_robin_load(obj: Any, node: StateNode) -> None:
-    obj._cursor = int(node.attrs["cursor"])
-    obj._write_count = int(node.attrs["write_count"])
+    compat.put(obj, "_cursor", int(node.attrs["cursor"]))
+    compat.put(obj, "_write_count", int(node.attrs["write_count"]))
     if node.attrs.get("has_generation"):
-        obj._generation = node.get_tensor("generation")
-        obj._align_generation_device()
+        compat.put(obj, "_generation", node.get_tensor("generation"))
+        compat.get(obj, "_align_generation_device")()
 
 
 def _max_value_save(obj: Any, node: StateNode) -> None:
-    node.attrs["cursor"] = int(obj._cursor)
-    node.attrs["write_count"] = int(obj._write_count)
-    heap = obj._current_top_values
+    node.attrs["cursor"] = int(compat.get(obj, "_cursor"))
+    node.attrs["write_count"] = int(compat.get(obj, "_write_count"))
+    heap = compat.get(obj, "_current_top_values")
     # TorchRL dumps the heap as one float32 tensor, which corrupts indices above 2**24;
     # ranks and indices are kept apart here, indices as int64.
     node.put_tensor("ranks", torch.tensor([float(r) for r, _ in heap], dtype=torch.float64))
@@ -233,16 +239,19 @@ def _max_value_save(obj: Any, node: StateNode) -> None:
 
 
 def _max_value_load(obj: Any, node: StateNode) -> None:
-    obj._cursor = int(node.attrs["cursor"])
-    obj._write_count = int(node.attrs.get("write_count", 0))
+    compat.put(obj, "_cursor", int(node.attrs["cursor"]))
+    compat.put(obj, "_write_count", int(node.attrs.get("write_count", 0)))
     ranks = node.get_tensor("ranks").tolist()
     indices = node.get_tensor("indices").tolist()
     # The saved list is already a valid heap: it is restored in the same order.
-    obj._current_top_values = list(zip(ranks, indices, strict=True))
+    compat.put(obj, "_current_top_values", list(zip(ranks, indices, strict=True)))
 
 
 def _max_value_config(obj: Any) -> Config:
-    return {"rank_key": key_to_json(obj._rank_key), "reduction": obj._reduction}
+    return {
+        "rank_key": key_to_json(compat.get(obj, "_rank_key")),
+        "reduction": compat.get(obj, "_reduction"),
+    }
 
 
 ADAPTERS: dict[str, Adapter] = {

@@ -1,0 +1,121 @@
+"""Every private TorchRL name zarr_rb relies on still exists in the installed TorchRL, and no
+module but zarr_rb._compat touches one: a TorchRL release that renames one fails here,
+naming it and the TorchRL version, instead of breaking buffers quietly."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.data import (
+    LazyTensorStorage,
+    PrioritizedReplayBuffer,
+    ReplayBuffer,
+    TensorDictPrioritizedReplayBuffer,
+    TensorDictReplayBuffer,
+)
+from torchrl.data.replay_buffers import checkpointers, samplers, writers
+from torchrl.data.replay_buffers.storages import Storage, TensorStorage
+
+import zarr_rb
+from zarr_rb import _compat
+
+# One live instance of each class _compat.USED names: many of the names are instance
+# attributes, set by the constructor.
+INSTANCES = {
+    TensorStorage: lambda: LazyTensorStorage(10),
+    Storage: lambda: LazyTensorStorage(10),
+    checkpointers.StorageCheckpointerBase: checkpointers.TensorStorageCheckpointer,
+    ReplayBuffer: lambda: ReplayBuffer(storage=LazyTensorStorage(10)),
+    PrioritizedReplayBuffer: lambda: PrioritizedReplayBuffer(alpha=0.7, beta=0.5),
+    TensorDictPrioritizedReplayBuffer: lambda: TensorDictPrioritizedReplayBuffer(
+        alpha=0.7, beta=0.5
+    ),
+    writers.RoundRobinWriter: writers.RoundRobinWriter,
+    writers.TensorDictMaxValueWriter: lambda: writers.TensorDictMaxValueWriter(rank_key="r"),
+    samplers.PrioritizedSampler: lambda: samplers.PrioritizedSampler(10, 0.7, 0.5),
+    samplers.SamplerWithoutReplacement: samplers.SamplerWithoutReplacement,
+    samplers.SliceSampler: lambda: samplers.SliceSampler(slice_len=2, traj_key="t"),
+}
+
+DECLARED = [(cls, name) for cls, names in _compat.USED.items() for name in names]
+
+
+def _instance(cls: type):
+    obj = INSTANCES[cls]()
+    if isinstance(obj, ReplayBuffer) and not isinstance(obj, TensorDictReplayBuffer):
+        obj.extend(TensorDict({"r": torch.zeros(2)}, [2]))  # fills lazily set attributes
+    return obj
+
+
+@pytest.mark.parametrize(("cls", "name"), DECLARED, ids=[f"{c.__name__}.{n}" for c, n in DECLARED])
+def test_every_private_name_zarr_rb_uses_exists(cls: type, name: str) -> None:
+    obj = _instance(cls)
+    assert hasattr(obj, name) or hasattr(cls, name), (
+        f"torchrl {_compat.TORCHRL_VERSION}: {cls.__module__}.{cls.__qualname__}.{name} is "
+        "gone; zarr_rb relies on it (see zarr_rb/_compat.py)"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(_compat.OVERRIDDEN))
+def test_every_hook_zarr_storage_overrides_is_one_torchrl_calls(name: str) -> None:
+    assert hasattr(TensorStorage, name), (
+        f"torchrl {_compat.TORCHRL_VERSION}: TensorStorage.{name} is gone; ZarrStorage "
+        f"overrides it because {_compat.OVERRIDDEN[name]}"
+    )
+    assert name in zarr_rb.ZarrStorage.__dict__
+
+
+def test_zarr_storage_takes_every_keyword_of_torchrl_lazy_storages() -> None:
+    ours = set(inspect.signature(zarr_rb.ZarrStorage.__init__).parameters)
+    from torchrl.data import LazyMemmapStorage
+
+    for cls in (LazyMemmapStorage, LazyTensorStorage):
+        theirs = set(inspect.signature(cls.__init__).parameters)
+        assert theirs <= ours, (
+            f"torchrl {_compat.TORCHRL_VERSION}: {cls.__name__} takes {sorted(theirs - ours)}, "
+            "which ZarrStorage does not"
+        )
+
+
+def _torchrl_private_names() -> set[str]:
+    names: set[str] = set()
+    import torchrl.data.replay_buffers as rb
+
+    for module in (rb.storages, rb.samplers, rb.writers, rb.replay_buffers, rb.checkpointers):
+        for obj in vars(module).values():
+            if isinstance(obj, type) and obj.__module__.startswith("torchrl"):
+                names.update(n for n in dir(obj) if n.startswith("_") and not n.startswith("__"))
+    return names
+
+
+def test_no_module_but_compat_touches_a_torchrl_private_name() -> None:
+    """Attributes ``x._name`` that TorchRL's classes define may only be used in
+    ``_compat.py``, and in ``storage.py`` for the hooks it overrides and its own state."""
+    torchrl_names = _torchrl_private_names()
+    package = Path(zarr_rb.__file__).parent
+    own_storage_names = set(_compat.OVERRIDDEN) | set(vars(zarr_rb.ZarrStorage))
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "_compat.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in torchrl_names:
+                allowed = path.name == "storage.py" and node.attr in own_storage_names
+                if not allowed and not _defined_by_zarr_rb(node.attr):
+                    offenders.append(f"{path.relative_to(package)}:{node.lineno} .{node.attr}")
+    assert not offenders, "TorchRL private names outside _compat: " + ", ".join(offenders)
+
+
+def _defined_by_zarr_rb(name: str) -> bool:
+    """Whether one of zarr_rb's own classes defines ``name`` (its own private state)."""
+    import zarr_rb._store
+    import zarr_rb.storage
+
+    classes = [zarr_rb._store.Store, zarr_rb.storage._LeafSource, zarr_rb.storage._Gather]
+    return any(name in vars(cls) or name in getattr(cls, "__annotations__", {}) for cls in classes)
