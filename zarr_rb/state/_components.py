@@ -208,6 +208,31 @@ def _both(*fns: Callable[[Any, StateNode], None]) -> Callable[[Any, StateNode], 
     return run
 
 
+def _state_dict_save(obj: Any, node: StateNode) -> None:
+    """A component's public ``state_dict()``: tensors as arrays, the rest as JSON."""
+    values: dict[str, Any] = {}
+    for name, value in obj.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            node.put_tensor(name, value)
+            values[name] = {"tensor": True}
+        elif value is None or isinstance(value, (bool, int, float)):
+            values[name] = {"value": value}
+        else:
+            raise UnsupportedDataError(
+                f"cannot save {type(obj).__name__} state entry {name!r} of type "
+                f"{type(value).__name__}",
+            )
+    node.attrs["state"] = values
+
+
+def _state_dict_load(obj: Any, node: StateNode) -> None:
+    state = {
+        name: node.get_tensor(name) if entry.get("tensor") else entry["value"]
+        for name, entry in node.attrs["state"].items()
+    }
+    obj.load_state_dict(state)
+
+
 # --- writers ---------------------------------------------------------------------------------
 
 
@@ -258,6 +283,13 @@ ADAPTERS: dict[str, Adapter] = {
     adapter.name: adapter
     for adapter in (
         Adapter(S.RandomSampler, lambda o: {}, lambda c: S.RandomSampler(), _nothing, _nothing),
+        Adapter(
+            S.ConsumingSampler,
+            lambda o: {"max_sample_count": int(o.max_sample_count)},
+            lambda c: S.ConsumingSampler(max_sample_count=c["max_sample_count"]),
+            _state_dict_save,
+            _state_dict_load,
+        ),
         Adapter(
             S.SamplerWithoutReplacement,
             _without_replacement_config,

@@ -35,8 +35,9 @@ def _unpickle(node: StateNode, name: str) -> Any:
 
 
 def _class_name(obj: Any) -> str:
-    cls = obj if isinstance(obj, type) else type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
+    """What an object is, for messages: its own name (classes, functions) or its class's."""
+    named = obj if hasattr(obj, "__qualname__") else type(obj)
+    return f"{named.__module__}.{named.__qualname__}"
 
 
 def save_code_objects(objects: dict[str, Any], node: StateNode) -> None:
