@@ -19,16 +19,20 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torchrl.data.replay_buffers.checkpointers import TensorStorageCheckpointer
 
 from zarr_rb._engine import ROOT_METADATA
 from zarr_rb._format import ATTRS_KEY
 from zarr_rb._torchrl_state import copy_rows, copy_store
+from zarr_rb.errors import NotSupportedError, StoreCorruptedError, UnsupportedDataError
 
 if TYPE_CHECKING:
     from zarr_rb.storage import ZarrStorage
 
 POINTER = "zarr_rb_storage.json"
+_SINGLE_TENSOR = "_-single-tensor-_"
+"""TorchRL's name for the one leaf of a tensor storage's dump."""
 TORCHRL_METADATA = "storage_metadata.json"
 
 
@@ -95,17 +99,73 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
             copy_store(source, storage)
         storage.restore(length=length, cursor=cursor)
 
-    @staticmethod
-    def _load_torchrl_layout(storage: ZarrStorage, path: Path) -> None:
-        """Stream a ``LazyMemmapStorage`` dump (memory-mapped TensorDict) into ``storage``."""
-        from tensordict import TensorDict
-
-        metadata = json.loads((path / TORCHRL_METADATA).read_text())
-        if metadata.get("is_pytree"):
-            raise NotImplementedError("loading pytree-based TorchRL storage dumps is not supported")
-        source: Any = TensorDict.load_memmap(path)
-        length = int(metadata["len"])
-        per_row = math.prod(source.batch_size[1 : storage.ndim])
+    def _load_torchrl_layout(self, storage: ZarrStorage, path: Path) -> None:
+        """Stream a dump of TorchRL's tensor storages (a memory-mapped TensorDict, or
+        tensor) into ``storage``, in blocks."""
+        metadata = _read_metadata(path)
+        if metadata.get("is_pytree") and list(metadata.get("metadata", {})) != [_SINGLE_TENSOR]:
+            if not storage.initialized:
+                raise NotSupportedError(
+                    f"{str(path)!r} holds a TorchRL dump of a pytree, whose structure the "
+                    "dump does not record: write one element of the same structure into the "
+                    "storage first, then load",
+                )
+            # TorchRL's own loader writes each leaf into the storage's writable full view.
+            super().loads(storage, path)
+            rows = -(-len(storage) // _per_row(storage))
+            storage.restore(length=len(storage), cursor=rows % storage._store.rows)
+            return
+        source, length = open_torchrl_dump(path)
+        per_row = math.prod(source.shape[1 : storage.ndim])
         rows = min(source.shape[0], -(-length // per_row))
         copy_rows(source, storage, rows=rows)
         storage.restore(length=length, cursor=rows % source.shape[0])
+
+
+def _per_row(storage: ZarrStorage) -> int:
+    schema = storage.schema
+    return 1 if schema is None else math.prod(schema.batch_shape[1:])
+
+
+def _read_metadata(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads((path / TORCHRL_METADATA).read_text())
+    except ValueError as error:
+        raise StoreCorruptedError(
+            f"{str(path / TORCHRL_METADATA)!r} is not valid JSON ({error}); the TorchRL dump "
+            "is damaged, write it again with rb.dumps(dir)",
+        ) from error
+    if not isinstance(value, dict):
+        raise StoreCorruptedError(f"{str(path / TORCHRL_METADATA)!r} is not a JSON object")
+    return value
+
+
+def open_torchrl_dump(path: Path) -> tuple[Any, int]:
+    """The rows of a TorchRL tensor storage's dump (memory-mapped: nothing is read yet) and
+    its length: a TensorDict, or one tensor.
+
+    Raises:
+        UnsupportedDataError: a dump of a pytree of several tensors.
+    """
+    from tensordict import MemoryMappedTensor, TensorDict
+
+    metadata = _read_metadata(path)
+    length = int(metadata["len"])
+    if not metadata.get("is_pytree"):
+        rows: Any = TensorDict.load_memmap(path)
+        return rows, length
+    leaves = metadata.get("metadata", {})
+    if set(leaves) != {_SINGLE_TENSOR}:
+        raise UnsupportedDataError(
+            f"{str(path)!r} holds a pytree of {len(leaves)} tensors "
+            f"({', '.join(sorted(leaves))}); zarr_rb imports TensorDict, tensorclass or "
+            "single-tensor storages only",
+        )
+    spec = leaves[_SINGLE_TENSOR]
+    dtype = getattr(torch, str(spec["dtype"]).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedDataError(f"{str(path)!r}: unknown dtype {spec['dtype']!r}")
+    tensor = MemoryMappedTensor.from_filename(
+        filename=path / f"{_SINGLE_TENSOR}.memmap", dtype=dtype, shape=torch.Size(spec["shape"])
+    )
+    return tensor, length

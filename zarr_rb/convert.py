@@ -34,13 +34,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from tensordict import TensorDict
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler, SamplerWithoutReplacement
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxValueWriter
 
 from zarr_rb import _compat
-from zarr_rb._checkpointer import TORCHRL_METADATA, ZarrStorageCheckpointer, _is_store
+from zarr_rb._checkpointer import (
+    TORCHRL_METADATA,
+    ZarrStorageCheckpointer,
+    _is_store,
+    open_torchrl_dump,
+)
 from zarr_rb._convert import row_nbytes
 from zarr_rb._engine import copy_in_blocks
 from zarr_rb.api import load, save
@@ -59,7 +62,6 @@ __all__ = ["BLOCK_BYTES", "export_torchrl", "import_torchrl"]
 BLOCK_BYTES: int = 64 * 2**20
 """Bytes of rows held in RAM at once while copying (at least one row per block)."""
 
-_SINGLE_TENSOR = "_-single-tensor-_"
 _BUFFER_METADATA = "buffer_metadata.json"
 # Files TorchRL's samplers and writers write in their ``dumps`` directory, used to tell
 # which kind of component made a dump (TorchRL does not record the class).
@@ -221,35 +223,9 @@ def _check_torchrl_dump(source: Path) -> None:
             )
 
 
-def _open_dumped_rows(path: Path) -> tuple[Any, int]:
-    """The rows of a TorchRL storage dump (memory-mapped, nothing read) and its length."""
-    metadata = _read_json(path / TORCHRL_METADATA)
-    length = int(metadata["len"])
-    if not metadata.get("is_pytree"):
-        rows: Any = TensorDict.load_memmap(path)
-        return rows, length
-    leaves = metadata.get("metadata", {})
-    if set(leaves) != {_SINGLE_TENSOR}:
-        raise UnsupportedDataError(
-            f"{str(path)!r} holds a pytree of {len(leaves)} tensors "
-            f"({', '.join(sorted(leaves))}); zarr_rb imports TensorDict, tensorclass or "
-            "single-tensor storages only",
-        )
-    spec = leaves[_SINGLE_TENSOR]
-    dtype = getattr(torch, str(spec["dtype"]).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise UnsupportedDataError(f"{str(path)!r}: unknown dtype {spec['dtype']!r}")
-    from tensordict import MemoryMappedTensor
-
-    tensor = MemoryMappedTensor.from_filename(
-        filename=path / f"{_SINGLE_TENSOR}.memmap", dtype=dtype, shape=torch.Size(spec["shape"])
-    )
-    return tensor, length
-
-
 def _check_components(buffer: Any, storage: ZarrStorage, source: Path) -> None:
     """Refuse, before any write, a dump whose shape or components differ from ``buffer``'s."""
-    rows, _ = _open_dumped_rows(source / "storage")
+    rows, _ = open_torchrl_dump(source / "storage")
     shape = tuple(rows.shape)
     where = f"TorchRL dump {str(source)!r}"
     if len(shape) < storage.ndim:
@@ -326,7 +302,7 @@ class _StreamingCheckpointer(ZarrStorageCheckpointer):
         self.block_bytes = block_bytes
 
     def loads(self, storage: ZarrStorage, path: str | os.PathLike[str]) -> None:
-        source, length = _open_dumped_rows(Path(path).absolute())
+        source, length = open_torchrl_dump(Path(path).absolute())
         capacity = int(source.shape[0])
         per_row = math.prod(source.shape[1 : storage.ndim])
         rows = min(capacity, -(-length // per_row))

@@ -118,7 +118,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     _store: Store
     _default_checkpointer = ZarrStorageCheckpointer
-    device: torch.device | Literal["auto"]
+    device: torch.device | Literal["auto"] | None
 
     def __init__(
         self,
@@ -413,8 +413,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         self._initialize(data, batched=False)
 
     def _initialize(self, data: Any, *, batched: bool) -> None:
-        if self.device == "auto":
-            self.device = _convert.device_of(data) or torch.device("cpu")
+        if self.device == "auto":  # as LazyTensorStorage: the data's (None for a TensorDict
+            self.device = _convert.device_of(data)  # without a device)
         schema = _convert.infer_schema(
             data, batched=batched, ndim=self.ndim, max_size=self.max_size
         )
@@ -601,8 +601,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             block = self._read(rows, schema)
             whole = isinstance(position, slice) and not rest
             out = block if whole else _convert.select(block, (position, *rest))
-        if self._build_device is None and self.device != "auto":
-            out = _convert.to_device(out, self.device)
+        device = self.device
+        if self._build_device is None and isinstance(device, torch.device):
+            out = _convert.to_device(out, device)
         return out
 
     def _gather(self, index: torch.Tensor, schema: Schema, length: int) -> Any:
