@@ -384,6 +384,20 @@ def test_in_place_writes_on_two_dimensional_storages(tmp_path: Path) -> None:
     same(ours[:], theirs[:])
 
 
+def test_two_dimensional_capacity_rounds_up_to_whole_rows(tmp_path: Path) -> None:
+    theirs, ours = twins(tmp_path, lambda s: ReplayBuffer(storage=s), max_size=100, ndim=2)
+    for rb in (theirs, ours):
+        rb.extend(TensorDict({"a": torch.zeros(3, 40)}, [3, 40]))  # 3 envs, 40 steps
+    assert ours.storage.max_size == theirs.storage.max_size == 102
+    assert len(ours) == len(theirs) == 102
+    ours.storage.close()
+    reopened = ZarrStorage(path=tmp_path / "rb.zarr")  # and 100 or 102 both reopen it
+    assert reopened.max_size == 102
+    reopened.close()
+    ZarrStorage(102, tmp_path / "rb.zarr").close()
+    ZarrStorage(100, tmp_path / "rb.zarr").close()
+
+
 # --- 6. the device of samples -------------------------------------------------------------------
 
 

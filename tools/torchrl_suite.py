@@ -49,7 +49,20 @@ def _substitutes() -> dict[str, type]:
     return {name: counted(name) for name in ("LazyMemmapStorage", "LazyTensorStorage")}
 
 
+def _gym_from_gymnasium() -> None:
+    """Make ``import gym`` give gymnasium (TorchRL's tests look for ``gym`` to run their
+    collector cases; its last release does not run on NumPy 2)."""
+    import gymnasium
+
+    sys.modules.setdefault("gym", gymnasium)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("gymnasium."):
+            sys.modules.setdefault("gym" + name[len("gymnasium") :], module)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("ZARR_RB_SUITE_GYM") == "gymnasium":
+        _gym_from_gymnasium()
     import torchrl.data
     import torchrl.data.replay_buffers
     import torchrl.data.replay_buffers.storages
@@ -137,8 +150,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tests", type=Path, help="TorchRL's test/rb directory (or one file)")
     parser.add_argument("--json", type=Path, help="write the summary here")
+    parser.add_argument(
+        "--gym-from-gymnasium",
+        action="store_true",
+        help="run the tests that need gym with gymnasium standing in for it",
+    )
     args, pytest_args = parser.parse_known_args()
     sys.path.insert(0, str(Path(__file__).parent))
+    if args.gym_from_gymnasium:
+        os.environ["ZARR_RB_SUITE_GYM"] = "gymnasium"
     os.environ.setdefault("TORCHRL_TEST_STORAGE", "zarr_rb")
     started = time.monotonic()
     code = pytest.main(

@@ -4,6 +4,7 @@ zarr_rb store, and what does it hold. (Arrays' ``zarr.json`` files are checked b
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from zarr_rb._engine import LocalLocation
@@ -38,9 +39,19 @@ def parse_meta(
     )
 
 
+def capacity_of(meta: StoreMeta) -> int:
+    """Elements the store holds: ``max_size`` rounded up to whole rows once the shape of a
+    row is known."""
+    if meta.schema is None:
+        return meta.max_size
+    return meta.schema.rows * math.prod(meta.schema.batch_shape[1:])
+
+
 def check_meta(meta: StoreMeta, where: str, *, max_size: int | None, ndim: int | None) -> StoreMeta:
-    """``meta``, if the store it describes has the ``max_size`` and ``ndim`` asked for."""
-    if max_size is not None and max_size != meta.max_size:
+    """``meta``, if the store it describes has the ``max_size`` and ``ndim`` asked for (the
+    size it was created with, or the capacity that size was rounded up to, as TorchRL's
+    storages do for ``ndim > 1``)."""
+    if max_size is not None and max_size not in (meta.max_size, capacity_of(meta)):
         raise SchemaMismatchError(
             f"{where} holds a buffer of max_size={meta.max_size}, got max_size={max_size}; "
             f"pass max_size={meta.max_size} (or None) to reopen it, or use another path",

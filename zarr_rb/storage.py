@@ -29,6 +29,7 @@ from zarr_rb._format import Schema, preview_rows
 from zarr_rb._holes import guard_sampler
 from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
+from zarr_rb._metadata import capacity_of
 from zarr_rb._open import MODES, Mode, open_store
 from zarr_rb._store import Store
 from zarr_rb.errors import (
@@ -186,6 +187,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             )
             store.length = length
             self.initialized = store.schema is not None
+            if self.initialized:
+                self.max_size = capacity_of(store.meta)
             if self.initialized and store.committed.length:
                 _compat.set_last_cursor(self, (store.cursor - 1) % store.rows)
             self.existsok = existsok
@@ -343,6 +346,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         self.__dict__["_refreshed_at"] = time.monotonic()
         self._store.refresh()
         self.initialized = self._store.schema is not None
+        if self.initialized:
+            self.max_size = capacity_of(self._store.meta)
         _compat.bump_revision(self)
 
     def nbytes_on_disk(self) -> int:
@@ -420,6 +425,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         )
         self._store.initialize(schema)
         self.initialized = True
+        # As TorchRL's storages: max_size rounded up to whole rows (ndim > 1).
+        self.max_size = capacity_of(self._store.meta)
 
     @_io_boundary
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
