@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 import zarr_rb
 from zarr_rb import (
@@ -154,11 +154,23 @@ def test_corrupted_metadata(filled, store_path, mutate):
         (torch.zeros(2, 2, dtype=torch.complex64), "complex64"),
         ({"obs": torch.zeros(2), "n": 3}, r"pytree leaf \('n',\) is a int"),
         (3, "expected a torch.Tensor"),
+        (
+            TensorDict(
+                {
+                    "obs": torch.zeros(2),
+                    "text": NonTensorStack(NonTensorData("a"), NonTensorData("b")),
+                },
+                [2],
+            ),
+            r"entry \('text',\) is a NonTensorStack",
+        ),
     ],
 )
 def test_unsupported_data(data, match):
+    storage = ZarrStorage(10)
     with pytest.raises(UnsupportedDataError, match=match):
-        ZarrStorage(10).set(torch.arange(2), data)
+        storage.set(torch.arange(2), data)
+    assert len(storage) == 0  # nothing was written, not even the keys that could be
 
 
 def test_ndim_mismatch_on_reopen(filled, store_path):

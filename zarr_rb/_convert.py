@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from tensordict import TensorDict, TensorDictBase, is_tensor_collection, is_tensorclass
+from tensordict import (
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+    is_tensor_collection,
+    is_tensorclass,
+)
 
 from zarr_rb._format import Kind, LeafSpec, Schema, parse_key, stored_dtype
 from zarr_rb._io import load_json
@@ -118,7 +125,10 @@ def flatten(data: Any) -> dict[Key, torch.Tensor]:
     if kind == "pytree":
         return _pytree_leaves(data)
     leaves: dict[Key, torch.Tensor] = {}
-    for key, value in _as_tensordict(data).items(include_nested=True, leaves_only=True):
+    # Non-tensor entries (strings, NonTensorData) are leaves too: listed, so that they are
+    # refused rather than silently left out.
+    entries = _as_tensordict(data).items(include_nested=True, leaves_only=True, is_leaf=_is_leaf)
+    for key, value in entries:
         path = key_tuple(key)
         if not isinstance(value, torch.Tensor) or is_tensor_collection(value):
             raise UnsupportedDataError(
@@ -136,6 +146,11 @@ def row_nbytes(data: Any) -> int:
     (nothing is read from lazy columns)."""
     leaves = flatten(data).values()
     return sum(math.prod(leaf.shape[1:]) * leaf.dtype.itemsize for leaf in leaves)
+
+
+def _is_leaf(cls: type) -> bool:
+    """Leaves of a TensorDict: tensors and non-tensor entries."""
+    return issubclass(cls, (torch.Tensor, NonTensorData, NonTensorStack))
 
 
 def tensorclass_name(cls: type) -> str:

@@ -1,0 +1,44 @@
+"""Every Python sample of the README runs as written (each in a fresh interpreter, in order, in
+one working directory, as a reader following the README would)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+SAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_the_readme_has_samples() -> None:
+    assert len(SAMPLES) >= 3
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    where = tmp_path_factory.mktemp("readme")
+    # The last samples read the demo's store: make a small one where the demo puts it.
+    subprocess.run(
+        [sys.executable, "-m", "zarr_rb.demo", "--env", "cartpole", "--steps", "300"],
+        cwd=where,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return where
+
+
+@pytest.mark.parametrize("index", range(len(SAMPLES)), ids=lambda i: f"sample-{i + 1}")
+def test_readme_sample_runs(workdir: Path, index: int) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", SAMPLES[index]],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, f"README sample {index + 1} failed:\n{result.stderr[-3000:]}"
