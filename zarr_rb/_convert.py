@@ -28,7 +28,12 @@ from tensordict import (
 from zarr_rb._format import Kind, LeafSpec, Schema, parse_key, stored_dtype
 from zarr_rb._io import load_json
 from zarr_rb._lazy import LazyColumn
-from zarr_rb.errors import SchemaMismatchError, StoreCorruptedError, UnsupportedDataError
+from zarr_rb.errors import (
+    SchemaMismatchError,
+    StoreCorruptedError,
+    UnstackableError,
+    UnsupportedDataError,
+)
 
 Key = tuple[str, ...]
 
@@ -299,6 +304,23 @@ def _check_kind(data: Any, schema: Schema, where: str) -> None:
         raise SchemaMismatchError(
             f"{where} holds {schema.kind} data, got a {type(data).__name__}",
         )
+
+
+def flip_list(data: list[Any]) -> Any:
+    """A list of elements (``rb.extend([...])``) as one batch of them."""
+    try:
+        if all(is_tensor_collection(item) for item in data):
+            return torch.stack(data)
+        flat, specs = zip(*(pytree.tree_flatten(item) for item in data), strict=True)
+        stacked = [torch.stack(items) for items in zip(*flat, strict=True)]
+        return pytree.tree_unflatten(stacked, specs[0])
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise UnstackableError(
+            f"Stacking the elements of the list resulted in an error ({err}): ZarrStorage, "
+            "like TorchRL's tensor storages, expects every element of the list to have the "
+            "same structure and shapes. If the list is compact (each leaf already a batch), "
+            "pass a tuple instead",
+        ) from None
 
 
 def clone(data: Any) -> Any:

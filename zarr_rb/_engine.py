@@ -440,6 +440,7 @@ class RowArray:
     ) -> None:
         self._array = array
         self.path = path
+        self._root = root
         self._dir = root / path
         self._durability = durability
         encoding = array.spec().to_json().get("metadata", {}).get("chunk_key_encoding", {})
@@ -504,6 +505,25 @@ class RowArray:
             except ValueError as err:
                 damaged.append((a, b, _short_reason(err)))
         return damaged
+
+    def damage_error(self, rows: np.ndarray, err: ValueError) -> ValueError:
+        """Why reading ``rows`` failed: a :class:`ChunkCorruptedError` naming the damaged
+        chunks among them, or ``err`` when none is damaged now (a chunk replaced while it
+        was read)."""
+        step = self.read_chunk_rows
+        damaged: list[tuple[int, int, str]] = []
+        for chunk in np.unique(rows // step).tolist():
+            damaged.extend(self.damaged_runs(chunk * step, min(self.shape[0], (chunk + 1) * step)))
+        if not damaged:
+            return err
+        return ChunkCorruptedError(
+            f"store {str(self._root)!r}: array {self.path!r}, "
+            f"{describe_runs(damaged)}, cannot be read back intact ({damaged[0][2]}). "
+            "Nothing was returned. `python -m zarr_rb verify <store>` lists every damaged "
+            "chunk; `--repair` withdraws the damaged rows from the readable range",
+            array=self.path,
+            rows=[(a, b) for a, b, _ in damaged],
+        )
 
     def read_rows(self, rows: np.ndarray) -> PendingRead:
         """Start reading ``rows`` (any order, repeats allowed): ``[len(rows), ...]``."""

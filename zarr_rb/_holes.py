@@ -26,6 +26,7 @@ import torch
 from torchrl.data import find_start_stop_traj
 
 from zarr_rb import _compat
+from zarr_rb._format import preview_rows
 
 if TYPE_CHECKING:
     from zarr_rb.storage import ZarrStorage
@@ -52,6 +53,25 @@ def guard_sampler(sampler: Any, storage: ZarrStorage) -> None:
             "_get_sample_list",
             functools.partial(_permutation_without_holes, zarr=storage),
         )
+
+
+def random_readable_indices(storage: ZarrStorage, batch_size: int) -> Any:
+    """``batch_size`` random element indices of the storage (as TorchRL's
+    ``_rand_given_ndim``), drawn among the rows that can be read."""
+    unreadable = storage._store.unreadable_rows()
+    readable = np.setdiff1d(np.arange(storage._store.length_rows), unreadable)
+    if not readable.size:
+        raise RuntimeError(
+            f"store {str(storage.path)!r}: no row can be sampled: every row is withdrawn "
+            f"({preview_rows(unreadable)})",
+        )
+    generator = _compat.storage_generator(storage)
+    pick = torch.randint(readable.size, (batch_size,), generator=generator)
+    rows = torch.from_numpy(readable)[pick]
+    if storage.ndim == 1:
+        return rows
+    trailing = storage.shape[1:]
+    return (rows, *(torch.randint(n, (batch_size,), generator=generator) for n in trailing))
 
 
 def _element_indices(rows: np.ndarray, storage: ZarrStorage) -> torch.Tensor:

@@ -38,6 +38,38 @@ lock), which is how pickling a buffer within a process, reopening a path in a no
 or ``zarr_rb.load`` right after ``zarr_rb.save`` work."""
 
 
+def one_path(
+    path: str | os.PathLike[str] | None, scratch_dir: str | os.PathLike[str] | None
+) -> str | os.PathLike[str] | None:
+    """``path``, also accepted under LazyMemmapStorage's name ``scratch_dir``."""
+    if path is not None and scratch_dir is not None and Path(path) != Path(scratch_dir):
+        raise ValueError(
+            f"got path={str(path)!r} and scratch_dir={str(scratch_dir)!r}; scratch_dir is "
+            "another name for path: pass one of them",
+        )
+    return path if path is not None else scratch_dir
+
+
+def resolve_mode(mode: Mode | None, *, read_only: bool, existsok: bool | None) -> Mode:
+    """One mode from ``mode``, ``read_only`` and LazyMemmapStorage's ``existsok`` (``True``
+    is ``"a"``, ``False`` is ``"w-"``); ``"a"`` when none is given."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"expected mode among {MODES}, got {mode!r}")
+    implied: list[Mode] = []
+    if read_only:
+        implied.append("r")
+    if existsok is not None:
+        implied.append("a" if existsok else "w-")
+    if mode is not None:
+        implied.append(mode)
+    if len(set(implied)) > 1:
+        raise ValueError(
+            f"read_only={read_only}, existsok={existsok} and mode={mode!r} ask for different "
+            "modes; pass only one of them",
+        )
+    return implied[0] if implied else "a"
+
+
 def open_store(
     path: str | os.PathLike[str],
     *,

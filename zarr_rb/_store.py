@@ -24,7 +24,6 @@ import math
 import os
 import shutil
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -42,19 +41,16 @@ from zarr_rb._format import (
     Schema,
     StoreMeta,
     commit_from_mask,
-    describe_runs,
     leaves_by_key,
-    parse_store_meta,
     preview_rows,
 )
 from zarr_rb._io import errno_of
 from zarr_rb._layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb._ledger import Ledger
 from zarr_rb._lock import WriterLock
-from zarr_rb._metadata import check_is_store, read_root
+from zarr_rb._reader import read_committed, reread_commit
 from zarr_rb._staging import Block, Key, WriteBuffer
 from zarr_rb.errors import (
-    ChunkCorruptedError,
     ReadOnlyError,
     RowsNotCommittedError,
     StoreCorruptedError,
@@ -63,7 +59,6 @@ from zarr_rb.errors import (
 )
 
 _MAX_STAGED_BLOCKS = 8
-_READ_RETRIES = 20
 MIRROR_LIMIT_BYTES = 256 * 2**20
 """Small leaves (actions, rewards, flags, trajectory ids) are mirrored in RAM by the writer
 when all of them together take at most this much."""
@@ -516,7 +511,7 @@ class Store:
         """
         keys = list(keys)
         if self.read_only:
-            return self._read_committed(rows, keys, unreadable_as_zeros=unreadable_as_zeros)
+            return read_committed(self, rows, keys, unreadable_as_zeros=unreadable_as_zeros)
         assert self._buffer is not None
         assert self._ledger is not None
         hit, served = self._buffer.staged_rows(rows)
@@ -593,26 +588,8 @@ class Store:
             try:
                 out[key] = from_numpy(future.result(), dtype)
             except ValueError as err:
-                raise self._damage(key, rows, err) from None
+                raise self.array(key).damage_error(rows, err) from None
         return out
-
-    def _damage(self, key: Key, rows: np.ndarray, err: ValueError) -> ValueError:
-        """Why reading ``rows`` of a leaf failed: the damaged chunks among them, if any."""
-        array = self.array(key)
-        step = array.read_chunk_rows
-        damaged: list[tuple[int, int, str]] = []
-        for chunk in np.unique(rows // step).tolist():
-            damaged.extend(array.damaged_runs(chunk * step, min(self.rows, (chunk + 1) * step)))
-        if not damaged:
-            return err  # nothing is damaged now: the chunk changed while it was read
-        return ChunkCorruptedError(
-            f"store {str(self.location.root)!r}: array {array.path!r}, "
-            f"{describe_runs(damaged)}, cannot be read back intact ({damaged[0][2]}). "
-            "Nothing was returned. `python -m zarr_rb verify <store>` lists every damaged "
-            "chunk; `--repair` withdraws the damaged rows from the readable range",
-            array=array.path,
-            rows=[(a, b) for a, b, _ in damaged],
-        )
 
     @_serialized
     def unreadable_rows(self) -> np.ndarray:
@@ -634,70 +611,10 @@ class Store:
     def refresh(self) -> Commit:
         """Re-read the commit record and move to it: its length, cursor and rows (readers);
         returns it."""
-        commit = self._reread_commit()
+        commit = reread_commit(self)
         self.length = commit.length * self._elements_per_row(self.schema)
         self.cursor = commit.cursor
         return commit
-
-    def _reread_commit(self) -> Commit:
-        """Re-read the commit record: which rows may be read now, and the keys the writer
-        added. The length and cursor this store shows stay (they move on :meth:`refresh`)."""
-        where = f"store {str(self.location.root)!r}"
-        document = read_root(self.location)
-        if document is None:
-            raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
-        check_is_store(document, where)
-        meta = parse_store_meta(document["attributes"], where=where)
-        if (meta.max_size, meta.ndim) != (self.meta.max_size, self.meta.ndim) or not _grows(
-            self.schema, meta.schema
-        ):
-            raise StoreCorruptedError(f"{where}: its size or schema changed while it was open")
-        if meta.schema is not None and self.schema is None:
-            self.meta = meta
-            self._attach_schema(meta.schema, meta.block_rows or 1)
-        elif meta.schema != self.schema:
-            assert meta.schema is not None
-            self._leaves = leaves_by_key(meta.schema.leaves)  # keys added by the writer
-        self.meta = dataclasses.replace(
-            self.meta, schema=meta.schema, commit=meta.commit, saved=meta.saved
-        )
-        if meta.commit.generation != self.committed.generation:
-            self.version += 1
-        self.committed = meta.commit
-        if self._ledger is not None:
-            self._ledger.published_as(meta.commit.readable_mask(self.rows))
-        return meta.commit
-
-    def _read_committed(
-        self, rows: np.ndarray, keys: list[Key], *, unreadable_as_zeros: bool
-    ) -> dict[Key, torch.Tensor]:
-        last_error: Exception | None = None
-        for attempt in range(_READ_RETRIES):
-            commit = self.committed
-            assert self._ledger is not None
-            published = self._ledger.published[rows]
-            if not published.all() and not unreadable_as_zeros:
-                raise RowsNotCommittedError(
-                    f"store {str(self.location.root)!r}: rows {preview_rows(rows[~published])} "
-                    f"are not readable in commit {commit.generation} (length {commit.length}, "
-                    f"holes {list(commit.holes)}); call refresh() to pick up newer commits",
-                )
-            try:
-                out = self._read_disk(dict.fromkeys(keys, rows[published]))
-                if not published.all():
-                    out = {key: _spread(value, published) for key, value in out.items()}
-            except ValueError as err:  # damaged, or a shard replaced while it was read
-                out, last_error = None, err
-            unchanged = self._reread_commit().generation == commit.generation
-            if unchanged and out is not None:
-                return out
-            if unchanged and isinstance(last_error, ChunkCorruptedError):
-                raise last_error
-            time.sleep(0.001 * (attempt + 1))
-        raise RowsNotCommittedError(
-            f"store {str(self.location.root)!r}: rows kept changing while being read "
-            f"({_READ_RETRIES} attempts; last error: {last_error})",
-        )
 
     # --- lifetime --------------------------------------------------------------------------
 
@@ -749,21 +666,6 @@ class Store:
     @property
     def path(self) -> Path:
         return self.location.root
-
-
-def _spread(values: torch.Tensor, where: np.ndarray) -> torch.Tensor:
-    """``values`` at the ``True`` positions of ``where``, zeros elsewhere."""
-    out = torch.zeros((where.size, *values.shape[1:]), dtype=values.dtype)
-    out[torch.from_numpy(np.flatnonzero(where))] = values
-    return out
-
-
-def _grows(old: Schema | None, new: Schema | None) -> bool:
-    """Whether ``new`` is ``old`` with more leaves (the only change a writer publishes)."""
-    if old is None or new is None:
-        return old is None
-    same = dataclasses.replace(new, leaves=old.leaves) == old
-    return same and set(old.leaves) <= set(new.leaves)
 
 
 def _runs(mask: np.ndarray, step: int) -> Iterator[tuple[int, int]]:

@@ -22,22 +22,21 @@ import numpy as np
 import torch
 from torchrl.data.replay_buffers.storages import TensorStorage
 
-from zarr_rb import _compat, _convert, _torchrl_state
+from zarr_rb import _compat, _convert, _index, _torchrl_state
 from zarr_rb._checkpointer import ZarrStorageCheckpointer
 from zarr_rb._dtypes import TORCH_DTYPES
-from zarr_rb._format import Schema, preview_rows
-from zarr_rb._holes import guard_sampler
+from zarr_rb._format import Schema
+from zarr_rb._holes import guard_sampler, random_readable_indices
 from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
 from zarr_rb._metadata import capacity_of
-from zarr_rb._open import MODES, Mode, open_store
+from zarr_rb._open import Mode, one_path, open_store, resolve_mode
 from zarr_rb._store import Store
+from zarr_rb._views import Gather, LeafSource
 from zarr_rb.errors import (
     LockedError,
     NotSupportedError,
     ReadOnlyError,
-    RowIndexError,
-    UnstackableError,
 )
 
 __all__ = ["ZarrStorage"]
@@ -147,7 +146,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 "is not supported yet. Write a first batch in the parent process before the "
                 "buffer is handed to other processes",
             )
-        mode = _resolve_mode(mode, read_only=read_only, existsok=existsok)
+        mode = resolve_mode(mode, read_only=read_only, existsok=existsok)
         if refresh_interval is not None and mode != "r":
             raise ValueError(
                 "refresh_interval is for read-only storages (the writer always sees its own "
@@ -161,7 +160,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             raise ValueError(f"expected max_size >= 1, got {max_size}")
         if device != "auto":
             device = torch.device(device)  # a bad device fails here, before the store opens
-        path = _one_path(path, scratch_dir)
+        path = one_path(path, scratch_dir)
         tmpdir = None
         if path is None:
             if mode in ("r", "r+"):
@@ -281,6 +280,10 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
     def path(self) -> Path:
         """Directory of the store."""
         return self._store.path
+
+    @property
+    def _where(self) -> str:
+        return f"store {str(self.path)!r}"
 
     @property
     def scratch_dir(self) -> str:
@@ -433,24 +436,24 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         store = self._store
         store._check_writable()
         if isinstance(data, list):
-            data = _flip_list(data)
+            data = _convert.flip_list(data)
         if not self.initialized:
             self._initialize(data, batched=not _compat.is_int(cursor))
         schema = store.schema
         assert schema is not None
-        where = f"store {str(self.path)!r}"
+        where = self._where
         # Validate everything before touching the length or the cursor: a rejected
         # write leaves the storage as it was.
         if isinstance(cursor, tuple):
             rows, leaves = self._patch_elements(cursor, data, schema)
         else:
-            index, index_shape = self._write_rows_index(cursor, schema.rows)
+            index, index_shape = _index.write_rows(cursor, schema.rows, where=where)
             all_leaves, new = _convert.leaves_for_write(
                 data, schema=schema, index_shape=index_shape, where=where
             )
             if new:
                 store.add_leaves(new)
-            rows, last = _unique_last(index)
+            rows, last = _index.unique_last(index)
             if rows.size == index.size and (rows == index).all():
                 leaves = all_leaves  # already sorted and unique: no gather, no copy
             else:
@@ -465,26 +468,13 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             store.cursor = (last_row + 1) % schema.rows
         _compat.bump_revision(self)
 
-    def _write_rows_index(self, cursor: Any, rows: int) -> tuple[np.ndarray, tuple[int, ...]]:
-        """Rows addressed by a write cursor (relative to capacity, like TorchRL's storages)."""
-        if isinstance(cursor, slice):
-            index = np.arange(*cursor.indices(rows))
-            return index, (index.size,)
-        if _compat.is_int(cursor):
-            index = np.array([int(cursor)])
-            shape: tuple[int, ...] = ()
-        else:
-            tensor = _as_index_tensor(cursor)
-            index, shape = tensor.reshape(-1).numpy(), tuple(tensor.shape)
-        return self._check_rows(index, rows, what="write index").astype(np.int64), shape
-
     def _patch_elements(
         self, cursor: tuple[Any, ...], data: Any, schema: Schema
     ) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:
         """Rows touched by a multi-dimensional index, read and patched with ``data``."""
-        where = f"store {str(self.path)!r}"
+        where = self._where
         head, rest = cursor[0], cursor[1:]
-        rows, position = self._rows_of(head, schema.rows)
+        rows, position = _index.read_rows(head, schema.rows, where=where)
         kind = _convert.kind_of(data)
         lead = 0 if kind in ("tensor", "pytree") else data.ndim - len(schema.item_batch_shape)
         new = _convert.new_leaves(data, schema=schema, lead=lead, where=where)
@@ -510,8 +500,11 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         ``rb.update_``...), which moves it once.
         """
         self._store._check_writable()
-        rows = self._check_rows(rows.astype(np.int64), self._store.rows, what="write index")
-        unique, last = _unique_last(rows)
+        where = self._where
+        rows = _index.check_rows(
+            rows.astype(np.int64), self._store.rows, where=where, what="write index"
+        )
+        unique, last = _index.unique_last(rows)
         if unique.size != rows.size or (unique != rows).any():
             picked = torch.from_numpy(last)
             values = {key: value[picked] for key, value in values.items()}
@@ -539,37 +532,6 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     # --- reads -----------------------------------------------------------------------------
 
-    def _rows_of(self, head: Any, length: int) -> tuple[np.ndarray, Any]:
-        """Sorted unique rows addressed by ``head`` and how to pick them from a block of them."""
-        if isinstance(head, slice):
-            start, stop, step = head.indices(length)
-            if step < 0:
-                raise ValueError("negative slice steps are not supported (as in torch)")
-            rows = np.arange(start, stop, step, dtype=np.int64)
-            return rows, slice(0, rows.size)
-        if _compat.is_int(head):
-            row = int(head) + (length if int(head) < 0 else 0)
-            if not 0 <= row < length:
-                raise RowIndexError(
-                    f"store {str(self.path)!r}: index {int(head)} is out of range for "
-                    f"{length} rows",
-                )
-            return np.array([row], dtype=np.int64), 0
-        tensor = _as_index_tensor(head)
-        flat = self._check_rows(tensor.reshape(-1).numpy(), length)
-        rows, inverse = np.unique(flat, return_inverse=True)
-        return rows, torch.from_numpy(inverse.reshape(tensor.shape))
-
-    def _check_rows(self, rows: np.ndarray, length: int, *, what: str = "index") -> np.ndarray:
-        """Rows with negative indices wrapped; raises for any outside ``[0, length)``."""
-        rows = np.where(rows < 0, rows + length, rows)
-        if rows.size and (rows.min() < 0 or rows.max() >= length):
-            raise RowIndexError(
-                f"store {str(self.path)!r}: {what} out of range for {length} rows: "
-                f"{preview_rows(rows[(rows < 0) | (rows >= length)])}",
-            )
-        return rows
-
     @property
     def _build_device(self) -> torch.device | None:
         """The device of returned TensorDicts as they are built (CPU data is built there)."""
@@ -590,7 +552,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         schema = self._store.schema
         assert schema is not None
         length = _compat.length_along_dim0(self)
-        if _is_key(index):
+        if _index.is_key(index):
             # storage.get("done") or storage.get(("next", "done")): that column, lazily.
             return _convert.select(self.get(slice(None)), index)
         head, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
@@ -602,9 +564,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             if rest:
                 out = _convert.select(out, (slice(None), *rest))
         elif not rest and not isinstance(head, slice) and not _compat.is_int(head):
-            out = self._gather(_as_index_tensor(head), schema, length)
+            out = self._gather(_index.as_index_tensor(head), schema, length)
         else:
-            rows, position = self._rows_of(head, length)
+            rows, position = _index.read_rows(head, length, where=self._where)
             block = self._read(rows, schema)
             whole = isinstance(position, slice) and not rest
             out = block if whole else _convert.select(block, (position, *rest))
@@ -625,7 +587,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         revision = _compat.revision(self)
         if last is not None and last.matches(index, revision):
             return _convert.clone(last.result)
-        rows = self._check_rows(index.reshape(-1).numpy(), length)
+        rows = _index.check_rows(index.reshape(-1).numpy(), length, where=self._where)
         leaves = self._store.read(rows, (leaf.key for leaf in schema.leaves))
         out = _convert.build(
             {key: v.reshape(*index.shape, *v.shape[1:]) for key, v in leaves.items()},
@@ -633,7 +595,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             batch_shape=(*index.shape, *schema.batch_shape[1:]),
             device=self._build_device,
         )
-        self.__dict__["_last_gather"] = _Gather(index.clone(), revision, out)
+        self.__dict__["_last_gather"] = Gather(index.clone(), revision, out)
         return out
 
     def _lazy_view(self, length: int, *, unused_as_zeros: bool = False) -> Any:
@@ -644,7 +606,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             leaf.key: LazyColumn(
                 (length, *self._store.element_shape(leaf)),
                 TORCH_DTYPES[leaf.dtype],
-                source=_LeafSource(self, leaf.key, length, unused_as_zeros=unused_as_zeros),
+                source=LeafSource(self, leaf.key, length, unused_as_zeros=unused_as_zeros),
             )
             for leaf in schema.leaves
         }
@@ -659,24 +621,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
     def _rand_given_ndim(self, batch_size: int) -> Any:
         """Random element indices (RandomSampler), drawn among the rows that can be read:
         rows withdrawn by a crash or by ``verify --repair`` are never drawn."""
-        unreadable = self._store.unreadable_rows()
-        if not unreadable.size:
+        if not self._store.unreadable_rows().size:
             return super()._rand_given_ndim(batch_size)
-        readable = np.setdiff1d(np.arange(self._store.length_rows), unreadable)
-        if not readable.size:
-            raise RuntimeError(
-                f"store {str(self.path)!r}: no row can be sampled: every row is withdrawn "
-                f"({preview_rows(unreadable)})",
-            )
-        generator = _compat.storage_generator(self)
-        pick = torch.randint(readable.size, (batch_size,), generator=generator)
-        rows = torch.from_numpy(readable)[pick]
-        if self.ndim == 1:
-            return rows
-        return (
-            rows,
-            *(torch.randint(n, (batch_size,), generator=generator) for n in self.shape[1:]),
-        )
+        return random_readable_indices(self, batch_size)
 
     # --- state -----------------------------------------------------------------------------
 
@@ -704,131 +651,3 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         """Copy rows ``[0, rows)`` of ``source`` (anything sliceable by rows: a storage,
         a memory-mapped TensorDict) into this storage, in blocks of about 64 MiB."""
         _torchrl_state.copy_rows(source, self, rows=rows, progress=progress)
-
-
-class _LeafSource:
-    """The rows of one leaf of a :class:`ZarrStorage`, for its lazy columns."""
-
-    def __init__(
-        self, storage: ZarrStorage, key: Key, length: int, *, unused_as_zeros: bool
-    ) -> None:
-        self._storage = storage
-        self._key = key
-        self._length = length
-        self._unused_as_zeros = unused_as_zeros
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def revision(self) -> int:
-        return self._storage._store.version
-
-    def read(self, rows: np.ndarray) -> torch.Tensor:
-        storage = self._storage
-        values = storage._store.read(
-            rows,
-            [self._key],
-            unwritten_as_zeros=self._unused_as_zeros,
-            unreadable_as_zeros=storage._unreadable_as_zeros,
-        )
-        return values[self._key]
-
-    def write(self, rows: np.ndarray, values: torch.Tensor) -> None:
-        self._storage.write_leaves(rows, {self._key: values})
-
-
-class _Gather:
-    """The last row gather: its index, the storage revision it saw, and its result."""
-
-    def __init__(self, index: torch.Tensor, revision: int, result: Any) -> None:
-        self.index = index
-        self.revision = revision
-        self.result = result
-        self._versions = self._leaf_versions()
-
-    def _leaf_versions(self) -> list[tuple[int, int]]:
-        return [(id(t), t._version) for t in _convert.flatten(self.result).values()]
-
-    def matches(self, index: torch.Tensor, revision: int) -> bool:
-        return (
-            revision == self.revision
-            and index.shape == self.index.shape
-            and bool(torch.equal(index, self.index))
-            # The first caller may have modified the result in place: then it is stale.
-            and self._leaf_versions() == self._versions
-        )
-
-
-def _one_path(
-    path: str | os.PathLike[str] | None, scratch_dir: str | os.PathLike[str] | None
-) -> str | os.PathLike[str] | None:
-    """``path``, also accepted under LazyMemmapStorage's name ``scratch_dir``."""
-    if path is not None and scratch_dir is not None and Path(path) != Path(scratch_dir):
-        raise ValueError(
-            f"got path={str(path)!r} and scratch_dir={str(scratch_dir)!r}; scratch_dir is "
-            "another name for path: pass one of them",
-        )
-    return path if path is not None else scratch_dir
-
-
-def _resolve_mode(mode: Mode | None, *, read_only: bool, existsok: bool | None) -> Mode:
-    """One mode from ``mode``, ``read_only`` and LazyMemmapStorage's ``existsok``."""
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"expected mode among {MODES}, got {mode!r}")
-    implied: list[Mode] = []
-    if read_only:
-        implied.append("r")
-    if existsok is not None:
-        implied.append("a" if existsok else "w-")
-    if mode is not None:
-        implied.append(mode)
-    if len(set(implied)) > 1:
-        raise ValueError(
-            f"read_only={read_only}, existsok={existsok} and mode={mode!r} ask for different "
-            "modes; pass only one of them",
-        )
-    return implied[0] if implied else "a"
-
-
-def _flip_list(data: list[Any]) -> Any:
-    """A list of elements (``rb.extend([...])``) as one batch of them."""
-    from tensordict import is_tensor_collection
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-
-    try:
-        if all(is_tensor_collection(item) for item in data):
-            return torch.stack(data)
-        flat, specs = zip(*(tree_flatten(item) for item in data), strict=True)
-        return tree_unflatten([torch.stack(items) for items in zip(*flat, strict=True)], specs[0])
-    except (RuntimeError, ValueError, TypeError) as err:
-        raise UnstackableError(
-            f"Stacking the elements of the list resulted in an error ({err}): ZarrStorage, "
-            "like TorchRL's tensor storages, expects every element of the list to have the "
-            "same structure and shapes. If the list is compact (each leaf already a batch), "
-            "pass a tuple instead",
-        ) from None
-
-
-def _is_key(index: Any) -> bool:
-    """Whether ``index`` is a (nested) key of the data rather than a row index."""
-    if isinstance(index, str):
-        return True
-    return isinstance(index, tuple) and bool(index) and all(isinstance(i, str) for i in index)
-
-
-def _as_index_tensor(index: Any) -> torch.Tensor:
-    tensor = torch.as_tensor(index)
-    if tensor.dtype == torch.bool:
-        return tensor.nonzero().squeeze(-1)
-    if tensor.is_floating_point() or tensor.is_complex():
-        raise TypeError(f"expected an integer or boolean index, got dtype {tensor.dtype}")
-    return tensor.to(torch.int64).cpu()
-
-
-def _unique_last(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique rows, and for each the position of its last occurrence (last write wins)."""
-    reversed_rows = index[::-1]
-    rows, first_in_reversed = np.unique(reversed_rows, return_index=True)
-    return rows, (index.size - 1 - first_in_reversed).astype(np.int64)

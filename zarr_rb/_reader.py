@@ -1,0 +1,100 @@
+"""How a read-only store reads: only what the last commit declares readable, never a torn
+transition (a seqlock on the commit record), and the commits it picks up."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from zarr_rb._format import Commit, Schema, leaves_by_key, parse_store_meta, preview_rows
+from zarr_rb._metadata import check_is_store, read_root
+from zarr_rb.errors import ChunkCorruptedError, RowsNotCommittedError, StoreCorruptedError
+
+if TYPE_CHECKING:
+    from zarr_rb._store import Store
+
+Key = tuple[str, ...]
+_READ_RETRIES = 20
+
+
+def reread_commit(store: Store) -> Commit:
+    """Re-read the commit record: which rows may be read now, and the keys the writer
+    added. The length and cursor the store shows stay (they move on ``Store.refresh``)."""
+    where = f"store {str(store.location.root)!r}"
+    document = read_root(store.location)
+    if document is None:
+        raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
+    check_is_store(document, where)
+    meta = parse_store_meta(document["attributes"], where=where)
+    if (meta.max_size, meta.ndim) != (store.meta.max_size, store.meta.ndim) or not _grows(
+        store.schema, meta.schema
+    ):
+        raise StoreCorruptedError(f"{where}: its size or schema changed while it was open")
+    if meta.schema is not None and store.schema is None:
+        store.meta = meta
+        store._attach_schema(meta.schema, meta.block_rows or 1)
+    elif meta.schema != store.schema:
+        assert meta.schema is not None
+        store._leaves = leaves_by_key(meta.schema.leaves)  # keys added by the writer
+    store.meta = dataclasses.replace(
+        store.meta, schema=meta.schema, commit=meta.commit, saved=meta.saved
+    )
+    if meta.commit.generation != store.committed.generation:
+        store.version += 1
+    store.committed = meta.commit
+    if store._ledger is not None:
+        store._ledger.published_as(meta.commit.readable_mask(store.rows))
+    return meta.commit
+
+
+def read_committed(
+    store: Store, rows: np.ndarray, keys: list[Key], *, unreadable_as_zeros: bool
+) -> dict[Key, torch.Tensor]:
+    """Rows of a read-only store as the last commit has them, never torn: the commit is
+    re-read after the read, and the read retried if it moved meanwhile (a seqlock)."""
+    last_error: Exception | None = None
+    for attempt in range(_READ_RETRIES):
+        commit = store.committed
+        assert store._ledger is not None
+        published = store._ledger.published[rows]
+        if not published.all() and not unreadable_as_zeros:
+            raise RowsNotCommittedError(
+                f"store {str(store.location.root)!r}: rows {preview_rows(rows[~published])} "
+                f"are not readable in commit {commit.generation} (length {commit.length}, "
+                f"holes {list(commit.holes)}); call refresh() to pick up newer commits",
+            )
+        try:
+            out = store._read_disk(dict.fromkeys(keys, rows[published]))
+            if not published.all():
+                out = {key: _spread(value, published) for key, value in out.items()}
+        except ValueError as err:  # damaged, or a shard replaced while it was read
+            out, last_error = None, err
+        unchanged = reread_commit(store).generation == commit.generation
+        if unchanged and out is not None:
+            return out
+        if unchanged and isinstance(last_error, ChunkCorruptedError):
+            raise last_error
+        time.sleep(0.001 * (attempt + 1))
+    raise RowsNotCommittedError(
+        f"store {str(store.location.root)!r}: rows kept changing while being read "
+        f"({_READ_RETRIES} attempts; last error: {last_error})",
+    )
+
+
+def _spread(values: torch.Tensor, where: np.ndarray) -> torch.Tensor:
+    """``values`` at the ``True`` positions of ``where``, zeros elsewhere."""
+    out = torch.zeros((where.size, *values.shape[1:]), dtype=values.dtype)
+    out[torch.from_numpy(np.flatnonzero(where))] = values
+    return out
+
+
+def _grows(old: Schema | None, new: Schema | None) -> bool:
+    """Whether ``new`` is ``old`` with more leaves (the only change a writer publishes)."""
+    if old is None or new is None:
+        return old is None
+    same = dataclasses.replace(new, leaves=old.leaves) == old
+    return same and set(old.leaves) <= set(new.leaves)

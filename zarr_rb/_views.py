@@ -1,0 +1,71 @@
+"""What a ZarrStorage's reads hand out: the sources of its lazy columns, and the last row
+gather (kept for the sampler and the buffer that read the same rows one after the other)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from zarr_rb import _convert
+
+if TYPE_CHECKING:
+    from zarr_rb.storage import ZarrStorage
+
+Key = tuple[str, ...]
+
+
+class LeafSource:
+    """The rows of one leaf of a :class:`ZarrStorage`, for its lazy columns."""
+
+    def __init__(
+        self, storage: ZarrStorage, key: Key, length: int, *, unused_as_zeros: bool
+    ) -> None:
+        self._owner = storage
+        self._key = key
+        self._length = length
+        self._unused_as_zeros = unused_as_zeros
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def revision(self) -> int:
+        return self._owner._store.version
+
+    def read(self, rows: np.ndarray) -> torch.Tensor:
+        storage = self._owner
+        values = storage._store.read(
+            rows,
+            [self._key],
+            unwritten_as_zeros=self._unused_as_zeros,
+            unreadable_as_zeros=storage._unreadable_as_zeros,
+        )
+        return values[self._key]
+
+    def write(self, rows: np.ndarray, values: torch.Tensor) -> None:
+        self._owner.write_leaves(rows, {self._key: values})
+
+
+class Gather:
+    """The last row gather: its index, the storage revision it saw, and its result."""
+
+    def __init__(self, index: torch.Tensor, revision: int, result: Any) -> None:
+        self.index = index
+        self.revision = revision
+        self.result = result
+        self._versions = self._leaf_versions()
+
+    def _leaf_versions(self) -> list[tuple[int, int]]:
+        return [(id(t), t._version) for t in _convert.flatten(self.result).values()]
+
+    def matches(self, index: torch.Tensor, revision: int) -> bool:
+        return (
+            revision == self.revision
+            and index.shape == self.index.shape
+            and bool(torch.equal(index, self.index))
+            # The first caller may have modified the result in place: then it is stale.
+            and self._leaf_versions() == self._versions
+        )
