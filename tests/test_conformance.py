@@ -556,3 +556,30 @@ def test_read_back_every_key_written_by_a_collector(tmp_path: Path) -> None:
     assert keys <= set(stored.keys(True, True))
     for key in keys:
         assert_identical(stored[key], expected[key])
+
+
+def test_a_max_value_writer_on_a_reopened_store_keeps_the_best_rows(tmp_path: Path) -> None:
+    """Reopened, a max-value writer goes on as if it had never stopped."""
+    from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
+
+    def buffer(storage: Any) -> Any:
+        return TensorDictReplayBuffer(
+            storage=storage, writer=TensorDictMaxValueWriter(rank_key=("next", "reward"))
+        )
+
+    def batch(start: int) -> TensorDict:
+        data = transitions(8, start=start)
+        data["next", "reward"] = torch.rand(8, 1, generator=torch.Generator().manual_seed(start))
+        return data
+
+    continuous = buffer(LazyTensorStorage(20))
+    reopened = buffer(ZarrStorage(20, tmp_path / "rb.zarr", compression=SMALL))
+    for start in (0, 8, 16):
+        continuous.extend(batch(start))
+        reopened.extend(batch(start))
+    reopened.storage.close()
+    reopened = buffer(ZarrStorage(path=tmp_path / "rb.zarr"))
+    for start in (24, 32, 40):
+        continuous.extend(batch(start))
+        reopened.extend(batch(start))
+    same(reopened.storage[:], continuous.storage[:])

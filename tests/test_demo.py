@@ -114,12 +114,14 @@ def test_demo_schema_mismatch_is_reported(
     assert _reopen(path)[1] == _expected_schema(torch.float32, (4,))
 
 
-def test_demo_overwrite_refuses_non_store(tmp_path: Path) -> None:
+def test_demo_overwrite_refuses_non_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     precious = tmp_path / "not_a_store"
     precious.mkdir()
     (precious / "keep.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="not a Zarr store"):
-        _run(precious, "--env", "cartpole", "--steps", "10", "--overwrite")
+    assert _run(precious, "--env", "cartpole", "--steps", "10", "--overwrite") == 1
+    assert "non-empty directory without a zarr_rb store" in capsys.readouterr().err
     assert (precious / "keep.txt").read_text() == "keep me"
 
 

@@ -11,6 +11,7 @@ naming the name and the TorchRL version, instead of breaking a buffer quietly.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ from torchrl.data.replay_buffers import writers as _writers
 from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer
 from torchrl.data.replay_buffers.storages import Storage, TensorStorage
-from torchrl.data.replay_buffers.utils import _is_int
+from torchrl.data.replay_buffers.utils import _is_int, _reduce
 
 TORCHRL_VERSION: str = torchrl.__version__
 
@@ -297,6 +298,23 @@ def route_method(obj: Any, name: str, hook: Callable[..., Any]) -> bool:
         return False
     getattr(type(obj), name)  # fails loudly if TorchRL renamed it
     obj.__dict__[name] = _Around(obj, name, hook)
+    return True
+
+
+def rebuild_top_values(writer: Any, storage: Any) -> bool:
+    """Give a max-value writer on a reopened store the heap of the rows it holds (ranked by
+    its rank key, reduced as it reduces them), so that it goes on keeping the best rows
+    instead of overwriting them; returns whether ``writer`` is one."""
+    if not isinstance(writer, _writers.TensorDictMaxValueWriter):
+        return False
+    length = length_along_dim0(storage)
+    ranks = storage.get(slice(0, length)).get(writer._rank_key).reshape(length, -1)
+    ranks = _reduce(ranks, writer._reduction, dim=1)
+    heap = [(float(rank), index) for index, rank in enumerate(ranks.tolist())]
+    heapq.heapify(heap)
+    writer._current_top_values = heap
+    writer._cursor = length % storage.max_size
+    writer._write_count = length
     return True
 
 

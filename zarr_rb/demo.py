@@ -20,7 +20,6 @@ The environment dependencies are optional: ``pip install 'zarr-rb[demo]'``.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
 import time
@@ -292,56 +291,32 @@ def open_storage(max_size: int | None, path: Path, *, overwrite: bool) -> tuple[
         max_size: Replay buffer capacity in rows. ``None`` keeps the capacity of an existing
             store and uses :data:`DEFAULT_MAX_SIZE` for a new one.
         path: Location of the Zarr store.
-        overwrite: Delete an existing store at ``path`` first.
+        overwrite: Start the store over (``mode="w"``): its rows and saved state go.
 
     Returns:
-        The storage and whether an existing store was deleted first.
+        The storage and whether an existing store was started over.
 
     Raises:
-        FileExistsError: If ``overwrite`` is set and ``path`` exists but does not look like a
-            Zarr store (no ``zarr.json``), so deleting it could destroy unrelated files.
         zarr_rb.errors.ZarrRBError: If the store cannot be opened, e.g. its capacity is not
-            ``max_size``.
+            ``max_size``, or ``path`` holds something else than a zarr_rb store.
     """
-    deleted = False
-    if overwrite and path.exists():
-        if not (path / "zarr.json").is_file():
-            raise FileExistsError(
-                f"--overwrite: refusing to delete {path}, which is not a Zarr store"
-                " (no zarr.json inside)"
-            )
-        shutil.rmtree(path)
-        deleted = True
-    if max_size is None and not (path / "zarr.json").is_file():
+    exists = (path / "zarr.json").is_file()
+    if max_size is None and not exists:
         max_size = DEFAULT_MAX_SIZE
-    return ZarrStorage(max_size, path), deleted
+    return ZarrStorage(max_size, path, mode="w" if overwrite else "a"), overwrite and exists
 
 
-def _resume_point(rb: Any, storage: ZarrStorage, max_size: int) -> tuple[int, int]:
-    """Finds where an appending run continues: the writer cursor and the next trajectory id.
+def _next_traj_id(storage: ZarrStorage, max_size: int) -> int:
+    """The first trajectory id an appending run may use: one past the last row's.
 
-    A fresh ``TensorDictReplayBuffer`` writes from row 0; on a reopened, non-empty store that
-    would overwrite the oldest rows instead of appending, so the writer cursor is moved past
-    the last written row.
-
-    Args:
-        rb: The replay buffer wrapping ``storage``.
-        storage: The (possibly reopened) storage.
-        max_size: Capacity of the storage.
-
-    Returns:
-        ``(cursor, next_traj_id)``: the row the next write goes to and the first unused
-        trajectory id.
+    A buffer built on a reopened store appends after its last row by itself; the
+    trajectory ids of the new episodes must go on from the stored ones too.
     """
-    n = len(storage)
-    if n == 0:
-        return 0, 0
-    cursor = storage.cursor
-    rb.writer.load_state_dict({"_cursor": cursor, "_write_count": n})
-    last = (cursor - 1) % max_size
+    if not len(storage):
+        return 0
+    last = (storage.cursor - 1) % max_size
     traj_ids = storage[last].get(TRAJ_KEY, None)
-    next_traj_id = 0 if traj_ids is None else int(traj_ids) + 1
-    return cursor, next_traj_id
+    return 0 if traj_ids is None else int(traj_ids) + 1
 
 
 def _fmt_bytes(n: float) -> str:
@@ -476,10 +451,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_size = int(storage.max_size)
     rb = TensorDictReplayBuffer(storage=storage, batch_size=args.batch_size)
     start_rows = len(storage)
-    cursor, first_traj_id = _resume_point(rb, storage, max_size)
+    first_traj_id = _next_traj_id(storage, max_size)
     if start_rows:
         print(
-            f"store  {path}: reopened, {start_rows} rows already there -> appending at row {cursor}"
+            f"store  {path}: reopened, {start_rows} rows already there -> appending at row "
+            f"{storage.cursor}"
         )
     else:
         print(

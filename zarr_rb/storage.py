@@ -256,7 +256,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         guard_sampler(_compat.sampler_to_build(buffer), self)
         if len(self) and not self.read_only:
             writer = _compat.writer_to_build(buffer)
-            _compat.set_writer_position(writer, cursor=self.cursor, write_count=len(self))
+            if not _compat.set_writer_position(writer, cursor=self.cursor, write_count=len(self)):
+                _compat.rebuild_top_values(writer, self)
 
     @property
     def _unreadable_as_zeros(self) -> bool:
