@@ -167,6 +167,17 @@ def test_nested_checkpointer_is_kept(tmp_path: Path) -> None:
     loaded.storage.close()
 
 
+def saved_then_extended(path: Path, *, extends: int) -> TensorDictReplayBuffer:
+    """A writer that saved after N rows, then went on for ``extends`` times N more."""
+    writer = TensorDictReplayBuffer(storage=ZarrStorage(4 * N, path), batch_size=8)
+    writer.extend(rows())
+    zarr_rb.save(writer)
+    for i in range(extends):
+        writer.extend(rows(start=(i + 1) * N))
+    writer.storage.flush()
+    return writer
+
+
 def test_read_only_load_stays_at_its_save_until_refresh(tmp_path: Path) -> None:
     path = tmp_path / "rb.zarr"
     writer = TensorDictReplayBuffer(storage=ZarrStorage(4 * N, path), batch_size=8)
@@ -189,11 +200,7 @@ def test_read_only_load_stays_at_its_save_until_refresh(tmp_path: Path) -> None:
 
 def test_export_writes_the_saved_length_and_cursor(tmp_path: Path) -> None:
     path = tmp_path / "rb.zarr"
-    writer = TensorDictReplayBuffer(storage=ZarrStorage(4 * N, path), batch_size=8)
-    writer.extend(rows())
-    zarr_rb.save(writer)
-    writer.extend(rows(start=N))  # after the save: not part of the export
-    writer.storage.flush()
+    writer = saved_then_extended(path, extends=1)  # the rows after the save: not exported
     zarr_rb.export_torchrl(path, tmp_path / "dump", progress=False)
     from torchrl.data import LazyMemmapStorage
 

@@ -111,7 +111,7 @@ def _boundaries_without_holes(
     with holes read as zeros, then cut at the holes."""
     if not zarr._store.unreadable_rows().size:
         return boundaries(storage, fallback)
-    with zarr.unreadable_read_as_zeros():
+    with zarr._reading_holes_as_zeros():
         found = boundaries(storage, fallback)
     return _cut_at_holes(found, storage=zarr, keep_holes=keep_holes)
 

@@ -307,12 +307,16 @@ class Store:
                 picked = torch.from_numpy(elsewhere)
                 writes.append((rows[elsewhere], {k: v[picked] for k, v in values.items()}))
         if writes:
-            try:
-                self._write_to_disk(writes)
-            except BaseException:
-                self._keep_for_retry(writes)
-                raise
+            self._write_or_keep(writes)
             self._commit()
+
+    def _write_or_keep(self, writes: Sequence[Write]) -> None:
+        """Write to disk; what a failed write held is kept for the next flush to retry."""
+        try:
+            self._write_to_disk(writes)
+        except BaseException:
+            self._keep_for_retry(writes)
+            raise
 
     def _stage_rows(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> list[Write]:
         """Stage whole rows in RAM by block; returns what must be written now."""
@@ -411,11 +415,7 @@ class Store:
         writes = [_block_rows(block) for block in self._buffer]
         self._buffer.clear()
         if writes:
-            try:
-                self._write_to_disk(writes)
-            except BaseException:
-                self._keep_for_retry(writes)
-                raise
+            self._write_or_keep(writes)
         while self._retries:
             retry = self._retries[0]
             self._write_to_disk([retry])

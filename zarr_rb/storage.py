@@ -264,7 +264,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         return bool(getattr(self._thread_state, "unreadable_as_zeros", False))
 
     @contextlib.contextmanager
-    def unreadable_read_as_zeros(self) -> Iterator[None]:
+    def _reading_holes_as_zeros(self) -> Iterator[None]:
         """Inside the block, and in this thread only, rows that cannot be read (holes) read as
         zeros from lazy views: for trajectory scans that then leave those rows out."""
         state = self._thread_state
