@@ -158,11 +158,11 @@ def test_corrupted_metadata(filled, store_path, mutate):
             TensorDict(
                 {
                     "obs": torch.zeros(2),
-                    "text": NonTensorStack(NonTensorData("a"), NonTensorData("b")),
+                    "obj": NonTensorStack(NonTensorData({"a": 1}), NonTensorData({"b": 2})),
                 },
                 [2],
             ),
-            r"entry \('text',\) is a NonTensorStack",
+            r"entry \('obj',\) holds a dict",
         ),
     ],
 )

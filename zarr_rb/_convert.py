@@ -11,23 +11,27 @@ import math
 import sys
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from tensordict import (
+    LazyStackedTensorDict,
     NonTensorData,
     NonTensorStack,
     TensorDict,
     TensorDictBase,
     is_tensor_collection,
     is_tensorclass,
+    lazy_stack,
 )
 
+from zarr_rb import _rows
 from zarr_rb._format import Kind, LeafSpec, Schema, parse_key, stored_dtype
 from zarr_rb._io import load_json
 from zarr_rb._lazy import LazyColumn
+from zarr_rb._rows import Entry, PyValues, RaggedRows
 from zarr_rb.errors import (
     SchemaMismatchError,
     StoreCorruptedError,
@@ -36,6 +40,18 @@ from zarr_rb.errors import (
 )
 
 Key = tuple[str, ...]
+Ragged = bool | frozenset[Key]
+"""Which tensor entries a new store keeps as rows of different lengths besides those whose
+rows differ in the first write: all of them (``True``), those keys, or none."""
+
+
+def ragged_keys(value: bool | str | Sequence[str | tuple[str, ...]]) -> Ragged:
+    """ZarrStorage's ``ragged=`` as :data:`Ragged`."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return frozenset({(value,)})
+    return frozenset(key_tuple(key) for key in value)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -59,7 +75,10 @@ def kind_of(data: Any) -> Kind:
 
 def device_of(data: Any) -> torch.device | None:
     """The device of data (``None`` for a collection without one)."""
-    device = next(iter(flatten(data).values())).device if kind_of(data) == "pytree" else data.device
+    if kind_of(data) == "pytree":
+        device = next(iter(_pytree_leaves(data).values())).device
+    else:
+        device = data.device
     return None if device is None else torch.device(device)
 
 
@@ -121,36 +140,109 @@ def _as_tensordict(data: Any) -> TensorDictBase:
     return data
 
 
-def flatten(data: Any) -> dict[Key, torch.Tensor]:
-    """The leaves of ``data`` keyed by tuple keys (``()`` for a bare tensor; the path of each
-    leaf for a pytree, in the pytree's order)."""
+def flatten(data: Any) -> dict[Key, Entry]:
+    """The entries of ``data`` keyed by tuple keys (``()`` for a bare tensor; the path of each
+    leaf for a pytree, in the pytree's order): tensors, Python values (non-tensor entries)
+    and, for lazy stacks of rows of different shapes, ragged rows."""
     kind = kind_of(data)
     if kind == "tensor":
         return {(): data}
     if kind == "pytree":
-        return _pytree_leaves(data)
-    leaves: dict[Key, torch.Tensor] = {}
-    # Non-tensor entries (strings, NonTensorData) are leaves too: listed, so that they are
-    # refused rather than silently left out.
-    entries = _as_tensordict(data).items(include_nested=True, leaves_only=True, is_leaf=_is_leaf)
-    for key, value in entries:
+        return dict(_pytree_leaves(data))
+    td = _as_tensordict(data)
+    if isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0 and td.batch_dims == 1:
+        return _flatten_rows(td)
+    entries: dict[Key, Entry] = {}
+    try:
+        items = list(td.items(include_nested=True, leaves_only=True, is_leaf=_is_leaf))
+    except RuntimeError as err:
+        raise UnsupportedDataError(
+            f"cannot read the entries of this {type(td).__name__} ({err}); rows of different "
+            "shapes are stored from a lazy stack of rows (tensordict.lazy_stack of one "
+            "TensorDict per row)",
+        ) from None
+    for key, value in items:
         path = key_tuple(key)
-        if not isinstance(value, torch.Tensor) or is_tensor_collection(value):
+        if isinstance(value, (NonTensorData, NonTensorStack)):
+            entries[path] = PyValues(_items(value, path))
+        elif not isinstance(value, torch.Tensor) or is_tensor_collection(value):
             raise UnsupportedDataError(
-                f"entry {path!r} is a {type(value).__name__}; only tensor leaves can be "
-                "stored (non-tensor data is not supported yet)",
+                f"entry {path!r} is a {type(value).__name__}; only tensors and Python values "
+                "(NonTensorData) can be stored",
             )
-        leaves[path] = value
-    if not leaves:
-        raise UnsupportedDataError("cannot store a TensorDict without tensor leaves")
-    return leaves
+        else:
+            entries[path] = value
+    if not entries:
+        raise UnsupportedDataError("cannot store a TensorDict without entries")
+    return entries
+
+
+def _items(value: NonTensorData | NonTensorStack, key: Key) -> list[object]:
+    """The Python values of a non-tensor entry, one per element of its batch, in order."""
+    if isinstance(value, NonTensorData) and not isinstance(value, NonTensorStack):
+        return [value.data] * math.prod(value.batch_size)
+    items: list[object] = value.tolist()
+    for _ in range(value.batch_dims - 1):
+        items = [item for row in items for item in row]  # type: ignore[attr-defined]
+    return items
+
+
+def _flatten_rows(stack: LazyStackedTensorDict) -> dict[Key, Entry]:
+    """The entries of a lazy stack of rows: a key's rows are stacked when their shapes
+    agree, kept as ragged rows when they differ."""
+    rows = [flatten(row) for row in stack.tensordicts]
+    if not rows:
+        raise UnsupportedDataError("cannot store an empty lazy stack")
+    keys = list(rows[0])
+    entries: dict[Key, Entry] = {}
+    for i, row in enumerate(rows):
+        if row.keys() != rows[0].keys():
+            missing = sorted(set(rows[0]).symmetric_difference(row))
+            raise UnsupportedDataError(
+                f"row {i} of the lazy stack has other keys than row 0 ({missing} differ); "
+                "every row must hold the same keys",
+            )
+    for key in keys:
+        parts = [row[key] for row in rows]
+        if all(isinstance(part, PyValues) for part in parts):
+            entries[key] = PyValues([item for part in parts for item in part.items])  # type: ignore[union-attr]
+            continue
+        if not all(isinstance(part, torch.Tensor) for part in parts):
+            raise UnsupportedDataError(
+                f"entry {key!r} holds tensors in some rows and other values in others",
+            )
+        tensors = [part for part in parts if isinstance(part, torch.Tensor)]
+        if len({tuple(t.shape) for t in tensors}) == 1 and len({t.dtype for t in tensors}) == 1:
+            entries[key] = torch.stack(tensors)
+        else:
+            entries[key] = RaggedRows(tensors)
+    return entries
+
+
+def tensors_of(data: Any) -> list[torch.Tensor]:
+    """Every tensor ``data`` holds (the rows' own, for lazy stacks)."""
+    if kind_of(data) in ("tensor", "pytree"):
+        return [t for t in pytree.tree_flatten(data)[0] if isinstance(t, torch.Tensor)]
+    td = _as_tensordict(data)
+    if isinstance(td, LazyStackedTensorDict):
+        return [t for row in td.tensordicts for t in tensors_of(row)]
+    values = td.values(include_nested=True, leaves_only=True, is_leaf=_is_leaf)
+    return [t for t in values if isinstance(t, torch.Tensor) and not is_tensor_collection(t)]
 
 
 def row_nbytes(data: Any) -> int:
     """Bytes of one row (one index along dim 0) of ``data``, from shapes and dtypes only
-    (nothing is read from lazy columns)."""
-    leaves = flatten(data).values()
-    return sum(math.prod(leaf.shape[1:]) * leaf.dtype.itemsize for leaf in leaves)
+    (nothing is read from lazy columns; rows of different lengths: their mean)."""
+    total = 0
+    for entry in flatten(data).values():
+        if isinstance(entry, torch.Tensor):
+            total += math.prod(entry.shape[1:]) * entry.dtype.itemsize
+        elif isinstance(entry, RaggedRows):
+            rows = entry.rows
+            total += sum(row.numel() * row.dtype.itemsize for row in rows) // max(1, len(rows))
+        else:
+            total += 8
+    return total
 
 
 def _is_leaf(cls: type) -> bool:
@@ -190,7 +282,43 @@ def resolve_tensorclass(name: str) -> type | None:
     return obj if isinstance(obj, type) and is_tensorclass(obj) else None
 
 
-def infer_schema(data: Any, *, batched: bool, ndim: int, max_size: int) -> Schema:
+def _specs(
+    key: Key,
+    entry: Entry,
+    *,
+    kind: Kind,
+    lead: int,
+    ragged: Ragged,
+    batch_dims: int,
+    item_batch: tuple[int, ...],
+) -> list[LeafSpec]:
+    """The specs of a new leaf (and of its lengths leaf) from its first write."""
+    key = parse_key(key, kind=kind)
+    if isinstance(entry, torch.Tensor):
+        dtype = dtype_name(entry.dtype)
+    elif isinstance(entry, RaggedRows):
+        dtype = dtype_name(_rows._dtype_of(entry))
+    else:
+        dtype = "uint8"
+    stored_dtype(dtype)
+    wanted = ragged if isinstance(ragged, bool) else key in ragged
+    leaf = _rows.spec_for(key, entry, lead=lead, ragged=wanted, dtype_name=dtype)
+    if leaf.value != "tensor" and item_batch:
+        raise UnsupportedDataError(
+            f"entry {key!r}: Python values and rows of different lengths need data whose batch "
+            f"dimensions are the storage's ({item_batch} more here)",
+        )
+    if leaf.ragged and batch_dims != 1:
+        raise UnsupportedDataError(
+            f"entry {key!r}: strings, bytes and rows of different lengths are stored in "
+            "1-dimensional storages (ndim=1) only",
+        )
+    return [leaf.lengths_leaf(), leaf] if leaf.ragged else [leaf]
+
+
+def infer_schema(
+    data: Any, *, batched: bool, ndim: int, max_size: int, ragged: Ragged = False
+) -> Schema:
     """The schema of a store from the first data written to it.
 
     Args:
@@ -199,12 +327,16 @@ def infer_schema(data: Any, *, batched: bool, ndim: int, max_size: int) -> Schem
             single element (``add``).
         ndim: the storage's number of batch dimensions.
         max_size: the storage's capacity in elements.
+        ragged: tensor entries to keep as rows of different lengths (besides those whose
+            rows differ in ``data``).
     """
     kind = kind_of(data)
     lead = ndim if batched else ndim - 1
     leaves_of_data = flatten(data)
     if kind in ("tensor", "pytree"):
-        data_batch = tuple(next(iter(leaves_of_data.values())).shape[:lead])
+        first = next(iter(leaves_of_data.values()))
+        assert isinstance(first, torch.Tensor)
+        data_batch = tuple(first.shape[:lead])
     else:
         data_batch = tuple(data.shape)
     if len(data_batch) < lead:
@@ -215,13 +347,19 @@ def infer_schema(data: Any, *, batched: bool, ndim: int, max_size: int) -> Schem
     trailing = data_batch[1:lead] if batched else data_batch[:lead]
     rows = -(-max_size // max(1, math.prod(trailing)))
     item_batch = data_batch[lead:] if kind not in ("tensor", "pytree") else ()
-    leaves = []
-    for key, tensor in leaves_of_data.items():
-        dtype = dtype_name(tensor.dtype)
-        stored_dtype(dtype)
-        leaves.append(
-            LeafSpec(key=parse_key(key, kind=kind), dtype=dtype, shape=tuple(tensor.shape[lead:]))
+    leaves = [
+        spec
+        for key, entry in leaves_of_data.items()
+        for spec in _specs(
+            key,
+            entry,
+            kind=kind,
+            lead=lead,
+            ragged=ragged if kind != "pytree" else False,
+            batch_dims=ndim,
+            item_batch=item_batch,
         )
+    ]
     return Schema(
         kind=kind,
         batch_shape=(rows, *trailing),
@@ -234,7 +372,12 @@ def infer_schema(data: Any, *, batched: bool, ndim: int, max_size: int) -> Schem
 
 
 def leaves_for_write(
-    data: Any, *, schema: Schema, index_shape: tuple[int, ...], where: str
+    data: Any,
+    *,
+    schema: Schema,
+    index_shape: tuple[int, ...],
+    where: str,
+    ragged: Ragged = False,
 ) -> tuple[dict[Key, torch.Tensor], list[LeafSpec]]:
     """Validate ``data`` against ``schema`` and return its leaves as ``[n, *row_shape]``.
 
@@ -245,54 +388,100 @@ def leaves_for_write(
     """
     _check_kind(data, schema, where)
     lead = len(index_shape) + len(schema.batch_shape) - 1
-    new = new_leaves(data, schema=schema, lead=lead, where=where)
+    entries = flatten(data)
+    new = _new_specs(entries, schema=schema, lead=lead, where=where, ragged=ragged)
     expected = {leaf.key: leaf for leaf in (*schema.leaves, *new)}
     n = math.prod(index_shape)
+    trailing = schema.batch_shape[1:]
     out: dict[Key, torch.Tensor] = {}
-    for key, tensor in flatten(data).items():
+    for key, entry in entries.items():
         leaf = expected[key]
-        row_shape = (*schema.batch_shape[1:], *leaf.shape)
-        if dtype_name(tensor.dtype) != leaf.dtype:
+        if leaf.value == "tensor" and isinstance(entry, torch.Tensor):
+            out[key] = _fixed_rows(entry, leaf, index_shape, trailing, where)
+            continue
+        if isinstance(entry, torch.Tensor):
+            # A tensor written to a leaf of rows of different lengths: all rows of its length.
+            entry = _plain(entry).reshape(n, *entry.shape[len(index_shape) :])
+        count = len(entry) if not isinstance(entry, torch.Tensor) else entry.shape[0]
+        if count != n * math.prod(trailing):
             raise SchemaMismatchError(
-                f"{where}: entry {key!r} has dtype {tensor.dtype}, the store holds "
-                f"torch.{leaf.dtype}; cast it before writing",
+                f"{where}: entry {key!r} holds {count} rows, expected {n} (index shape "
+                f"{index_shape})",
             )
-        shape = tuple(tensor.shape)
-        if shape != (*index_shape, *row_shape):
-            raise SchemaMismatchError(
-                f"{where}: entry {key!r} has shape {shape}, expected "
-                f"{(*index_shape, *row_shape)} (index shape {index_shape} + stored shape "
-                f"{row_shape})",
-            )
-        if isinstance(tensor, LazyColumn):
-            tensor = tensor.materialize()  # read before any of the rows written changes
-        out[key] = tensor.detach().to("cpu").reshape(n, *row_shape)
+        for part, value in _rows.encode(leaf, entry, where=where).items():
+            out[part] = value.detach().to("cpu").reshape(n, *trailing, *value.shape[1:])
     return out, new
 
 
-def new_leaves(data: Any, *, schema: Schema, lead: int, where: str) -> list[LeafSpec]:
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    if isinstance(tensor, LazyColumn):
+        return tensor.materialize()  # read before any of the rows written changes
+    return tensor
+
+
+def _fixed_rows(
+    tensor: torch.Tensor,
+    leaf: LeafSpec,
+    index_shape: tuple[int, ...],
+    trailing: tuple[int, ...],
+    where: str,
+) -> torch.Tensor:
+    key = leaf.key
+    row_shape = (*trailing, *leaf.shape)
+    if dtype_name(tensor.dtype) != leaf.dtype:
+        raise SchemaMismatchError(
+            f"{where}: entry {key!r} has dtype {tensor.dtype}, the store holds "
+            f"torch.{leaf.dtype}; cast it before writing",
+        )
+    shape = tuple(tensor.shape)
+    if shape != (*index_shape, *row_shape):
+        raise SchemaMismatchError(
+            f"{where}: entry {key!r} has shape {shape}, expected "
+            f"{(*index_shape, *row_shape)} (index shape {index_shape} + stored shape "
+            f"{row_shape}). Rows of different lengths must be declared when the store is "
+            f"created: ZarrStorage(..., ragged=[{key!r}])",
+        )
+    return _plain(tensor).detach().to("cpu").reshape(math.prod(index_shape), *row_shape)
+
+
+def new_leaves(
+    data: Any, *, schema: Schema, lead: int, where: str, ragged: Ragged = False
+) -> list[LeafSpec]:
     """Specs of the keys of ``data`` that the store does not hold (new columns), whose first
     ``lead`` dimensions are batch dimensions."""
     _check_kind(data, schema, where)
+    return _new_specs(flatten(data), schema=schema, lead=lead, where=where, ragged=ragged)
+
+
+def _new_specs(
+    entries: Mapping[Key, Entry], *, schema: Schema, lead: int, where: str, ragged: Ragged
+) -> list[LeafSpec]:
     held = {leaf.key for leaf in schema.leaves}
-    leaves = flatten(data)
-    if schema.kind == "pytree" and leaves.keys() != held:
+    if schema.kind == "pytree" and entries.keys() != held:
         raise SchemaMismatchError(
-            f"{where}: the pytree written has leaves {sorted(leaves)}, the store holds "
+            f"{where}: the pytree written has leaves {sorted(entries)}, the store holds "
             f"{sorted(held)}; every write must have the structure of the first one",
         )
     new = []
-    for key, tensor in leaves.items():
+    for key, entry in entries.items():
         if key in held:
             continue
-        dtype = dtype_name(tensor.dtype)
-        stored_dtype(dtype)
-        if tensor.ndim < lead:
+        if isinstance(entry, torch.Tensor) and entry.ndim < lead:
             raise SchemaMismatchError(
-                f"{where}: new entry {key!r} has shape {tuple(tensor.shape)}, expected at "
+                f"{where}: new entry {key!r} has shape {tuple(entry.shape)}, expected at "
                 f"least {lead} batch dimensions",
             )
-        new.append(LeafSpec(key=parse_key(key), dtype=dtype, shape=tuple(tensor.shape[lead:])))
+        new.extend(
+            _specs(
+                key,
+                entry,
+                kind="tensordict",
+                lead=lead,
+                ragged=ragged,
+                batch_dims=len(schema.batch_shape),
+                item_batch=schema.item_batch_shape,
+            )
+        )
     return new
 
 
@@ -310,7 +499,10 @@ def flip_list(data: list[Any]) -> Any:
     """A list of elements (``rb.extend([...])``) as one batch of them."""
     try:
         if all(is_tensor_collection(item) for item in data):
-            return torch.stack(data)
+            try:
+                return torch.stack(data)
+            except RuntimeError:
+                return lazy_stack(data)  # rows of different shapes
         flat, specs = zip(*(pytree.tree_flatten(item) for item in data), strict=True)
         stacked = [torch.stack(items) for items in zip(*flat, strict=True)]
         return pytree.tree_unflatten(stacked, specs[0])
@@ -383,9 +575,26 @@ def build(
         if device is not None:
             values = [value.to(device) for value in values]
         return pytree.tree_unflatten(values, load_treespec(schema.treespec))
-    td = TensorDict(batch_size=(*batch_shape, *schema.item_batch_shape), device=device)
-    for key, value in leaves.items():
-        td.set(key, value)
+    others = [leaf for leaf in schema.leaves if leaf.value not in ("tensor", "lengths")]
+    fixed = {leaf.key for leaf in schema.leaves if leaf.value == "tensor"}
+    td: TensorDictBase
+    if any(leaf.value == "ragged" for leaf in others):
+        td = _row_stack(leaves, schema=schema, batch_shape=batch_shape, device=device)
+    else:
+        td = TensorDict(batch_size=(*batch_shape, *schema.item_batch_shape), device=device)
+        for key, value in leaves.items():
+            if key in fixed:
+                td.set(key, value)
+        n = math.prod(batch_shape)
+        for leaf in others:
+            stored = leaves[leaf.key]
+            lengths = leaves.get(leaf.lengths_key) if leaf.ragged else None
+            items = _rows.decode(
+                leaf,
+                stored.reshape(n, *stored.shape[len(batch_shape) :]),
+                None if lengths is None else lengths.reshape(n),
+            )
+            td.set(leaf.key, _non_tensor_stack(items, batch_shape))
     if schema.kind == "tensorclass" and schema.tensorclass is not None:
         cls = resolve_tensorclass(schema.tensorclass)
         if cls is None:
@@ -397,3 +606,57 @@ def build(
             return td
         return cls.from_tensordict(td)  # type: ignore[attr-defined]
     return td
+
+
+def _non_tensor_stack(items: list[Any], batch_shape: tuple[int, ...]) -> NonTensorStack:
+    """Python values (in row order) as a ``NonTensorStack`` of ``batch_shape``, as
+    ``LazyTensorStorage`` returns its non-tensor entries."""
+    nested: list[Any] = items
+    for size in reversed(batch_shape[1:]):
+        nested = [nested[i : i + size] for i in range(0, len(nested), size)]
+    stack: NonTensorStack = NonTensorStack.from_list(nested)
+    return stack
+
+
+def _row_stack(
+    leaves: Mapping[Key, torch.Tensor],
+    *,
+    schema: Schema,
+    batch_shape: tuple[int, ...],
+    device: torch.device | None,
+) -> TensorDictBase:
+    """Rows holding entries of different lengths as a lazy stack of one TensorDict per row,
+    as ``LazyStackStorage`` returns them."""
+    n = math.prod(batch_shape)
+    columns: list[tuple[Key, str, list[Any]]] = []
+    for leaf in schema.leaves:
+        if leaf.value == "lengths":
+            continue
+        values = leaves[leaf.key]
+        values = values.reshape(n, *values.shape[len(batch_shape) :])
+        if leaf.value == "tensor":
+            columns.append((leaf.key, "tensor", list(values.unbind(0))))
+            continue
+        lengths = leaves.get(leaf.lengths_key) if leaf.ragged else None
+        decoded = _rows.decode(leaf, values, None if lengths is None else lengths.reshape(n))
+        columns.append((leaf.key, "tensor" if leaf.value == "ragged" else "value", decoded))
+    rows = []
+    for i in range(n):
+        row = TensorDict(batch_size=(), device=device)
+        for key, what, column in columns:
+            if what == "tensor":
+                row.set(key, column[i])
+            else:
+                row.set_non_tensor(key, column[i])
+        rows.append(row)
+    return _nest(rows, batch_shape)
+
+
+def _nest(rows: list[TensorDictBase], batch_shape: tuple[int, ...]) -> TensorDictBase:
+    if len(batch_shape) > 1:
+        size = math.prod(batch_shape[1:])
+        rows = [_nest(rows[i : i + size], batch_shape[1:]) for i in range(0, len(rows), size)]
+    if not rows:
+        return TensorDict(batch_size=batch_shape)
+    stacked: TensorDictBase = lazy_stack(rows)
+    return stacked

@@ -40,14 +40,27 @@ STATE_CHUNK_BYTES = 2**20
 MAX_CHUNK_ELEMENTS = 2**27
 """Largest chunk (or shard) accepted from an array's metadata, in elements: a read
 allocates a whole chunk, so a hostile ``chunk_shape`` must not size one."""
+MAX_RAGGED_WIDTH = 2**40
+"""The widest a ragged array may claim to be (a bound on hostile metadata)."""
 
 
-def array_metadata_problem(document: Any, shape: list[int]) -> str | None:
-    """What is wrong with an array's parsed ``zarr.json`` for an array of ``shape``."""
+def array_metadata_problem(document: Any, shape: list[int | None]) -> str | None:
+    """What is wrong with an array's parsed ``zarr.json`` for an array of ``shape``
+    (``None``: any bounded length along that dimension, a ragged array's width)."""
     if not isinstance(document, dict) or document.get("node_type") != "array":
         return "zarr.json does not describe an array"
-    if document.get("shape") != shape:
-        return f"shape {str(document.get('shape'))[:80]}, expected {shape}"
+    found = document.get("shape")
+    if not (
+        isinstance(found, list)
+        and len(found) == len(shape)
+        and all(
+            n == want
+            if want is not None
+            else isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_RAGGED_WIDTH
+            for n, want in zip(found, shape, strict=True)
+        )
+    ):
+        return f"shape {str(found)[:80]}, expected {shape}"
     grid = document.get("chunk_grid")
     config = grid.get("configuration") if isinstance(grid, dict) else None
     chunk_shapes = [config.get("chunk_shape") if isinstance(config, dict) else None]
@@ -187,7 +200,7 @@ class LocalLocation:
             self._written_metadata(path)
             zarr.open_group(self.root / path, mode="a", zarr_format=3)
 
-    def open_array(self, path: str, *, read_only: bool) -> RowArray:
+    def open_array(self, path: str, *, read_only: bool, ragged: bool = False) -> RowArray:
         spec = {
             "driver": "zarr3",
             "kvstore": {"driver": "file", "path": str(self.root / path)},
@@ -197,10 +210,20 @@ class LocalLocation:
             "fill_missing_data_reads": False,
             "store_data_equal_to_fill_value": True,
         }
-        array = ts.open(
-            spec, open=True, read=True, write=not read_only, context=self._context
-        ).result()
-        return RowArray(array, path, root=self.root, durability=self.durability)
+
+        def reopen() -> ts.TensorStore:
+            return ts.open(
+                spec, open=True, read=True, write=not read_only, context=self._context
+            ).result()
+
+        return RowArray(
+            reopen(),
+            path,
+            root=self.root,
+            durability=self.durability,
+            ragged=ragged,
+            reopen=reopen,
+        )
 
     # --- state groups: small arrays and JSON attributes -------------------------------------
 
@@ -283,7 +306,7 @@ class LocalLocation:
             overwrite=True,
         )
 
-    def check_array_metadata(self, path: str, shape: tuple[int, ...]) -> None:
+    def check_array_metadata(self, path: str, shape: tuple[int | None, ...]) -> None:
         """Read an array's ``zarr.json`` with a bounded parser before TensorStore sees it,
         and check it against the expected ``shape`` (before anything is sized from it).
 
@@ -433,29 +456,43 @@ def _walk_files(root: Path) -> Iterator[Path]:
 
 
 class RowArray:
-    """One Zarr array addressed by rows (its first dimension)."""
+    """One Zarr array addressed by rows (its first dimension).
+
+    A *ragged* array keeps rows of different lengths along its second dimension: each row
+    is written and read up to a width (its length, or the longest of the rows asked for),
+    and the array grows wider when a longer row comes.
+    """
 
     def __init__(
-        self, array: ts.TensorStore, path: str, *, root: Path, durability: Durability
+        self,
+        array: ts.TensorStore,
+        path: str,
+        *,
+        root: Path,
+        durability: Durability,
+        ragged: bool = False,
+        reopen: Callable[[], ts.TensorStore] | None = None,
     ) -> None:
         self._array = array
         self.path = path
+        self.ragged = ragged
         self._root = root
         self._dir = root / path
         self._durability = durability
+        self._reopen = reopen
         encoding = array.spec().to_json().get("metadata", {}).get("chunk_key_encoding", {})
         self._v2_keys = encoding.get("name") == "v2"
         self._separator = encoding.get("configuration", {}).get("separator", "/")
-        write_chunk = [int(c or 1) for c in array.chunk_layout.write_chunk.shape or ()]
-        # Chunk grid positions along the dimensions after the first (one, for our layouts).
-        grid = [
-            math.ceil(n / max(c, 1)) for n, c in zip(self.shape[1:], write_chunk[1:], strict=True)
-        ]
-        self._tail_positions = list(itertools.product(*(range(n) for n in grid)))
+        self._write_chunk = [int(c or 1) for c in array.chunk_layout.write_chunk.shape or ()]
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(int(n) for n in self._array.shape)
+
+    @property
+    def width(self) -> int:
+        """How long a row of a ragged array can be now."""
+        return self.shape[1]
 
     @property
     def dtype(self) -> np.dtype[Any]:
@@ -471,28 +508,54 @@ class RowArray:
         """Rows per stored (inner) chunk: the unit a checksum covers."""
         return _rows_of(self._array.chunk_layout.read_chunk)
 
+    @property
+    def chunk_length(self) -> int:
+        """Elements of a row per chunk along the second dimension (ragged arrays)."""
+        return self._write_chunk[1]
+
+    def _tail_positions(self, width: int | None) -> list[tuple[int, ...]]:
+        """Chunk grid positions along the dimensions after the first (up to ``width`` along
+        the second one of a ragged array)."""
+        extents = list(self.shape[1:])
+        if width is not None:
+            extents[0] = width
+        grid = [
+            math.ceil(n / max(c, 1)) for n, c in zip(extents, self._write_chunk[1:], strict=True)
+        ]
+        return list(itertools.product(*(range(n) for n in grid)))
+
     def chunk_file(self, chunk: int, tail: tuple[int, ...] = ()) -> Path:
         """The file holding write chunk (shard) ``chunk`` along the rows."""
         indices = [str(chunk), *(str(i) for i in tail)]
         key: str = self._separator.join(indices if self._v2_keys else ["c", *indices])
         return self._dir / key
 
-    def chunk_files(self, rows: np.ndarray) -> list[Path]:
+    def chunk_files(self, rows: np.ndarray, width: int | None = None) -> list[Path]:
+        tails = self._tail_positions(width)
         return [
             self.chunk_file(int(chunk), tail)
             for chunk in np.unique(rows // self.chunk_rows)
-            for tail in self._tail_positions
+            for tail in tails
         ]
 
-    def damaged_runs(self, start: int, stop: int) -> list[tuple[int, int, str]]:
-        """The stored chunks among rows ``[start, stop)`` that cannot be read back intact.
+    def _region(self, first: Any, width: int | None) -> ts.TensorStore:
+        region: ts.TensorStore = (
+            self._array[first] if width is None else self._array[first, 0:width]
+        )
+        return region
+
+    def damaged_runs(
+        self, start: int, stop: int, width: int | None = None
+    ) -> list[tuple[int, int, str]]:
+        """The stored chunks among rows ``[start, stop)`` (up to ``width``) that cannot be
+        read back intact.
 
         Returns:
             ``(first_row, end_row, reason)`` for each damaged chunk (rows clipped to the
             range asked).
         """
         try:
-            self._array[start:stop].read().result()
+            self._region(slice(start, stop), width).read().result()
             return []
         except ValueError:
             pass
@@ -501,19 +564,22 @@ class RowArray:
         for first in range(start - start % step, stop, step):
             a, b = max(first, start), min(first + step, stop)
             try:
-                self._array[a:b].read().result()
+                self._region(slice(a, b), width).read().result()
             except ValueError as err:
                 damaged.append((a, b, _short_reason(err)))
         return damaged
 
-    def damage_error(self, rows: np.ndarray, err: ValueError) -> ValueError:
+    def damage_error(
+        self, rows: np.ndarray, err: ValueError, width: int | None = None
+    ) -> ValueError:
         """Why reading ``rows`` failed: a :class:`ChunkCorruptedError` naming the damaged
         chunks among them, or ``err`` when none is damaged now (a chunk replaced while it
         was read)."""
         step = self.read_chunk_rows
         damaged: list[tuple[int, int, str]] = []
         for chunk in np.unique(rows // step).tolist():
-            damaged.extend(self.damaged_runs(chunk * step, min(self.shape[0], (chunk + 1) * step)))
+            stop = min(self.shape[0], (chunk + 1) * step)
+            damaged.extend(self.damaged_runs(chunk * step, stop, width))
         if not damaged:
             return err
         return ChunkCorruptedError(
@@ -525,10 +591,13 @@ class RowArray:
             rows=[(a, b) for a, b, _ in damaged],
         )
 
-    def read_rows(self, rows: np.ndarray) -> PendingRead:
-        """Start reading ``rows`` (any order, repeats allowed): ``[len(rows), ...]``."""
+    def read_rows(self, rows: np.ndarray, width: int | None = None) -> PendingRead:
+        """Start reading ``rows`` (any order, repeats allowed): ``[len(rows), ...]``, up to
+        ``width`` along the second dimension of a ragged array."""
+        if width is not None and width > self.width:
+            self.refresh()  # the writer made it wider since it was opened
         if _is_run(rows):
-            return self._array[int(rows[0]) : int(rows[0]) + rows.size].read()
+            return self._region(slice(int(rows[0]), int(rows[0]) + rows.size), width).read()
         breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         if (breaks.size + 1) * 4 <= rows.size:
             # Runs of consecutive rows (trajectory slices): one slice read per run is
@@ -539,20 +608,44 @@ class RowArray:
                 strict=True,
             )
             return _Runs(
-                [self._array[int(rows[a]) : int(rows[a]) + b - a].read() for a, b in bounds]
+                [
+                    self._region(slice(int(rows[a]), int(rows[a]) + b - a), width).read()
+                    for a, b in bounds
+                ]
             )
-        return self._array[rows].read()
+        return self._region(rows, width).read()
 
     def write_rows(self, rows: np.ndarray, values: np.ndarray) -> ts.WriteFutures:
-        """Start writing ``values[i]`` to row ``rows[i]`` (``rows`` unique).
+        """Start writing ``values[i]`` to row ``rows[i]`` (``rows`` unique); rows of a ragged
+        array up to the width of ``values`` (widen it first with :meth:`grow`).
 
         The chunk files written are made durable by the next commit.
         """
+        width = int(values.shape[1]) if self.ragged else None
         announce("write", self._dir)
-        self._durability.written(self.chunk_files(rows))
+        self._durability.written(self.chunk_files(rows, width))
         if _is_run(rows):
-            return self._array[int(rows[0]) : int(rows[0]) + rows.size].write(values)
-        return self._array[rows].write(values)
+            return self._region(slice(int(rows[0]), int(rows[0]) + rows.size), width).write(values)
+        return self._region(rows, width).write(values)
+
+    def grow(self, width: int) -> None:
+        """Make a ragged array at least ``width`` wide (doubling, in whole chunks): only its
+        metadata changes, no chunk is rewritten."""
+        if width <= self.width:
+            return
+        wider = max(width, 2 * self.width)
+        wider = -(-wider // self.chunk_length) * self.chunk_length
+        metadata = self._dir / ROOT_METADATA
+        announce("write", metadata)
+        self._durability.written([metadata])
+        shape = list(self.shape)
+        shape[1] = wider
+        self._array = self._array.resize(exclusive_max=shape, resize_metadata_only=True).result()
+
+    def refresh(self) -> None:
+        """Reopen the array to see the shape its writer gave it since."""
+        if self._reopen is not None:
+            self._array = self._reopen()
 
 
 def _rows_of(grid: Any) -> int:

@@ -30,9 +30,13 @@ from zarr_rb.errors import (
     UnsupportedDataError,
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Format 2 added leaves of non-tensor values and rows of different lengths; stores of
+format 1 (tensor leaves only) open unchanged."""
 ATTRS_KEY = "zarr_rb"
 DATA_GROUP = "data"
+LENGTHS_GROUP = "lengths"
+"""Where the per-row lengths of ragged leaves live (``lengths/<key>``, int64)."""
 STATE_GROUP = "state"
 TENSOR_LEAF_NAME = "tensor"
 """Array name used under ``data/`` when the storage holds a bare tensor."""
@@ -109,16 +113,57 @@ def stored_dtype(dtype: str) -> str:
         ) from None
 
 
+Value = Literal["tensor", "ragged", "str", "bytes", "int", "float", "bool", "none", "lengths"]
+"""What a leaf holds per row: a tensor of a fixed shape; a tensor whose first dimension differs
+from row to row (``"ragged"``); one Python value of a type (``"str"``, ``"bytes"``, ``"int"``,
+``"float"``, ``"bool"``, ``"none"``: ``NonTensorData`` entries); or the row lengths of a ragged
+leaf (``"lengths"``, internal)."""
+VALUES: tuple[Value, ...] = (
+    "tensor",
+    "ragged",
+    "str",
+    "bytes",
+    "int",
+    "float",
+    "bool",
+    "none",
+    "lengths",
+)
+RAGGED_VALUES = ("ragged", "str", "bytes")
+"""Leaves kept as rows of different lengths: values padded along their first element
+dimension (an array that grows wider as longer rows come), and a lengths leaf."""
+RAGGED_NOMINAL_LENGTH = 256
+"""The row length of ragged leaves assumed where a row's size must be guessed (block sizes)."""
+SCALAR_DTYPES = {"str": "uint8", "bytes": "uint8", "int": "int64", "float": "float64"}
+SCALAR_DTYPES.update({"bool": "bool", "none": "uint8"})
+"""The dtype each kind of non-tensor value is stored as (strings as their UTF-8 bytes)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LeafSpec:
-    """One array of the store: its key, its torch dtype and the shape of one element.
+    """One array of the store: its key, its torch dtype, the shape of one element and what
+    one row of it holds (:data:`Value`).
 
-    ``shape`` excludes the storage's batch dimensions (``ndim`` of them).
+    ``shape`` excludes the storage's batch dimensions (``ndim`` of them) and, for ragged
+    leaves, the dimension whose length varies from row to row (the first of the element).
     """
 
     key: tuple[str, ...]
     dtype: str
     shape: tuple[int, ...]
+    value: Value = "tensor"
+
+    @property
+    def ragged(self) -> bool:
+        return self.value in RAGGED_VALUES
+
+    @property
+    def lengths_key(self) -> tuple[str, ...]:
+        """The key of this ragged leaf's lengths leaf (no data key starts with ``""``)."""
+        return ("", *self.key)
+
+    def lengths_leaf(self) -> LeafSpec:
+        return LeafSpec(key=self.lengths_key, dtype="int64", shape=(), value="lengths")
 
     @property
     def stored_dtype(self) -> str:
@@ -126,6 +171,8 @@ class LeafSpec:
 
     @property
     def path(self) -> str:
+        if self.value == "lengths":
+            return "/".join((LENGTHS_GROUP, *self.key[1:]))
         return array_path(self.key)
 
     @property
@@ -134,10 +181,15 @@ class LeafSpec:
 
     @property
     def element_nbytes(self) -> int:
-        return self.itemsize * math.prod(self.shape)
+        """Bytes of one element (of a ragged leaf: of a nominal row, for sizing blocks)."""
+        nominal = RAGGED_NOMINAL_LENGTH if self.ragged else 1
+        return self.itemsize * math.prod(self.shape) * nominal
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": list(self.key), "dtype": self.dtype, "shape": list(self.shape)}
+        out = {"key": list(self.key), "dtype": self.dtype, "shape": list(self.shape)}
+        if self.value != "tensor":
+            out["value"] = self.value
+        return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -387,11 +439,21 @@ def _parse_leaf(value: object, kind: Kind) -> LeafSpec:
     assert isinstance(dtype, str)
     shape = _parse_int_list(value.get("shape"), "leaf shape")
     _expect(math.prod(shape) <= 2**40, "a leaf shape of bounded size", shape)
+    held = value.get("value", "tensor")
+    _expect(held in VALUES, f"a leaf value among {VALUES}", held)
+    assert held in VALUES
+    expected_dtype = "int64" if held == "lengths" else SCALAR_DTYPES.get(held, dtype)
+    _expect(dtype == expected_dtype, f"dtype {expected_dtype} for {held} leaves", dtype)
+    _expect(held in ("tensor", "ragged") or not shape, "no element shape for values", shape)
     try:
-        key = parse_key(key_raw, kind=kind)
+        if held == "lengths":
+            _expect(bool(key_raw) and key_raw[0] == "", "a lengths key starting with ''", key_raw)
+            key = ("", *parse_key(key_raw[1:], kind=kind))
+        else:
+            key = parse_key(key_raw, kind=kind)
     except UnsupportedDataError as err:
         raise StoreCorruptedError(f"invalid zarr_rb metadata: {err}") from None
-    return LeafSpec(key=key, dtype=dtype, shape=shape)
+    return LeafSpec(key=key, dtype=dtype, shape=shape, value=held)
 
 
 def parse_schema(value: object, *, ndim: int) -> Schema | None:
@@ -431,10 +493,19 @@ def parse_schema(value: object, *, ndim: int) -> Schema | None:
     item_batch_shape = _parse_int_list(value.get("item_batch_shape", []), "item_batch_shape")
     for leaf in leaves:
         _expect(
-            leaf.shape[: len(item_batch_shape)] == item_batch_shape,
+            leaf.value == "tensor" or not item_batch_shape,
+            "no item batch dimensions beside values or ragged leaves",
+            item_batch_shape,
+        )
+        _expect(
+            leaf.value != "tensor" or leaf.shape[: len(item_batch_shape)] == item_batch_shape,
             f"leaf {leaf.key!r} shape to start with item_batch_shape {item_batch_shape}",
             leaf.shape,
         )
+    ragged = sorted(leaf.key for leaf in leaves if leaf.ragged)
+    lengths = sorted(leaf.key[1:] for leaf in leaves if leaf.value == "lengths")
+    _expect(ragged == lengths, "one lengths leaf for each ragged leaf", lengths)
+    _expect(not ragged or len(batch_shape) == 1, "ragged leaves in a 1-D storage only", ragged)
     return Schema(
         kind=kind,
         batch_shape=batch_shape,

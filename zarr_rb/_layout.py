@@ -21,6 +21,7 @@ Codec = Literal["zstd", "lz4", "none"]
 
 _TARGET_SHARD_BYTES = 32 * 2**20
 _TARGET_SMALL_CHUNK_BYTES = 2**20
+_TARGET_RAGGED_CHUNK_BYTES = 16 * 2**10
 _MIN_BLOCK_ROWS = 256
 _MAX_BLOCK_ROWS = 4096
 
@@ -119,6 +120,16 @@ def choose_block_rows(
     return max(chunk, min(block, _round_up(rows, chunk)))
 
 
+def ragged_chunk_length(leaf: LeafSpec, compression: Compression) -> int:
+    """Elements of a ragged leaf's rows per inner chunk: a power of two making an inner chunk
+    about 16 KiB, so that a short row reads one chunk and a long one a few."""
+    per_element = leaf.itemsize * math.prod(leaf.shape) * compression.chunk_rows
+    length = 8
+    while length * 2 * per_element <= _TARGET_RAGGED_CHUNK_BYTES:
+        length *= 2
+    return length
+
+
 def leaf_layout(
     leaf: LeafSpec,
     *,
@@ -127,6 +138,15 @@ def leaf_layout(
     compression: Compression,
 ) -> LeafLayout:
     rows = batch_shape[0]
+    if leaf.ragged:
+        # Rows padded along their varying dimension: one chunk column to start with, more as
+        # longer rows come (the array grows wider); shards of a block of rows, one chunk wide.
+        length = ragged_chunk_length(leaf, compression)
+        return LeafLayout(
+            shape=(rows, length, *leaf.shape),
+            chunks=(compression.chunk_rows, length, *leaf.shape),
+            shards=(block_rows, length, *leaf.shape),
+        )
     tail = (*batch_shape[1:], *leaf.shape)
     shape = (rows, *tail)
     nbytes = row_nbytes(leaf, batch_shape)

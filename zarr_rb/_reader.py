@@ -68,7 +68,7 @@ def read_committed(
                 f"holes {list(commit.holes)}); call refresh() to pick up newer commits",
             )
         try:
-            out = store._read_disk(dict.fromkeys(keys, rows[published]))
+            out = store._read_disk_all(dict.fromkeys(keys, rows[published]))
             if not published.all():
                 out = {key: _spread(value, published) for key, value in out.items()}
         except ValueError as err:  # damaged, or a shard replaced while it was read
@@ -87,7 +87,7 @@ def read_committed(
 
 def _spread(values: torch.Tensor, where: np.ndarray) -> torch.Tensor:
     """``values`` at the ``True`` positions of ``where``, zeros elsewhere."""
-    out = torch.zeros((where.size, *values.shape[1:]), dtype=values.dtype)
+    out = values.new_zeros((where.size, *values.shape[1:]))
     out[torch.from_numpy(np.flatnonzero(where))] = values
     return out
 

@@ -42,11 +42,15 @@ class WriteBuffer:
         dtypes: Mapping[Key, torch.dtype],
         block_rows: int,
         rows: int,
+        ragged: frozenset[Key] = frozenset(),
     ) -> None:
         self.block_rows = block_rows
         self.rows = rows
         self._element_shapes = dict(element_shapes)
         self._dtypes = dict(dtypes)
+        self._ragged = set(ragged)
+        """Keys whose rows differ in length (their first element dimension): a block holds
+        them padded with zeros to the longest row it holds, and grows wider as needed."""
         self._blocks: dict[int, Block] = {}
 
     def __len__(self) -> int:
@@ -66,9 +70,12 @@ class WriteBuffer:
 
     def _new_block(self, index: int) -> Block:
         n = self.block_rows
-        # Uninitialised: only rows marked dirty are ever read or written.
+        # Uninitialised: only rows marked dirty are ever read or written (ragged leaves
+        # start empty: zeros, as their padding must be).
         values = {
-            key: torch.empty((n, *shape), dtype=self._dtypes[key])
+            key: (torch.zeros if key in self._ragged else torch.empty)(
+                (n, *shape), dtype=self._dtypes[key]
+            )
             for key, shape in self._element_shapes.items()
         }
         dirty = np.zeros(n, dtype=bool)
@@ -112,7 +119,7 @@ class WriteBuffer:
                 block = self._new_block(index)
             positions = torch.from_numpy(offsets)
             for key, tensor in values.items():
-                block.values[key][positions] = tensor[start:stop]
+                self._put(block, key, positions, tensor[start:stop])
             block.dirty[offsets] = True
             if block.full:
                 full.append(index)
@@ -130,13 +137,37 @@ class WriteBuffer:
             offsets = torch.from_numpy(rows[positions] - block.index * self.block_rows)
             picked = torch.from_numpy(positions)
             for key, tensor in values.items():
-                block.values[key][offsets] = tensor[picked]
+                self._put(block, key, offsets, tensor[picked])
         return hit
 
-    def add_key(self, key: Key, element_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def _put(self, block: Block, key: Key, offsets: torch.Tensor, values: torch.Tensor) -> None:
+        """``block.values[key][offsets] = values``; ragged rows padded with zeros to the
+        block's width, which grows to the width of ``values``."""
+        target = block.values[key]
+        if key not in self._ragged:
+            target[offsets] = values
+            return
+        width = values.shape[1]
+        if width > target.shape[1]:
+            wider = target.new_zeros((target.shape[0], width, *target.shape[2:]))
+            wider[:, : target.shape[1]] = target
+            block.values[key] = target = wider
+        target[offsets, :width] = values
+        target[offsets, width:] = 0
+
+    def add_key(
+        self,
+        key: Key,
+        element_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        *,
+        ragged: bool = False,
+    ) -> None:
         """A new leaf: held rows read as zeros in it until written."""
         self._element_shapes[key] = element_shape
         self._dtypes[key] = dtype
+        if ragged:
+            self._ragged.add(key)
         for block in self._blocks.values():
             block.values[key] = torch.zeros((self.block_rows, *element_shape), dtype=dtype)
 

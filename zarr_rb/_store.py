@@ -144,21 +144,42 @@ class Store:
         """Rows covered by ``length`` (elements)."""
         return -(-self.length // self._elements_per_row(self.schema))
 
-    def element_shape(self, leaf: LeafSpec) -> tuple[int, ...]:
-        """Shape of one row of a leaf's array."""
+    def element_shape(self, leaf: LeafSpec, width: int = 0) -> tuple[int, ...]:
+        """Shape of one row of a leaf's array (of a ragged leaf: ``width`` long)."""
         assert self.schema is not None
+        if leaf.ragged:
+            return (width, *leaf.shape)
         return (*self.schema.batch_shape[1:], *leaf.shape)
+
+    def _array_shape(self, leaf: LeafSpec) -> tuple[int | None, ...]:
+        """The shape a leaf's array must have (``None``: a ragged array's width, any)."""
+        if leaf.ragged:
+            return (self.rows, None, *leaf.shape)
+        return (self.rows, *self.element_shape(leaf))
+
+    def with_lengths(self, keys: Iterable[Key]) -> list[Key]:
+        """``keys`` and the lengths leaves of the ragged ones among them."""
+        keys = list(keys)
+        lengths = [self._leaf(key).lengths_key for key in keys if self._leaf(key).ragged]
+        return keys + [key for key in dict.fromkeys(lengths) if key not in keys]
+
+    def _plain_then_ragged(self, keys: Sequence[Key]) -> list[list[Key]]:
+        """Keys in the order they are read: ragged leaves after the lengths they need."""
+        plain = [key for key in keys if not self._leaf(key).ragged]
+        ragged = [key for key in keys if self._leaf(key).ragged]
+        return [group for group in (plain, ragged) if group]
 
     def _attach_schema(self, schema: Schema, block_rows: int) -> None:
         self._leaves = leaves_by_key(schema.leaves)
         # Row masks are sized from the schema: check it against an array on disk first.
-        first = schema.leaves[0]
-        self.location.check_array_metadata(first.path, (schema.rows, *self.element_shape(first)))
+        first = next(leaf for leaf in schema.leaves if not leaf.ragged)
+        self.location.check_array_metadata(first.path, self._array_shape(first))
         self._buffer = WriteBuffer(
             element_shapes={leaf.key: self.element_shape(leaf) for leaf in schema.leaves},
             dtypes={leaf.key: TORCH_DTYPES[leaf.dtype] for leaf in schema.leaves},
             block_rows=block_rows,
             rows=schema.rows,
+            ragged=frozenset(leaf.key for leaf in schema.leaves if leaf.ragged),
         )
         self._update_mirrorable()
         # Rows known to hold intact data: those of the commit. Rows past it were never
@@ -171,7 +192,8 @@ class Store:
         small = [
             leaf
             for leaf in schema.leaves
-            if row_nbytes(leaf, schema.batch_shape) < self.compression.large_row_bytes
+            if not leaf.ragged
+            and row_nbytes(leaf, schema.batch_shape) < self.compression.large_row_bytes
         ]
         small_bytes = sum(row_nbytes(leaf, schema.batch_shape) for leaf in small)
         if not self.read_only and schema.rows * small_bytes <= MIRROR_LIMIT_BYTES:
@@ -209,7 +231,9 @@ class Store:
         self.meta = dataclasses.replace(self.meta, schema=grown)
         self._leaves = leaves_by_key(grown.leaves)
         for leaf in leaves:
-            self._buffer.add_key(leaf.key, self.element_shape(leaf), TORCH_DTYPES[leaf.dtype])
+            self._buffer.add_key(
+                leaf.key, self.element_shape(leaf), TORCH_DTYPES[leaf.dtype], ragged=leaf.ragged
+            )
         self._update_mirrorable()
         # Zeros on disk for every row that holds data there (intact here, or published to
         # readers), so that those rows stay whole with the new keys; rows waiting in RAM get
@@ -220,6 +244,8 @@ class Store:
             for start, stop in _runs(on_disk, block_rows):
                 rows = np.arange(start, stop)
                 for leaf in leaves:
+                    if leaf.ragged:
+                        continue  # its rows are empty (their lengths are zeros): nothing to read
                     zeros = np.zeros((rows.size, *self.element_shape(leaf)), leaf.stored_dtype)
                     futures.append(self.array(leaf.key).write_rows(rows, zeros))
             for future in futures:
@@ -255,15 +281,21 @@ class Store:
         if array is None:
             assert self.schema is not None
             leaf = self._leaf(key)
-            expected = (self.rows, *self.element_shape(leaf))
+            expected = self._array_shape(leaf)
             self.location.check_array_metadata(leaf.path, expected)
             try:
-                array = self.location.open_array(leaf.path, read_only=self.read_only)
+                array = self.location.open_array(
+                    leaf.path, read_only=self.read_only, ragged=leaf.ragged
+                )
             except ValueError as err:
                 raise StoreCorruptedError(
                     f"store {str(self.location.root)!r}: cannot open array {leaf.path!r} ({err})"
                 ) from None
-            if array.shape != expected or array.dtype != np.dtype(leaf.stored_dtype):
+            shape_ok = len(array.shape) == len(expected) and all(
+                want is None or want == got
+                for want, got in zip(expected, array.shape, strict=False)
+            )
+            if not shape_ok or array.dtype != np.dtype(leaf.stored_dtype):
                 raise StoreCorruptedError(
                     f"store {str(self.location.root)!r}: array {leaf.path!r} has shape "
                     f"{array.shape} and dtype {array.dtype}, expected {expected} and "
@@ -363,7 +395,13 @@ class Store:
             try:
                 for rows, values in writes:
                     for key, tensor in values.items():
-                        futures.append(self.array(key).write_rows(rows, to_numpy(tensor)))
+                        array = self.array(key)
+                        if array.ragged:
+                            tensor = _whole_chunks(tensor, array)
+                            if not tensor.shape[1]:
+                                continue  # empty rows: nothing to write
+                            array.grow(tensor.shape[1])
+                        futures.append(array.write_rows(rows, to_numpy(tensor)))
             finally:
                 errors = []
                 for future in futures:
@@ -511,12 +549,16 @@ class Store:
         """
         keys = list(keys)
         if self.read_only:
-            return read_committed(self, rows, keys, unreadable_as_zeros=unreadable_as_zeros)
+            committed = read_committed(
+                self, rows, self.with_lengths(keys), unreadable_as_zeros=unreadable_as_zeros
+            )
+            return {key: committed[key] for key in keys}
         assert self._buffer is not None
         assert self._ledger is not None
         hit, served = self._buffer.staged_rows(rows)
+        wanted = self.with_lengths(keys)
         on_disk: dict[Key, np.ndarray] = {}
-        for key in keys:
+        for key in wanted:
             readable = self._ledger.readable(rows, key) | hit
             if not readable.all() and not unreadable_as_zeros:
                 lost = ~readable
@@ -530,22 +572,35 @@ class Store:
                         "they have not been rewritten since",
                     )
             on_disk[key] = readable & ~hit
-        mirrored = {key: self._mirror_of(key) for key in keys if key in self._mirrorable}
-        if not hit.any() and all(on_disk[key].all() for key in keys):
-            out = self._read_disk({key: rows for key in keys if key not in mirrored})
-        else:
-            out = self._read_disk({key: rows[on_disk[key]] for key in keys if key not in mirrored})
-            for key, part in out.items():
-                tensor = torch.zeros((rows.size, *part.shape[1:]), dtype=part.dtype)
-                tensor[torch.from_numpy(np.flatnonzero(on_disk[key]))] = part
+        out: dict[Key, torch.Tensor] = {}
+        index = torch.from_numpy(rows)
+        # Plain leaves first: they include the lengths that ragged leaves are read by.
+        for group in self._plain_then_ragged(wanted):
+            mirrored = [key for key in group if key in self._mirrorable]
+            out.update({key: self._mirror_of(key)[index] for key in mirrored})
+            requests = {key: rows[on_disk[key]] for key in group if key not in mirrored}
+            lengths = {
+                key: out[self._leaf(key).lengths_key][torch.from_numpy(on_disk[key])].numpy()
+                for key in requests
+                if self._leaf(key).ragged
+            }
+            parts = self._read_disk(requests, lengths)
+            everything = not hit.any() and all(on_disk[key].all() for key in requests)
+            for key, part in parts.items():
+                if everything:
+                    out[key] = part
+                    continue
+                leaf = self._leaf(key)
+                width = self._widest(leaf, out) if leaf.ragged else 0
+                tensor = torch.zeros(
+                    (rows.size, *self.element_shape(leaf, width)), dtype=part.dtype
+                )
+                _place(tensor, torch.from_numpy(np.flatnonzero(on_disk[key])), part)
                 for block, positions in served:
                     offsets = rows[positions] - block.index * self._buffer.block_rows
-                    tensor[torch.from_numpy(positions)] = block.values[key][
-                        torch.from_numpy(offsets)
-                    ]
+                    staged = block.values[key][torch.from_numpy(offsets)]
+                    _place(tensor, torch.from_numpy(positions), staged)
                 out[key] = tensor
-        index = torch.from_numpy(rows)
-        out.update({key: mirror[index] for key, mirror in mirrored.items()})
         return {key: out[key] for key in keys}
 
     def _mirror_of(self, key: Key) -> torch.Tensor:
@@ -573,23 +628,91 @@ class Store:
     def _leaf(self, key: Key) -> LeafSpec:
         return self._leaves[key]
 
-    def _read_disk(self, requests: Mapping[Key, np.ndarray]) -> dict[Key, torch.Tensor]:
-        """Read ``requests[key]`` rows of each key; the reads of all keys run together."""
-        futures = {
-            key: self.array(key).read_rows(rows) for key, rows in requests.items() if rows.size
-        }
+    def _read_disk(
+        self,
+        requests: Mapping[Key, np.ndarray],
+        lengths: Mapping[Key, np.ndarray] | None = None,
+    ) -> dict[Key, torch.Tensor]:
+        """Read ``requests[key]`` rows of each key; the reads of all keys run together.
+
+        Ragged leaves need the lengths of the rows asked (``lengths[key]``): each row is read
+        up to its length only, and rows come back padded with zeros to the longest.
+        """
+        futures: dict[Key, list[tuple[np.ndarray, int | None, Any]]] = {}
+        for key, rows in requests.items():
+            if not rows.size:
+                continue
+            array = self.array(key)
+            if not array.ragged:
+                futures[key] = [(np.arange(rows.size), None, array.read_rows(rows))]
+                continue
+            assert lengths is not None
+            sizes = self._checked_lengths(key, lengths[key], array)
+            # Rows grouped by how many chunks they span: each read touches only chunks
+            # that were written with those rows (a missing chunk is an error, not zeros).
+            spans = -(-sizes // array.chunk_length)
+            futures[key] = [
+                (picked, width, array.read_rows(rows[picked], width))
+                for span in np.unique(spans[spans > 0]).tolist()
+                for picked, width in [(np.flatnonzero(spans == span), span * array.chunk_length)]
+            ]
         out = {}
         for key, rows in requests.items():
-            dtype = TORCH_DTYPES[self._leaf(key).dtype]
-            future = futures.get(key)
-            if future is None:
-                out[key] = torch.empty((0, *self.element_shape(self._leaf(key))), dtype=dtype)
+            leaf = self._leaf(key)
+            dtype = TORCH_DTYPES[leaf.dtype]
+            if not leaf.ragged:
+                parts = futures.get(key)
+                if parts is None:
+                    out[key] = torch.empty((0, *self.element_shape(leaf)), dtype=dtype)
+                    continue
+                try:
+                    out[key] = from_numpy(parts[0][2].result(), dtype)
+                except ValueError as err:
+                    raise self.array(key).damage_error(rows, err) from None
                 continue
-            try:
-                out[key] = from_numpy(future.result(), dtype)
-            except ValueError as err:
-                raise self.array(key).damage_error(rows, err) from None
+            assert lengths is not None
+            sizes = lengths[key]
+            widest = int(sizes.max()) if sizes.size else 0
+            padded = np.zeros((rows.size, *self.element_shape(leaf, widest)), leaf.stored_dtype)
+            for picked, width, future in futures.get(key, []):
+                try:
+                    part = future.result()
+                except ValueError as err:
+                    raise self.array(key).damage_error(rows[picked], err, width) from None
+                span = min(widest, part.shape[1])
+                padded[picked, :span] = part[:, :span]
+            if widest:
+                padded[np.arange(widest) >= sizes[:, None]] = 0  # what lies past each length
+            out[key] = from_numpy(padded, dtype)
         return out
+
+    def _checked_lengths(self, key: Key, sizes: np.ndarray, array: RowArray) -> np.ndarray:
+        """Row lengths of a ragged leaf, checked against its array (stores are untrusted)."""
+        if sizes.size and (int(sizes.max()) > array.width or int(sizes.min()) < 0):
+            array.refresh()  # the writer made it wider since this store opened it
+        if sizes.size and (int(sizes.max()) > array.width or int(sizes.min()) < 0):
+            raise StoreCorruptedError(
+                f"store {str(self.location.root)!r}: key {key!r} has rows of length "
+                f"{int(sizes.min())}..{int(sizes.max())}, its array holds rows of at most "
+                f"{array.width}",
+            )
+        return sizes.astype(np.int64)
+
+    def _read_disk_all(self, requests: Mapping[Key, np.ndarray]) -> dict[Key, torch.Tensor]:
+        """:meth:`_read_disk` of leaves and of the lengths of their ragged ones (the rows of
+        a ragged leaf's lengths must be asked with it)."""
+        plain = {key: rows for key, rows in requests.items() if not self._leaf(key).ragged}
+        out = self._read_disk(plain)
+        ragged = {key: rows for key, rows in requests.items() if self._leaf(key).ragged}
+        if ragged:
+            lengths = {key: out[self._leaf(key).lengths_key].numpy() for key in ragged}
+            out.update(self._read_disk(ragged, lengths))
+        return out
+
+    def _widest(self, leaf: LeafSpec, out: Mapping[Key, torch.Tensor]) -> int:
+        """The longest of the rows read of a ragged leaf (its lengths are in ``out``)."""
+        sizes = out[leaf.lengths_key]
+        return int(sizes.max()) if sizes.numel() else 0
 
     @_serialized
     def unreadable_rows(self) -> np.ndarray:
@@ -675,6 +798,28 @@ def _runs(mask: np.ndarray, step: int) -> Iterator[tuple[int, int]]:
     for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
         for first in range(start, stop, step):
             yield first, min(stop, (first // step + 1) * step)
+
+
+def _place(tensor: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+    """``tensor[where] = values``; ragged rows (narrower or wider than ``tensor``) up to the
+    width they share (beyond their lengths, rows are padding)."""
+    if values.ndim > 1 and values.shape[1] != tensor.shape[1]:
+        span = min(values.shape[1], tensor.shape[1])
+        tensor[where, :span] = values[:, :span]
+    else:
+        tensor[where] = values
+
+
+def _whole_chunks(tensor: torch.Tensor, array: RowArray) -> torch.Tensor:
+    """Ragged rows padded with zeros to whole chunks along their length (no chunk is
+    partly written, which would read it back first)."""
+    width = tensor.shape[1]
+    whole = -(-width // array.chunk_length) * array.chunk_length
+    if whole == width:
+        return tensor
+    padded = tensor.new_zeros((tensor.shape[0], whole, *tensor.shape[2:]))
+    padded[:, :width] = tensor
+    return padded
 
 
 def _block_rows(block: Block) -> Write:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from zarr_rb import _convert
+from zarr_rb.errors import NotSupportedError
 
 if TYPE_CHECKING:
     from zarr_rb.storage import ZarrStorage
@@ -49,6 +50,38 @@ class LeafSource:
         self._owner.write_leaves(rows, {self._key: values})
 
 
+class RowsOnlySource:
+    """Stands in a lazy view for an entry that no tensor column can hold (strings, rows of
+    different lengths): reading it says where its rows are read."""
+
+    def __init__(self, storage: ZarrStorage, key: Key, length: int, what: str) -> None:
+        self._owner = storage
+        self._key = key
+        self._length = length
+        self._what = what
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def revision(self) -> int:
+        return self._owner._store.version
+
+    def _refuse(self) -> NotSupportedError:
+        return NotSupportedError(
+            f"{self._owner._where}: entry {self._key!r} holds {self._what}, which a lazy view "
+            "(storage[:]) cannot hold as a tensor column: read rows with storage[index] or "
+            f"storage.get(index), or the whole entry with storage.get({self._key!r})",
+        )
+
+    def read(self, rows: np.ndarray) -> torch.Tensor:
+        raise self._refuse()
+
+    def write(self, rows: np.ndarray, values: torch.Tensor) -> None:
+        raise self._refuse()
+
+
 class Gather:
     """The last row gather: its index, the storage revision it saw, and its result."""
 
@@ -59,7 +92,7 @@ class Gather:
         self._versions = self._leaf_versions()
 
     def _leaf_versions(self) -> list[tuple[int, int]]:
-        return [(id(t), t._version) for t in _convert.flatten(self.result).values()]
+        return [(id(t), t._version) for t in _convert.tensors_of(self.result)]
 
     def matches(self, index: torch.Tensor, revision: int) -> bool:
         return (

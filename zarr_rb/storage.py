@@ -9,30 +9,32 @@ relies on go through :mod:`zarr_rb._compat`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
+from tensordict import NonTensorStack
 from torchrl.data.replay_buffers.storages import TensorStorage
 
-from zarr_rb import _compat, _convert, _index, _torchrl_state
+from zarr_rb import _compat, _convert, _index, _rows, _torchrl_state
 from zarr_rb._checkpointer import ZarrStorageCheckpointer
 from zarr_rb._dtypes import TORCH_DTYPES
-from zarr_rb._format import Schema
+from zarr_rb._format import LeafSpec, Schema
 from zarr_rb._holes import guard_sampler, random_readable_indices
 from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
 from zarr_rb._metadata import capacity_of
 from zarr_rb._open import Mode, one_path, open_store, resolve_mode
 from zarr_rb._store import Store
-from zarr_rb._views import Gather, LeafSource
+from zarr_rb._views import Gather, LeafSource, RowsOnlySource
 from zarr_rb.errors import (
     LockedError,
     NotSupportedError,
@@ -43,6 +45,15 @@ __all__ = ["ZarrStorage"]
 
 Key = tuple[str, ...]
 _HANDLE = "_zarr_rb_handle"
+_ENTRY_KINDS = {
+    "ragged": "rows of different lengths",
+    "str": "strings",
+    "bytes": "bytes",
+    "int": "Python ints",
+    "float": "Python floats",
+    "bool": "Python bools",
+    "none": "None values",
+}
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -102,6 +113,11 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         compilable: as for TorchRL's storages (bookkeeping in plain Python numbers). The I/O
             of a store cannot be traced by ``torch.compile``, which breaks the graph there.
         shared_init: not supported yet (raises :class:`~zarr_rb.errors.NotSupportedError`).
+        ragged: tensor entries to store as rows of different lengths (along their first
+            dimension), as ``LazyStackStorage`` holds them: ``True`` for every entry with at
+            least one dimension, or their keys. Entries whose rows differ in the write that
+            creates them are stored so anyway; a store that holds such entries returns rows
+            as lazy stacks of one TensorDict per row.
         consolidated, cleanup_memmap: layout hints of TorchRL's in-RAM storage, accepted and
             without effect on a store.
 
@@ -138,6 +154,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         shared_init: bool = False,
         consolidated: bool = False,
         cleanup_memmap: bool = True,
+        ragged: bool | str | Sequence[str | tuple[str, ...]] = False,
     ) -> None:
         del consolidated, cleanup_memmap  # layout hints of TorchRL's in-RAM storages
         if shared_init:
@@ -191,6 +208,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             if self.initialized and store.committed.length:
                 _compat.set_last_cursor(self, (store.cursor - 1) % store.rows)
             self.existsok = existsok
+            self.__dict__["_ragged"] = _convert.ragged_keys(ragged)
             self.auto_cleanup = tmpdir is not None if auto_cleanup is None else bool(auto_cleanup)
             self.__dict__["_refresh_interval"] = refresh_interval
             self.__dict__["_refreshed_at"] = time.monotonic()
@@ -204,6 +222,11 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         elif self.auto_cleanup:
             store.remove_when_closed(store.path)
         self._attach_store(store)
+
+    @property
+    def _ragged(self) -> _convert.Ragged:
+        ragged: _convert.Ragged = self.__dict__.get("_ragged", False)
+        return ragged
 
     def _attach_store(self, store: Store) -> None:
         self.__dict__["_store"] = store
@@ -425,7 +448,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         if self.device == "auto":  # as LazyTensorStorage: the data's (None for a TensorDict
             self.device = _convert.device_of(data)  # without a device)
         schema = _convert.infer_schema(
-            data, batched=batched, ndim=self.ndim, max_size=self.max_size
+            data, batched=batched, ndim=self.ndim, max_size=self.max_size, ragged=self._ragged
         )
         self._store.initialize(schema)
         self.initialized = True
@@ -450,7 +473,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         else:
             index, index_shape = _index.write_rows(cursor, schema.rows, where=where)
             all_leaves, new = _convert.leaves_for_write(
-                data, schema=schema, index_shape=index_shape, where=where
+                data, schema=schema, index_shape=index_shape, where=where, ragged=self._ragged
             )
             if new:
                 store.add_leaves(new)
@@ -478,7 +501,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         rows, position = _index.read_rows(head, schema.rows, where=where)
         kind = _convert.kind_of(data)
         lead = 0 if kind in ("tensor", "pytree") else data.ndim - len(schema.item_batch_shape)
-        new = _convert.new_leaves(data, schema=schema, lead=lead, where=where)
+        new = _convert.new_leaves(data, schema=schema, lead=lead, where=where, ragged=self._ragged)
         if new:
             self._store.add_leaves(new)
         grown = self._store.schema
@@ -555,6 +578,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         length = _compat.length_along_dim0(self)
         if _index.is_key(index):
             # storage.get("done") or storage.get(("next", "done")): that column, lazily.
+            key = _convert.key_tuple(index)
+            if any(leaf.key == key and leaf.value != "tensor" for leaf in schema.leaves):
+                return self._entry(key)
             return _convert.select(self.get(slice(None)), index)
         head, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
         if isinstance(index, tuple) and not index:
@@ -600,23 +626,49 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         return out
 
     def _lazy_view(self, length: int, *, unused_as_zeros: bool = False) -> Any:
-        """Every leaf as a writable :class:`LazyColumn` over rows ``[0, length)``."""
+        """Every leaf as a writable :class:`LazyColumn` over rows ``[0, length)``; entries no
+        tensor column holds (strings, rows of different lengths) as columns that say, when
+        read, how to read them."""
         schema = self._store.schema
         assert schema is not None
-        columns = {
-            leaf.key: LazyColumn(
-                (length, *self._store.element_shape(leaf)),
-                TORCH_DTYPES[leaf.dtype],
-                source=LeafSource(self, leaf.key, length, unused_as_zeros=unused_as_zeros),
-            )
-            for leaf in schema.leaves
-        }
+        columns: dict[Key, torch.Tensor] = {}
+        leaves = []
+        for leaf in schema.leaves:
+            if leaf.value == "lengths":
+                continue
+            if leaf.value == "tensor":
+                source: Any = LeafSource(self, leaf.key, length, unused_as_zeros=unused_as_zeros)
+                columns[leaf.key] = LazyColumn(
+                    (length, *self._store.element_shape(leaf)),
+                    TORCH_DTYPES[leaf.dtype],
+                    source=source,
+                )
+                leaves.append(leaf)
+                continue
+            what = _ENTRY_KINDS.get(leaf.value, f"{leaf.value} values")
+            source = RowsOnlySource(self, leaf.key, length, what)
+            columns[leaf.key] = LazyColumn((length,), torch.uint8, source=source)
+            leaves.append(LeafSpec(key=leaf.key, dtype="uint8", shape=()))
         return _convert.build(
             columns,
-            schema=schema,
+            schema=dataclasses.replace(schema, leaves=tuple(leaves)),
             batch_shape=(length, *schema.batch_shape[1:]),
             device=self._build_device,
         )
+
+    def _entry(self, key: Key) -> Any:
+        """``storage.get(key)`` of an entry no tensor column holds: every row of it, as a
+        list of tensors (rows of different lengths) or a ``NonTensorStack``."""
+        schema = self._store.schema
+        assert schema is not None
+        length = _compat.length_along_dim0(self)
+        leaf = {leaf.key: leaf for leaf in schema.leaves}[key]
+        rows = np.arange(length)
+        read = self._store.read(rows, [leaf.key, *([leaf.lengths_key] if leaf.ragged else [])])
+        items = _rows.decode(leaf, read[leaf.key], read.get(leaf.lengths_key))
+        if leaf.value == "ragged":
+            return items
+        return NonTensorStack.from_list(items) if items else NonTensorStack(batch_size=(0,))
 
     @_io_boundary
     def _rand_given_ndim(self, batch_size: int) -> Any:
