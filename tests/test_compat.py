@@ -19,7 +19,7 @@ from torchrl.data import (
     TensorDictReplayBuffer,
 )
 from torchrl.data.replay_buffers import checkpointers, samplers, writers
-from torchrl.data.replay_buffers.storages import Storage, TensorStorage
+from torchrl.data.replay_buffers.storages import ListStorage, Storage, TensorStorage
 
 import zarr_rb
 from zarr_rb import _compat
@@ -29,6 +29,7 @@ from zarr_rb import _compat
 INSTANCES = {
     TensorStorage: lambda: LazyTensorStorage(10),
     Storage: lambda: LazyTensorStorage(10),
+    ListStorage: lambda: ListStorage(10),
     checkpointers.StorageCheckpointerBase: checkpointers.TensorStorageCheckpointer,
     ReplayBuffer: lambda: ReplayBuffer(storage=LazyTensorStorage(10)),
     PrioritizedReplayBuffer: lambda: PrioritizedReplayBuffer(alpha=0.7, beta=0.5),

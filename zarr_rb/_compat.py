@@ -12,6 +12,7 @@ naming the name and the TorchRL version, instead of breaking a buffer quietly.
 from __future__ import annotations
 
 import heapq
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ from torchrl.data.replay_buffers import samplers as _samplers
 from torchrl.data.replay_buffers import writers as _writers
 from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer
-from torchrl.data.replay_buffers.storages import Storage, TensorStorage
+from torchrl.data.replay_buffers.storages import ListStorage, Storage, TensorStorage
 from torchrl.data.replay_buffers.utils import _is_int, _reduce
 
 TORCHRL_VERSION: str = torchrl.__version__
@@ -54,6 +55,7 @@ USED: dict[type, tuple[str, ...]] = {
         "_rng",
     ),
     Storage: ("__getstate__", "__setstate__"),
+    ListStorage: ("_storage",),
     StorageCheckpointerBase: ("_save_hooks", "_load_hooks"),
     ReplayBuffer: (
         "_init_writer",
@@ -182,6 +184,16 @@ def set_length(storage: Any, length: int) -> None:
 
 def is_full(storage: Any) -> bool:
     return bool(storage._is_full)
+
+
+def same_function(a: Any, b: Any) -> bool:
+    """Whether two callables are one function (TorchRL wraps some defaults, such as its
+    collate functions, in registrable wrappers that may be unwrapped later)."""
+    if a is b:
+        return True
+    a, b = inspect.unwrap(a), inspect.unwrap(b)
+    names = [(getattr(f, "__module__", None), getattr(f, "__qualname__", None)) for f in (a, b)]
+    return a is b or (names[0] == names[1] and None not in names[0])
 
 
 def swap_storage(buffer: Any, storage: Any) -> Any:

@@ -302,6 +302,7 @@ def _specs(
         dtype = "uint8"
     stored_dtype(dtype)
     wanted = ragged if isinstance(ragged, bool) else key in ragged
+    wanted = wanted and kind in ("tensordict", "tensorclass")  # tensors, pytrees: fixed rows
     leaf = _rows.spec_for(key, entry, lead=lead, ragged=wanted, dtype_name=dtype)
     if leaf.value != "tensor" and item_batch:
         raise UnsupportedDataError(
@@ -355,7 +356,7 @@ def infer_schema(
             entry,
             kind=kind,
             lead=lead,
-            ragged=ragged if kind != "pytree" else False,
+            ragged=ragged,
             batch_dims=ndim,
             item_batch=item_batch,
         )

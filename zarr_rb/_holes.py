@@ -33,7 +33,12 @@ if TYPE_CHECKING:
 
 
 def guard_sampler(sampler: Any, storage: ZarrStorage) -> None:
-    """Make ``sampler`` skip the unreadable rows of ``storage`` (once per sampler)."""
+    """Make ``sampler`` skip the unreadable rows of ``storage`` (once per sampler; a
+    storage other than a ZarrStorage has none)."""
+    from zarr_rb.storage import ZarrStorage
+
+    if not isinstance(storage, ZarrStorage):
+        return
     if _compat.is_sampler(sampler, "PrioritizedSampler"):
         _compat.route_method(
             sampler, "sample", functools.partial(_sample_with_zero_priorities, zarr=storage)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict, is_tensor_collection
+from torchrl.data.replay_buffers.storages import Storage
 
-from zarr_rb._convert import clone, row_nbytes, select
+from zarr_rb._convert import clone, flip_list, row_nbytes, select
 from zarr_rb._engine import copy_in_blocks
 
 if TYPE_CHECKING:
@@ -32,7 +34,10 @@ COPY_BLOCK_BYTES = 64 * 2**20
 def state_dict(storage: ZarrStorage) -> dict[str, Any]:
     storage.flush()
     rows: Any = {}
-    if storage.initialized:
+    if storage.initialized and not _tensor_columns_only(storage):
+        # As ListStorage (LazyStackStorage) has it: one state dict per row, read now.
+        rows = [row.state_dict() for row in storage.get(slice(0, len(storage))).unbind(0)]
+    elif storage.initialized:
         rows = storage.full_view()
         if is_tensor_collection(rows):
             rows = rows.state_dict()
@@ -45,12 +50,15 @@ def state_dict(storage: ZarrStorage) -> dict[str, Any]:
 
 
 def load_state_dict(storage: ZarrStorage, state: dict[str, Any]) -> None:
-    length = int(state["_len"])
     ours = state.get(STATE_KEY)
+    rows = state["_storage"]
+    if isinstance(rows, list):  # ListStorage's form (LazyStackStorage): one element per row
+        _load_rows(storage, rows, cursor=None if ours is None else int(ours["cursor"]))
+        return
+    length = int(state["_len"])
     if ours is not None and Path(ours["path"]).resolve() == storage.path.resolve():
         storage.restore(length=length, cursor=int(ours["cursor"]))
         return
-    rows = state["_storage"]
     if isinstance(rows, dict):
         if not rows or not state.get("initialized", True):
             storage.restore(length=0, cursor=0)
@@ -70,13 +78,39 @@ def load_state_dict(storage: ZarrStorage, state: dict[str, Any]) -> None:
     storage.restore(length=length, cursor=cursor)
 
 
+def _load_rows(storage: ZarrStorage, rows: list[Any], *, cursor: int | None) -> None:
+    if not rows:
+        storage.restore(length=0, cursor=0)
+        return
+    elements = [
+        TensorDict().load_state_dict(row, strict=False) if isinstance(row, dict) else row
+        for row in rows
+    ]
+    for start in range(0, len(elements), _ROWS_PER_BLOCK):
+        block = elements[start : start + _ROWS_PER_BLOCK]
+        where = torch.arange(start, start + len(block))
+        storage.set(where, block, set_cursor=False)  # a list: stacked, or lazily
+    storage.restore(
+        length=len(rows), cursor=len(rows) % storage.max_size if cursor is None else cursor
+    )
+
+
+_ROWS_PER_BLOCK = 1024
+
+
 def copy_store(source: str | os.PathLike[str], storage: ZarrStorage) -> None:
     """Copy the committed rows of the store at ``source`` into ``storage``."""
     from zarr_rb.storage import ZarrStorage
 
     with ZarrStorage(path=source, ndim=storage.ndim, read_only=True) as other:
         if other.schema is not None:
-            copy_rows(other[:], storage, rows=-(-len(other) // _per_row(other)))
+            source = other[:] if _tensor_columns_only(other) else other
+            copy_rows(source, storage, rows=-(-len(other) // _per_row(other)))
+
+
+def _tensor_columns_only(storage: ZarrStorage) -> bool:
+    schema = storage.schema
+    return schema is None or all(leaf.value == "tensor" for leaf in schema.leaves)
 
 
 def _per_row(storage: ZarrStorage) -> int:
@@ -84,16 +118,32 @@ def _per_row(storage: ZarrStorage) -> int:
     return 1 if schema is None else math.prod(schema.batch_shape[1:])
 
 
-def copy_rows(source: Any, storage: ZarrStorage, *, rows: int, progress: bool = False) -> None:
+def copy_rows(
+    source: Any,
+    storage: ZarrStorage,
+    *,
+    rows: int,
+    progress: bool = False,
+    prepare: Callable[[Any], Any] | None = None,
+) -> None:
     """Copy rows ``[0, rows)`` of ``source`` (anything sliceable by rows: a storage, a
-    TensorDict, a tensor) into ``storage``, in blocks of about 64 MiB."""
+    TensorDict, a tensor) into ``storage``, in blocks of about 64 MiB; ``prepare`` is
+    applied to each block of a storage's rows before it is written."""
     if rows <= 0:
         return
+    if isinstance(source, Storage):
+        get = source.get  # rows read (and decoded) by the storage, a block at a time
+        read = get if prepare is None else lambda index: prepare(get(index))
+        first = read(slice(0, 1))
+        per_row = row_nbytes(flip_list(first) if isinstance(first, list) else first)
+    else:
+        read = lambda index: clone(select(source, index))  # noqa: E731
+        per_row = row_nbytes(source)
     copy_in_blocks(
-        lambda start, stop: clone(select(source, slice(start, stop))),
+        lambda start, stop: read(slice(start, stop)),
         lambda where, block: storage.set(where, block, set_cursor=False),
         rows=rows,
-        row_nbytes=row_nbytes(source),
+        row_nbytes=per_row,
         block_bytes=COPY_BLOCK_BYTES,
         progress=progress,
         desc="copy rows",

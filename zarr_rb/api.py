@@ -20,34 +20,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from zarr_rb import _compat
 from zarr_rb._format import STATE_GROUP, Saved
 from zarr_rb._open import open_store
 from zarr_rb._store import Store
+from zarr_rb._transfer import fill_memory, memory_storage, save_foreign
 from zarr_rb.errors import (
     NoSavedBufferError,
     ReadOnlyError,
     StoreCorruptedError,
-    UnsupportedDataError,
     ZarrRBError,
 )
 from zarr_rb.state import load_buffer, save_buffer
 from zarr_rb.storage import ZarrStorage
 
 __all__ = ["load", "save"]
-
-
-def _zarr_storage_of(rb: Any) -> ZarrStorage:
-    storage = rb.storage
-    if not isinstance(storage, ZarrStorage):
-        raise UnsupportedDataError(
-            f"zarr_rb.save needs a buffer whose storage is a ZarrStorage, got "
-            f"{type(storage).__name__}; build the buffer on ZarrStorage, or convert a TorchRL "
-            "checkpoint with zarr_rb.import_torchrl",
-        )
-    return storage
 
 
 def save(rb: Any, path: str | os.PathLike[str] | None = None, *, progress: bool = True) -> Path:
@@ -69,7 +58,14 @@ def save(rb: Any, path: str | os.PathLike[str] | None = None, *, progress: bool 
         UnsupportedDataError: a component has no state adapter (nothing is written).
         ReadOnlyError: the buffer's storage was opened read-only.
     """
-    storage = _zarr_storage_of(rb)
+    if not isinstance(rb.storage, ZarrStorage):
+        if path is None:
+            raise ValueError(
+                f"zarr_rb.save of a buffer on {type(rb.storage).__name__} needs the path of "
+                "the store to create",
+            )
+        return save_foreign(rb, Path(path).absolute(), progress=progress)
+    storage = rb.storage
     if storage.read_only:
         raise ReadOnlyError(f"cannot save into read-only store {str(storage.path)!r}")
     target = storage.path if path is None else Path(path).absolute()
@@ -93,6 +89,11 @@ def save(rb: Any, path: str | os.PathLike[str] | None = None, *, progress: bool 
     return target
 
 
+def save_state(rb: Any, storage: ZarrStorage) -> None:
+    """Save ``rb``'s state into its (new) storage's store, at the storage's length."""
+    _save_into(rb, storage._store, Saved(slot=0, length=len(storage), cursor=storage.cursor))
+
+
 def _save_into(rb: Any, store: Store, saved: Saved) -> None:
     previous = store.meta.saved
     # Alternate between two slots: the previous save stays intact until the new root
@@ -113,6 +114,8 @@ def load(
     checkpointer: Any = None,
     device: str = "cpu",
     read_only: bool = False,
+    storage: Literal["zarr", "memory"] = "zarr",
+    progress: bool = True,
 ) -> Any:
     """Rebuild a replay buffer saved with :func:`save`, without reading any row.
 
@@ -143,7 +146,36 @@ def load(
         zarr_rb.state.PickleNotAllowedError: code needs ``allow_pickle`` or the argument of
             the same name.
     """
-    storage = ZarrStorage(path=path, device=device, read_only=read_only)
+    if storage not in ("zarr", "memory"):
+        raise ValueError(f"expected storage='zarr' or storage='memory', got {storage!r}")
+    if storage == "memory":
+        return _load_into_memory(
+            path,
+            allow_pickle=allow_pickle,
+            transform=transform,
+            code_objects={
+                "collate_fn": collate_fn,
+                "sample_unit": sample_unit,
+                "checkpointer": checkpointer,
+            },
+            device=device,
+            progress=progress,
+        )
+    return _load_on_store(
+        path,
+        allow_pickle=allow_pickle,
+        transform=transform,
+        code_objects={
+            "collate_fn": collate_fn,
+            "sample_unit": sample_unit,
+            "checkpointer": checkpointer,
+        },
+        device=device,
+        read_only=read_only,
+    )
+
+
+def _saved_of(storage: ZarrStorage) -> Saved:
     saved = storage._store.meta.saved
     if saved is None:
         storage.close()
@@ -151,32 +183,95 @@ def load(
             f"store {str(storage.path)!r} holds data but no saved buffer; open the data with "
             "ZarrStorage(path=...), or save a buffer there with zarr_rb.save(rb, path)",
         )
-    committed_length = len(storage)
-    _compat.set_length(storage, 0)
+    return saved
+
+
+def _load_into_memory(
+    path: str | os.PathLike[str],
+    *,
+    allow_pickle: bool,
+    transform: Any,
+    code_objects: dict[str, Any],
+    device: str,
+    progress: bool,
+) -> Any:
+    stored = ZarrStorage(path=path, read_only=True)
+    try:
+        saved = _saved_of(stored)
+        memory = memory_storage(stored, device)
+        return _built(
+            stored,
+            saved,
+            storage=memory,
+            restore_storage=lambda: fill_memory(
+                memory, stored, length=saved.length, progress=progress
+            ),
+            allow_pickle=allow_pickle,
+            transform=transform,
+            code_objects=code_objects,
+        )
+    finally:
+        stored.close()
+
+
+def _built(
+    stored: ZarrStorage,
+    saved: Saved,
+    *,
+    storage: Any,
+    restore_storage: Any,
+    allow_pickle: bool,
+    transform: Any,
+    code_objects: dict[str, Any],
+) -> Any:
+    """The saved buffer rebuilt around ``storage``; damaged state is a typed error."""
     try:
         return load_buffer(
-            storage._store.location,
+            stored._store.location,
             saved.group,
             storage=storage,
-            restore_storage=lambda: storage.restore(length=saved.length, cursor=saved.cursor),
+            restore_storage=restore_storage,
             transform=transform,
-            code_objects={
-                "collate_fn": collate_fn,
-                "sample_unit": sample_unit,
-                "checkpointer": checkpointer,
-            },
+            code_objects=code_objects,
             allow_pickle=allow_pickle,
         )
-    except BaseException as err:
-        _compat.set_length(storage, committed_length)  # leave the store as it was
-        storage.close()
-        if isinstance(err, ZarrRBError) or not isinstance(err, _INVALID_STATE):
+    except _INVALID_STATE as err:
+        if isinstance(err, ZarrRBError):
             raise
         raise StoreCorruptedError(
-            f"store {str(storage.path)!r}: the saved buffer state in {saved.group!r} is "
+            f"store {str(stored.path)!r}: the saved buffer state in {saved.group!r} is "
             f"invalid ({type(err).__name__}: {str(err)[:200]}); open the data with "
             "ZarrStorage(path=...) and save a buffer again",
         ) from None
+
+
+def _load_on_store(
+    path: str | os.PathLike[str],
+    *,
+    allow_pickle: bool,
+    transform: Any,
+    code_objects: dict[str, Any],
+    device: str,
+    read_only: bool,
+) -> Any:
+    storage = ZarrStorage(path=path, device=device, read_only=read_only)
+    saved = _saved_of(storage)
+    committed_length = len(storage)
+    _compat.set_length(storage, 0)
+    try:
+        return _built(
+            storage,
+            saved,
+            storage=storage,
+            restore_storage=lambda: storage.restore(length=saved.length, cursor=saved.cursor),
+            allow_pickle=allow_pickle,
+            transform=transform,
+            code_objects=code_objects,
+        )
+    except BaseException:
+        _compat.set_length(storage, committed_length)  # leave the store as it was
+        storage.close()
+        raise
 
 
 # What rebuilding TorchRL components from damaged or hostile state raises.

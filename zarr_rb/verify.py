@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zarr_rb._format import STATE_GROUP, describe_runs, mask_to_ranges
+from zarr_rb._format import STATE_GROUP, LeafSpec, describe_runs, mask_to_ranges
 from zarr_rb._open import open_store
 from zarr_rb._store import Store
 from zarr_rb.errors import StoreCorruptedError
@@ -109,7 +109,11 @@ def verify(path: str | os.PathLike[str], *, repair: bool = False) -> VerifyRepor
         )
         for leaf in store.schema.leaves if store.schema is not None else ():
             arrays += 1
-            damaged.extend(_check_array(store, leaf.path, mask_to_ranges(readable), leaf.key))
+            ranges = mask_to_ranges(readable)
+            if leaf.ragged:
+                damaged.extend(_check_ragged(store, leaf, ranges))
+            else:
+                damaged.extend(_check_array(store, leaf.path, ranges, leaf.key))
         state_arrays, unreadable = _state_arrays(store)
         damaged.extend(unreadable)
         for array_path, size in state_arrays:
@@ -163,6 +167,36 @@ def _check_array(
                 DamagedChunk(array_path, (lo, hi), reason)
                 for lo, hi, reason in array.damaged_runs(a, b)
             )
+    return damaged
+
+
+def _check_ragged(
+    store: Store, leaf: LeafSpec, ranges: tuple[tuple[int, int], ...]
+) -> list[DamagedChunk]:
+    """The damaged chunks of a ragged leaf: each inner chunk of rows is read up to the
+    longest of its rows (chunks past that were never needed, and may not exist)."""
+    try:
+        array = store.array(leaf.key)
+    except (StoreCorruptedError, ValueError) as err:
+        return [DamagedChunk(leaf.path, (0, 0), f"cannot open the array: {err}")]
+    rows = np.concatenate([np.arange(a, b) for a, b in ranges] or [np.zeros(0, np.int64)])
+    try:
+        sizes = store._read_disk({leaf.lengths_key: rows})[leaf.lengths_key].numpy()
+        lengths = np.zeros(store.rows, dtype=np.int64)
+        lengths[rows] = store._checked_lengths(leaf.key, sizes, array)
+    except (StoreCorruptedError, ValueError):
+        return []  # the lengths leaf is damaged: reported with it
+    step = array.read_chunk_rows
+    damaged: list[DamagedChunk] = []
+    for start, stop in ranges:
+        for first in range(start - start % step, stop, step):
+            a, b = max(first, start), min(first + step, stop)
+            span = -(-int(lengths[a:b].max()) // array.chunk_length)
+            if span:
+                damaged.extend(
+                    DamagedChunk(leaf.path, (lo, hi), reason)
+                    for lo, hi, reason in array.damaged_runs(a, b, span * array.chunk_length)
+                )
     return damaged
 
 

@@ -85,7 +85,7 @@ def buffer_settings(rb: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         rb.storage, _is_tensordict=compat.get(rb, "_is_tensordict")
     )
     objects = {
-        "collate_fn": None if collate is default_collate else collate,
+        "collate_fn": None if compat.same_function(collate, default_collate) else collate,
         "sample_unit": unit if custom_unit else None,
         "checkpointer": checkpointer if custom_checkpointer else None,
     }

@@ -1,0 +1,179 @@
+"""Buffers between TorchRL's own storages and stores.
+
+:func:`save_foreign` writes a buffer built on ``LazyTensorStorage``, ``LazyMemmapStorage``,
+``ListStorage``, ``LazyStackStorage`` or ``CompressedListStorage`` into a new store: its rows
+are streamed in blocks of bounded size, then its state is saved as for a buffer on
+ZarrStorage. :func:`memory_storage` and :func:`fill_memory` do the reverse for
+``zarr_rb.load(path, storage="memory")``: a ``LazyTensorStorage`` (or, for rows of
+different lengths, a ``LazyStackStorage``) holding the saved rows.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from tensordict import is_tensor_collection
+from torchrl.data.replay_buffers.storages import (
+    LazyStackStorage,
+    LazyTensorStorage,
+    ListStorage,
+    Storage,
+    TensorStorage,
+)
+from torchrl.data.replay_buffers.storages.utils import _get_default_collate
+from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxValueWriter
+
+from zarr_rb import _compat
+from zarr_rb._engine import copy_in_blocks
+from zarr_rb._torchrl_state import COPY_BLOCK_BYTES, copy_rows
+from zarr_rb.errors import RowsNotCommittedError, UnsupportedDataError
+from zarr_rb.state import check_savable
+
+if TYPE_CHECKING:
+    from zarr_rb.storage import ZarrStorage
+
+SOURCES = (TensorStorage, ListStorage)
+"""TorchRL storages whose buffers :func:`save_foreign` takes (and their subclasses:
+``LazyTensorStorage``, ``LazyMemmapStorage``, ``LazyStackStorage``,
+``CompressedListStorage``)."""
+
+
+def save_foreign(rb: Any, path: Path, *, progress: bool) -> Path:
+    """Save a buffer on one of TorchRL's storages into a new store at ``path``."""
+    from zarr_rb.api import save_state
+    from zarr_rb.storage import ZarrStorage
+
+    source = rb.storage
+    if not isinstance(source, SOURCES) or isinstance(source, ZarrStorage):
+        raise UnsupportedDataError(
+            f"zarr_rb.save takes buffers on ZarrStorage, LazyTensorStorage, LazyMemmapStorage, "
+            f"ListStorage, LazyStackStorage or CompressedListStorage, got "
+            f"{type(source).__name__}",
+        )
+    check_savable(rb)  # before anything is written
+    ndim = int(getattr(source, "ndim", 1))
+    created = not path.exists()
+    target = ZarrStorage(
+        source.max_size,
+        path,
+        mode="w-",
+        ndim=ndim,
+        # As LazyStackStorage keeps them: each row on its own, of any length.
+        ragged=isinstance(source, LazyStackStorage),
+    )
+    try:
+        rows = _length_rows(source)
+        left_out = _sample_info_in_some_rows(source)
+        copy_rows(
+            source,
+            target,
+            rows=rows,
+            progress=progress,
+            prepare=(lambda block: block.exclude(*left_out)) if left_out else None,
+        )
+        target.restore(length=len(source), cursor=_cursor(rb, target))
+        previous = _compat.swap_storage(rb, target)
+        collate = _compat.get(rb, "_collate_fn")
+        default = _get_default_collate(previous, _is_tensordict=_compat.get(rb, "_is_tensordict"))
+        if _compat.same_function(collate, default):
+            _compat.put(rb, "_collate_fn", _get_default_collate(target))
+        try:
+            save_state(rb, target)
+        finally:
+            _compat.swap_storage(rb, previous)
+            _compat.put(rb, "_collate_fn", collate)
+    except BaseException:
+        target.close()
+        if created:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+    target.close()
+    return path
+
+
+SAMPLE_INFO_KEYS = ("priority_weight",)
+"""Keys TorchRL's samplers write into each sample (from the sampler's info), recomputed
+at every sample."""
+
+
+def _sample_info_in_some_rows(source: Storage) -> tuple[str, ...]:
+    """The sample-info keys that some rows of a list storage hold and others lack.
+
+    ``ListStorage`` and ``LazyStackStorage`` keep the very TensorDicts they were given, and
+    a sample of them can be a lazy stack of those rows: TorchRL then writes the sampler's
+    info (``priority_weight``) into the stored rows that were sampled. Such a key is not
+    data (each sample recomputes it), and rows that differ in keys cannot be stored
+    together, so it is left out; any other difference in keys is refused when written.
+    """
+    if not isinstance(source, ListStorage):
+        return ()
+    rows = list(_compat.get(source, "_storage")[: len(source)])
+    keyed = [set(row.keys()) if is_tensor_collection(row) else set() for row in rows]
+    return tuple(
+        key
+        for key in SAMPLE_INFO_KEYS
+        if any(key in keys for keys in keyed) and not all(key in keys for keys in keyed)
+    )
+
+
+def _length_rows(source: Storage) -> int:
+    if isinstance(source, TensorStorage):
+        return _compat.length_along_dim0(source)
+    return len(source)
+
+
+def _cursor(rb: Any, target: ZarrStorage) -> int:
+    """Where the buffer's writer writes next, as a row of ``target``."""
+    writer = _compat.get(rb, "_writer")
+    cursor = None
+    if isinstance(writer, (RoundRobinWriter, TensorDictMaxValueWriter)):
+        cursor = _compat.get(writer, "_cursor")
+    rows = target._store.rows
+    if isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.numel() == 1):
+        return int(cursor) % rows
+    return _length_rows(rb.storage) % rows
+
+
+def memory_storage(stored: ZarrStorage, device: Any) -> Storage:
+    """An empty in-RAM storage for the rows of ``stored``: a ``LazyTensorStorage``, or a
+    ``LazyStackStorage`` for rows that ``LazyTensorStorage`` cannot hold."""
+    schema = stored.schema
+    if schema is not None and any(leaf.value == "ragged" for leaf in schema.leaves):
+        return LazyStackStorage(stored.max_size, device=device)
+    return LazyTensorStorage(stored.max_size, ndim=stored.ndim, device=device)
+
+
+def fill_memory(memory: Storage, stored: ZarrStorage, *, length: int, progress: bool) -> None:
+    """Copy the first ``length`` elements of ``stored`` into ``memory``."""
+    if stored._store.unreadable_rows().size:
+        raise RowsNotCommittedError(
+            f"store {str(stored.path)!r} has rows withdrawn by a crash or a repair, which an "
+            "in-RAM storage cannot leave out when sampling; load it on ZarrStorage (the "
+            "default storage='zarr'), whose samplers skip them, or rewrite those rows first",
+        )
+    per_row = int(np.prod(stored.schema.batch_shape[1:])) if stored.schema else 1
+    rows = -(-length // per_row)
+    if rows:
+        copy_in_blocks(
+            lambda start, stop: stored.get(slice(start, stop)),
+            lambda where, block: memory.set(where, block, set_cursor=False),
+            rows=rows,
+            row_nbytes=_row_bytes(stored),
+            block_bytes=COPY_BLOCK_BYTES,
+            progress=progress,
+            desc="load rows",
+        )
+    if isinstance(memory, TensorStorage):
+        _compat.set_length(memory, length)
+        if length:
+            _compat.set_last_cursor(memory, rows - 1)
+
+
+def _row_bytes(stored: ZarrStorage) -> int:
+    from zarr_rb._convert import row_nbytes
+
+    return max(1, row_nbytes(stored.get(slice(0, 1))))
