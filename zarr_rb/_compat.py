@@ -257,6 +257,25 @@ def set_writer_position(writer: Any, *, cursor: int, write_count: int) -> bool:
     return True
 
 
+def rewind_writers(storage: Any, cursor: Any, rows: int) -> None:
+    """Undo the move of the round-robin writers that wrote ``cursor`` into ``storage`` when
+    the storage refused the write.
+
+    TorchRL's ``RoundRobinWriter`` moves its cursor and write count before it calls
+    ``storage.set``; a refused write would otherwise leave the next write that many rows
+    further on, and those rows empty.
+    """
+    index = torch.as_tensor(cursor).reshape(-1)
+    if index.numel() == 0:
+        return
+    after = (int(index[-1]) + 1) % rows
+    for buffer in storage._attached_entities:
+        writer = getattr(buffer, "_writer", None)
+        if isinstance(writer, _writers.RoundRobinWriter) and int(writer._cursor) == after:
+            writer._cursor = int(index[0])
+            writer._write_count -= index.numel()
+
+
 def sampler_to_build(buffer: Any) -> Any:
     """The sampler a buffer that is being built will use (built now if it was given as a
     class, a factory or ``None``)."""

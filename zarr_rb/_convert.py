@@ -31,7 +31,7 @@ from zarr_rb import _rows
 from zarr_rb._format import Kind, LeafSpec, Schema, parse_key, stored_dtype
 from zarr_rb._io import load_json
 from zarr_rb._lazy import LazyColumn
-from zarr_rb._rows import Entry, PyValues, RaggedRows
+from zarr_rb._rows import Entry, PyValues, RaggedRows, as_written
 from zarr_rb.errors import (
     SchemaMismatchError,
     StoreCorruptedError,
@@ -440,7 +440,7 @@ def _fixed_rows(
             f"{where}: entry {key!r} has shape {shape}, expected "
             f"{(*index_shape, *row_shape)} (index shape {index_shape} + stored shape "
             f"{row_shape}). Rows of different lengths must be declared when the store is "
-            f"created: ZarrStorage(..., ragged=[{key!r}])",
+            f"created: ZarrStorage(..., ragged=[{as_written(key)!r}])",
         )
     return _plain(tensor).detach().to("cpu").reshape(math.prod(index_shape), *row_shape)
 
@@ -504,6 +504,15 @@ def flip_list(data: list[Any]) -> Any:
                 return torch.stack(data)
             except RuntimeError:
                 return lazy_stack(data)  # rows of different shapes
+        for i, item in enumerate(data):
+            for path, leaf in pytree.tree_flatten_with_path(item)[0]:
+                if not isinstance(leaf, torch.Tensor):
+                    raise UnsupportedDataError(
+                        f"element {i} of the list holds a {type(leaf).__name__} at "
+                        f"{pytree.keystr(path) or 'its root'}: the elements of a list are "
+                        "stored as pytrees of tensors (wrap Python values of a TensorDict "
+                        "in NonTensorData)",
+                    )
         flat, specs = zip(*(pytree.tree_flatten(item) for item in data), strict=True)
         stacked = [torch.stack(items) for items in zip(*flat, strict=True)]
         return pytree.tree_unflatten(stacked, specs[0])

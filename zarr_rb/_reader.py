@@ -12,7 +12,7 @@ import torch
 
 from zarr_rb._format import Commit, Schema, leaves_by_key, parse_store_meta, preview_rows
 from zarr_rb._metadata import check_is_store, read_root
-from zarr_rb.errors import ChunkCorruptedError, RowsNotCommittedError, StoreCorruptedError
+from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
 
 if TYPE_CHECKING:
     from zarr_rb._store import Store
@@ -76,7 +76,7 @@ def read_committed(
         unchanged = reread_commit(store).generation == commit.generation
         if unchanged and out is not None:
             return out
-        if unchanged and isinstance(last_error, ChunkCorruptedError):
+        if unchanged and isinstance(last_error, StoreCorruptedError):
             raise last_error
         time.sleep(0.001 * (attempt + 1))
     raise RowsNotCommittedError(

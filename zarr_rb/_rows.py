@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from zarr_rb._format import SCALAR_DTYPES, LeafSpec, Value
@@ -36,6 +37,11 @@ _PYTHON_TYPES: dict[type, Value] = {
     type(None): "none",
 }
 _TORCH_DTYPES = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}
+
+
+def as_written(key: Key) -> str | Key:
+    """A key as a user writes it: ``"tokens"``, or ``("next", "obs")`` when nested."""
+    return key[0] if len(key) == 1 else key
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,7 +120,7 @@ def encode(leaf: LeafSpec, entry: Entry, *, where: str) -> dict[Key, torch.Tenso
             raise SchemaMismatchError(
                 f"{where}: entry {key!r} holds {described}, the store holds it as a tensor of "
                 f"shape {leaf.shape} per row. Rows of different lengths must be declared "
-                f"when the store is created: ZarrStorage(..., ragged=[{key!r}])",
+                f"when the store is created: ZarrStorage(..., ragged=[{as_written(key)!r}])",
             )
         return {key: entry}
     if leaf.value == "ragged":
@@ -159,7 +165,7 @@ def encode(leaf: LeafSpec, entry: Entry, *, where: str) -> dict[Key, torch.Tenso
     n = len(entry.items)
     if leaf.value in ("str", "bytes"):
         encoded = [_encode_bytes(item, key, where) for item in entry.items]
-        rows = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in encoded]
+        rows = [torch.from_numpy(np.frombuffer(b, dtype=np.uint8).copy()) for b in encoded]
         padded, lengths = pad(rows, (), torch.uint8)
         return {key: padded, leaf.lengths_key: lengths}
     if leaf.value == "none":

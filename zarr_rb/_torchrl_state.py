@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import TensorDict, is_tensor_collection
+from tensordict import TensorDict, is_non_tensor, is_tensor_collection
 from torchrl.data.replay_buffers.storages import Storage
 
 from zarr_rb._convert import clone, flip_list, row_nbytes, select
@@ -36,7 +36,8 @@ def state_dict(storage: ZarrStorage) -> dict[str, Any]:
     rows: Any = {}
     if storage.initialized and not _tensor_columns_only(storage):
         # As ListStorage (LazyStackStorage) has it: one state dict per row, read now.
-        rows = [row.state_dict() for row in storage.get(slice(0, len(storage))).unbind(0)]
+        every = torch.arange(len(storage))
+        rows = [_row_state(row) for row in storage.get(every).unbind(0)]
     elif storage.initialized:
         rows = storage.full_view()
         if is_tensor_collection(rows):
@@ -46,6 +47,18 @@ def state_dict(storage: ZarrStorage) -> dict[str, Any]:
         "initialized": storage.initialized,
         "_len": len(storage),
         STATE_KEY: {"path": str(storage.path), "cursor": storage.cursor},
+    }
+
+
+def _row_state(row: Any) -> dict[str, Any]:
+    """A row as ListStorage's state has it, a nested dict, but with its non-tensor entries
+    kept (as ``NonTensorData``, which ``TensorDict.load_state_dict`` takes back): a
+    TensorDict's own ``state_dict()`` leaves them out."""
+    return {
+        key: _row_state(value)
+        if is_tensor_collection(value) and not is_non_tensor(value)
+        else value
+        for key, value in row.items()
     }
 
 

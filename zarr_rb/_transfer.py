@@ -11,6 +11,7 @@ different lengths, a ``LazyStackStorage``) holding the saved rows.
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from torchrl.data.replay_buffers.storages.utils import _get_default_collate
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxValueWriter
 
 from zarr_rb import _compat
+from zarr_rb._convert import key_tuple
 from zarr_rb._engine import copy_in_blocks
 from zarr_rb._torchrl_state import COPY_BLOCK_BYTES, copy_rows
 from zarr_rb.errors import RowsNotCommittedError, UnsupportedDataError
@@ -67,7 +69,7 @@ def save_foreign(rb: Any, path: Path, *, progress: bool) -> Path:
     )
     try:
         rows = _length_rows(source)
-        left_out = _sample_info_in_some_rows(source)
+        left_out = _sample_info_in_some_rows(rb)
         copy_rows(
             source,
             target,
@@ -95,29 +97,46 @@ def save_foreign(rb: Any, path: Path, *, progress: bool) -> Path:
     return path
 
 
-SAMPLE_INFO_KEYS = ("priority_weight",)
-"""Keys TorchRL's samplers write into each sample (from the sampler's info), recomputed
-at every sample."""
+def _sample_info_keys(rb: Any) -> set[tuple[str, ...]]:
+    """Keys TorchRL writes into each sample, recomputed at every sample: the row index,
+    the weights of prioritized samplers, the end-of-slice flags of slice samplers."""
+    keys: set[tuple[str, ...]] = {("index",), ("priority_weight",)}
+    truncated = getattr(_compat.get(rb, "_sampler"), "truncated_key", None)
+    if truncated is not None:
+        truncated = key_tuple(truncated)
+        keys |= {truncated, (*truncated[:-1], "done"), (*truncated[:-1], "terminated")}
+    return keys
 
 
-def _sample_info_in_some_rows(source: Storage) -> tuple[str, ...]:
-    """The sample-info keys that some rows of a list storage hold and others lack.
+def _sample_info_in_some_rows(rb: Any) -> list[tuple[str, ...]]:
+    """The sample-info keys that the rows of a list storage hold differently.
 
     ``ListStorage`` and ``LazyStackStorage`` keep the very TensorDicts they were given, and
-    a sample of them can be a lazy stack of those rows: TorchRL then writes the sampler's
-    info (``priority_weight``) into the stored rows that were sampled. Such a key is not
-    data (each sample recomputes it), and rows that differ in keys cannot be stored
-    together, so it is left out; any other difference in keys is refused when written.
+    a sample of them can be a lazy stack of those rows: TorchRL then writes the sample's
+    info (``index``, ``priority_weight``, a slice's ``("next", "done")``...) into the stored
+    rows that were sampled, in the sample's shapes. Such a key is not data (each sample
+    recomputes it), and rows that differ in keys or shapes cannot be stored together, so a
+    key some rows lack, or hold in another shape, is left out, with a warning; any other
+    difference between rows is refused when written.
     """
+    source = rb.storage
     if not isinstance(source, ListStorage):
-        return ()
-    rows = list(_compat.get(source, "_storage")[: len(source)])
-    keyed = [set(row.keys()) if is_tensor_collection(row) else set() for row in rows]
-    return tuple(
-        key
-        for key in SAMPLE_INFO_KEYS
-        if any(key in keys for keys in keyed) and not all(key in keys for keys in keyed)
-    )
+        return []
+    stored = _compat.get(source, "_storage")[: len(source)]
+    rows = [row for row in stored if is_tensor_collection(row)]
+    left_out = []
+    for key in sorted(_sample_info_keys(rb)):
+        shapes = {tuple(row.get(key).shape) if key in row.keys(True) else None for row in rows}
+        if len(shapes) > 1:
+            left_out.append(key)
+    if left_out:
+        warnings.warn(
+            f"zarr_rb.save leaves out {left_out}: TorchRL wrote them into the rows of the "
+            f"{type(source).__name__} it sampled, in the sample's shapes, so its rows "
+            "disagree there; they are recomputed at every sample",
+            stacklevel=3,
+        )
+    return left_out
 
 
 def _length_rows(source: Storage) -> int:
@@ -159,7 +178,7 @@ def fill_memory(memory: Storage, stored: ZarrStorage, *, length: int, progress: 
     rows = -(-length // per_row)
     if rows:
         copy_in_blocks(
-            lambda start, stop: stored.get(slice(start, stop)),
+            lambda start, stop: stored.get(torch.arange(start, stop)),
             lambda where, block: memory.set(where, block, set_cursor=False),
             rows=rows,
             row_nbytes=_row_bytes(stored),
@@ -176,4 +195,4 @@ def fill_memory(memory: Storage, stored: ZarrStorage, *, length: int, progress: 
 def _row_bytes(stored: ZarrStorage) -> int:
     from zarr_rb._convert import row_nbytes
 
-    return max(1, row_nbytes(stored.get(slice(0, 1))))
+    return max(1, row_nbytes(stored.get(torch.arange(1))))

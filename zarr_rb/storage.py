@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
-from tensordict import NonTensorStack
+from tensordict import NonTensorStack, TensorDict
 from torchrl.data.replay_buffers.storages import TensorStorage
 
 from zarr_rb import _compat, _convert, _index, _rows, _torchrl_state
@@ -39,6 +39,7 @@ from zarr_rb.errors import (
     LockedError,
     NotSupportedError,
     ReadOnlyError,
+    ZarrRBError,
 )
 
 __all__ = ["ZarrStorage"]
@@ -461,28 +462,17 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         store._check_writable()
         if isinstance(data, list):
             data = _convert.flip_list(data)
-        if not self.initialized:
-            self._initialize(data, batched=not _compat.is_int(cursor))
+        # Validate everything before touching the length or the cursor: a rejected
+        # write leaves the storage as it was, and the writer that moved for it moves back.
+        try:
+            rows, leaves = self._rows_to_write(cursor, data)
+        except ZarrRBError:
+            if set_cursor:
+                rows_along0 = store.schema.rows if store.schema else self.max_size
+                _compat.rewind_writers(self, cursor, rows_along0)
+            raise
         schema = store.schema
         assert schema is not None
-        where = self._where
-        # Validate everything before touching the length or the cursor: a rejected
-        # write leaves the storage as it was.
-        if isinstance(cursor, tuple):
-            rows, leaves = self._patch_elements(cursor, data, schema)
-        else:
-            index, index_shape = _index.write_rows(cursor, schema.rows, where=where)
-            all_leaves, new = _convert.leaves_for_write(
-                data, schema=schema, index_shape=index_shape, where=where, ragged=self._ragged
-            )
-            if new:
-                store.add_leaves(new)
-            rows, last = _index.unique_last(index)
-            if rows.size == index.size and (rows == index).all():
-                leaves = all_leaves  # already sorted and unique: no gather, no copy
-            else:
-                position = torch.from_numpy(last)
-                leaves = {key: value[position] for key, value in all_leaves.items()}
         if set_cursor:
             _compat.set_last_cursor(self, cursor)
             _compat.grow_length(self, data, cursor)
@@ -491,6 +481,28 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         if set_cursor and last_row is not None:
             store.cursor = (last_row + 1) % schema.rows
         _compat.bump_revision(self)
+
+    def _rows_to_write(self, cursor: Any, data: Any) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:
+        """The sorted unique rows ``cursor`` writes, and the leaves ``data`` puts there."""
+        store = self._store
+        if not self.initialized:
+            self._initialize(data, batched=not _compat.is_int(cursor))
+        schema = store.schema
+        assert schema is not None
+        where = self._where
+        if isinstance(cursor, tuple):
+            return self._patch_elements(cursor, data, schema)
+        index, index_shape = _index.write_rows(cursor, schema.rows, where=where)
+        all_leaves, new = _convert.leaves_for_write(
+            data, schema=schema, index_shape=index_shape, where=where, ragged=self._ragged
+        )
+        if new:
+            store.add_leaves(new)
+        rows, last = _index.unique_last(index)
+        if rows.size == index.size and (rows == index).all():
+            return rows, all_leaves  # already sorted and unique: no gather, no copy
+        position = torch.from_numpy(last)
+        return rows, {key: value[position] for key, value in all_leaves.items()}
 
     def _patch_elements(
         self, cursor: tuple[Any, ...], data: Any, schema: Schema
@@ -658,7 +670,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     def _entry(self, key: Key) -> Any:
         """``storage.get(key)`` of an entry no tensor column holds: every row of it, as a
-        list of tensors (rows of different lengths) or a ``NonTensorStack``."""
+        list of tensors (rows of different lengths), or the values as ``LazyTensorStorage``
+        returns them."""
         schema = self._store.schema
         assert schema is not None
         length = _compat.length_along_dim0(self)
@@ -668,7 +681,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         items = _rows.decode(leaf, read[leaf.key], read.get(leaf.lengths_key))
         if leaf.value == "ragged":
             return items
-        return NonTensorStack.from_list(items) if items else NonTensorStack(batch_size=(0,))
+        stack = NonTensorStack.from_list(items) if items else NonTensorStack(batch_size=(0,))
+        # As TensorStorage.get(key) returns them: what a TensorDict's [key] gives.
+        return TensorDict({key: stack}, batch_size=[len(items)])[key]
 
     @_io_boundary
     def _rand_given_ndim(self, batch_size: int) -> Any:

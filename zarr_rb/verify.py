@@ -182,10 +182,22 @@ def _check_ragged(
     rows = np.concatenate([np.arange(a, b) for a, b in ranges] or [np.zeros(0, np.int64)])
     try:
         sizes = store._read_disk({leaf.lengths_key: rows})[leaf.lengths_key].numpy()
-        lengths = np.zeros(store.rows, dtype=np.int64)
-        lengths[rows] = store._checked_lengths(leaf.key, sizes, array)
     except (StoreCorruptedError, ValueError):
         return []  # the lengths leaf is damaged: reported with it
+    impossible = (sizes < 0) | (sizes > array.width)
+    if impossible.any():  # intact chunks, values no row can have
+        mask = np.zeros(store.rows, dtype=bool)
+        mask[rows[impossible]] = True
+        return [
+            DamagedChunk(
+                leaf.lengths_leaf().path,
+                (int(a), int(b)),
+                f"rows claim lengths outside 0..{array.width}, the width of {leaf.path}",
+            )
+            for a, b in mask_to_ranges(mask)
+        ]
+    lengths = np.zeros(store.rows, dtype=np.int64)
+    lengths[rows] = sizes
     step = array.read_chunk_rows
     damaged: list[DamagedChunk] = []
     for start, stop in ranges:
