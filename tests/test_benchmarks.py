@@ -59,3 +59,24 @@ def test_out_of_core_smoke(tmp_path, monkeypatch):
     assert result["rows"] == 300
     assert result["disk_gb"] > 0
     sys.modules.pop("run", None)
+
+
+def test_data_kinds_benchmark_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import data_kinds
+    import run
+
+    monkeypatch.setattr(run, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(data_kinds, "BLOCK", 50)
+    frames = run.dataset("random", 64)  # no emulator: random frames stand for Pong's
+    monkeypatch.setattr(data_kinds.run, "dataset", lambda name, rows: frames)
+    out = tmp_path / "kinds.json"
+    args = ["--rows", "120", "--samples", "3", "--save-gb", "0.001", "--repeats", "1"]
+    assert data_kinds.main([*args, "--json", str(out), "--workdir", str(tmp_path)]) == 0
+    results = json.loads(out.read_text())
+    assert results["ragged"]["rows"] == 120
+    assert results["ragged"]["ZarrStorage"]["disk_bytes"] > 0
+    assert results["save"]["zarr_rb.save"]["disk_bytes"] > 0
+    assert "| ZarrStorage |" in capsys.readouterr().out
+    sys.modules.pop("data_kinds", None)
+    sys.modules.pop("run", None)

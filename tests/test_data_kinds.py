@@ -449,3 +449,32 @@ def test_a_lazy_stack_of_equal_rows_is_stored_as_fixed_columns(store_path):
     rb = ReplayBuffer(storage=ZarrStorage(10, store_path))
     rb.extend(lazy_stack([TensorDict({"x": torch.ones(3)}), TensorDict({"x": torch.zeros(3)})]))
     assert rb.storage[:]["x"].shape == (2, 3)
+
+
+# --- stores of the format before ----------------------------------------------------------
+
+FORMAT_1 = Path(__file__).parent / "data" / "format1.zarr"
+"""A store written by zarr_rb's format 1 (tensor leaves only): a prioritized buffer of 24
+rows, saved (obs = arange bytes, reward = step / 4, done every fifth step, priority step + 1)."""
+
+
+def test_a_store_of_format_1_opens_loads_and_takes_strings(tmp_path):
+    import shutil
+
+    path = tmp_path / "old.zarr"
+    shutil.copytree(FORMAT_1, path)
+    assert json.loads((path / "zarr.json").read_text())["attributes"]["zarr_rb"]["format"] == 1
+    rb = zarr_rb.load(path)
+    assert len(rb) == 24
+    rows = rb.storage.get(torch.arange(24))
+    assert torch.equal(rows["obs"], torch.arange(24 * 6, dtype=torch.uint8).reshape(24, 2, 3))
+    assert torch.equal(rows["reward"], torch.arange(24, dtype=torch.float32) / 4)
+    assert torch.equal(rows["next", "done"][:, 0], torch.arange(24) % 5 == 4)
+    assert torch.equal(rb.sampler._sum_tree[torch.arange(24)], torch.arange(1.0, 25.0) ** 0.7)
+    more = rows[:2].clone()
+    more["note"] = values(["new", "keys"])  # a new kind of leaf on an old store
+    rb.extend(more)
+    zarr_rb.save(rb)
+    again = zarr_rb.load(path, read_only=True)
+    assert list(again.storage.get(torch.arange(24, 26))["note"]) == ["new", "keys"]
+    assert torch.equal(again.storage.get(torch.arange(24))["obs"], rows["obs"])

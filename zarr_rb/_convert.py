@@ -245,6 +245,7 @@ def row_nbytes(data: Any) -> int:
     return total
 
 
+@functools.cache
 def _is_leaf(cls: type) -> bool:
     """Leaves of a TensorDict: tensors and non-tensor entries."""
     return issubclass(cls, (torch.Tensor, NonTensorData, NonTensorStack))

@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict
 from torchrl.data.replay_buffers.storages import TensorStorage
 
 from zarr_rb import _compat, _convert, _index, _rows, _torchrl_state
@@ -634,7 +634,12 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             batch_shape=(*index.shape, *schema.batch_shape[1:]),
             device=self._build_device,
         )
-        self.__dict__["_last_gather"] = Gather(index.clone(), revision, out)
+        if isinstance(out, LazyStackedTensorDict):
+            # Rows of different lengths: one TensorDict per row, too many tensors to watch
+            # for changes cheaply; such reads are not cached.
+            self.__dict__.pop("_last_gather", None)
+        else:
+            self.__dict__["_last_gather"] = Gather(index.clone(), revision, out)
         return out
 
     def _lazy_view(self, length: int, *, unused_as_zeros: bool = False) -> Any:
