@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import NonTensorData, TensorDict, lazy_stack
+from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer, TensorDictReplayBuffer
 
 import zarr_rb
@@ -142,6 +142,53 @@ def ragged(rows: int, samples: int, where: Path) -> dict[str, Any]:
     return out
 
 
+def strings(rows: int, samples: int, where: Path) -> dict[str, Any]:
+    """One string per row (10-400 characters) as zarr_rb stores it (UTF-8 bytes padded per
+    row, plus lengths) and as zarr-python's variable-length UTF-8 arrays (chunks of 1,000
+    strings): write, read 64 random rows, bytes on disk."""
+    import numpy as np
+    import zarr
+
+    rng = np.random.default_rng(0)
+    texts = [f"question {i}: " + "x" * int(rng.integers(10, 400)) for i in range(rows)]
+    parts = [texts[s : s + BLOCK] for s in range(0, rows, BLOCK)]
+    blocks = [TensorDict({"prompt": NonTensorStack.from_list(p)}, [len(p)]) for p in parts]
+    storage = zarr_rb.ZarrStorage(rows, where / "strings.zarr")
+    rb = ReplayBuffer(storage=storage)
+
+    def write_ours() -> None:
+        for block in blocks:
+            rb.extend(block)
+        storage.flush()
+
+    def write_zarr() -> Any:
+        array = zarr.create_array(where / "vlen.zarr", shape=(rows,), chunks=(BLOCK,), dtype=str)
+        array[:] = np.array(texts, dtype=object)
+        return array
+
+    out: dict[str, Any] = {"rows": rows, "text_bytes": sum(len(t) for t in texts)}
+    ours_write = timed(write_ours)
+    start = time.perf_counter()
+    array = write_zarr()
+    zarr_write = time.perf_counter() - start
+    picks = [np.sort(rng.choice(rows, SAMPLE, replace=False)) for _ in range(samples)]
+    assert list(storage.get(torch.from_numpy(picks[0]))["prompt"]) == list(array.oindex[picks[0]])
+    ours_read = [timed(lambda p=p: storage.get(torch.from_numpy(p))["prompt"]) for p in picks]
+    zarr_read = [timed(lambda p=p: array.oindex[p]) for p in picks]
+    out["zarr_rb"] = {
+        "write_s": ours_write,
+        "read_64_median_ms": statistics.median(ours_read) * 1e3,
+        "disk_bytes": disk_bytes(where / "strings.zarr"),
+    }
+    out["zarr vlen-utf8"] = {
+        "write_s": zarr_write,
+        "read_64_median_ms": statistics.median(zarr_read) * 1e3,
+        "disk_bytes": disk_bytes(where / "vlen.zarr"),
+    }
+    storage.close()
+    return out
+
+
 def ram_buffer(gb: float) -> TensorDictReplayBuffer:
     pong = run.dataset("pong", 8192)
     rows = max(64, int(gb * 1e9 // (pong[:1].bytes())))
@@ -180,7 +227,7 @@ def save(gb: float, repeats: int, where: Path) -> dict[str, Any]:
 
 
 def report(results: dict[str, Any]) -> str:
-    r, s = results.get("ragged"), results.get("save")
+    r, s, t = results.get("ragged"), results.get("save"), results.get("strings")
     lines = []
     if r:
         lines += [
@@ -196,6 +243,20 @@ def report(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | {m['extend_rows_per_s']:,.0f} | {m['sample_64_median_ms']:.2f} | "
                 f"{m['sample_64_p95_ms']:.2f} | {disk} |"
+            )
+        lines.append("")
+    if t:
+        lines += [
+            f"Strings: {t['rows']:,} rows of 10-400 characters",
+            "",
+            "| layout | write (s) | read 64 random rows median (ms) | on disk (MB) |",
+            "|---|---|---|---|",
+        ]
+        for name in ("zarr_rb", "zarr vlen-utf8"):
+            m = t[name]
+            lines.append(
+                f"| {name} | {m['write_s']:.2f} | {m['read_64_median_ms']:.2f} | "
+                f"{m['disk_bytes'] / 1e6:.1f} |"
             )
         lines.append("")
     if s:
@@ -221,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=200, help="sample(64) calls timed")
     parser.add_argument("--save-gb", type=float, default=1.0, help="size of the RAM buffer")
     parser.add_argument("--repeats", type=int, default=3, help="saves timed per route")
-    parser.add_argument("--only", choices=["ragged", "save"], default=None)
+    parser.add_argument("--only", choices=["ragged", "strings", "save"], default=None)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/data_kinds.json"))
     parser.add_argument("--workdir", type=Path, default=None, help="where stores are written")
     args = parser.parse_args(argv)
@@ -233,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.only in (None, "ragged"):
             results["ragged"] = ragged(args.rows, args.samples, where)
+        if args.only in (None, "strings"):
+            results["strings"] = strings(args.rows, args.samples, where)
         if args.only in (None, "save"):
             results["save"] = save(args.save_gb, args.repeats, where)
     finally:

@@ -20,7 +20,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kinds import assert_same_rows, row_leaves, token_rows, values
-from tensordict import NonTensorData, TensorDict, is_leaf_nontensor, lazy_stack, tensorclass
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    TensorDict,
+    is_leaf_nontensor,
+    lazy_stack,
+    tensorclass,
+)
 from torchrl.data import (
     LazyStackStorage,
     LazyTensorStorage,
@@ -62,11 +69,12 @@ def rows_of_every_kind(n: int, start: int = 0) -> TensorDict:
     )
 
 
-def both(max_size: int, path: Path, **kwargs) -> tuple[ReplayBuffer, ReplayBuffer]:
-    """The same buffer on ZarrStorage and on LazyTensorStorage."""
+def both(
+    max_size: int, path: Path, theirs: type = LazyTensorStorage, **kwargs
+) -> tuple[ReplayBuffer, ReplayBuffer]:
+    """The same buffer on ZarrStorage and on one of TorchRL's storages."""
     ours = ReplayBuffer(storage=ZarrStorage(max_size, path), **kwargs)
-    theirs = ReplayBuffer(storage=LazyTensorStorage(max_size), **kwargs)
-    return ours, theirs
+    return ours, ReplayBuffer(storage=theirs(max_size), **kwargs)
 
 
 def test_python_values_per_row_come_back_as_lazy_tensor_storage_returns_them(store_path):
@@ -256,14 +264,8 @@ def test_one_batch_of_mixed_value_types_under_one_key_is_refused(store_path):
 # --- rows of different lengths ------------------------------------------------------------
 
 
-def both_ragged(max_size: int, path: Path, **kwargs) -> tuple[ReplayBuffer, ReplayBuffer]:
-    ours = ReplayBuffer(storage=ZarrStorage(max_size, path), **kwargs)
-    theirs = ReplayBuffer(storage=LazyStackStorage(max_size), **kwargs)
-    return ours, theirs
-
-
 def test_ragged_rows_come_back_as_lazy_stack_storage_returns_them(store_path):
-    ours, theirs = both_ragged(6, store_path, batch_size=4)
+    ours, theirs = both(6, store_path, LazyStackStorage, batch_size=4)
     writes = [token_rows([5, 1, 30], seed=1), token_rows([2], seed=2)]
     writes += [token_rows([7, 90, 3, 1], seed=3)]  # wraps: shorter rows over longer ones
     for data in writes:
@@ -478,3 +480,17 @@ def test_a_store_of_format_1_opens_loads_and_takes_strings(tmp_path):
     again = zarr_rb.load(path, read_only=True)
     assert list(again.storage.get(torch.arange(24, 26))["note"]) == ["new", "keys"]
     assert torch.equal(again.storage.get(torch.arange(24))["obs"], rows["obs"])
+
+
+def test_elements_of_different_shapes_inside_a_row_are_refused(store_path):
+    rb = ReplayBuffer(storage=ZarrStorage(10, store_path))
+    inner = LazyStackedTensorDict(
+        TensorDict(a=torch.rand(5, 4, 8), batch_size=5),
+        TensorDict(a=torch.rand(5, 3, 8), batch_size=5),
+        stack_dim=1,
+    )  # each row: two elements whose "a" differ in shape
+    with pytest.raises(UnsupportedDataError, match="lazy stack"):
+        rb.extend(inner)
+    assert len(rb) == 0
+    rb.extend(TensorDict(a=torch.rand(2, 2, 4, 8), batch_size=[2, 2]))  # fine afterwards
+    assert len(rb) == 2

@@ -181,6 +181,9 @@ def _items(value: NonTensorData | NonTensorStack, key: Key) -> list[object]:
     """The Python values of a non-tensor entry, one per element of its batch, in order."""
     if isinstance(value, NonTensorData) and not isinstance(value, NonTensorStack):
         return [value.data] * math.prod(value.batch_size)
+    parts = value.tensordicts
+    if value.batch_dims == 1 and all(type(part) is NonTensorData for part in parts):
+        return [part.data for part in parts]  # as tolist(), without its per-element checks
     items: list[object] = value.tolist()
     for _ in range(value.batch_dims - 1):
         items = [item for row in items for item in row]  # type: ignore[attr-defined]

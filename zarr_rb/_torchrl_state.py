@@ -145,7 +145,13 @@ def copy_rows(
     if rows <= 0:
         return
     if isinstance(source, Storage):
-        get = source.get  # rows read (and decoded) by the storage, a block at a time
+        from zarr_rb.storage import ZarrStorage
+
+        # Rows read (and decoded) by the storage, a block at a time; a ZarrStorage reads an
+        # index (a slice of every row would be its lazy view).
+        get = source.get
+        if isinstance(source, ZarrStorage):
+            get = lambda index: source.get(torch.arange(index.start, index.stop))  # noqa: E731
         read = get if prepare is None else lambda index: prepare(get(index))
         first = read(slice(0, 1))
         per_row = row_nbytes(flip_list(first) if isinstance(first, list) else first)

@@ -17,16 +17,13 @@ if TYPE_CHECKING:
 Key = tuple[str, ...]
 
 
-class LeafSource:
-    """The rows of one leaf of a :class:`ZarrStorage`, for its lazy columns."""
+class _EntrySource:
+    """One entry of a :class:`ZarrStorage` over rows ``[0, length)``, for a lazy column."""
 
-    def __init__(
-        self, storage: ZarrStorage, key: Key, length: int, *, unused_as_zeros: bool
-    ) -> None:
+    def __init__(self, storage: ZarrStorage, key: Key, length: int) -> None:
         self._owner = storage
         self._key = key
         self._length = length
-        self._unused_as_zeros = unused_as_zeros
 
     @property
     def length(self) -> int:
@@ -35,6 +32,16 @@ class LeafSource:
     @property
     def revision(self) -> int:
         return self._owner._store.version
+
+
+class LeafSource(_EntrySource):
+    """The rows of one leaf of a :class:`ZarrStorage`, for its lazy columns."""
+
+    def __init__(
+        self, storage: ZarrStorage, key: Key, length: int, *, unused_as_zeros: bool
+    ) -> None:
+        super().__init__(storage, key, length)
+        self._unused_as_zeros = unused_as_zeros
 
     def read(self, rows: np.ndarray) -> torch.Tensor:
         storage = self._owner
@@ -50,23 +57,13 @@ class LeafSource:
         self._owner.write_leaves(rows, {self._key: values})
 
 
-class RowsOnlySource:
+class RowsOnlySource(_EntrySource):
     """Stands in a lazy view for an entry that no tensor column can hold (strings, rows of
     different lengths): reading it says where its rows are read."""
 
     def __init__(self, storage: ZarrStorage, key: Key, length: int, what: str) -> None:
-        self._owner = storage
-        self._key = key
-        self._length = length
+        super().__init__(storage, key, length)
         self._what = what
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    @property
-    def revision(self) -> int:
-        return self._owner._store.version
 
     def _refuse(self) -> NotSupportedError:
         return NotSupportedError(

@@ -148,16 +148,17 @@ def load(
     """
     if storage not in ("zarr", "memory"):
         raise ValueError(f"expected storage='zarr' or storage='memory', got {storage!r}")
+    code_objects = {
+        "collate_fn": collate_fn,
+        "sample_unit": sample_unit,
+        "checkpointer": checkpointer,
+    }
     if storage == "memory":
         return _load_into_memory(
             path,
             allow_pickle=allow_pickle,
             transform=transform,
-            code_objects={
-                "collate_fn": collate_fn,
-                "sample_unit": sample_unit,
-                "checkpointer": checkpointer,
-            },
+            code_objects=code_objects,
             device=device,
             progress=progress,
         )
@@ -165,11 +166,7 @@ def load(
         path,
         allow_pickle=allow_pickle,
         transform=transform,
-        code_objects={
-            "collate_fn": collate_fn,
-            "sample_unit": sample_unit,
-            "checkpointer": checkpointer,
-        },
+        code_objects=code_objects,
         device=device,
         read_only=read_only,
     )
