@@ -494,3 +494,24 @@ def test_elements_of_different_shapes_inside_a_row_are_refused(store_path):
     assert len(rb) == 0
     rb.extend(TensorDict(a=torch.rand(2, 2, 4, 8), batch_size=[2, 2]))  # fine afterwards
     assert len(rb) == 2
+
+
+def test_export_to_torchrl_refuses_what_its_layout_cannot_keep(store_path, tmp_path):
+    rb = ReplayBuffer(storage=ZarrStorage(10, store_path))
+    rb.extend(token_rows([3, 1, 12]))
+    zarr_rb.save(rb)
+    with pytest.raises(NotSupportedError, match=r"rows of different lengths at \('tokens',\)"):
+        zarr_rb.export_torchrl(store_path, tmp_path / "dump", progress=False)
+    assert not (tmp_path / "dump").exists()
+
+
+def test_a_ragged_buffer_snapshots_dumps_and_loads(store_path, tmp_path):
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(10, store_path), batch_size=2)
+    rb.extend(token_rows([3, 1, 12, 40]))
+    every = torch.arange(4)
+    snapshot = zarr_rb.load(zarr_rb.save(rb, tmp_path / "snapshot.zarr"))
+    assert_same_rows(snapshot.storage.get(every), rb.storage.get(every))
+    rb.dumps(tmp_path / "dump")
+    other = TensorDictReplayBuffer(storage=ZarrStorage(10, tmp_path / "other.zarr"), batch_size=2)
+    other.loads(tmp_path / "dump")
+    assert_same_rows(other.storage.get(every), rb.storage.get(every))

@@ -46,9 +46,11 @@ from zarr_rb._checkpointer import (
 )
 from zarr_rb._convert import row_nbytes
 from zarr_rb._engine import copy_in_blocks
+from zarr_rb._format import LeafSpec
 from zarr_rb.api import load, save
 from zarr_rb.errors import (
     NotAStoreError,
+    NotSupportedError,
     ReadOnlyError,
     SchemaMismatchError,
     StoreCorruptedError,
@@ -372,6 +374,8 @@ def export_torchrl(
             ``transform``.
         ValueError: the store has never been written to (TorchRL cannot dump an
             uninitialised storage).
+        NotSupportedError: the store holds Python values or rows of different lengths,
+            which TorchRL's layout cannot keep.
 
     Examples:
         >>> import zarr_rb
@@ -401,6 +405,14 @@ def export_torchrl(
             raise ValueError(
                 f"store {str(src)!r} has never been written to, and TorchRL cannot dump an "
                 "uninitialised storage; extend the buffer before exporting it",
+            )
+        kept_apart = [leaf for leaf in schema.leaves if leaf.value not in ("tensor", "lengths")]
+        if kept_apart:
+            raise NotSupportedError(
+                f"store {str(src)!r} holds {_kinds_of(kept_apart)}, which TorchRL's "
+                "memory-mapped layout cannot keep (LazyMemmapStorage keeps one string for "
+                "all rows, and no rows of different lengths); load it into RAM with "
+                "zarr_rb.load(path, storage='memory') instead",
             )
         memmap = LazyMemmapStorage(
             storage.max_size,
@@ -480,3 +492,12 @@ def _remove_partial_export(dest: Path, *, created: bool) -> None:
             shutil.rmtree(child, ignore_errors=True)
         else:
             child.unlink(missing_ok=True)
+
+
+def _kinds_of(leaves: list[LeafSpec]) -> str:
+    """``"rows of different lengths at ('tokens',), str values at ('prompt',)"``."""
+    return ", ".join(
+        f"{'rows of different lengths' if leaf.value == 'ragged' else leaf.value + ' values'} "
+        f"at {leaf.key!r}"
+        for leaf in leaves
+    )
