@@ -370,13 +370,58 @@ def test_rows_with_other_keys_are_refused(store_path):
     assert len(rb) == 0
 
 
-def test_the_lazy_view_of_ragged_or_value_columns_says_how_to_read_them(store_path):
+def test_the_lazy_view_reads_values_and_says_how_to_read_ragged_rows(store_path):
     rb = ReplayBuffer(storage=ZarrStorage(10, store_path))
-    rb.extend(token_rows([2, 3]))
+    rows = token_rows([2, 3, 7])
+    rb.extend(rows)
     view = rb.storage[:]
-    assert view["reward"].shape == (2,)  # fixed columns stay lazy tensors
+    assert view["reward"].shape == (3,)  # fixed columns stay lazy tensors
+    prompts = [row["prompt"] for row in rows.unbind(0)]
+    assert view["prompt"].tolist() == prompts  # values: read when asked for, as lists
+    assert list(view["prompt"]) == prompts
+    assert view["prompt"][1].tolist() == prompts[1]
+    with pytest.raises(NotSupportedError, match=r"tolist\(\)"):
+        view["prompt"].materialize()  # not as a tensor
     with pytest.raises(NotSupportedError, match=r"storage\.get"):
         view["tokens"].materialize()
+    with pytest.raises(NotSupportedError, match=r"storage\.get"):
+        view["tokens"].tolist()
+
+
+@pytest.mark.parametrize(
+    ("group_key", "strategy"), [("prompt", "random"), ("query_id", "random"), ("prompt", "recency")]
+)
+def test_torchrl_prompt_group_sampler_draws_as_on_lazy_stack_storage(
+    store_path, group_key, strategy
+):
+    from torchrl.data.replay_buffers.samplers import PromptGroupSampler
+
+    rows = token_rows([3, 8, 1, 20, 6, 6, 2, 9, 4, 4, 7, 30])
+    rows.set("query_id", torch.arange(12) // 3)
+    for i, row in enumerate(rows.unbind(0)):
+        row["prompt"] = f"question {i // 3}"  # three answers per question
+
+    def sampler() -> PromptGroupSampler:
+        return PromptGroupSampler(num_groups=2, group_key=group_key, strategy=strategy)
+
+    ours = ReplayBuffer(storage=ZarrStorage(20, store_path), sampler=sampler(), batch_size=6)
+    theirs = ReplayBuffer(storage=LazyStackStorage(20), sampler=sampler(), batch_size=6)
+    for rb in (ours, theirs):
+        rb.extend(rows)
+    for seed in range(3):
+        ours.set_rng(torch.Generator().manual_seed(seed))
+        theirs.set_rng(torch.Generator().manual_seed(seed))
+        sample, info = ours.sample(return_info=True)
+        expected, expected_info = theirs.sample(return_info=True)
+        assert torch.equal(info["index"], expected_info["index"])
+        assert_same_rows(sample, expected)
+    zarr_rb.save(ours)  # the GRPO sampler is saved and loaded with the buffer
+    loaded = zarr_rb.load(store_path)
+    assert isinstance(loaded.sampler, PromptGroupSampler)
+    assert loaded.sampler.group_key == group_key
+    loaded.set_rng(torch.Generator().manual_seed(7))
+    theirs.set_rng(torch.Generator().manual_seed(7))
+    assert_same_rows(loaded.sample(), theirs.sample())
 
 
 def test_state_dict_moves_ragged_rows_to_and_from_lazy_stack_storage(store_path):

@@ -22,7 +22,7 @@ stay lazy and writable:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -55,6 +55,19 @@ class ColumnSource(Protocol):
         ...
 
 
+@runtime_checkable
+class ValuesSource(Protocol):
+    """Rows of an entry of Python values (strings...), which no tensor holds."""
+
+    def python_values(self, rows: np.ndarray) -> list[Any]:
+        """The values of ``rows``, in order."""
+        ...
+
+    def refuse(self) -> Exception:
+        """The error for reading the entry as a tensor."""
+        ...
+
+
 class _Reader:
     """A read-only source from a row reader (columns that nothing writes into)."""
 
@@ -75,6 +88,10 @@ class _Reader:
 
     def write(self, rows: np.ndarray, values: torch.Tensor) -> None:
         raise TypeError("this LazyColumn is a read-only view of rows on disk")
+
+
+_ONE_ROW: tuple[ViewOp, ...] = ((_aten.select.int, (0, 0), {}, None),)
+"""The tail of a view of one row of a column."""
 
 
 class LazyColumn(torch.Tensor):
@@ -136,7 +153,19 @@ class LazyColumn(torch.Tensor):
 
     # Python-level conversions never reach __torch_dispatch__: route them to the data.
     def tolist(self) -> Any:
+        source = self._source
+        if isinstance(source, ValuesSource):  # a column of Python values: those values
+            if not self._tail:
+                return source.python_values(self._rows)
+            if self._tail == _ONE_ROW:
+                return source.python_values(self._rows)[0]
+            raise source.refuse()
         return self.materialize().tolist()
+
+    def __iter__(self) -> Any:
+        if isinstance(self._source, ValuesSource) and self.ndim == 1:
+            return iter(self.tolist())
+        return super().__iter__()  # type: ignore[no-untyped-call]
 
     def numpy(self, *, force: bool = False) -> np.ndarray:
         return self.materialize().numpy(force=force)
@@ -185,7 +214,7 @@ class LazyColumn(torch.Tensor):
         self._source.write(rows, value.reshape(rows.size, *self._element))
 
     def _covers_whole_rows(self) -> bool:
-        return not self._tail or self._tail == ((_aten.select.int, (0, 0), {}, None),)
+        return not self._tail or self._tail == _ONE_ROW
 
     def _write(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *, leading: bool

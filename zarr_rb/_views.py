@@ -59,24 +59,36 @@ class LeafSource(_EntrySource):
 
 class RowsOnlySource(_EntrySource):
     """Stands in a lazy view for an entry that no tensor column can hold (strings, rows of
-    different lengths): reading it says where its rows are read."""
+    different lengths): reading it as a tensor says where its rows are read; the Python
+    values of a values entry are read by ``tolist()`` and iteration."""
 
-    def __init__(self, storage: ZarrStorage, key: Key, length: int, what: str) -> None:
+    def __init__(
+        self, storage: ZarrStorage, key: Key, length: int, what: str, *, values: bool
+    ) -> None:
         super().__init__(storage, key, length)
         self._what = what
+        self._values = values
 
-    def _refuse(self) -> NotSupportedError:
+    def refuse(self) -> NotSupportedError:
+        readable = "read its values with .tolist(), " if self._values else ""
         return NotSupportedError(
             f"{self._owner._where}: entry {self._key!r} holds {self._what}, which a lazy view "
-            "(storage[:]) cannot hold as a tensor column: read rows with storage[index] or "
-            f"storage.get(index), or the whole entry with storage.get({self._key!r})",
+            f"(storage[:]) cannot hold as a tensor column: {readable}read rows with "
+            f"storage[index] or storage.get(index), or the whole entry with "
+            f"storage.get({self._key!r})",
         )
 
+    def python_values(self, rows: np.ndarray) -> list[Any]:
+        """The values of ``rows``, as ``storage.get(key)`` gives them for every row."""
+        if not self._values:
+            raise self.refuse()
+        return self._owner.entry_values(self._key, rows)
+
     def read(self, rows: np.ndarray) -> torch.Tensor:
-        raise self._refuse()
+        raise self.refuse()
 
     def write(self, rows: np.ndarray, values: torch.Tensor) -> None:
-        raise self._refuse()
+        raise self.refuse()
 
 
 class Gather:

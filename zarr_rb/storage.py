@@ -663,7 +663,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 leaves.append(leaf)
                 continue
             what = _ENTRY_KINDS.get(leaf.value, f"{leaf.value} values")
-            source = RowsOnlySource(self, leaf.key, length, what)
+            source = RowsOnlySource(self, leaf.key, length, what, values=leaf.value != "ragged")
             columns[leaf.key] = LazyColumn((length,), torch.uint8, source=source)
             leaves.append(LeafSpec(key=leaf.key, dtype="uint8", shape=()))
         return _convert.build(
@@ -677,18 +677,20 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         """``storage.get(key)`` of an entry no tensor column holds: every row of it, as a
         list of tensors (rows of different lengths), or the values as ``LazyTensorStorage``
         returns them."""
-        schema = self._store.schema
-        assert schema is not None
-        length = _compat.length_along_dim0(self)
-        leaf = {leaf.key: leaf for leaf in schema.leaves}[key]
-        rows = np.arange(length)
-        read = self._store.read(rows, [leaf.key, *([leaf.lengths_key] if leaf.ragged else [])])
-        items = _rows.decode(leaf, read[leaf.key], read.get(leaf.lengths_key))
-        if leaf.value == "ragged":
+        items = self.entry_values(key, np.arange(_compat.length_along_dim0(self)))
+        if self._store._leaf(key).value == "ragged":
             return items
         stack = NonTensorStack.from_list(items) if items else NonTensorStack(batch_size=(0,))
         # As TensorStorage.get(key) returns them: what a TensorDict's [key] gives.
         return TensorDict({key: stack}, batch_size=[len(items)])[key]
+
+    @_io_boundary
+    def entry_values(self, key: Key, rows: np.ndarray) -> list[Any]:
+        """The rows of an entry no tensor column holds: its Python values, or its tensors
+        of different lengths."""
+        leaf = self._store._leaf(key)
+        read = self._store.read(rows, [leaf.key, *([leaf.lengths_key] if leaf.ragged else [])])
+        return _rows.decode(leaf, read[leaf.key], read.get(leaf.lengths_key))
 
     @_io_boundary
     def _rand_given_ndim(self, batch_size: int) -> Any:

@@ -200,6 +200,30 @@ def _prioritized_load(obj: Any, node: StateNode) -> None:
     compat.put(obj, "_max_priority", (value, where))
 
 
+def _prompt_group_config(obj: Any) -> Config:
+    """TorchRL's GRPO sampler: groups of rows sharing a prompt (its group index is a cache,
+    rebuilt from the rows; the recency clock is its state)."""
+    return {
+        "num_groups": obj.num_groups,
+        "samples_per_group": obj.samples_per_group,
+        "group_key": key_to_json(obj.group_key),
+        "strategy": obj.strategy,
+        "reward_key": key_to_json(obj.reward_key),
+        "cache_groups": bool(obj.cache_groups),
+    }
+
+
+def _prompt_group_build(config: Config) -> Any:
+    return S.PromptGroupSampler(
+        num_groups=config["num_groups"],
+        samples_per_group=config["samples_per_group"],
+        group_key=key_from_json(config["group_key"]),
+        strategy=config["strategy"],
+        reward_key=key_from_json(config["reward_key"]),
+        cache_groups=config["cache_groups"],
+    )
+
+
 def _both(*fns: Callable[[Any, StateNode], None]) -> Callable[[Any, StateNode], None]:
     def run(obj: Any, node: StateNode) -> None:
         for fn in fns:
@@ -332,6 +356,13 @@ ADAPTERS: dict[str, Adapter] = {
             ),
             _both(_slice_save, _prioritized_save),
             _both(_slice_load, _prioritized_load),
+        ),
+        Adapter(
+            S.PromptGroupSampler,
+            _prompt_group_config,
+            _prompt_group_build,
+            _state_dict_save,
+            _state_dict_load,
         ),
         Adapter(
             W.RoundRobinWriter,
