@@ -249,3 +249,16 @@ def test_load_into_memory_refuses_an_unknown_storage_name(tmp_path):
     zarr_rb.save(rb, tmp_path / "s.zarr", progress=False)
     with pytest.raises(ValueError, match="storage='zarr' or storage='memory'"):
         zarr_rb.load(tmp_path / "s.zarr", storage="disk")
+
+
+@pytest.mark.parametrize("storage_name", ["ListStorage", "CompressedListStorage"])
+def test_list_storages_whose_first_rows_share_a_length_save_as_ragged(
+    tmp_path, monkeypatch, storage_name
+):
+    monkeypatch.setattr("zarr_rb._torchrl_state.COPY_BLOCK_BYTES", 64)  # a block per row
+    rb = ReplayBuffer(storage=STORAGES[storage_name](), batch_size=2)
+    rows = token_rows([5, 5, 5, 5, 7, 9])
+    for row in rows.unbind(0):
+        rb.add(row)
+    loaded = zarr_rb.load(zarr_rb.save(rb, tmp_path / "rows.zarr", progress=False))
+    assert_same_rows(loaded.storage.get(torch.arange(6)), rows)

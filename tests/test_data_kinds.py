@@ -15,6 +15,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +24,7 @@ from kinds import assert_same_rows, row_leaves, token_rows, values
 from tensordict import (
     LazyStackedTensorDict,
     NonTensorData,
+    NonTensorStack,
     TensorDict,
     is_leaf_nontensor,
     lazy_stack,
@@ -522,6 +524,8 @@ def test_a_store_of_format_1_opens_loads_and_takes_strings(tmp_path):
     more["note"] = values(["new", "keys"])  # a new kind of leaf on an old store
     rb.extend(more)
     zarr_rb.save(rb)
+    # Leaves format 1 cannot read: an older zarr_rb must refuse the store from now on.
+    assert json.loads((path / "zarr.json").read_text())["attributes"]["zarr_rb"]["format"] == 2
     again = zarr_rb.load(path, read_only=True)
     assert list(again.storage.get(torch.arange(24, 26))["note"]) == ["new", "keys"]
     assert torch.equal(again.storage.get(torch.arange(24))["obs"], rows["obs"])
@@ -560,3 +564,94 @@ def test_a_ragged_buffer_snapshots_dumps_and_loads(store_path, tmp_path):
     other = TensorDictReplayBuffer(storage=ZarrStorage(10, tmp_path / "other.zarr"), batch_size=2)
     other.loads(tmp_path / "dump")
     assert_same_rows(other.storage.get(every), rb.storage.get(every))
+
+
+# --- refused writes leave the storage and TorchRL's writer as they were -------------------
+
+
+def test_a_row_read_twice_comes_back_as_stored_even_if_the_first_was_changed(store_path):
+    rb = ReplayBuffer(storage=ZarrStorage(10, store_path))
+    rb.extend(rows_of_every_kind(3))
+    index = torch.tensor([0, 2])
+    first = rb.storage.get(index)
+    first["str"] = values(["changed", "changed"])
+    again = rb.storage.get(index)
+    assert list(again["str"]) == [KINDS["str"](0), KINDS["str"](2)]
+
+
+def test_refused_lists_and_out_of_range_ints_leave_the_writer_where_it_was(store_path):
+    rb = ReplayBuffer(storage=ZarrStorage(10, store_path))
+    rb.extend(rows_of_every_kind(2))
+    with pytest.raises(UnsupportedDataError):
+        rb.extend([{"obs": torch.ones(3), "str": "a"}, {"obs": torch.ones(3), "str": "b"}])
+    bad = rows_of_every_kind(2, 2)
+    bad["int"] = values([1, 2**64])
+    with pytest.raises(UnsupportedDataError, match=r"\('int',\).*outside int64"):
+        rb.extend(bad)
+    rb.extend(rows_of_every_kind(2, 2))  # lands at rows 2 and 3, where it belongs
+    assert len(rb) == 4
+    assert_same_rows(rb.storage.get(torch.arange(4)), rows_of_every_kind(4))
+
+
+def test_a_refused_write_leaves_a_max_value_writer_as_it_was(store_path):
+    from torchrl.data import TensorDictMaxValueWriter
+
+    rb = TensorDictReplayBuffer(
+        storage=ZarrStorage(4, store_path), writer=TensorDictMaxValueWriter(rank_key="r")
+    )
+    rb.extend(TensorDict({"r": torch.tensor([1.0, 2.0]), "s": values(["a", "b"])}, [2]))
+    with pytest.raises(UnsupportedDataError):
+        rb.extend(TensorDict({"r": torch.tensor([3.0, 4.0]), "s": values(["c", "\ud800"])}, [2]))
+    rb.extend(TensorDict({"r": torch.tensor([0.5]), "s": values(["kept"])}, [1]))
+    assert len(rb) == 3
+    assert sorted(rb.storage.get(torch.arange(3))["r"].tolist()) == [0.5, 1.0, 2.0]
+
+
+def test_a_refused_first_write_creates_nothing(store_path):
+    rb = ReplayBuffer(storage=ZarrStorage(10, store_path))
+    bad = rows_of_every_kind(2)
+    bad["str"] = values(["a", "\ud800"])
+    with pytest.raises(UnsupportedDataError):
+        rb.extend(bad)
+    assert not rb.storage.initialized
+    other = TensorDict({"obs": torch.arange(4, dtype=torch.int16)}, [4])  # another schema
+    rb.extend(other)
+    assert torch.equal(rb.storage.get(torch.arange(4))["obs"], other["obs"])
+
+
+def test_a_patch_of_a_values_column_is_refused_before_anything_is_written(store_path):
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(10, store_path))
+    rb.extend(rows_of_every_kind(3))
+    with pytest.raises(NotSupportedError, match=r"\('int',\)"):
+        rb.storage.write_leaves(
+            np.array([0]), {("obs",): torch.full((1, 3), 99.0), ("int",): torch.ones(1)}
+        )
+    assert_same_rows(rb.storage.get(torch.arange(3)).exclude("index"), rows_of_every_kind(3))
+
+
+def test_rows_too_long_to_wait_in_ram_are_written_at_once_after_older_ones(store_path, monkeypatch):
+    monkeypatch.setattr("zarr_rb._store.STAGED_RAGGED_BYTES", 64 * 1024)
+    ours, theirs = both(12, store_path, LazyStackStorage)
+    writes = [token_rows([5, 3], seed=1), token_rows([5000], seed=2), token_rows([2, 4000, 1])]
+    writes += [token_rows([7] * 8, seed=4)]  # wraps over the long rows
+    for data in writes:
+        for rb in (ours, theirs):
+            rb.extend(data)
+    every = torch.arange(12)
+    assert_same_rows(ours.storage.get(every), theirs.storage.get(every))
+    ours.storage.close()
+    reopened = ZarrStorage(path=store_path, read_only=True)
+    assert_same_rows(reopened.get(every), theirs.storage.get(every))
+
+
+def test_values_of_a_two_dimensional_storage_read_as_lazy_tensor_storage(store_path):
+    n = NonTensorStack.from_list([[1, 2, 3], [4, 5, 6]])
+    data = TensorDict({"x": torch.arange(6.0).reshape(2, 3), "n": n}, [2, 3])
+    ours, theirs = ZarrStorage(10, store_path, ndim=2), LazyTensorStorage(10, ndim=2)
+    for storage in (ours, theirs):
+        storage.set(slice(0, 2), data)
+    assert ours.get("n") == theirs.get("n")
+    assert ours[:]["n"].tolist() == [[1, 2, 3], [4, 5, 6]]
+    row, their_row = ours.get(torch.tensor([1])), theirs.get(torch.tensor([1]))
+    assert row["n"] == their_row["n"] == [[4, 5, 6]]
+    assert torch.equal(row["x"], their_row["x"])

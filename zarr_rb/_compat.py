@@ -257,23 +257,23 @@ def set_writer_position(writer: Any, *, cursor: int, write_count: int) -> bool:
     return True
 
 
-def rewind_writers(storage: Any, cursor: Any, rows: int) -> None:
-    """Undo the move of the round-robin writers that wrote ``cursor`` into ``storage`` when
-    the storage refused the write.
+def writer_state(writer: Any) -> tuple[Any, ...] | None:
+    """What TorchRL's writers change before they call ``storage.set`` (the cursor, the write
+    count, a max-value writer's heap), to put back when the storage refuses the write;
+    ``None`` for other writers."""
+    if isinstance(writer, _writers.TensorDictMaxValueWriter):
+        heap = writer._current_top_values
+        return (writer._cursor, writer._write_count, list(heap))
+    if isinstance(writer, _writers.RoundRobinWriter):
+        return (writer._cursor, writer._write_count)
+    return None
 
-    TorchRL's ``RoundRobinWriter`` moves its cursor and write count before it calls
-    ``storage.set``; a refused write would otherwise leave the next write that many rows
-    further on, and those rows empty.
-    """
-    index = torch.as_tensor(cursor).reshape(-1)
-    if index.numel() == 0:
-        return
-    after = (int(index[-1]) + 1) % rows
-    for buffer in storage._attached_entities:
-        writer = getattr(buffer, "_writer", None)
-        if isinstance(writer, _writers.RoundRobinWriter) and int(writer._cursor) == after:
-            writer._cursor = int(index[0])
-            writer._write_count -= index.numel()
+
+def restore_writer_state(writer: Any, state: tuple[Any, ...]) -> None:
+    writer._cursor = state[0]
+    writer._write_count = state[1]
+    if len(state) > 2:
+        writer._current_top_values = state[2]
 
 
 def sampler_to_build(buffer: Any) -> Any:
@@ -324,7 +324,8 @@ def route_method(obj: Any, name: str, hook: Callable[..., Any]) -> bool:
     """Route ``obj.<name>(...)`` through ``hook(method, ...)`` (once: returns whether it was
     routed now). ``name`` is a sampler method of :data:`USED`: ``sample``,
     ``_get_sample_list`` (a without-replacement sampler draws a permutation),
-    ``_get_stop_and_length`` (a slice sampler finds trajectory boundaries)."""
+    ``_get_stop_and_length`` (a slice sampler finds trajectory boundaries); or a writer's
+    public ``add`` or ``extend``."""
     if isinstance(obj.__dict__.get(name), _Around):
         return False
     getattr(type(obj), name)  # fails loudly if TorchRL renamed it

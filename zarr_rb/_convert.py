@@ -301,7 +301,7 @@ def _specs(
     if isinstance(entry, torch.Tensor):
         dtype = dtype_name(entry.dtype)
     elif isinstance(entry, RaggedRows):
-        dtype = dtype_name(_rows._dtype_of(entry))
+        dtype = dtype_name(_rows._dtype_of(entry, key))
     else:
         dtype = "uint8"
     stored_dtype(dtype)
@@ -622,13 +622,18 @@ def build(
     return td
 
 
-def _non_tensor_stack(items: list[Any], batch_shape: tuple[int, ...]) -> NonTensorStack:
-    """Python values (in row order) as a ``NonTensorStack`` of ``batch_shape``, as
-    ``LazyTensorStorage`` returns its non-tensor entries."""
+def nest(items: list[Any], batch_shape: tuple[int, ...]) -> list[Any]:
+    """Values in row order as nested lists of ``batch_shape``."""
     nested: list[Any] = items
     for size in reversed(batch_shape[1:]):
         nested = [nested[i : i + size] for i in range(0, len(nested), size)]
-    stack: NonTensorStack = NonTensorStack.from_list(nested)
+    return nested
+
+
+def _non_tensor_stack(items: list[Any], batch_shape: tuple[int, ...]) -> NonTensorStack:
+    """Python values (in row order) as a ``NonTensorStack`` of ``batch_shape``, as
+    ``LazyTensorStorage`` returns its non-tensor entries."""
+    stack: NonTensorStack = NonTensorStack.from_list(nest(items, batch_shape))
     return stack
 
 

@@ -163,7 +163,7 @@ class LazyColumn(torch.Tensor):
         return self.materialize().tolist()
 
     def __iter__(self) -> Any:
-        if isinstance(self._source, ValuesSource) and self.ndim == 1:
+        if isinstance(self._source, ValuesSource) and not self._tail:
             return iter(self.tolist())
         return super().__iter__()  # type: ignore[no-untyped-call]
 

@@ -37,6 +37,7 @@ _PYTHON_TYPES: dict[type, Value] = {
     type(None): "none",
 }
 _TORCH_DTYPES = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def as_written(key: Key) -> str | Key:
@@ -128,7 +129,7 @@ def encode(leaf: LeafSpec, entry: Entry, *, where: str) -> dict[Key, torch.Tenso
             raise SchemaMismatchError(
                 f"{where}: entry {key!r} holds Python values, the store holds tensors there"
             )
-        dtype = entry.dtype if isinstance(entry, torch.Tensor) else _dtype_of(entry)
+        dtype = entry.dtype if isinstance(entry, torch.Tensor) else _dtype_of(entry, key)
         if str(dtype).removeprefix("torch.") != leaf.dtype:
             raise SchemaMismatchError(
                 f"{where}: entry {key!r} has dtype {dtype}, the store holds torch.{leaf.dtype}; "
@@ -170,13 +171,23 @@ def encode(leaf: LeafSpec, entry: Entry, *, where: str) -> dict[Key, torch.Tenso
         return {key: padded, leaf.lengths_key: lengths}
     if leaf.value == "none":
         return {key: torch.zeros(n, dtype=torch.uint8)}
+    if leaf.value == "int":
+        outside = [item for item in entry.items if not _INT64_MIN <= item <= _INT64_MAX]  # type: ignore[operator]
+        if outside:
+            raise UnsupportedDataError(
+                f"{where}: entry {key!r} holds the int {outside[0]}, outside int64 "
+                f"[{_INT64_MIN}, {_INT64_MAX}]; store it as a string or as bytes instead",
+            )
     return {key: torch.tensor(list(entry.items), dtype=_TORCH_DTYPES[leaf.value]).reshape(n)}
 
 
-def _dtype_of(entry: RaggedRows) -> torch.dtype:
+def _dtype_of(entry: RaggedRows, key: Key) -> torch.dtype:
     dtypes = {row.dtype for row in entry.rows}
     if len(dtypes) > 1:
-        raise UnsupportedDataError(f"rows of one entry have dtypes {sorted(map(str, dtypes))}")
+        raise UnsupportedDataError(
+            f"entry {key!r}: its rows have dtypes {sorted(map(str, dtypes))}; cast them to "
+            "one dtype before writing",
+        )
     return next(iter(dtypes))
 
 
@@ -214,7 +225,8 @@ def decode(leaf: LeafSpec, values: torch.Tensor, lengths: torch.Tensor | None) -
     or its Python value."""
     if leaf.value == "ragged":
         assert lengths is not None
-        return [values[i, :n] for i, n in enumerate(lengths.tolist())]
+        # Copies: a view would keep the whole block, padded to its longest row, alive.
+        return [values[i, :n].clone() for i, n in enumerate(lengths.tolist())]
     if leaf.value in ("str", "bytes"):
         assert lengths is not None
         raw = values.numpy()

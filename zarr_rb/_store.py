@@ -35,6 +35,7 @@ from zarr_rb._dtypes import TORCH_DTYPES, from_numpy, to_numpy
 from zarr_rb._engine import LocalLocation, RowArray
 from zarr_rb._format import (
     ATTRS_KEY,
+    FORMAT_VERSION,
     Commit,
     LeafSpec,
     Saved,
@@ -59,6 +60,9 @@ from zarr_rb.errors import (
 )
 
 _MAX_STAGED_BLOCKS = 8
+STAGED_RAGGED_BYTES = 128 * 2**20
+"""A block of rows of different lengths waits in RAM padded to its longest row; rows so
+long that their block would take more than this are written at once instead."""
 MIRROR_LIMIT_BYTES = 256 * 2**20
 """Small leaves (actions, rewards, flags, trajectory ids) are mirrored in RAM by the writer
 when all of them together take at most this much."""
@@ -228,7 +232,12 @@ class Store:
         grown = dataclasses.replace(
             schema, leaves=tuple(sorted((*schema.leaves, *leaves), key=lambda leaf: leaf.key))
         )
-        self.meta = dataclasses.replace(self.meta, schema=grown)
+        # A store of format 1 that takes leaves format 1 cannot read becomes format 2, so
+        # that an older zarr_rb refuses it (FormatVersionError) instead of misreading it.
+        fmt = FORMAT_VERSION if any(leaf.value != "tensor" for leaf in leaves) else None
+        self.meta = dataclasses.replace(
+            self.meta, schema=grown, format=max(self.meta.format, fmt or self.meta.format)
+        )
         self._leaves = leaves_by_key(grown.leaves)
         for leaf in leaves:
             self._buffer.add_key(
@@ -353,6 +362,13 @@ class Store:
     def _stage_rows(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> list[Write]:
         """Stage whole rows in RAM by block; returns what must be written now."""
         assert self._buffer is not None
+        if self._too_long_to_stage(values):
+            # Written now, after the rows of their blocks that wait in RAM (older values).
+            waiting = {int(i) for i in np.unique(rows // self._buffer.block_rows)}
+            older = [block for block in self._buffer if block.index in waiting]
+            if older:
+                self._write_or_keep([_block_rows(self._buffer.pop(b.index)) for b in older])
+            return [(rows, values)]
         direct, full = self._buffer.stage(rows, values)
         blocks = [self._buffer.pop(index) for index in full]
         if len(self._buffer) > _MAX_STAGED_BLOCKS:
@@ -368,6 +384,14 @@ class Store:
             for start, stop in direct
         )
         return writes
+
+    def _too_long_to_stage(self, values: Mapping[Key, torch.Tensor]) -> bool:
+        assert self._buffer is not None
+        block_rows = self._buffer.block_rows
+        return any(
+            self._leaf(key).ragged and block_rows * value[:1].nbytes > STAGED_RAGGED_BYTES
+            for key, value in values.items()
+        )
 
     def _keep_for_retry(self, writes: Sequence[Write]) -> None:
         """Keep the rows of failed writes, so that the next flush writes them again: whole

@@ -64,8 +64,7 @@ def save_foreign(rb: Any, path: Path, *, progress: bool) -> Path:
         path,
         mode="w-",
         ndim=ndim,
-        # As LazyStackStorage keeps them: each row on its own, of any length.
-        ragged=isinstance(source, LazyStackStorage),
+        ragged=_ragged_keys(source),
     )
     try:
         rows = _length_rows(source)
@@ -95,6 +94,28 @@ def save_foreign(rb: Any, path: Path, *, progress: bool) -> Path:
         raise
     target.close()
     return path
+
+
+def _ragged_keys(source: Storage) -> bool | list[tuple[str, ...]]:
+    """Which keys to store as rows of different lengths: every key of a LazyStackStorage
+    (each row kept on its own, of any length, as it does); for the other list storages,
+    the keys whose rows differ in shape (rows are read once to find them)."""
+    if isinstance(source, LazyStackStorage):
+        return True
+    if not isinstance(source, ListStorage):
+        return False
+    first: dict[tuple[str, ...], tuple[int, ...]] = {}
+    ragged: set[tuple[str, ...]] = set()
+    for i in range(len(source)):
+        row = source.get(i)
+        if not is_tensor_collection(row):
+            return False  # tensors and pytrees: rows of one shape
+        for key, value in row.items(include_nested=True, leaves_only=True):
+            if isinstance(value, torch.Tensor):
+                shape = tuple(value.shape)
+                if first.setdefault(key_tuple(key), shape) != shape:
+                    ragged.add(key_tuple(key))
+    return sorted(ragged)
 
 
 def _sample_info_keys(rb: Any) -> set[tuple[str, ...]]:

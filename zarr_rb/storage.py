@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict
+from tensordict import NonTensorStack, TensorDict
 from torchrl.data.replay_buffers.storages import TensorStorage
 
 from zarr_rb import _compat, _convert, _index, _rows, _torchrl_state
@@ -35,11 +35,11 @@ from zarr_rb._metadata import capacity_of
 from zarr_rb._open import Mode, one_path, open_store, resolve_mode
 from zarr_rb._store import Store
 from zarr_rb._views import Gather, LeafSource, RowsOnlySource
+from zarr_rb._writes import guard_writer
 from zarr_rb.errors import (
     LockedError,
     NotSupportedError,
     ReadOnlyError,
-    ZarrRBError,
 )
 
 __all__ = ["ZarrStorage"]
@@ -134,6 +134,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
     """
 
     _store: Store
+    writes_begun: int
+    """Writes that passed validation (a refused write leaves the writer as it was)."""
     _default_checkpointer = ZarrStorageCheckpointer
     device: torch.device | Literal["auto"] | None
 
@@ -232,6 +234,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
     def _attach_store(self, store: Store) -> None:
         self.__dict__["_store"] = store
         self.__dict__["_thread_state"] = threading.local()
+        self.__dict__["writes_begun"] = 0  # writes past validation (see _writes)
         # Storages of this process on one store see one data revision (samplers' caches).
         _compat.share_revision(self, store.shared)
         self._finalizer = weakref.finalize(self, store.close)
@@ -278,10 +281,14 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         if not _compat.is_buffer_being_built(buffer):
             return
         guard_sampler(_compat.sampler_to_build(buffer), self)
-        if len(self) and not self.read_only:
-            writer = _compat.writer_to_build(buffer)
-            if not _compat.set_writer_position(writer, cursor=self.cursor, write_count=len(self)):
-                _compat.rebuild_top_values(writer, self)
+        writer = _compat.writer_to_build(buffer)
+        guard_writer(writer, self)
+        if (
+            len(self)
+            and not self.read_only
+            and not _compat.set_writer_position(writer, cursor=self.cursor, write_count=len(self))
+        ):
+            _compat.rebuild_top_values(writer, self)
 
     @property
     def _unreadable_as_zeros(self) -> bool:
@@ -402,7 +409,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         one writer process)."""
         self.flush()
         state = _compat.storage_state(self)
-        for name in ("_store", "_finalizer", "_thread_state", "_last_gather"):
+        for name in ("_store", "_finalizer", "_thread_state", "_last_gather", "writes_begun"):
             state.pop(name, None)
         state[_HANDLE] = {"path": str(self.path), "read_only": self.read_only}
         return state
@@ -446,11 +453,18 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         self._initialize(data, batched=False)
 
     def _initialize(self, data: Any, *, batched: bool) -> None:
+        self._create(self._schema_for(data, batched=batched))
+
+    def _schema_for(self, data: Any, *, batched: bool) -> Schema:
+        """The schema a first write of ``data`` gives the store."""
         if self.device == "auto":  # as LazyTensorStorage: the data's (None for a TensorDict
             self.device = _convert.device_of(data)  # without a device)
-        schema = _convert.infer_schema(
+        return _convert.infer_schema(
             data, batched=batched, ndim=self.ndim, max_size=self.max_size, ragged=self._ragged
         )
+
+    def _create(self, schema: Schema) -> None:
+        """Create the store's arrays (the first write)."""
         self._store.initialize(schema)
         self.initialized = True
         # As TorchRL's storages: max_size rounded up to whole rows (ndim > 1).
@@ -463,14 +477,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         if isinstance(data, list):
             data = _convert.flip_list(data)
         # Validate everything before touching the length or the cursor: a rejected
-        # write leaves the storage as it was, and the writer that moved for it moves back.
-        try:
-            rows, leaves = self._rows_to_write(cursor, data)
-        except ZarrRBError:
-            if set_cursor:
-                rows_along0 = store.schema.rows if store.schema else self.max_size
-                _compat.rewind_writers(self, cursor, rows_along0)
-            raise
+        # write leaves the storage as it was (and its writer, see _writes.guard_writer).
+        rows, leaves = self._rows_to_write(cursor, data)
+        self.__dict__["writes_begun"] += 1
         schema = store.schema
         assert schema is not None
         if set_cursor:
@@ -485,17 +494,22 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
     def _rows_to_write(self, cursor: Any, data: Any) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:
         """The sorted unique rows ``cursor`` writes, and the leaves ``data`` puts there."""
         store = self._store
-        if not self.initialized:
-            self._initialize(data, batched=not _compat.is_int(cursor))
-        schema = store.schema
-        assert schema is not None
         where = self._where
+        first: Schema | None = None
+        if not self.initialized:
+            first = self._schema_for(data, batched=not _compat.is_int(cursor))
+            if isinstance(cursor, tuple):
+                self._create(first)
+        schema = store.schema or first
+        assert schema is not None
         if isinstance(cursor, tuple):
             return self._patch_elements(cursor, data, schema)
         index, index_shape = _index.write_rows(cursor, schema.rows, where=where)
         all_leaves, new = _convert.leaves_for_write(
             data, schema=schema, index_shape=index_shape, where=where, ragged=self._ragged
         )
+        if first is not None:  # the rows passed: the store's arrays are made only now
+            self._create(first)
         if new:
             store.add_leaves(new)
         rows, last = _index.unique_last(index)
@@ -537,6 +551,16 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         """
         self._store._check_writable()
         where = self._where
+        schema = self._store.schema
+        kinds = {} if schema is None else {leaf.key: leaf.value for leaf in schema.leaves}
+        for key in values:
+            if kinds.get(key, "tensor") != "tensor":
+                what = _ENTRY_KINDS.get(kinds[key], f"{kinds[key]} values")
+                raise NotSupportedError(
+                    f"{where}: entry {key!r} holds {what}, which a patch of some keys "
+                    "(rb.update_if_present, a write into storage[:]) cannot change; write "
+                    "whole rows (rb.extend, storage[index] = rows) instead",
+                )
         rows = _index.check_rows(
             rows.astype(np.int64), self._store.rows, where=where, what="write index"
         )
@@ -634,9 +658,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             batch_shape=(*index.shape, *schema.batch_shape[1:]),
             device=self._build_device,
         )
-        if isinstance(out, LazyStackedTensorDict):
-            # Rows of different lengths: one TensorDict per row, too many tensors to watch
-            # for changes cheaply; such reads are not cached.
+        if any(leaf.value != "tensor" for leaf in schema.leaves):
+            # Python values (which a caller may replace unseen) or one TensorDict per row
+            # (too many tensors to watch for changes cheaply): such reads are not cached.
             self.__dict__.pop("_last_gather", None)
         else:
             self.__dict__["_last_gather"] = Gather(index.clone(), revision, out)
@@ -664,7 +688,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 continue
             what = _ENTRY_KINDS.get(leaf.value, f"{leaf.value} values")
             source = RowsOnlySource(self, leaf.key, length, what, values=leaf.value != "ragged")
-            columns[leaf.key] = LazyColumn((length,), torch.uint8, source=source)
+            shape = (length, *schema.batch_shape[1:])
+            columns[leaf.key] = LazyColumn(shape, torch.uint8, source=source)
             leaves.append(LeafSpec(key=leaf.key, dtype="uint8", shape=()))
         return _convert.build(
             columns,
@@ -677,20 +702,32 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         """``storage.get(key)`` of an entry no tensor column holds: every row of it, as a
         list of tensors (rows of different lengths), or the values as ``LazyTensorStorage``
         returns them."""
-        items = self.entry_values(key, np.arange(_compat.length_along_dim0(self)))
+        rows = _compat.length_along_dim0(self)
+        items = self.entry_values(key, np.arange(rows))
         if self._store._leaf(key).value == "ragged":
             return items
-        stack = NonTensorStack.from_list(items) if items else NonTensorStack(batch_size=(0,))
+        schema = self._store.schema
+        assert schema is not None
+        shape = (rows, *schema.batch_shape[1:])
+        stack = (
+            NonTensorStack.from_list(_convert.nest(items, shape))
+            if items
+            else NonTensorStack(batch_size=shape)
+        )
         # As TensorStorage.get(key) returns them: what a TensorDict's [key] gives.
-        return TensorDict({key: stack}, batch_size=[len(items)])[key]
+        return TensorDict({key: stack}, batch_size=shape)[key]
 
     @_io_boundary
-    def entry_values(self, key: Key, rows: np.ndarray) -> list[Any]:
-        """The rows of an entry no tensor column holds: its Python values, or its tensors
-        of different lengths."""
+    def entry_values(self, key: Key, rows: np.ndarray, *, nested: bool = False) -> list[Any]:
+        """The rows of an entry no tensor column holds: its Python values (one per element:
+        ``nested``, a list per row with ``ndim=2``), or its tensors of different lengths."""
         leaf = self._store._leaf(key)
         read = self._store.read(rows, [leaf.key, *([leaf.lengths_key] if leaf.ragged else [])])
-        return _rows.decode(leaf, read[leaf.key], read.get(leaf.lengths_key))
+        items = _rows.decode(leaf, read[leaf.key], read.get(leaf.lengths_key))
+        schema = self._store.schema
+        if nested and schema is not None and len(schema.batch_shape) > 1:
+            return _convert.nest(items, (rows.size, *schema.batch_shape[1:]))
+        return items
 
     @_io_boundary
     def _rand_given_ndim(self, batch_size: int) -> Any:

@@ -1,0 +1,43 @@
+"""A write the storage refuses leaves TorchRL's writer as it was.
+
+TorchRL's writers move before they write: ``RoundRobinWriter`` advances its cursor and
+write count, ``TensorDictMaxValueWriter`` pushes the new rows into its heap, and only then
+call ``storage.set``. When a ZarrStorage refuses the rows (a string UTF-8 cannot encode, a
+value of another type...), the writer would point past rows that were never written, and
+the next write would leave them empty. The writers of buffers on a ZarrStorage get their
+``add`` and ``extend`` routed through :func:`_undone_on_refusal`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from zarr_rb import _compat
+
+if TYPE_CHECKING:
+    from zarr_rb.storage import ZarrStorage
+
+
+def guard_writer(writer: Any, storage: ZarrStorage) -> None:
+    """Route ``writer``'s writes so that a write ``storage`` refuses puts it back (once per
+    writer; writers zarr_rb does not know keep their own ways)."""
+    if _compat.writer_state(writer) is None:
+        return
+    for name in ("add", "extend"):
+        _compat.route_method(writer, name, functools.partial(_undone_on_refusal, storage=storage))
+
+
+def _undone_on_refusal(method: Any, *args: Any, storage: ZarrStorage, **kwargs: Any) -> Any:
+    writer = method.__self__
+    before = _compat.writer_state(writer)
+    begun = storage.writes_begun
+    try:
+        return method(*args, **kwargs)
+    except BaseException:
+        # Put the writer back only if the storage refused the rows before touching anything
+        # (a write that failed on disk keeps its rows for a retry, where the writer put
+        # them, and the length that counts them).
+        if before is not None and storage.writes_begun == begun:
+            _compat.restore_writer_state(writer, before)
+        raise
