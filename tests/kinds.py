@@ -91,3 +91,11 @@ def _column_type(data: Any, key: Any) -> type:
         return type(data.get(key))
     except Exception as error:  # a lazy stack of rows of different lengths has no column
         return type(error)
+
+
+def assert_same_samples(ours: Any, theirs: Any, seeds: Any = range(3)) -> None:
+    """Seeded samples of two buffers hold the same rows."""
+    for seed in seeds:
+        ours.set_rng(torch.Generator().manual_seed(seed))
+        theirs.set_rng(torch.Generator().manual_seed(seed))
+        assert_same_rows(ours.sample(), theirs.sample())

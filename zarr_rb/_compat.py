@@ -54,7 +54,7 @@ USED: dict[type, tuple[str, ...]] = {
         "_is_full",
         "_rng",
     ),
-    Storage: ("__getstate__", "__setstate__"),
+    Storage: ("__getstate__", "__setstate__", "_compilable"),
     ListStorage: ("_storage",),
     StorageCheckpointerBase: ("_save_hooks", "_load_hooks"),
     ReplayBuffer: (
@@ -255,6 +255,11 @@ def set_writer_position(writer: Any, *, cursor: int, write_count: int) -> bool:
     writer._cursor = cursor
     writer._write_count = write_count
     return True
+
+
+def is_compilable(storage: Any) -> bool:
+    """Whether the storage was built for ``torch.compile`` (``compilable=True``)."""
+    return bool(storage._compilable)
 
 
 def writer_state(writer: Any) -> tuple[Any, ...] | None:

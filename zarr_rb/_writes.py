@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 def guard_writer(writer: Any, storage: ZarrStorage) -> None:
     """Route ``writer``'s writes so that a write ``storage`` refuses puts it back (once per
-    writer; writers zarr_rb does not know keep their own ways)."""
-    if _compat.writer_state(writer) is None:
+    writer; writers zarr_rb does not know keep their own ways, and so do the writers of a
+    ``compilable=True`` storage, whose writes ``torch.compile`` traces)."""
+    if _compat.writer_state(writer) is None or _compat.is_compilable(storage):
         return
     for name in ("add", "extend"):
         _compat.route_method(writer, name, functools.partial(_undone_on_refusal, storage=storage))
