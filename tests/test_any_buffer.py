@@ -26,6 +26,7 @@ from torchrl.data import (
     TensorDictPrioritizedReplayBuffer,
     TensorDictReplayBuffer,
 )
+from torchrl.data.replay_buffers.samplers import ConsumingSampler
 
 import zarr_rb
 from zarr_rb import StoreExistsError, UnsupportedDataError, ZarrStorage, _transfer
@@ -88,6 +89,9 @@ BUFFERS = {
     ),
     "plain-prioritized": lambda storage: PrioritizedReplayBuffer(
         alpha=0.7, beta=0.5, storage=storage, batch_size=6
+    ),
+    "consuming": lambda storage: TensorDictReplayBuffer(
+        storage=storage, sampler=ConsumingSampler(max_sample_count=4), batch_size=6
     ),
     "max-value-writer": lambda storage: TensorDictReplayBuffer(
         storage=storage, writer=TensorDictMaxValueWriter(rank_key="reward"), batch_size=6
