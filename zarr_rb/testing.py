@@ -56,6 +56,9 @@ class FaultInjector:
         persistent: fail every operation from the ``at``-th on (a disk that stays full),
             rather than only that one.
         kill: SIGKILL the process instead of raising (a crash at that exact point).
+        under: count only the operations on files below this directory (one store), not
+            those of other stores of the process (one closed by the garbage collector
+            meanwhile would move the count).
     """
 
     def __init__(
@@ -66,8 +69,10 @@ class FaultInjector:
         error: int = errno.ENOSPC,
         persistent: bool = False,
         kill: bool = False,
+        under: Path | None = None,
     ) -> None:
         self.at = at
+        self.under = None if under is None else Path(under).absolute()
         self.kinds = kinds
         self.error = error
         self.persistent = persistent
@@ -78,6 +83,8 @@ class FaultInjector:
 
     def __call__(self, kind: IOKind, path: Path) -> None:
         if kind not in self.kinds:
+            return
+        if self.under is not None and not Path(path).absolute().is_relative_to(self.under):
             return
         self.count += 1
         self.events.append((kind, path))
@@ -462,7 +469,7 @@ def _faulted_workload(workload: CrashWorkload, path: Path, opened: list[Any]) ->
 
 def count_fault_points(workload: CrashWorkload, path: Path) -> int:
     """Store writes and commit publishes of the faulted workload (the points to break)."""
-    injector = FaultInjector()
+    injector = FaultInjector(under=path)
     opened: list[Any] = []
     with observe_io(injector):
         _faulted_workload(workload, path, opened)
@@ -486,7 +493,7 @@ def inject_io_fault(
     from zarr_rb.errors import StoreWriteError
     from zarr_rb.storage import ZarrStorage
 
-    injector = FaultInjector(at=at, error=error, persistent=persistent)
+    injector = FaultInjector(at=at, error=error, persistent=persistent, under=path)
     opened: list[Any] = []
     try:
         with observe_io(injector):
