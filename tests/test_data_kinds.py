@@ -646,3 +646,18 @@ def test_values_of_a_two_dimensional_storage_read_as_lazy_tensor_storage(store_p
     row, their_row = ours.get(torch.tensor([1])), theirs.get(torch.tensor([1]))
     assert row["n"] == their_row["n"] == [[4, 5, 6]]
     assert torch.equal(row["x"], their_row["x"])
+
+
+def test_a_refused_patch_of_some_elements_adds_no_keys(store_path):
+    storage = ZarrStorage(10, store_path, ndim=2)
+    storage.set(slice(0, 2), TensorDict({"x": torch.zeros(2, 3)}, [2, 3]))
+    bad = TensorDict({"x": torch.ones(1, 5), "y": torch.ones(1)}, [1])  # x: wrong shape
+    with pytest.raises((RuntimeError, SchemaMismatchError)):
+        storage[torch.tensor([0]), torch.tensor([1])] = bad
+    assert set(storage.get(torch.tensor([0])).keys()) == {"x"}
+    storage[torch.tensor([0]), torch.tensor([1])] = TensorDict(
+        {"x": torch.ones(1), "y": torch.full((1,), 7.0)}, [1]
+    )
+    row = storage.get(torch.tensor([0]))
+    assert row["y"].tolist() == [[0.0, 7.0, 0.0]]
+    assert row["x"].tolist() == [[0.0, 1.0, 0.0]]

@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
-from tensordict import NonTensorStack, TensorDict
+from tensordict import NonTensorStack, TensorDict, TensorDictBase
 from torchrl.data.replay_buffers.storages import TensorStorage
 
 from zarr_rb import _compat, _convert, _index, _rows, _torchrl_state
@@ -528,15 +528,27 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         kind = _convert.kind_of(data)
         lead = 0 if kind in ("tensor", "pytree") else data.ndim - len(schema.item_batch_shape)
         new = _convert.new_leaves(data, schema=schema, lead=lead, where=where, ragged=self._ragged)
-        if new:
-            self._store.add_leaves(new)
-        grown = self._store.schema
-        assert grown is not None
-        block = self._read(rows, grown, unused_as_zeros=True)
+        block = self._read(rows, schema, unused_as_zeros=True)
+        if new and not (
+            isinstance(block, TensorDictBase) and all(leaf.value == "tensor" for leaf in new)
+        ):
+            self._store.add_leaves(new)  # (rare: such keys are made before the check)
+            assert self._store.schema is not None
+            schema = self._store.schema
+            block = self._read(rows, schema, unused_as_zeros=True)
+            new = []
+        grown = dataclasses.replace(
+            schema, leaves=tuple(sorted((*schema.leaves, *new), key=lambda leaf: leaf.key))
+        )
+        for leaf in new:  # new keys: zeros in the rows read, as once they are made
+            shape = (rows.size, *schema.batch_shape[1:], *leaf.shape)
+            block.set(leaf.key, torch.zeros(shape, dtype=TORCH_DTYPES[leaf.dtype]))
         _convert.assign(block, (position, *rest), data)
         leaves, _ = _convert.leaves_for_write(
             block, schema=grown, index_shape=(rows.size,), where=where
         )
+        if new:  # the patch passed: only now are its new keys made
+            self._store.add_leaves(new)
         return rows, leaves
 
     @_io_boundary
