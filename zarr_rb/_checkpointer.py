@@ -112,7 +112,7 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
                 )
             # TorchRL's own loader writes each leaf into the storage's writable full view.
             super().loads(storage, path)
-            rows = -(-len(storage) // _per_row(storage))
+            rows = storage._store.length_rows
             storage.restore(length=len(storage), cursor=rows % storage._store.rows)
             return
         source, length = open_torchrl_dump(path)
@@ -120,11 +120,6 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
         rows = min(source.shape[0], -(-length // per_row))
         copy_rows(source, storage, rows=rows)
         storage.restore(length=length, cursor=rows % source.shape[0])
-
-
-def _per_row(storage: ZarrStorage) -> int:
-    schema = storage.schema
-    return 1 if schema is None else math.prod(schema.batch_shape[1:])
 
 
 def _read_metadata(path: Path) -> dict[str, Any]:

@@ -215,8 +215,17 @@ class Schema:
     @property
     def row_nbytes(self) -> int:
         """Bytes of one row (all leaves, all trailing batch dimensions)."""
-        per_row = math.prod(self.batch_shape[1:])
-        return per_row * sum(leaf.element_nbytes for leaf in self.leaves)
+        return self.elements_per_row * sum(leaf.element_nbytes for leaf in self.leaves)
+
+    @property
+    def elements_per_row(self) -> int:
+        """Elements of one row (``n_envs`` with ``ndim=2``; TorchRL counts elements)."""
+        return math.prod(self.batch_shape[1:])
+
+    def with_leaves(self, leaves: Sequence[LeafSpec]) -> Schema:
+        """This schema with ``leaves`` added (new keys), leaves kept in key order."""
+        grown = tuple(sorted((*self.leaves, *leaves), key=lambda leaf: leaf.key))
+        return dataclasses.replace(self, leaves=grown)
 
     def to_json(self) -> dict[str, Any]:
         return {

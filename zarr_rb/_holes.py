@@ -18,7 +18,6 @@ sample.
 from __future__ import annotations
 
 import functools
-import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -90,7 +89,7 @@ def _element_indices(rows: np.ndarray, storage: ZarrStorage) -> torch.Tensor:
 
 def _elements_per_row(storage: ZarrStorage) -> int:
     schema = storage.schema
-    return 1 if schema is None else math.prod(schema.batch_shape[1:])
+    return 1 if schema is None else schema.elements_per_row
 
 
 def _sample_with_zero_priorities(sample: Any, *args: Any, zarr: ZarrStorage, **kwargs: Any) -> Any:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import shutil
 import threading
@@ -136,7 +135,7 @@ class Store:
 
     @staticmethod
     def _elements_per_row(schema: Schema | None) -> int:
-        return 1 if schema is None else math.prod(schema.batch_shape[1:])
+        return 1 if schema is None else schema.elements_per_row
 
     @property
     def rows(self) -> int:
@@ -229,15 +228,13 @@ class Store:
         block_rows = self.meta.block_rows or 1
         with self.writing("creating the arrays of new keys"):
             self._create_arrays(leaves, schema.batch_shape, block_rows)
-        grown = dataclasses.replace(
-            schema, leaves=tuple(sorted((*schema.leaves, *leaves), key=lambda leaf: leaf.key))
-        )
+        grown = schema.with_leaves(leaves)
         # A store of format 1 that takes leaves format 1 cannot read becomes format 2, so
         # that an older zarr_rb refuses it (FormatVersionError) instead of misreading it.
-        fmt = FORMAT_VERSION if any(leaf.value != "tensor" for leaf in leaves) else None
-        self.meta = dataclasses.replace(
-            self.meta, schema=grown, format=max(self.meta.format, fmt or self.meta.format)
-        )
+        fmt = self.meta.format
+        if any(leaf.value != "tensor" for leaf in leaves):
+            fmt = max(fmt, FORMAT_VERSION)
+        self.meta = dataclasses.replace(self.meta, schema=grown, format=fmt)
         self._leaves = leaves_by_key(grown.leaves)
         for leaf in leaves:
             self._buffer.add_key(

@@ -118,7 +118,7 @@ def copy_store(source: str | os.PathLike[str], storage: ZarrStorage) -> None:
     with ZarrStorage(path=source, ndim=storage.ndim, read_only=True) as other:
         if other.schema is not None:
             source = other[:] if _tensor_columns_only(other) else other
-            copy_rows(source, storage, rows=-(-len(other) // _per_row(other)))
+            copy_rows(source, storage, rows=other._store.length_rows)
 
 
 def _tensor_columns_only(storage: ZarrStorage) -> bool:
@@ -126,22 +126,19 @@ def _tensor_columns_only(storage: ZarrStorage) -> bool:
     return schema is None or all(leaf.value == "tensor" for leaf in schema.leaves)
 
 
-def _per_row(storage: ZarrStorage) -> int:
-    schema = storage.schema
-    return 1 if schema is None else math.prod(schema.batch_shape[1:])
-
-
 def copy_rows(
     source: Any,
-    storage: ZarrStorage,
+    storage: Storage,
     *,
     rows: int,
     progress: bool = False,
     prepare: Callable[[Any], Any] | None = None,
+    desc: str = "copy rows",
 ) -> None:
     """Copy rows ``[0, rows)`` of ``source`` (anything sliceable by rows: a storage, a
-    TensorDict, a tensor) into ``storage``, in blocks of about 64 MiB; ``prepare`` is
-    applied to each block of a storage's rows before it is written."""
+    TensorDict, a tensor) into ``storage`` (a ZarrStorage, or one of TorchRL's), in blocks
+    of about 64 MiB; ``prepare`` is applied to each block of a storage's rows before it is
+    written."""
     if rows <= 0:
         return
     if isinstance(source, Storage):
@@ -165,5 +162,5 @@ def copy_rows(
         row_nbytes=per_row,
         block_bytes=COPY_BLOCK_BYTES,
         progress=progress,
-        desc="copy rows",
+        desc=desc,
     )

@@ -15,7 +15,6 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from tensordict import is_tensor_collection
 from torchrl.data.replay_buffers.storages import (
@@ -30,8 +29,7 @@ from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxV
 
 from zarr_rb import _compat
 from zarr_rb._convert import key_tuple
-from zarr_rb._engine import copy_in_blocks
-from zarr_rb._torchrl_state import COPY_BLOCK_BYTES, copy_rows
+from zarr_rb._torchrl_state import copy_rows
 from zarr_rb.errors import RowsNotCommittedError, UnsupportedDataError
 from zarr_rb.state import check_savable
 
@@ -195,25 +193,9 @@ def fill_memory(memory: Storage, stored: ZarrStorage, *, length: int, progress: 
             "in-RAM storage cannot leave out when sampling; load it on ZarrStorage (the "
             "default storage='zarr'), whose samplers skip them, or rewrite those rows first",
         )
-    per_row = int(np.prod(stored.schema.batch_shape[1:])) if stored.schema else 1
-    rows = -(-length // per_row)
-    if rows:
-        copy_in_blocks(
-            lambda start, stop: stored.get(torch.arange(start, stop)),
-            lambda where, block: memory.set(where, block, set_cursor=False),
-            rows=rows,
-            row_nbytes=_row_bytes(stored),
-            block_bytes=COPY_BLOCK_BYTES,
-            progress=progress,
-            desc="load rows",
-        )
+    rows = -(-length // (stored.schema.elements_per_row if stored.schema else 1))
+    copy_rows(stored, memory, rows=rows, progress=progress, desc="load rows")
     if isinstance(memory, TensorStorage):
         _compat.set_length(memory, length)
         if length:
             _compat.set_last_cursor(memory, rows - 1)
-
-
-def _row_bytes(stored: ZarrStorage) -> int:
-    from zarr_rb._convert import row_nbytes
-
-    return max(1, row_nbytes(stored.get(torch.arange(1))))

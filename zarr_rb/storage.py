@@ -537,9 +537,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             schema = self._store.schema
             block = self._read(rows, schema, unused_as_zeros=True)
             new = []
-        grown = dataclasses.replace(
-            schema, leaves=tuple(sorted((*schema.leaves, *new), key=lambda leaf: leaf.key))
-        )
+        grown = schema.with_leaves(new)
         for leaf in new:  # new keys: zeros in the rows read, as once they are made
             shape = (rows.size, *schema.batch_shape[1:], *leaf.shape)
             block.set(leaf.key, torch.zeros(shape, dtype=TORCH_DTYPES[leaf.dtype]))
