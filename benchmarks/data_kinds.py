@@ -226,54 +226,67 @@ def save(gb: float, repeats: int, where: Path) -> dict[str, Any]:
     return out
 
 
+def _table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table under its title."""
+    return [
+        title,
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+    ]
+
+
 def report(results: dict[str, Any]) -> str:
     r, s, t = results.get("ragged"), results.get("save"), results.get("strings")
     lines = []
     if r:
-        lines += [
+        lines += _table(
             f"Variable-length rows: {r['rows']:,} rows of 16-4096 int32 tokens "
             f"({r['token_bytes'] / 1e9:.2f} GB of tokens)",
-            "",
-            "| storage | extend (rows/s) | sample(64) median (ms) | p95 (ms) | on disk (GB) |",
-            "|---|---|---|---|---|",
-        ]
-        for name in ("ZarrStorage", "LazyStackStorage"):
-            m = r[name]
-            disk = f"{m['disk_bytes'] / 1e9:.2f}" if "disk_bytes" in m else "(RAM)"
-            lines.append(
-                f"| {name} | {m['extend_rows_per_s']:,.0f} | {m['sample_64_median_ms']:.2f} | "
-                f"{m['sample_64_p95_ms']:.2f} | {disk} |"
-            )
-        lines.append("")
+            ["storage", "extend (rows/s)", "sample(64) median (ms)", "p95 (ms)", "on disk (GB)"],
+            [
+                [
+                    name,
+                    f"{m['extend_rows_per_s']:,.0f}",
+                    f"{m['sample_64_median_ms']:.2f}",
+                    f"{m['sample_64_p95_ms']:.2f}",
+                    f"{m['disk_bytes'] / 1e9:.2f}" if "disk_bytes" in m else "(RAM)",
+                ]
+                for name, m in ((n, r[n]) for n in ("ZarrStorage", "LazyStackStorage"))
+            ],
+        )
     if t:
-        lines += [
+        lines += _table(
             f"Strings: {t['rows']:,} rows of 10-400 characters",
-            "",
-            "| layout | write (s) | read 64 random rows median (ms) | on disk (MB) |",
-            "|---|---|---|---|",
-        ]
-        for name in ("zarr_rb", "zarr vlen-utf8"):
-            m = t[name]
-            lines.append(
-                f"| {name} | {m['write_s']:.2f} | {m['read_64_median_ms']:.2f} | "
-                f"{m['disk_bytes'] / 1e6:.1f} |"
-            )
-        lines.append("")
+            ["layout", "write (s)", "read 64 random rows median (ms)", "on disk (MB)"],
+            [
+                [
+                    name,
+                    f"{m['write_s']:.2f}",
+                    f"{m['read_64_median_ms']:.2f}",
+                    f"{m['disk_bytes'] / 1e6:.1f}",
+                ]
+                for name, m in ((n, t[n]) for n in ("zarr_rb", "zarr vlen-utf8"))
+            ],
+        )
     if s:
-        lines += [
+        lines += _table(
             f"Saving a LazyTensorStorage buffer of {s['buffer_bytes'] / 1e9:.2f} GB "
             f"({s['rows']:,} Pong transitions)",
-            "",
-            "| route | median (s) | on disk (GB) | peak memory added (MB) |",
-            "|---|---|---|---|",
-        ]
-        for name in ("zarr_rb.save", "rb.dumps"):
-            m = s[name]
-            lines.append(
-                f"| {name} | {m['median_s']:.2f} | {m['disk_bytes'] / 1e9:.2f} | "
-                f"{m['peak_rss_added_mb']:.0f} |"
-            )
-    return "\n".join(lines)
+            ["route", "median (s)", "on disk (GB)", "peak memory added (MB)"],
+            [
+                [
+                    name,
+                    f"{m['median_s']:.2f}",
+                    f"{m['disk_bytes'] / 1e9:.2f}",
+                    f"{m['peak_rss_added_mb']:.0f}",
+                ]
+                for name, m in ((n, s[n]) for n in ("zarr_rb.save", "rb.dumps"))
+            ],
+        )
+    return "\n".join(lines).rstrip("\n")
 
 
 def main(argv: list[str] | None = None) -> int:
