@@ -223,12 +223,10 @@ def _flatten_rows(stack: LazyStackedTensorDict) -> dict[Key, Entry]:
 
 
 def tensors_of(data: Any) -> list[torch.Tensor]:
-    """Every tensor ``data`` holds (the rows' own, for lazy stacks)."""
+    """Every tensor ``data`` holds."""
     if kind_of(data) in ("tensor", "pytree"):
         return [t for t in pytree.tree_flatten(data)[0] if isinstance(t, torch.Tensor)]
     td = _as_tensordict(data)
-    if isinstance(td, LazyStackedTensorDict):
-        return [t for row in td.tensordicts for t in tensors_of(row)]
     values = td.values(include_nested=True, leaves_only=True, is_leaf=_is_leaf)
     return [t for t in values if isinstance(t, torch.Tensor) and not is_tensor_collection(t)]
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zarr_rb._dtypes import TORCH_DTYPES
 from zarr_rb._format import SCALAR_DTYPES, LeafSpec, Value
 from zarr_rb.errors import SchemaMismatchError, StoreCorruptedError, UnsupportedDataError
 
@@ -36,7 +37,6 @@ _PYTHON_TYPES: dict[type, Value] = {
     float: "float",
     type(None): "none",
 }
-_TORCH_DTYPES = {"int": torch.int64, "float": torch.float64, "bool": torch.bool}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -178,7 +178,7 @@ def encode(leaf: LeafSpec, entry: Entry, *, where: str) -> dict[Key, torch.Tenso
                 f"{where}: entry {key!r} holds the int {outside[0]}, outside int64 "
                 f"[{_INT64_MIN}, {_INT64_MAX}]; store it as a string or as bytes instead",
             )
-    return {key: torch.tensor(list(entry.items), dtype=_TORCH_DTYPES[leaf.value]).reshape(n)}
+    return {key: torch.tensor(list(entry.items), dtype=TORCH_DTYPES[leaf.dtype]).reshape(n)}
 
 
 def _dtype_of(entry: RaggedRows, key: Key) -> torch.dtype:

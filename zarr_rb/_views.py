@@ -82,7 +82,7 @@ class RowsOnlySource(_EntrySource):
         """The values of ``rows``, as ``storage.get(key)`` gives them for every row."""
         if not self._values:
             raise self.refuse()
-        return self._owner.entry_values(self._key, rows, nested=True)
+        return self._owner.entry_values(self._key, rows)
 
     def read(self, rows: np.ndarray) -> torch.Tensor:
         raise self.refuse()

@@ -719,25 +719,20 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         schema = self._store.schema
         assert schema is not None
         shape = (rows, *schema.batch_shape[1:])
-        stack = (
-            NonTensorStack.from_list(_convert.nest(items, shape))
-            if items
-            else NonTensorStack(batch_size=shape)
-        )
+        stack = NonTensorStack.from_list(items) if items else NonTensorStack(batch_size=shape)
         # As TensorStorage.get(key) returns them: what a TensorDict's [key] gives.
         return TensorDict({key: stack}, batch_size=shape)[key]
 
     @_io_boundary
-    def entry_values(self, key: Key, rows: np.ndarray, *, nested: bool = False) -> list[Any]:
-        """The rows of an entry no tensor column holds: its Python values (one per element:
-        ``nested``, a list per row with ``ndim=2``), or its tensors of different lengths."""
+    def entry_values(self, key: Key, rows: np.ndarray) -> list[Any]:
+        """The rows of an entry no tensor column holds: its Python values (a list of them
+        per row with ``ndim=2``), or its tensors of different lengths."""
         leaf = self._store._leaf(key)
         read = self._store.read(rows, [leaf.key, *([leaf.lengths_key] if leaf.ragged else [])])
         items = _rows.decode(leaf, read[leaf.key], read.get(leaf.lengths_key))
         schema = self._store.schema
-        if nested and schema is not None and len(schema.batch_shape) > 1:
-            return _convert.nest(items, (rows.size, *schema.batch_shape[1:]))
-        return items
+        assert schema is not None
+        return _convert.nest(items, (rows.size, *schema.batch_shape[1:]))
 
     @_io_boundary
     def _rand_given_ndim(self, batch_size: int) -> Any:
