@@ -114,9 +114,21 @@ def test_no_module_but_compat_touches_a_torchrl_private_name() -> None:
 
 
 def _defined_by_zarr_rb(name: str) -> bool:
-    """Whether one of zarr_rb's own classes defines ``name`` (its own private state)."""
-    import zarr_rb._store
-    import zarr_rb.storage
+    """Whether one of zarr_rb's own classes (other than ZarrStorage, a TorchRL subclass)
+    defines ``name`` (its own private state)."""
+    import importlib
+    import pkgutil
 
-    classes = [zarr_rb._store.Store, zarr_rb.storage._LeafSource, zarr_rb.storage._Gather]
+    classes = []
+    for module_info in pkgutil.walk_packages(zarr_rb.__path__, "zarr_rb."):
+        if module_info.name.endswith("__main__"):
+            continue  # running it is the command line
+        module = importlib.import_module(module_info.name)
+        classes.extend(
+            obj
+            for obj in vars(module).values()
+            if isinstance(obj, type)
+            and obj.__module__ == module.__name__
+            and obj is not zarr_rb.ZarrStorage
+        )
     return any(name in vars(cls) or name in getattr(cls, "__annotations__", {}) for cls in classes)

@@ -36,7 +36,7 @@ from zarr_rb import (
     UnsupportedDataError,
     ZarrStorage,
 )
-from zarr_rb._engine import RowArray
+from zarr_rb.engine import RowArray
 
 CAPACITY = 96
 BATCH = 16
@@ -385,7 +385,7 @@ def test_planted_pickle_never_runs_without_opt_in(tmp_path):
     fill_with_transform(path)
     marker = tmp_path / "pwned"
     blob = np.frombuffer(pickle.dumps(_Planted(marker)), dtype=np.uint8)
-    location = ZarrStorage(path=path, read_only=True)._store.location
+    location = ZarrStorage(path=path, read_only=True)._store.engine
     slot = location.read_root_metadata()["attributes"]["zarr_rb"]["saved"]["slot"]
     group = f"state/{slot}/transforms"
     attrs = location.read_group_attributes(f"state/{slot}")

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torchrl.data.replay_buffers.checkpointers import TensorStorageCheckpointer
 
-from zarr_rb._engine import ROOT_METADATA
 from zarr_rb._format import ATTRS_KEY
 from zarr_rb._torchrl_state import copy_rows, copy_store
 from zarr_rb.errors import NotSupportedError, StoreCorruptedError, UnsupportedDataError
+from zarr_rb.locations import LocalLocation
+from zarr_rb.locations.base import ROOT_METADATA
 
 if TYPE_CHECKING:
     from zarr_rb.storage import ZarrStorage
@@ -58,7 +59,7 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
             return
         path = Path(path).absolute()
         storage.flush()
-        if storage.path in (path, path.parent):
+        if isinstance(storage.path, Path) and storage.path in (path, path.parent):
             if path != storage.path:
                 path.mkdir(exist_ok=True)
             pointer = {
@@ -70,7 +71,7 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
             return
         if _is_store(path):
             shutil.rmtree(path)  # a previous dump of ours: replace it
-        storage._store.location.snapshot_to(path, progress=False)
+        storage._store.engine.snapshot_to(LocalLocation(path), progress=False)
 
     def loads(self, storage: ZarrStorage, path: str | os.PathLike[str]) -> None:
         path = Path(path).absolute()
@@ -95,7 +96,7 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
             raise FileNotFoundError(
                 f"{str(path)!r} holds neither a zarr_rb store nor a TorchRL storage dump",
             )
-        if source != storage.path.resolve():
+        if not isinstance(storage.path, Path) or source != storage.path.resolve():
             copy_store(source, storage)
         storage.restore(length=length, cursor=cursor)
 

@@ -1,4 +1,4 @@
-"""The file operations that make a commit durable, and a way to watch them.
+"""Watching a store's I/O, and small helpers for it (fsync, bounded JSON parsing).
 
 Every change the engine makes to a store is announced here before it happens:
 ``"write"`` (rows, a chunk, a metadata file), ``"remove"`` (a leftover
@@ -14,13 +14,12 @@ import contextlib
 import json
 import os
 import re
-import tempfile
-from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePath
 from typing import Any, Literal
 
 IOKind = Literal["write", "remove", "fsync", "publish"]
-IOObserver = Callable[[IOKind, Path], None]
+IOObserver = Callable[[IOKind, PurePath], None]
 
 _observers: list[IOObserver] = []
 
@@ -35,7 +34,7 @@ def observe_io(observer: IOObserver) -> Iterator[None]:
         _observers.remove(observer)
 
 
-def announce(kind: IOKind, path: Path) -> None:
+def announce(kind: IOKind, path: PurePath) -> None:
     for observer in tuple(_observers):
         observer(kind, path)
 
@@ -48,79 +47,6 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_json_atomically(path: Path, document: Any, *, publish: bool = False) -> None:
-    """Replace ``path`` with a JSON document: a crash leaves the old or the new one.
-
-    Write a temporary file, fsync it, rename it over ``path``, fsync the directory.
-    ``publish`` marks the rename as a commit point for observers.
-    """
-    payload = json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            announce("write", Path(tmp))
-            fh.write(payload)
-            fh.flush()
-            fsync(Path(tmp))
-        announce("publish" if publish else "write", path)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync(path.parent)
-
-
-LOCK_FILE = ".zarr_rb.lock"
-"""The writer lock (see ``_lock.py``); not part of the store's data, never copied."""
-
-TEMPORARY_SUFFIXES = (".tmp", ".__lock", ".partial")
-"""Files of interrupted writes: ours (``.tmp``), TensorStore's (``.__lock``) and
-zarr-python's (``.partial``). They are never part of a commit."""
-
-
-def is_temporary(path: Path) -> bool:
-    return path.name.endswith(TEMPORARY_SUFFIXES)
-
-
-class Durability:
-    """Files written since the last commit, made durable together before it is published.
-
-    A file is durable once it has been fsynced and its directory entry has been
-    fsynced in its parent, and so on up to the store root for directories created
-    since (new chunk directories).
-    """
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._written: set[Path] = set()
-        self._durable_dirs: set[Path] = {root}
-
-    def written(self, paths: Iterable[Path]) -> None:
-        self._written.update(paths)
-
-    def sync(self) -> None:
-        """fsync every file written since the last call, then the directories they are in."""
-        files = sorted(self._written)
-        dirs: set[Path] = set()
-        new_dirs: set[Path] = set()
-        for path in files:
-            with contextlib.suppress(FileNotFoundError):
-                fsync(path)
-            dirs.add(path.parent)
-            parent = path.parent
-            while parent not in self._durable_dirs and self.root in parent.parents:
-                new_dirs.add(parent)
-                dirs.add(parent.parent)
-                parent = parent.parent
-        # Deepest first: a directory's own entries before its entry in its parent.
-        for directory in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
-            with contextlib.suppress(FileNotFoundError):
-                fsync(directory)
-        self._durable_dirs |= new_dirs
-        self._written.difference_update(files)
 
 
 def errno_of(err: BaseException) -> int | None:

@@ -1,23 +1,23 @@
 """The root record of a store, read with a bounded parser and checked before use: is it a
 zarr_rb store, and what does it hold. (Arrays' ``zarr.json`` files are checked by
-``LocalLocation.check_array_metadata``.)"""
+``Engine.check_array_metadata``.)"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from zarr_rb._engine import LocalLocation
 from zarr_rb._format import ATTRS_KEY, StoreMeta, parse_store_meta
+from zarr_rb.engine import Engine
 from zarr_rb.errors import NotAStoreError, SchemaMismatchError, StoreCorruptedError
 
 
-def read_root(location: LocalLocation) -> dict[str, Any] | None:
+def read_root(engine: Engine) -> dict[str, Any] | None:
     try:
-        return location.read_root_metadata()
+        return engine.read_root_metadata()
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise StoreCorruptedError(
-            f"store {str(location.root)!r}: root zarr.json is not valid JSON "
+            f"store {engine.url!r}: root zarr.json is not valid JSON "
             f"({type(err).__name__}: {str(err)[:200]})"
         ) from None
 

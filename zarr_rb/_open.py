@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from zarr_rb._engine import LocalLocation
 from zarr_rb._format import DATA_GROUP, STATE_GROUP, Commit, StoreMeta, parse_store_meta
-from zarr_rb._io import LOCK_FILE, is_temporary
 from zarr_rb._layout import Compression
-from zarr_rb._lock import WriterLock
 from zarr_rb._metadata import check_is_store, check_meta, parse_meta, read_root
 from zarr_rb._store import Store
+from zarr_rb.engine import Engine
 from zarr_rb.errors import (
     LockedError,
     NotAStoreError,
@@ -27,11 +26,13 @@ from zarr_rb.errors import (
     StoreExistsError,
     StoreNotFoundError,
 )
+from zarr_rb.locations import LocalLocation, StoreURL, is_remote, open_location
+from zarr_rb.locations.base import Location, WriterHold
 
 Mode = Literal["r", "r+", "a", "w", "w-"]
 MODES: tuple[Mode, ...] = ("r", "r+", "a", "w", "w-")
 
-_WRITERS: dict[Path, Store] = {}
+_WRITERS: dict[tuple[str, ...], Store] = {}
 """The stores this process has open for writing. A store has one writer per process:
 storages opened on a store already open here share it (its rows, its RAM buffer, its
 lock), which is how pickling a buffer within a process, reopening a path in a notebook
@@ -42,12 +43,18 @@ def one_path(
     path: str | os.PathLike[str] | None, scratch_dir: str | os.PathLike[str] | None
 ) -> str | os.PathLike[str] | None:
     """``path``, also accepted under LazyMemmapStorage's name ``scratch_dir``."""
-    if path is not None and scratch_dir is not None and Path(path) != Path(scratch_dir):
+    if path is not None and scratch_dir is not None and _same(path, scratch_dir) is False:
         raise ValueError(
             f"got path={str(path)!r} and scratch_dir={str(scratch_dir)!r}; scratch_dir is "
             "another name for path: pass one of them",
         )
     return path if path is not None else scratch_dir
+
+
+def _same(a: StoreURL, b: StoreURL) -> bool:
+    if is_remote(a) or is_remote(b):
+        return a == b
+    return Path(a) == Path(b)
 
 
 def resolve_mode(mode: Mode | None, *, read_only: bool, existsok: bool | None) -> Mode:
@@ -71,56 +78,63 @@ def resolve_mode(mode: Mode | None, *, read_only: bool, existsok: bool | None) -
 
 
 def open_store(
-    path: str | os.PathLike[str],
+    path: StoreURL | Location,
     *,
     mode: Mode,
     max_size: int | None,
     ndim: int | None,
     compression: Compression | None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Store:
-    """Open the store at ``path`` in ``mode`` (see the module's docstring).
+    """Open the store at ``path`` (a local path or a URL) in ``mode`` (see the module's
+    docstring).
 
     ``max_size`` and ``ndim`` must match an existing store's (``None``: take its own);
     ``compression`` too (``None``: the store's own settings).
     """
-    location = LocalLocation(path)
-    root = location.root
-    where = f"store {str(root)!r}"
-    if root.exists() and not root.is_dir():
-        raise NotAStoreError(
-            f"{where} is a file, not a zarr_rb store; pass a directory path "
-            "(e.g. 'runs/buffer.zarr')",
-        )
-    key = root.resolve()
+    location = open_location(path, storage_options)
+    location.check_usable(create=mode != "r")
+    engine = Engine(location)
+    where = f"store {location.url!r}"
+    key = location.identity()
     open_here = _WRITERS.get(key)
     if open_here is not None and mode != "r":
         return _share(open_here, mode, max_size=max_size, ndim=ndim, compression=compression)
-    document = read_root(location)
+    document = read_root(engine)
     if document is not None:
         check_is_store(document, where)
     if mode == "r":
         if document is None:
-            raise StoreNotFoundError(f"no zarr_rb store at {str(root)!r}")
+            raise StoreNotFoundError(f"no zarr_rb store at {location.url!r}")
         meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
         return Store(
-            location, meta, read_only=True, compression=_compression_of(meta, compression, where)
+            engine, meta, read_only=True, compression=_compression_of(meta, compression, where)
         )
     if document is None:
         if mode == "r+":
             raise StoreNotFoundError(
-                f"no zarr_rb store at {str(root)!r} (mode='r+' opens an existing store; "
+                f"no zarr_rb store at {location.url!r} (mode='r+' opens an existing store; "
                 "mode='a' creates a missing one)"
             )
-        _check_empty(root, where)
+        if location.exists():
+            what = (
+                "is a non-empty directory without a zarr_rb store"
+                if isinstance(location, LocalLocation)
+                else "holds objects but no zarr_rb store"
+            )
+            raise NotAStoreError(
+                f"{where} {what} (a snapshot interrupted before it was published leaves "
+                "that too); choose a new or empty directory, or delete it",
+            )
         if max_size is None:
-            raise ValueError(f"max_size is required to create a new store at {str(root)!r}")
+            raise ValueError(f"max_size is required to create a new store at {location.url!r}")
         location.create_root()
     elif mode == "w-":
         raise _exists_error(where)
-    lock = WriterLock.acquire(root)
+    lock = location.acquire_writer()
     try:
         store = _open_locked(
-            location, lock, mode, max_size=max_size, ndim=ndim, compression=compression
+            engine, lock, mode, max_size=max_size, ndim=ndim, compression=compression
         )
     except BaseException:
         lock.release()
@@ -131,7 +145,7 @@ def open_store(
 
 
 def _forget(store: Store) -> None:
-    _WRITERS.pop(store.path.resolve(), None)
+    _WRITERS.pop(store.engine.location.identity(), None)
 
 
 def _share(
@@ -143,7 +157,7 @@ def _share(
     compression: Compression | None,
 ) -> Store:
     """The store this process already has open for writing, for one more storage."""
-    where = f"store {str(store.path)!r}"
+    where = f"store {store.url!r}"
     if mode in ("w", "w-"):
         if mode == "w-":
             raise _exists_error(where)
@@ -160,8 +174,8 @@ def _share(
 
 
 def _open_locked(
-    location: LocalLocation,
-    lock: WriterLock,
+    engine: Engine,
+    lock: WriterHold,
     mode: Mode,
     *,
     max_size: int | None,
@@ -169,11 +183,10 @@ def _open_locked(
     compression: Compression | None,
 ) -> Store:
     """Open (or create) the store once its writer lock is held."""
-    root = location.root
-    where = f"store {str(root)!r}"
+    where = f"store {engine.url!r}"
     # Now that no other writer can, re-read (another one may have committed or
     # created the store meanwhile) and clear what interrupted writes left behind.
-    document = read_root(location)
+    document = read_root(engine)
     generation = 0
     if document is not None:
         check_is_store(document, where)
@@ -184,9 +197,9 @@ def _open_locked(
             if meta.schema is None and compression is not None:
                 # Nothing was written with the recorded settings yet: take the new ones.
                 meta = dataclasses.replace(meta, compression=compression.to_json())
-            location.remove_temporaries()
+            engine.remove_temporaries()
             return Store(
-                location,
+                engine,
                 meta,
                 read_only=False,
                 compression=_compression_of(meta, compression, where),
@@ -197,12 +210,12 @@ def _open_locked(
         ndim = old.ndim if ndim is None else ndim
         generation = old.commit.generation + 1
     assert max_size is not None
-    return _create(location, lock, max_size, ndim or 1, compression, generation, document)
+    return _create(engine, lock, max_size, ndim or 1, compression, generation, document)
 
 
 def _create(
-    location: LocalLocation,
-    lock: WriterLock,
+    engine: Engine,
+    lock: WriterHold,
     max_size: int,
     ndim: int,
     compression: Compression | None,
@@ -218,25 +231,17 @@ def _create(
         commit=Commit(generation=generation),
         compression=compression.to_json(),
     )
-    store = Store(location, meta, read_only=False, compression=compression, lock=lock)
+    store = Store(engine, meta, read_only=False, compression=compression, lock=lock)
     # The root record first: once it exists, the directory is a store (an empty one when
     # starting over), and a crash before or after it leaves something that reopens. Only
     # then are the old rows and state removed.
     store.publish_meta()
     with store.writing("creating the data group"):
         if previous is not None:
-            location.remove_tree(DATA_GROUP)
-            location.remove_tree(STATE_GROUP)
-        location.create_group(DATA_GROUP)
+            engine.remove_tree(DATA_GROUP)
+            engine.remove_tree(STATE_GROUP)
+        engine.create_group(DATA_GROUP)
     return store
-
-
-def _check_empty(root: Path, where: str) -> None:
-    if root.exists() and any(p.name != LOCK_FILE and not is_temporary(p) for p in root.iterdir()):
-        raise NotAStoreError(
-            f"{where} is a non-empty directory without a zarr_rb store; "
-            "choose a new or empty directory",
-        )
 
 
 def _exists_error(where: str) -> StoreExistsError:

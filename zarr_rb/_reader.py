@@ -24,8 +24,8 @@ _READ_RETRIES = 20
 def reread_commit(store: Store) -> Commit:
     """Re-read the commit record: which rows may be read now, and the keys the writer
     added. The length and cursor the store shows stay (they move on ``Store.refresh``)."""
-    where = f"store {str(store.location.root)!r}"
-    document = read_root(store.location)
+    where = f"store {store.url!r}"
+    document = read_root(store.engine)
     if document is None:
         raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
     check_is_store(document, where)
@@ -45,6 +45,10 @@ def reread_commit(store: Store) -> Commit:
     )
     if meta.commit.generation != store.committed.generation:
         store.version += 1
+        if store.engine.location.caches_chunks:
+            # Chunks cached before now may have been rewritten: reopened arrays revalidate
+            # them (once) on their next read.
+            store._arrays.clear()
     store.committed = meta.commit
     if store._ledger is not None:
         store._ledger.published_as(meta.commit.readable_mask(store.rows))
@@ -63,7 +67,7 @@ def read_committed(
         published = store._ledger.published[rows]
         if not published.all() and not unreadable_as_zeros:
             raise RowsNotCommittedError(
-                f"store {str(store.location.root)!r}: rows {preview_rows(rows[~published])} "
+                f"store {store.url!r}: rows {preview_rows(rows[~published])} "
                 f"are not readable in commit {commit.generation} (length {commit.length}, "
                 f"holes {list(commit.holes)}); call refresh() to pick up newer commits",
             )
@@ -80,7 +84,7 @@ def read_committed(
             raise last_error
         time.sleep(0.001 * (attempt + 1))
     raise RowsNotCommittedError(
-        f"store {str(store.location.root)!r}: rows kept changing while being read "
+        f"store {store.url!r}: rows kept changing while being read "
         f"({_READ_RETRIES} attempts; last error: {last_error})",
     )
 

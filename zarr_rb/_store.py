@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -31,7 +30,6 @@ import numpy as np
 import torch
 
 from zarr_rb._dtypes import TORCH_DTYPES, from_numpy, to_numpy
-from zarr_rb._engine import LocalLocation, RowArray
 from zarr_rb._format import (
     ATTRS_KEY,
     FORMAT_VERSION,
@@ -47,9 +45,9 @@ from zarr_rb._format import (
 from zarr_rb._io import errno_of
 from zarr_rb._layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb._ledger import Ledger
-from zarr_rb._lock import WriterLock
 from zarr_rb._reader import read_committed, reread_commit
 from zarr_rb._staging import Block, Key, WriteBuffer
+from zarr_rb.engine import Engine, RowArray
 from zarr_rb.errors import (
     ReadOnlyError,
     RowsNotCommittedError,
@@ -57,6 +55,8 @@ from zarr_rb.errors import (
     StoreWriteError,
     ZarrRBError,
 )
+from zarr_rb.locations import LocalLocation, Location
+from zarr_rb.locations.base import WriterHold
 
 _MAX_STAGED_BLOCKS = 8
 STAGED_RAGGED_BYTES = 128 * 2**20
@@ -89,14 +89,14 @@ class Store:
 
     def __init__(
         self,
-        location: LocalLocation,
+        engine: Engine,
         meta: StoreMeta,
         *,
         read_only: bool,
         compression: Compression,
-        lock: WriterLock | None = None,
+        lock: WriterHold | None = None,
     ) -> None:
-        self.location = location
+        self.engine = engine
         self._mutex = threading.RLock()
         self._lock = lock
         self.meta = meta
@@ -121,7 +121,7 @@ class Store:
         """Grows with every change of the rows this store serves (lazy columns' caches)."""
         self.shared: dict[str, Any] = {}
         """State that the storages sharing this store share (their mutation revision)."""
-        self._remove: list[Path] = []
+        self._remove: list[Location] = []
         self._on_close: list[Callable[[Store], None]] = []
         self.closed = False
         if meta.schema is not None:
@@ -176,7 +176,7 @@ class Store:
         self._leaves = leaves_by_key(schema.leaves)
         # Row masks are sized from the schema: check it against an array on disk first.
         first = next(leaf for leaf in schema.leaves if not leaf.ragged)
-        self.location.check_array_metadata(first.path, self._array_shape(first))
+        self.engine.check_array_metadata(first.path, self._array_shape(first))
         self._buffer = WriteBuffer(
             element_shapes={leaf.key: self.element_shape(leaf) for leaf in schema.leaves},
             dtypes={leaf.key: TORCH_DTYPES[leaf.dtype] for leaf in schema.leaves},
@@ -269,12 +269,12 @@ class Store:
             }
         )
         for group in groups:
-            self.location.create_group(group)
+            self.engine.create_group(group)
         for leaf in leaves:
             layout = leaf_layout(
                 leaf, batch_shape=batch_shape, block_rows=block_rows, compression=self.compression
             )
-            self.location.create_array(
+            self.engine.create_array(
                 leaf.path,
                 layout=layout,
                 dtype=leaf.stored_dtype,
@@ -288,14 +288,14 @@ class Store:
             assert self.schema is not None
             leaf = self._leaf(key)
             expected = self._array_shape(leaf)
-            self.location.check_array_metadata(leaf.path, expected)
+            self.engine.check_array_metadata(leaf.path, expected)
             try:
-                array = self.location.open_array(
+                array = self.engine.open_array(
                     leaf.path, read_only=self.read_only, ragged=leaf.ragged
                 )
             except ValueError as err:
                 raise StoreCorruptedError(
-                    f"store {str(self.location.root)!r}: cannot open array {leaf.path!r} ({err})"
+                    f"store {self.url!r}: cannot open array {leaf.path!r} ({err})"
                 ) from None
             shape_ok = len(array.shape) == len(expected) and all(
                 want is None or want == got
@@ -303,7 +303,7 @@ class Store:
             )
             if not shape_ok or array.dtype != np.dtype(leaf.stored_dtype):
                 raise StoreCorruptedError(
-                    f"store {str(self.location.root)!r}: array {leaf.path!r} has shape "
+                    f"store {self.url!r}: array {leaf.path!r} has shape "
                     f"{array.shape} and dtype {array.dtype}, expected {expected} and "
                     f"{leaf.stored_dtype}",
                 )
@@ -315,11 +315,11 @@ class Store:
     def _check_writable(self) -> None:
         if self.read_only:
             raise ReadOnlyError(
-                f"store {str(self.location.root)!r} was opened read-only; open it with "
+                f"store {self.url!r} was opened read-only; open it with "
                 "read_only=False (one writer per store) to write",
             )
         if self.closed:
-            raise ValueError(f"store {str(self.location.root)!r} is closed")
+            raise ValueError(f"store {self.url!r} is closed")
 
     @_serialized
     def write(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
@@ -402,6 +402,7 @@ class Store:
 
     def _write_to_disk(self, writes: Sequence[Write]) -> None:
         assert self._ledger is not None
+        self._check_hold()
         touched = np.zeros(self.rows, dtype=bool)
         for rows, _ in writes:
             touched[rows] = True
@@ -435,6 +436,11 @@ class Store:
         keys = {key for _, values in writes for key in values}
         self._ledger.finish_write(touched, was_intact, keys)
 
+    def _check_hold(self) -> None:
+        """Nothing is written by a writer that lost its hold (a lease taken over)."""
+        if self._lock is not None:
+            self._lock.check()
+
     @contextlib.contextmanager
     def writing(self, what: str) -> Iterator[None]:
         """Turn a failed write (a full disk, an I/O error) into a :class:`StoreWriteError`."""
@@ -446,7 +452,7 @@ class Store:
             reason = str(err).split(" [source locations=")[0]
             raise StoreWriteError(
                 errno_of(err),
-                f"store {str(self.location.root)!r}: {what} failed ({reason}). The store "
+                f"store {self.url!r}: {what} failed ({reason}). The store "
                 f"stays at its last commit (generation {self.committed.generation}, length "
                 f"{self.committed.length}); rows not yet committed are kept in RAM. Free "
                 "space or fix the disk, then retry with flush() or zarr_rb.save(), or reopen "
@@ -539,8 +545,9 @@ class Store:
         meta = dataclasses.replace(self.meta, commit=commit)
         if saved is not None:
             meta = dataclasses.replace(meta, saved=saved)
+        self._check_hold()
         with self.writing("publishing a commit"):
-            self.location.write_root_attributes({ATTRS_KEY: meta.to_json()})
+            self.engine.write_root_attributes({ATTRS_KEY: meta.to_json()})
         self.meta = meta
         self.committed = commit
         self._schema_on_disk = meta.schema
@@ -587,7 +594,7 @@ class Store:
                     lost &= rows < self.length_rows  # past the length: unused capacity
                 if lost.any():
                     raise RowsNotCommittedError(
-                        f"store {str(self.location.root)!r}: rows {preview_rows(rows[lost])} "
+                        f"store {self.url!r}: rows {preview_rows(rows[lost])} "
                         f"hold no intact data for key {key!r}: nothing was written there yet, "
                         "or a write to them was interrupted (a crash or a failed write) and "
                         "they have not been rewritten since",
@@ -713,7 +720,7 @@ class Store:
             array.refresh()  # the writer made it wider since this store opened it
         if sizes.size and (int(sizes.max()) > array.width or int(sizes.min()) < 0):
             raise StoreCorruptedError(
-                f"store {str(self.location.root)!r}: key {key!r} has rows of length "
+                f"store {self.url!r}: key {key!r} has rows of length "
                 f"{int(sizes.min())}..{int(sizes.max())}, its array holds rows of at most "
                 f"{array.width}",
             )
@@ -768,10 +775,10 @@ class Store:
         self.users += 1
         return self
 
-    def remove_when_closed(self, path: str | os.PathLike[str]) -> None:
-        """Delete ``path`` (the store, or the temporary directory holding it) once the last
-        user has closed the store."""
-        self._remove.append(Path(path))
+    def remove_when_closed(self, location: Location) -> None:
+        """Delete everything at ``location`` (the store, or the temporary directory holding
+        it) once the last user has closed the store."""
+        self._remove.append(location)
 
     @_serialized
     def close(self) -> bool:
@@ -782,7 +789,7 @@ class Store:
             return False
         self.users -= 1
         # A store deleted from under it (by another program) has nothing left to flush into.
-        gone = not self.path.exists()
+        gone = not self.engine.location.exists()
         if self.users > 0:
             if not gone:
                 self.flush()
@@ -798,9 +805,12 @@ class Store:
             for callback in self._on_close:
                 callback(self)
         removed = False
-        for path in self._remove:
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
+        for location in self._remove:
+            if location.exists():
+                if isinstance(location, LocalLocation):
+                    shutil.rmtree(location.root, ignore_errors=True)
+                else:
+                    location.delete_prefix("")
                 removed = True
         return removed
 
@@ -808,8 +818,14 @@ class Store:
         self._on_close.append(callback)
 
     @property
-    def path(self) -> Path:
-        return self.location.root
+    def url(self) -> str:
+        return self.engine.url
+
+    @property
+    def path(self) -> Path | str:
+        """The directory of a local store, the URL of any other."""
+        location = self.engine.location
+        return location.root if isinstance(location, LocalLocation) else location.url
 
 
 def _runs(mask: np.ndarray, step: int) -> Iterator[tuple[int, int]]:

@@ -20,7 +20,7 @@ from tensordict import TensorDict, is_non_tensor, is_tensor_collection
 from torchrl.data.replay_buffers.storages import Storage
 
 from zarr_rb._convert import clone, flip_list, row_nbytes, select
-from zarr_rb._engine import copy_in_blocks
+from zarr_rb._progress import copy_in_blocks
 
 if TYPE_CHECKING:
     from zarr_rb.storage import ZarrStorage
@@ -46,7 +46,7 @@ def state_dict(storage: ZarrStorage) -> dict[str, Any]:
         "_storage": rows,
         "initialized": storage.initialized,
         "_len": len(storage),
-        STATE_KEY: {"path": str(storage.path), "cursor": storage.cursor},
+        STATE_KEY: {"path": storage.url, "cursor": storage.cursor},
     }
 
 
@@ -69,7 +69,7 @@ def load_state_dict(storage: ZarrStorage, state: dict[str, Any]) -> None:
         _load_rows(storage, rows, cursor=None if ours is None else int(ours["cursor"]))
         return
     length = int(state["_len"])
-    if ours is not None and Path(ours["path"]).resolve() == storage.path.resolve():
+    if ours is not None and _same_store(str(ours["path"]), storage):
         storage.restore(length=length, cursor=int(ours["cursor"]))
         return
     if isinstance(rows, dict):
@@ -164,3 +164,10 @@ def copy_rows(
         progress=progress,
         desc=desc,
     )
+
+
+def _same_store(url: str, storage: ZarrStorage) -> bool:
+    """Whether the store recorded as ``url`` in a state dict is ``storage``'s."""
+    if isinstance(storage.path, Path):
+        return "://" not in url and Path(url).resolve() == storage.path.resolve()
+    return url == storage.url

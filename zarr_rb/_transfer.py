@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from zarr_rb import _compat
 from zarr_rb._convert import key_tuple
 from zarr_rb._torchrl_state import copy_rows
 from zarr_rb.errors import RowsNotCommittedError, UnsupportedDataError
+from zarr_rb.locations import LocalLocation, StoreURL, open_location
 from zarr_rb.state import check_savable
 
 if TYPE_CHECKING:
@@ -42,7 +44,13 @@ SOURCES = (TensorStorage, ListStorage)
 ``CompressedListStorage``)."""
 
 
-def save_foreign(rb: Any, path: Path, *, progress: bool) -> Path:
+def save_foreign(
+    rb: Any,
+    path: StoreURL,
+    *,
+    progress: bool,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | str:
     """Save a buffer on one of TorchRL's storages into a new store at ``path``."""
     from zarr_rb.api import save_state
     from zarr_rb.storage import ZarrStorage
@@ -56,13 +64,15 @@ def save_foreign(rb: Any, path: Path, *, progress: bool) -> Path:
         )
     check_savable(rb)  # before anything is written
     ndim = int(getattr(source, "ndim", 1))
-    created = not path.exists()
+    location = open_location(path, storage_options)
+    created = not location.exists()
     target = ZarrStorage(
         source.max_size,
         path,
         mode="w-",
         ndim=ndim,
         ragged=_ragged_keys(source),
+        storage_options=storage_options,
     )
     try:
         rows = _length_rows(source)
@@ -87,11 +97,13 @@ def save_foreign(rb: Any, path: Path, *, progress: bool) -> Path:
             _compat.put(rb, "_collate_fn", collate)
     except BaseException:
         target.close()
-        if created:
-            shutil.rmtree(path, ignore_errors=True)
+        if created and isinstance(location, LocalLocation):
+            shutil.rmtree(location.root, ignore_errors=True)
+        elif created:
+            location.delete_prefix("")
         raise
     target.close()
-    return path
+    return target.path
 
 
 def _ragged_keys(source: Storage) -> bool | list[tuple[str, ...]]:

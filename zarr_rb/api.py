@@ -18,7 +18,7 @@ Examples:
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,26 +33,37 @@ from zarr_rb.errors import (
     StoreCorruptedError,
     ZarrRBError,
 )
+from zarr_rb.locations import StoreURL, is_remote, open_location
 from zarr_rb.state import load_buffer, save_buffer
 from zarr_rb.storage import ZarrStorage
 
 __all__ = ["load", "save"]
 
 
-def save(rb: Any, path: str | os.PathLike[str] | None = None, *, progress: bool = True) -> Path:
+def save(
+    rb: Any,
+    path: StoreURL | None = None,
+    *,
+    progress: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Path | str:
     """Save a replay buffer (data and state) into a Zarr store.
 
     Args:
         rb: a ``ReplayBuffer``, ``TensorDictReplayBuffer``, ``PrioritizedReplayBuffer`` or
-            ``TensorDictPrioritizedReplayBuffer`` whose storage is a :class:`ZarrStorage`.
-        path: where to save. ``None`` or the storage's own path saves in place: the rows
-            held in RAM and the state are written, nothing else. Another path receives an
-            independent snapshot (hard links on the same filesystem, a copy elsewhere),
-            which later training on ``rb`` does not change.
-        progress: show a progress bar while a snapshot copies files.
+            ``TensorDictPrioritizedReplayBuffer``, on a :class:`ZarrStorage` or on one of
+            TorchRL's storages.
+        path: where to save: a path or a URL (``s3://bucket/snapshots/100k.zarr``).
+            ``None`` or the storage's own path saves in place: the rows held in RAM and
+            the state are written, nothing else. Another path receives an independent
+            snapshot, which later training on ``rb`` does not change: hard links on one
+            filesystem, a server-side copy on one S3 endpoint, a copy elsewhere.
+        progress: show a progress bar while a snapshot copies.
+        storage_options: for an object-store ``path`` (see :class:`ZarrStorage`); by
+            default those of ``rb``'s own store when it is on an object store too.
 
     Returns:
-        The path of the saved store.
+        The path (local stores) or URL of the saved store.
 
     Raises:
         UnsupportedDataError: a component has no state adapter (nothing is written).
@@ -64,17 +75,21 @@ def save(rb: Any, path: str | os.PathLike[str] | None = None, *, progress: bool 
                 f"zarr_rb.save of a buffer on {type(rb.storage).__name__} needs the path of "
                 "the store to create",
             )
-        return save_foreign(rb, Path(path).absolute(), progress=progress)
+        return save_foreign(rb, path, progress=progress, storage_options=storage_options)
     storage = rb.storage
     if storage.read_only:
-        raise ReadOnlyError(f"cannot save into read-only store {str(storage.path)!r}")
-    target = storage.path if path is None else Path(path).absolute()
+        raise ReadOnlyError(f"cannot save into read-only store {storage.url!r}")
     saved = Saved(slot=0, length=len(storage), cursor=storage.cursor)
-    if target == storage.path:
+    source = storage._store.engine.location
+    if storage_options is None and is_remote(path or "") and is_remote(storage.url):
+        storage_options = storage.storage_options
+    target = source if path is None else open_location(path, storage_options)
+    if target.identity() == source.identity():
         _save_into(rb, storage._store, saved)
-        return target
+        return storage.path
+    target.check_usable(create=True)
     storage.flush()
-    storage._store.location.snapshot_to(target, progress=progress)
+    storage._store.engine.snapshot_to(target, progress=progress)
     snapshot = open_store(
         target,
         mode="r+",
@@ -86,7 +101,7 @@ def save(rb: Any, path: str | os.PathLike[str] | None = None, *, progress: bool 
         _save_into(rb, snapshot, saved)
     finally:
         snapshot.close()
-    return target
+    return snapshot.path
 
 
 def save_state(rb: Any, storage: ZarrStorage) -> None:
@@ -100,13 +115,14 @@ def _save_into(rb: Any, store: Store, saved: Saved) -> None:
     # record, which names the new slot, is published.
     slot = 0 if previous is None else 1 - previous.slot
     with store.writing("saving the buffer state"):
-        save_buffer(rb, store.location, f"{STATE_GROUP}/{slot}")
+        save_buffer(rb, store.engine, f"{STATE_GROUP}/{slot}")
     store.publish_saved(Saved(slot=slot, length=saved.length, cursor=saved.cursor))
 
 
 def load(
-    path: str | os.PathLike[str],
+    path: StoreURL,
     *,
+    storage_options: Mapping[str, Any] | None = None,
     allow_pickle: bool = False,
     transform: Any = None,
     collate_fn: Any = None,
@@ -127,7 +143,8 @@ def load(
     store (see :class:`~zarr_rb.ZarrStorage`), at the saved length and cursor.
 
     Args:
-        path: the store.
+        path: the store: a path or a URL (``s3://bucket/runs/pong.zarr``).
+        storage_options: for object stores (see :class:`ZarrStorage`).
         allow_pickle: unpickle the saved transforms and other code (a custom ``collate_fn``,
             sample unit or checkpointer). Unpickling runs code stored in the buffer: only
             pass ``True`` for stores you trust.
@@ -156,6 +173,7 @@ def load(
     if storage == "memory":
         return _load_into_memory(
             path,
+            storage_options=storage_options,
             allow_pickle=allow_pickle,
             transform=transform,
             code_objects=code_objects,
@@ -164,6 +182,7 @@ def load(
         )
     return _load_on_store(
         path,
+        storage_options=storage_options,
         allow_pickle=allow_pickle,
         transform=transform,
         code_objects=code_objects,
@@ -177,22 +196,23 @@ def _saved_of(storage: ZarrStorage) -> Saved:
     if saved is None:
         storage.close()
         raise NoSavedBufferError(
-            f"store {str(storage.path)!r} holds data but no saved buffer; open the data with "
+            f"store {storage.url!r} holds data but no saved buffer; open the data with "
             "ZarrStorage(path=...), or save a buffer there with zarr_rb.save(rb, path)",
         )
     return saved
 
 
 def _load_into_memory(
-    path: str | os.PathLike[str],
+    path: StoreURL,
     *,
+    storage_options: Mapping[str, Any] | None,
     allow_pickle: bool,
     transform: Any,
     code_objects: dict[str, Any],
     device: str,
     progress: bool,
 ) -> Any:
-    stored = ZarrStorage(path=path, read_only=True)
+    stored = ZarrStorage(path=path, read_only=True, storage_options=storage_options)
     try:
         saved = _saved_of(stored)
         memory = memory_storage(stored, device)
@@ -224,7 +244,7 @@ def _built(
     """The saved buffer rebuilt around ``storage``; damaged state is a typed error."""
     try:
         return load_buffer(
-            stored._store.location,
+            stored._store.engine,
             saved.group,
             storage=storage,
             restore_storage=restore_storage,
@@ -236,22 +256,25 @@ def _built(
         if isinstance(err, ZarrRBError):
             raise
         raise StoreCorruptedError(
-            f"store {str(stored.path)!r}: the saved buffer state in {saved.group!r} is "
+            f"store {stored.url!r}: the saved buffer state in {saved.group!r} is "
             f"invalid ({type(err).__name__}: {str(err)[:200]}); open the data with "
             "ZarrStorage(path=...) and save a buffer again",
         ) from None
 
 
 def _load_on_store(
-    path: str | os.PathLike[str],
+    path: StoreURL,
     *,
+    storage_options: Mapping[str, Any] | None,
     allow_pickle: bool,
     transform: Any,
     code_objects: dict[str, Any],
     device: str,
     read_only: bool,
 ) -> Any:
-    storage = ZarrStorage(path=path, device=device, read_only=read_only)
+    storage = ZarrStorage(
+        path=path, device=device, read_only=read_only, storage_options=storage_options
+    )
     saved = _saved_of(storage)
     committed_length = len(storage)
     _compat.set_length(storage, 0)

@@ -17,7 +17,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "verify",
         help="read back every chunk of a store and list the damaged ones with their rows",
     )
-    check.add_argument("path", help="the store (a directory)")
+    check.add_argument(
+        "path",
+        help="the store: a directory, or an s3://bucket/path URL (credentials and endpoint "
+        "from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION)",
+    )
     check.add_argument(
         "--repair",
         action="store_true",

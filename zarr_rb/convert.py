@@ -30,6 +30,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,8 @@ from zarr_rb._checkpointer import (
     open_torchrl_dump,
 )
 from zarr_rb._convert import row_nbytes
-from zarr_rb._engine import copy_in_blocks
 from zarr_rb._format import LeafSpec
+from zarr_rb._progress import copy_in_blocks
 from zarr_rb.api import load, save
 from zarr_rb.errors import (
     NotAStoreError,
@@ -56,6 +57,7 @@ from zarr_rb.errors import (
     StoreCorruptedError,
     UnsupportedDataError,
 )
+from zarr_rb.locations import is_remote
 from zarr_rb.state import check_savable
 from zarr_rb.storage import ZarrStorage
 
@@ -104,7 +106,7 @@ def import_torchrl(
     *,
     progress: bool = True,
     block_bytes: int | None = None,
-) -> Path:
+) -> Path | str:
     """Import a directory written by TorchRL's ``rb.dumps(dir)`` into a zarr_rb store.
 
     TorchRL's dump does not record which buffer, sampler and writer classes made it, so
@@ -334,6 +336,7 @@ def export_torchrl(
     source: str | os.PathLike[str],
     dest_dir: str | os.PathLike[str],
     *,
+    storage_options: Mapping[str, Any] | None = None,
     allow_pickle: bool = False,
     transform: Any = None,
     progress: bool = True,
@@ -353,8 +356,10 @@ def export_torchrl(
     buffer that was already filled once.
 
     Args:
-        source: a zarr_rb store holding a buffer saved with :func:`zarr_rb.save`.
-        dest_dir: a new or empty directory.
+        source: a zarr_rb store holding a buffer saved with :func:`zarr_rb.save` (a path,
+            or a URL such as ``s3://bucket/runs/pong.zarr``).
+        dest_dir: a new or empty directory (TorchRL's layout is memory-mapped files).
+        storage_options: for an object-store ``source`` (see :class:`~zarr_rb.ZarrStorage`).
         allow_pickle: unpickle the saved transforms (see :func:`zarr_rb.load`); only for
             stores you trust.
         transform: a transform built like the saved one, to restore its state without
@@ -392,11 +397,18 @@ def export_torchrl(
     from torchrl.data import LazyMemmapStorage
 
     _check_block_bytes(block_bytes)
-    src = Path(source).absolute()
+    src: Path | str = str(source) if is_remote(source) else Path(source).absolute()
     dest = Path(dest_dir).absolute()
-    _check_export_source(src)
+    if isinstance(src, Path):
+        _check_export_source(src)
     _check_export_destination(dest)
-    rb = load(src, allow_pickle=allow_pickle, transform=transform, read_only=True)
+    rb = load(
+        src,
+        storage_options=storage_options,
+        allow_pickle=allow_pickle,
+        transform=transform,
+        read_only=True,
+    )
     storage: ZarrStorage = rb.storage
     created = not dest.exists()
     try:

@@ -9,8 +9,13 @@ storages.
 from __future__ import annotations
 
 __all__ = [
+    "BucketNotFoundError",
     "ChunkCorruptedError",
+    "CredentialsError",
+    "EndpointUnreachableError",
+    "FencedError",
     "FormatVersionError",
+    "InvalidLocationError",
     "LockedError",
     "NoSavedBufferError",
     "NotAStoreError",
@@ -119,3 +124,26 @@ class LockedError(ZarrRBError, BlockingIOError):
     def __init__(self, message: str, *, holder: dict[str, object]) -> None:
         super().__init__(message)
         self.holder = holder
+
+
+class FencedError(LockedError):
+    """This writer lost its hold on the store (its lease expired while it stalled, and
+    another writer may have taken over): it writes nothing more. Reopen the store to
+    write again; rows it had not committed are lost."""
+
+
+class BucketNotFoundError(StoreNotFoundError):
+    """The object-store bucket named in the store's URL does not exist."""
+
+
+class CredentialsError(ZarrRBError, PermissionError):
+    """The object store refused the credentials (wrong key or secret, or no right to
+    the bucket)."""
+
+
+class EndpointUnreachableError(ZarrRBError, ConnectionError):
+    """The object store's endpoint did not answer in time (a wrong URL, a server down)."""
+
+
+class InvalidLocationError(ZarrRBError, ValueError):
+    """A store URL or ``storage_options`` that cannot name a location."""

@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
 
@@ -41,6 +41,7 @@ from zarr_rb.errors import (
     NotSupportedError,
     ReadOnlyError,
 )
+from zarr_rb.locations import LocalLocation
 
 __all__ = ["ZarrStorage"]
 
@@ -158,6 +159,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         consolidated: bool = False,
         cleanup_memmap: bool = True,
         ragged: bool | str | Sequence[str | tuple[str, ...]] = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         del consolidated, cleanup_memmap  # layout hints of TorchRL's in-RAM storages
         if shared_init:
@@ -193,6 +195,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             max_size=None if max_size is None else int(max_size),
             ndim=ndim,
             compression=compression,
+            storage_options=storage_options,
         )
         try:
             length = store.length
@@ -212,18 +215,19 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 _compat.set_last_cursor(self, (store.cursor - 1) % store.rows)
             self.existsok = existsok
             self.__dict__["_ragged"] = _convert.ragged_keys(ragged)
+            self.__dict__["_storage_options"] = dict(storage_options or {})
             self.auto_cleanup = tmpdir is not None if auto_cleanup is None else bool(auto_cleanup)
             self.__dict__["_refresh_interval"] = refresh_interval
             self.__dict__["_refreshed_at"] = time.monotonic()
         except BaseException:
             if tmpdir is not None:
-                store.remove_when_closed(tmpdir)
+                store.remove_when_closed(LocalLocation(tmpdir))
             store.close()
             raise
         if tmpdir is not None:
-            store.remove_when_closed(tmpdir)
+            store.remove_when_closed(LocalLocation(tmpdir))
         elif self.auto_cleanup:
-            store.remove_when_closed(store.path)
+            store.remove_when_closed(store.engine.location)
         self._attach_store(store)
 
     @property
@@ -309,13 +313,23 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
     # --- public API ------------------------------------------------------------------------
 
     @property
-    def path(self) -> Path:
-        """Directory of the store."""
+    def path(self) -> Path | str:
+        """Directory of a local store; the URL (``s3://...``) of any other."""
         return self._store.path
 
     @property
+    def url(self) -> str:
+        """Where the store is: its absolute path, or its URL."""
+        return self._store.url
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The ``storage_options`` the store was opened with."""
+        return dict(self.__dict__.get("_storage_options") or {})
+
+    @property
     def _where(self) -> str:
-        return f"store {str(self.path)!r}"
+        return f"store {self.url!r}"
 
     @property
     def scratch_dir(self) -> str:
@@ -373,7 +387,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         if not self._finalizer.alive:
             return False
         self._finalizer.detach()
-        self._store.remove_when_closed(self.path)
+        self._store.remove_when_closed(self._store.engine.location)
         return self._store.close()
 
     def refresh(self) -> None:
@@ -387,7 +401,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     def nbytes_on_disk(self) -> int:
         """Bytes of all files of the store."""
-        return self._store.location.nbytes()
+        return self._store.engine.nbytes()
 
     def nbytes_raw(self) -> int:
         """Uncompressed bytes of the rows currently held (``len(self)`` elements)."""
@@ -411,7 +425,11 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         state = _compat.storage_state(self)
         for name in ("_store", "_finalizer", "_thread_state", "_last_gather", "writes_begun"):
             state.pop(name, None)
-        state[_HANDLE] = {"path": str(self.path), "read_only": self.read_only}
+        state[_HANDLE] = {
+            "path": self.url,
+            "read_only": self.read_only,
+            "storage_options": self.__dict__.get("_storage_options") or None,
+        }
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -424,6 +442,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 max_size=self.max_size,
                 ndim=self.ndim,
                 compression=None,
+                storage_options=handle.get("storage_options"),
             )
         except LockedError as err:
             raise LockedError(

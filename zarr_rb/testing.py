@@ -19,14 +19,15 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
 import torch
 
 from zarr_rb import _compat
-from zarr_rb._io import LOCK_FILE, IOKind, is_temporary, observe_io
+from zarr_rb._io import IOKind, observe_io
+from zarr_rb.locations.base import LOCK_FILE, is_temporary
 
 __all__ = [
     "ALL_KINDS",
@@ -79,9 +80,9 @@ class FaultInjector:
         self.kill = kill
         self.count = 0
         self.fired = 0
-        self.events: list[tuple[IOKind, Path]] = []
+        self.events: list[tuple[IOKind, PurePath]] = []
 
-    def __call__(self, kind: IOKind, path: Path) -> None:
+    def __call__(self, kind: IOKind, path: PurePath) -> None:
         if kind not in self.kinds:
             return
         if self.under is not None and not Path(path).absolute().is_relative_to(self.under):
@@ -111,7 +112,7 @@ def _entry_state(path: Path) -> tuple[Any, ...] | None:
         entries = frozenset(
             (p.name, p.stat().st_ino)
             for p in path.iterdir()
-            if not is_temporary(p) and p.name != LOCK_FILE
+            if not is_temporary(p.name) and p.name != LOCK_FILE
         )
         return ("dir", st.st_ino, entries)
     return ("file", st.st_ino, st.st_size, st.st_mtime_ns)
@@ -126,7 +127,7 @@ def _tree_state(root: Path) -> dict[Path, tuple[Any, ...]]:
             state[directory] = entry
         for name in filenames:
             path = directory / name
-            if is_temporary(path) or name == LOCK_FILE:
+            if is_temporary(path.name) or name == LOCK_FILE:
                 continue
             entry = _entry_state(path)
             if entry is not None:
@@ -155,7 +156,8 @@ class DurabilityRecorder:
         self._synced_dirs: dict[Path, tuple[Any, ...] | None] = {}
         self._synced_files: set[tuple[Any, ...]] = set()
 
-    def __call__(self, kind: IOKind, path: Path) -> None:
+    def __call__(self, kind: IOKind, announced: PurePath) -> None:
+        path = Path(announced)
         if kind == "fsync":
             self.fsyncs += 1
             state = _entry_state(path)
@@ -354,7 +356,7 @@ def check_crashed_store(path: Path, log_path: Path, workload: CrashWorkload) -> 
     log = _log_values(log_path)
     written = max(log.get("extending", [0]))
     durable = max(log.get("flushed", []) + log.get("saved", []) + [0])
-    temporaries = sum(1 for p in path.rglob("*") if p.is_file() and is_temporary(p))
+    temporaries = sum(1 for p in path.rglob("*") if p.is_file() and is_temporary(p.name))
     document = json.loads((path / "zarr.json").read_text()) if path.exists() else None
     if document is None:  # killed before the store existed
         if log.get("saved") or log.get("flushed"):
@@ -428,7 +430,7 @@ def check_crashed_store(path: Path, log_path: Path, workload: CrashWorkload) -> 
     workload.step(rb, np.random.default_rng(0))
     zarr_rb.save(rb, progress=False)
     rb.storage.close()
-    left = [p for p in path.rglob("*") if p.is_file() and is_temporary(p)]
+    left = [p for p in path.rglob("*") if p.is_file() and is_temporary(p.name)]
     if left:
         _fail(f"temporaries left after the writer reopened: {left[:4]}")
     return CrashCheck(length, holes, written, durable, saved_count, temporaries)

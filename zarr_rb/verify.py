@@ -18,7 +18,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +50,7 @@ class DamagedChunk:
 class VerifyReport:
     """What :func:`verify` found."""
 
-    path: Path
+    path: Path | str
     damaged: tuple[DamagedChunk, ...]
     arrays_checked: int
     rows_checked: int
@@ -80,14 +82,20 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def verify(path: str | os.PathLike[str], *, repair: bool = False) -> VerifyReport:
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    repair: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+) -> VerifyReport:
     """Read back every chunk of a store's committed rows and saved state.
 
     Args:
-        path: the store.
+        path: the store (a path, or a URL such as ``s3://bucket/runs/pong.zarr``).
         repair: withdraw the rows of damaged data chunks from the readable range (they
             become holes, rewritten by later writes), so that readers and samplers stop
             meeting them. Takes the writer lock; the rows' content is lost either way.
+        storage_options: for object stores, as :class:`~zarr_rb.ZarrStorage` takes them.
 
     Returns:
         The damaged chunks, each with its array, rows and reason.
@@ -97,7 +105,12 @@ def verify(path: str | os.PathLike[str], *, repair: bool = False) -> VerifyRepor
         LockedError: ``repair=True`` while another writer holds the store.
     """
     store = open_store(
-        path, mode="r+" if repair else "r", max_size=None, ndim=None, compression=None
+        path,
+        mode="r+" if repair else "r",
+        max_size=None,
+        ndim=None,
+        compression=None,
+        storage_options=storage_options,
     )
     try:
         damaged: list[DamagedChunk] = []
@@ -150,8 +163,8 @@ def _check_array(
         if key is not None:
             array = store.array(key)
         else:
-            store.location.check_array_metadata(array_path, (size,))
-            array = store.location.open_array(array_path, read_only=True)
+            store.engine.check_array_metadata(array_path, (size,))
+            array = store.engine.open_array(array_path, read_only=True)
     except (StoreCorruptedError, ValueError) as err:
         return [DamagedChunk(array_path, (0, 0), f"cannot open the array: {err}")]
     if ranges is None:
@@ -219,7 +232,7 @@ def _state_arrays(store: Store) -> tuple[list[tuple[str, int]], list[DamagedChun
     if saved is None:
         return [], []
     try:
-        attrs = store.location.read_group_attributes(saved.group).get("zarr_rb_state")
+        attrs = store.engine.read_group_attributes(saved.group).get("zarr_rb_state")
     except (StoreCorruptedError, FileNotFoundError) as err:
         return [], [DamagedChunk(saved.group, (0, 0), str(err))]
     found: list[tuple[str, int]] = []

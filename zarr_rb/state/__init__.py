@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from zarr_rb import _compat as compat
-from zarr_rb._engine import LocalLocation
 from zarr_rb._holes import guard_sampler
+from zarr_rb.engine import Engine
 from zarr_rb.errors import StoreCorruptedError
 from zarr_rb.state._buffer import buffer_settings, build_buffer, load_generator, save_generator
 from zarr_rb.state._components import adapter_for, adapter_named
@@ -41,7 +41,7 @@ def check_savable(rb: Any) -> None:
         adapter_for(obj, role=role)
 
 
-def save_buffer(rb: Any, location: LocalLocation, group: str) -> int:
+def save_buffer(rb: Any, engine: Engine, group: str) -> int:
     """Write everything but the data of ``rb`` into ``group``; returns bytes written.
 
     Every component is checked before anything is written, so an unsupported sampler or
@@ -50,8 +50,8 @@ def save_buffer(rb: Any, location: LocalLocation, group: str) -> int:
     config, objects = buffer_settings(rb)
     components = {role: (obj, adapter_for(obj, role=role)) for role, obj in _components(rb).items()}
     attrs: dict[str, Any] = {"buffer": config}
-    location.create_group(group.rpartition("/")[0])
-    root = StateNode(location, group, attrs)
+    engine.create_group(group.rpartition("/")[0])
+    root = StateNode(engine, group, attrs)
     for role, (obj, adapter) in components.items():
         node = root.child(role)
         node.attrs["class"] = adapter.name
@@ -61,7 +61,7 @@ def save_buffer(rb: Any, location: LocalLocation, group: str) -> int:
     save_transforms(compat.get(rb, "_transform"), root.child("transforms"))
     save_code_objects(objects, root.child("objects"))
     root.wait()
-    location.write_group_attributes(group, {"zarr_rb_state": attrs})
+    engine.write_group_attributes(group, {"zarr_rb_state": attrs})
     return root.bytes_written
 
 
@@ -82,7 +82,7 @@ def _check_sizes(config: Any, *, limit: int, what: str) -> None:
 
 
 def load_buffer(
-    location: LocalLocation,
+    engine: Engine,
     group: str,
     *,
     storage: Any,
@@ -102,13 +102,13 @@ def load_buffer(
         code_objects: a custom ``collate_fn``, ``sample_unit`` or ``checkpointer`` to use
             instead of unpickling the saved one.
     """
-    attrs = location.read_group_attributes(group).get("zarr_rb_state")
+    attrs = engine.read_group_attributes(group).get("zarr_rb_state")
     if not isinstance(attrs, dict):
         raise StoreCorruptedError(
-            f"store {str(location.root)!r}: the save record names group {group!r}, which "
+            f"store {engine.url!r}: the save record names group {group!r}, which "
             "holds no buffer state; open the data with ZarrStorage(path=...) and save again"
         )
-    root = StateNode(location, group, attrs)
+    root = StateNode(engine, group, attrs)
     limit = max(storage.max_size, _MAX_SETTING)
     components = {}
     for role in attrs.get("children", {}):

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from zarr_rb._dtypes import TORCH_DTYPES, from_numpy, to_numpy
-from zarr_rb._engine import LocalLocation
+from zarr_rb.engine import Engine
 
 
 class StateNode:
@@ -21,13 +21,13 @@ class StateNode:
 
     def __init__(
         self,
-        location: LocalLocation,
+        engine: Engine,
         path: str,
         attrs: dict[str, Any],
         *,
         parent: StateNode | None = None,
     ) -> None:
-        self.location = location
+        self.engine = engine
         self.path = path
         self.attrs = attrs
         self._root: StateNode = self if parent is None else parent._root
@@ -37,7 +37,7 @@ class StateNode:
 
     def child(self, name: str) -> StateNode:
         attrs = self.attrs.setdefault("children", {}).setdefault(name, {})
-        return StateNode(self.location, f"{self.path}/{name}", attrs, parent=self)
+        return StateNode(self.engine, f"{self.path}/{name}", attrs, parent=self)
 
     def put_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Store a tensor (any shape, any supported dtype) under ``name``."""
@@ -47,7 +47,7 @@ class StateNode:
             "shape": list(tensor.shape),
         }
         flat = to_numpy(tensor.reshape(-1)) if tensor.numel() else np.zeros(1, np.uint8)
-        written, futures = self.location.write_state_array(f"{self.path}/{name}", flat)
+        written, futures = self.engine.write_state_array(f"{self.path}/{name}", flat)
         self._root.bytes_written += written
         self._root._pending.extend(futures)
 
@@ -68,7 +68,7 @@ class StateNode:
         size = math.prod(shape)
         if size == 0:
             return torch.empty(shape, dtype=dtype)
-        flat = self.location.read_state_array(f"{self.path}/{name}", size=size)
+        flat = self.engine.read_state_array(f"{self.path}/{name}", size=size)
         return from_numpy(flat, dtype).reshape(shape).clone()
 
     def has_tensor(self, name: str) -> bool:

@@ -1,39 +1,35 @@
 """Array I/O: Zarr v3 metadata through zarr-python, row reads and writes through TensorStore.
 
-This layer knows about directories, arrays and rows; it knows nothing about
-TorchRL. zarr-python creates arrays (so the files are whatever zarr-python
-writes and reads), TensorStore does the hot path: it gathers scattered rows
-from sharded arrays one to two orders of magnitude faster than zarr-python's
-own codec pipeline.
+This layer knows about arrays and rows on a location; it knows nothing about TorchRL.
+zarr-python writes the arrays' metadata (so the files are whatever zarr-python writes and
+reads), TensorStore does the hot path: it gathers scattered rows from sharded arrays one
+to two orders of magnitude faster than zarr-python's own codec pipeline.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
-import os
-import shutil
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
 import tensorstore as ts
 
 from zarr_rb._format import describe_runs
-from zarr_rb._io import (
-    LOCK_FILE,
-    Durability,
-    announce,
-    fsync,
-    is_temporary,
-    load_json,
-    write_json_atomically,
-)
+from zarr_rb._io import announce, load_json
 from zarr_rb._layout import Compression, LeafLayout
-from zarr_rb.errors import ChunkCorruptedError, StoreCorruptedError
+from zarr_rb._progress import progress_bar
+from zarr_rb.errors import ChunkCorruptedError, FencedError, StoreCorruptedError
+from zarr_rb.locations.base import (
+    ROOT_METADATA,
+    Generation,
+    Location,
+    is_store_object,
+    join,
+)
 
-ROOT_METADATA = "zarr.json"
 STATE_CHUNK_BYTES = 2**20
 
 
@@ -87,82 +83,94 @@ def _checksummed(compressors: list[Any]) -> list[Any]:
     return [*compressors, Crc32cCodec()]
 
 
-class LocalLocation:
-    """A store on a local (or network-mounted) filesystem."""
+class Engine:
+    """The arrays and metadata of one store, on a :class:`~zarr_rb.locations.Location`.
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root).absolute()
-        self.durability = Durability(self.root)
-        self._context = ts.Context(
-            {
-                "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
-                "file_io_concurrency": {"limit": 32},
-                # Written files are fsynced once per commit (Durability.sync), together,
-                # rather than one by one as TensorStore writes them.
-                "file_io_sync": False,
-            }
-        )
+    Every object goes through the location's primitives; chunks go through TensorStore's
+    kvstore for the same location. The commit record (the root ``zarr.json``) is written
+    by compare-and-swap on the generation this engine last read or wrote, so a writer
+    whose hold on the store was taken over can never overwrite a newer commit.
+    """
+
+    def __init__(self, location: Location) -> None:
+        self.location = location
+        self._root_generation: Generation | None = None
 
     def __repr__(self) -> str:
-        return f"LocalLocation({str(self.root)!r})"
+        return f"Engine({self.location!r})"
+
+    @property
+    def url(self) -> str:
+        return self.location.url
 
     # --- root metadata (the commit point) ------------------------------------------------
 
     def read_root_metadata(self) -> dict[str, Any] | None:
         """The parsed root ``zarr.json``, or ``None`` if there is none."""
-        try:
-            raw = (self.root / ROOT_METADATA).read_bytes()
-        except FileNotFoundError:
+        found = self.location.read_versioned(ROOT_METADATA)
+        self._root_generation = found.generation
+        if found.value is None:
             return None
-        value = load_json(raw)
+        value = load_json(found.value)
         if not isinstance(value, dict):
             raise ValueError(f"expected a JSON object, got {type(value).__name__}")
         return value
 
     def write_root_attributes(self, attributes: Mapping[str, Any]) -> None:
-        """Publish new root attributes (a commit): make every file written since the last
-        commit durable, then atomically replace the root ``zarr.json``.
+        """Publish new root attributes (a commit): make every object written since the
+        last commit durable, then replace the root ``zarr.json`` in one atomic write.
 
         A crash leaves either the old or the new metadata, never a mix, and the new one
         never refers to data that a power loss could take back.
+
+        Raises:
+            FencedError: the record changed since this writer last read or wrote it.
         """
-        self.durability.sync()
+        self.location.sync()
         document = {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
-        write_json_atomically(self.root / ROOT_METADATA, document, publish=True)
+        payload = json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
+        if self._root_generation is None:
+            self.read_root_metadata()
+        assert self._root_generation is not None
+        generation = self.location.write_if(
+            ROOT_METADATA, payload, generation=self._root_generation
+        )
+        if generation is None:
+            raise FencedError(
+                f"store {self.url!r}: its commit record was changed by another writer since "
+                "this one last committed; nothing was published. Reopen the store to write "
+                "again",
+                holder={},
+            )
+        self._root_generation = generation
 
     def remove_tree(self, path: str) -> None:
         """Delete a group and everything under it (only the store's writer calls this, and
         only for nodes that the published root record no longer refers to)."""
-        target = self.root / path
-        if target.exists():
-            announce("remove", target)
-            shutil.rmtree(target)
+        self.location.delete_prefix(path)
 
-    def remove_temporaries(self) -> list[Path]:
-        """Delete files left by interrupted writes (only ever called by the store's writer)."""
-        removed = []
-        for path in _walk_files(self.root):
-            if is_temporary(path):
-                announce("remove", path)
-                path.unlink(missing_ok=True)
-                removed.append(path)
-        return removed
+    def remove_temporaries(self) -> list[str]:
+        """Delete what interrupted writes left (only ever called by the store's writer)."""
+        return self.location.remove_leftovers()
 
-    def _written_metadata(self, path: str) -> None:
-        """Announce a zarr-python write at ``path``; it may also create the groups above it."""
-        announce("write", self.root / path)
-        node = self.root / path
-        self.durability.written(
-            [node / ROOT_METADATA]
-            + [p / ROOT_METADATA for p in node.parents if self.root in p.parents]
+    def _write_metadata(self, path: str, document: Mapping[str, Any] | bytes) -> None:
+        payload = (
+            document
+            if isinstance(document, bytes)
+            else json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
         )
+        self.location.write(join(path, ROOT_METADATA), payload)
+
+    def _ensure_groups(self, path: str) -> None:
+        """Group metadata for ``path`` and each group above it that has none yet."""
+        parts = [p for p in path.split("/") if p]
+        for i in range(1, len(parts) + 1):
+            group = "/".join(parts[:i])
+            if self.location.read(join(group, ROOT_METADATA)) is None:
+                self._write_metadata(group, _GROUP)
 
     def create_root(self) -> None:
-        """Create the store's directory, durably (its entry in its parent included)."""
-        missing = [p for p in (self.root, *self.root.parents) if not p.exists()]
-        self.root.mkdir(parents=True, exist_ok=True)
-        for directory in [self.root, *(p.parent for p in missing)]:
-            fsync(directory)
+        self.location.create_root()
 
     # --- arrays ----------------------------------------------------------------------------
 
@@ -175,80 +183,79 @@ class LocalLocation:
         compression: Compression,
         attributes: Mapping[str, Any],
     ) -> None:
-        """Create an array (and its parent groups) with zarr-python."""
-        import zarr
+        """Create an array (and its parent groups), replacing any array at ``path``.
 
-        self._written_metadata(path)
-        group_path, _, name = path.rpartition("/")
-        group = zarr.open_group(self.root / group_path, mode="a", zarr_format=3)
-        group.create_array(
-            name,
+        zarr-python writes the metadata (so it is exactly what zarr-python writes and
+        reads), into memory; the location stores it.
+        """
+        self._create(
+            path,
             shape=layout.shape,
             dtype=dtype,
             chunks=layout.chunks,
             shards=layout.shards,
             compressors=_checksummed(compression.compressors()),
-            fill_value=0,
             attributes=dict(attributes),
-            overwrite=True,
         )
 
-    def create_group(self, path: str) -> None:
+    def _create(self, path: str, **settings: Any) -> None:
         import zarr
+        from zarr.storage import MemoryStore
 
-        if not (self.root / path / ROOT_METADATA).exists():
-            self._written_metadata(path)
-            zarr.open_group(self.root / path, mode="a", zarr_format=3)
+        documents: dict[str, Any] = {}
+        zarr.create_array(MemoryStore(documents), fill_value=0, zarr_format=3, **settings)
+        self._ensure_groups(path.rpartition("/")[0])
+        # Chunks of an array previously at this path would be read as this one's.
+        self.location.delete_prefix(path)
+        self._write_metadata(path, documents[ROOT_METADATA].to_bytes())
+
+    def create_group(self, path: str) -> None:
+        self._ensure_groups(path)
 
     def open_array(self, path: str, *, read_only: bool, ragged: bool = False) -> RowArray:
-        spec = {
+        spec: dict[str, Any] = {
             "driver": "zarr3",
-            "kvstore": {"driver": "file", "path": str(self.root / path)},
+            "kvstore": self.location.kvstore(path),
             # A chunk inside the committed range is never legitimately missing: reading
             # one is an error, not fill values. For that, every written chunk is stored,
             # even one that equals the fill value.
             "fill_missing_data_reads": False,
             "store_data_equal_to_fill_value": True,
         }
+        if self.location.caches_chunks:
+            # Chunks cached before this open are revalidated (a conditional GET) once; a
+            # reader reopens its arrays whenever the commit it reads moves.
+            spec["recheck_cached_data"] = "open"
 
         def reopen() -> ts.TensorStore:
             return ts.open(
-                spec, open=True, read=True, write=not read_only, context=self._context
+                spec, open=True, read=True, write=not read_only, context=self.location.context
             ).result()
 
-        return RowArray(
-            reopen(),
-            path,
-            root=self.root,
-            durability=self.durability,
-            ragged=ragged,
-            reopen=reopen,
-        )
+        return RowArray(reopen(), path, location=self.location, ragged=ragged, reopen=reopen)
 
     # --- state groups: small arrays and JSON attributes -------------------------------------
 
     def write_group_attributes(self, path: str, attributes: Mapping[str, Any]) -> None:
-        document = {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
-        (self.root / path).mkdir(parents=True, exist_ok=True)
-        write_json_atomically(self.root / path / ROOT_METADATA, document)
-        self.durability.written([self.root / path / ROOT_METADATA])
+        self._write_metadata(
+            path, {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
+        )
 
     def read_group_attributes(self, path: str) -> dict[str, Any]:
-        try:
-            raw = (self.root / path / ROOT_METADATA).read_bytes()
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no group {path!r} in store {str(self.root)!r}") from None
+        raw = self.location.read(join(path, ROOT_METADATA))
+        if raw is None:
+            raise FileNotFoundError(f"no group {path!r} in store {self.url!r}")
         try:
             document = load_json(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise StoreCorruptedError(
-                f"store {str(self.root)!r}: group {path!r} has an invalid zarr.json "
+                f"store {self.url!r}: group {path!r} has an invalid zarr.json "
                 f"({type(err).__name__})"
             ) from None
         attributes = document.get("attributes", {}) if isinstance(document, dict) else None
         if not isinstance(attributes, dict):
             raise StoreCorruptedError(
-                f"store {str(self.root)!r}: group {path!r}: expected a JSON object of attributes"
+                f"store {self.url!r}: group {path!r}: expected a JSON object of attributes"
             )
         return attributes
 
@@ -288,22 +295,16 @@ class LocalLocation:
         return written, futures
 
     def _create_state_array(self, path: str, values: np.ndarray) -> None:
-        import zarr
         from zarr.codecs import ZstdCodec
 
-        self._written_metadata(path)
-        group_path, _, name = path.rpartition("/")
         row_nbytes = max(1, values[:1].nbytes)
         chunk_rows = max(1, min(values.shape[0], STATE_CHUNK_BYTES // row_nbytes))
-        group = zarr.open_group(self.root / group_path, mode="a", zarr_format=3)
-        group.create_array(
-            name,
+        self._create(
+            path,
             shape=values.shape,
             dtype=values.dtype,
             chunks=(chunk_rows, *values.shape[1:]),
             compressors=_checksummed([ZstdCodec(level=1)]),
-            fill_value=0,
-            overwrite=True,
         )
 
     def check_array_metadata(self, path: str, shape: tuple[int | None, ...]) -> None:
@@ -314,11 +315,12 @@ class LocalLocation:
             StoreCorruptedError: missing, unreadable, or not an array of that shape with
                 bounded chunks.
         """
-        where = f"store {str(self.root)!r}: array {path!r}"
+        where = f"store {self.url!r}: array {path!r}"
+        raw = self.location.read(join(path, ROOT_METADATA))
+        if raw is None:
+            raise StoreCorruptedError(f"{where} is missing (no zarr.json)")
         try:
-            document = load_json((self.root / path / ROOT_METADATA).read_bytes())
-        except FileNotFoundError:
-            raise StoreCorruptedError(f"{where} is missing (no zarr.json)") from None
+            document = load_json(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise StoreCorruptedError(
                 f"{where}: zarr.json is not valid JSON ({type(err).__name__})"
@@ -334,7 +336,7 @@ class LocalLocation:
             array = self.open_array(path, read_only=True)
         except ValueError as err:
             raise StoreCorruptedError(
-                f"store {str(self.root)!r}: cannot open state array {path!r} ({_short_reason(err)})"
+                f"store {self.url!r}: cannot open state array {path!r} ({_short_reason(err)})"
             ) from None
         try:
             return np.asarray(array.read_rows(np.arange(array.shape[0])).result())
@@ -343,59 +345,39 @@ class LocalLocation:
                 (0, array.shape[0], _short_reason(err))
             ]
             raise ChunkCorruptedError(
-                f"store {str(self.root)!r}: state array {path!r}, {describe_runs(damaged)}, "
+                f"store {self.url!r}: state array {path!r}, {describe_runs(damaged)}, "
                 f"cannot be read back intact ({damaged[0][2]}); the saved buffer state is "
                 "damaged: open the data with ZarrStorage(path=...) and save a buffer again",
                 array=path,
                 rows=[(a, b) for a, b, _ in damaged],
             ) from None
 
-    def snapshot_to(self, target: str | os.PathLike[str], *, progress: bool = False) -> int:
-        """Make ``target`` an independent copy of this store; returns bytes copied.
+    def snapshot_to(self, target: Location, *, progress: bool = False) -> int:
+        """Make ``target`` an independent copy of this store; returns the bytes that passed
+        through this process.
 
-        On the same filesystem files are hard-linked instead of copied. That is safe
-        because nothing ever writes into an existing file of a store: TensorStore and
-        zarr-python write a new file and rename it over the old one, and so does the
-        commit. Elsewhere the files are copied.
+        The location copies on the server, or by hard links on one filesystem, where it
+        can. The root record is copied last, so an interrupted snapshot is no store at
+        all (not one that misses chunks).
         """
-        target = Path(target).absolute()
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        if target.exists():
             raise FileExistsError(
-                f"snapshot target {str(target)!r} exists and is not empty; save the snapshot to "
-                "a new path, or delete the old one first",
+                f"snapshot target {target.url!r} exists and is not empty; save the snapshot "
+                "to a new path, or delete the old one first",
             )
-        # Temporaries of interrupted writes (ours end in .tmp, TensorStore's in .__lock) are
-        # not part of the store; a hard-linked lock file would even be shared with it.
-        files = [p for p in _walk_files(self.root) if not is_temporary(p) and p.name != LOCK_FILE]
-        target.mkdir(parents=True, exist_ok=True)
-        same_device = os.stat(self.root).st_dev == os.stat(target).st_dev
-        copied = 0
-        total = sum(p.stat().st_size for p in files)
-        bar = progress_bar(total, desc="snapshot", unit="B", enabled=progress)
-        for source in files:
-            destination = target / source.relative_to(self.root)
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            size = source.stat().st_size
-            if same_device:
-                try:
-                    os.link(source, destination)
-                except OSError:
-                    shutil.copy2(source, destination)
-                    copied += size
-            else:
-                shutil.copy2(source, destination)
-                copied += size
-            bar.update(size)
-        bar.close()
-        # The snapshot is published by its own commit: make its files durable first.
-        durability = Durability(target)
-        durability.written([target / p.relative_to(self.root) for p in files])
-        durability.sync()
-        return copied
+        # Temporaries of interrupted writes are not part of the store, nor is the writer's
+        # lock or lease (a hard-linked lock file would even be shared with it).
+        sizes = {k: n for k, n in self.location.list().items() if is_store_object(k)}
+        keys = sorted(sizes, key=lambda key: key == ROOT_METADATA)
+        with progress_bar(sum(sizes.values()), desc="snapshot", unit="B", enabled=progress) as bar:
+            return self.location.copy_to(target, keys, progress=bar.update)
 
     def nbytes(self) -> int:
-        """Bytes of all files of the store."""
-        return sum(p.stat().st_size for p in _walk_files(self.root))
+        """Bytes of all objects of the store."""
+        return sum(self.location.list().values())
+
+
+_GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
 
 
 class PendingRead(Protocol):
@@ -412,47 +394,12 @@ class _Runs:
         return np.concatenate([future.result() for future in self._futures])
 
 
-def progress_bar(total: int, *, desc: str, unit: str, enabled: bool) -> Any:
-    """A tqdm bar, silent unless ``enabled``."""
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=total, desc=desc, unit=unit, unit_scale=True, disable=not enabled, leave=False
-    )
-
-
-def copy_in_blocks(
-    read: Callable[[int, int], Any],
-    write: Callable[[slice, Any], None],
-    *,
-    rows: int,
-    row_nbytes: int,
-    block_bytes: int,
-    progress: bool,
-    desc: str,
-) -> None:
-    """Copy rows ``[0, rows)`` block by block, ``write(slice(a, b), read(a, b))``, holding
-    about ``block_bytes`` bytes of rows in RAM at once."""
-    step = max(1, block_bytes // max(1, row_nbytes))
-    with progress_bar(rows, desc=desc, unit="row", enabled=progress) as bar:
-        for start in range(0, rows, step):
-            stop = min(rows, start + step)
-            write(slice(start, stop), read(start, stop))
-            bar.update(stop - start)
-
-
 def _as_bits(array: np.ndarray) -> np.ndarray:
     """The same bytes as unsigned integers of the same width (for bitwise comparison)."""
     width = array.dtype.itemsize
     if width in (1, 2, 4, 8):
         return array.view(np.dtype(f"u{width}"))
     return array.view(np.uint8)
-
-
-def _walk_files(root: Path) -> Iterator[Path]:
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            yield Path(dirpath) / name
 
 
 class RowArray:
@@ -468,17 +415,14 @@ class RowArray:
         array: ts.TensorStore,
         path: str,
         *,
-        root: Path,
-        durability: Durability,
+        location: Location,
         ragged: bool = False,
         reopen: Callable[[], ts.TensorStore] | None = None,
     ) -> None:
         self._array = array
         self.path = path
         self.ragged = ragged
-        self._root = root
-        self._dir = root / path
-        self._durability = durability
+        self._location = location
         self._reopen = reopen
         encoding = array.spec().to_json().get("metadata", {}).get("chunk_key_encoding", {})
         self._v2_keys = encoding.get("name") == "v2"
@@ -524,16 +468,17 @@ class RowArray:
         ]
         return list(itertools.product(*(range(n) for n in grid)))
 
-    def chunk_file(self, chunk: int, tail: tuple[int, ...] = ()) -> Path:
-        """The file holding write chunk (shard) ``chunk`` along the rows."""
+    def chunk_key(self, chunk: int, tail: tuple[int, ...] = ()) -> str:
+        """The key (below the store's root) of write chunk (shard) ``chunk`` along the
+        rows."""
         indices = [str(chunk), *(str(i) for i in tail)]
         key: str = self._separator.join(indices if self._v2_keys else ["c", *indices])
-        return self._dir / key
+        return join(self.path, key)
 
-    def chunk_files(self, rows: np.ndarray, width: int | None = None) -> list[Path]:
+    def chunk_keys(self, rows: np.ndarray, width: int | None = None) -> list[str]:
         tails = self._tail_positions(width)
         return [
-            self.chunk_file(int(chunk), tail)
+            self.chunk_key(int(chunk), tail)
             for chunk in np.unique(rows // self.chunk_rows)
             for tail in tails
         ]
@@ -583,7 +528,7 @@ class RowArray:
         if not damaged:
             return err
         return ChunkCorruptedError(
-            f"store {str(self._root)!r}: array {self.path!r}, "
+            f"store {self._location.url!r}: array {self.path!r}, "
             f"{describe_runs(damaged)}, cannot be read back intact ({damaged[0][2]}). "
             "Nothing was returned. `python -m zarr_rb verify <store>` lists every damaged "
             "chunk; `--repair` withdraws the damaged rows from the readable range",
@@ -622,8 +567,8 @@ class RowArray:
         The chunk files written are made durable by the next commit.
         """
         width = int(values.shape[1]) if self.ragged else None
-        announce("write", self._dir)
-        self._durability.written(self.chunk_files(rows, width))
+        announce("write", self._location.path_of(self.path))
+        self._location.written(self.chunk_keys(rows, width))
         if _is_run(rows):
             return self._region(slice(int(rows[0]), int(rows[0]) + rows.size), width).write(values)
         return self._region(rows, width).write(values)
@@ -635,9 +580,9 @@ class RowArray:
             return
         wider = max(width, 2 * self.width)
         wider = -(-wider // self.chunk_length) * self.chunk_length
-        metadata = self._dir / ROOT_METADATA
-        announce("write", metadata)
-        self._durability.written([metadata])
+        metadata = join(self.path, ROOT_METADATA)
+        announce("write", self._location.path_of(metadata))
+        self._location.written([metadata])
         shape = list(self.shape)
         shape[1] = wider
         self._array = self._array.resize(exclusive_max=shape, resize_metadata_only=True).result()

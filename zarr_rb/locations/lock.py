@@ -17,15 +17,16 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from zarr_rb._io import LOCK_FILE
 from zarr_rb.errors import LockedError
+from zarr_rb.locations.base import LOCK_FILE
 
 
 class WriterLock:
     """The writer lock of one store, held from :meth:`acquire` until :meth:`release`."""
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int, holder: dict[str, Any]) -> None:
         self.path = path
+        self.holder = holder
         self._fd: int | None = fd
 
     @classmethod
@@ -59,11 +60,14 @@ class WriterLock:
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode("utf-8"), 0)
-        return cls(path, fd)
+        return cls(path, fd, holder)
 
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+    def check(self) -> None:
+        """Nothing to check: the kernel holds an flock until the holder closes it."""
 
     def release(self) -> None:
         if self._fd is None:

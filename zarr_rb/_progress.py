@@ -1,0 +1,35 @@
+"""Progress bars, and copying rows block by block under one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def progress_bar(total: int, *, desc: str, unit: str, enabled: bool) -> Any:
+    """A tqdm bar, silent unless ``enabled``."""
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total, desc=desc, unit=unit, unit_scale=True, disable=not enabled, leave=False
+    )
+
+
+def copy_in_blocks(
+    read: Callable[[int, int], Any],
+    write: Callable[[slice, Any], None],
+    *,
+    rows: int,
+    row_nbytes: int,
+    block_bytes: int,
+    progress: bool,
+    desc: str,
+) -> None:
+    """Copy rows ``[0, rows)`` block by block, ``write(slice(a, b), read(a, b))``, holding
+    about ``block_bytes`` bytes of rows in RAM at once."""
+    step = max(1, block_bytes // max(1, row_nbytes))
+    with progress_bar(rows, desc=desc, unit="row", enabled=progress) as bar:
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            write(slice(start, stop), read(start, stop))
+            bar.update(stop - start)

@@ -1,0 +1,221 @@
+"""Where a store lives: the small interface every layer above the engine talks to.
+
+A location holds the objects of one store under one root (a directory, or a prefix of
+an object-store bucket), addressed by keys relative to it (``"zarr.json"``,
+``"data/obs/c/0/0/0/0"``). It offers a handful of primitives, each with the atomicity
+the commit protocol relies on:
+
+- :meth:`Location.read` / :meth:`Location.read_versioned`: one whole object, and its
+  *generation* (an opaque token that changes with every write of the object).
+- :meth:`Location.write`: replace one object; a reader sees the old or the new bytes,
+  never a mix (local: temporary file + rename; S3: one PUT).
+- :meth:`Location.write_if`: compare-and-swap of one object on its generation (local:
+  under the store's writer lock; S3: a conditional PUT with ``If-Match`` /
+  ``If-None-Match``). Only the commit record and the writer lease rely on it.
+- :meth:`Location.delete`, :meth:`Location.delete_prefix`, :meth:`Location.list`:
+  not atomic as a group (a crash may leave some of the objects).
+- :meth:`Location.copy_to`: copy objects into another location, on the server where
+  :attr:`Location.supports_server_side_copy` (or by hard links on one filesystem),
+  streamed otherwise.
+- :meth:`Location.written` / :meth:`Location.sync`: the durability barrier before a
+  commit is published (local: fsync; S3: a PUT is durable once acknowledged).
+
+Array chunks are read and written by TensorStore, through :meth:`Location.kvstore`
+(the TensorStore kvstore spec of a key prefix) and :attr:`Location.context`.
+"""
+
+from __future__ import annotations
+
+import abc
+import builtins
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import PurePath, PurePosixPath
+from typing import Any, Protocol
+
+import tensorstore as ts
+
+Generation = bytes
+"""An object's version as its location reports it: compare for equality only."""
+
+ROOT_METADATA = "zarr.json"
+LOCK_FILE = ".zarr_rb.lock"
+"""The writer lock of a local store; not part of the store's data, never copied."""
+LEASE_KEY = ".zarr_rb.lease"
+"""The writer lease of a store on an object store; not part of its data, never copied."""
+TEMPORARY_SUFFIXES = (".tmp", ".__lock", ".partial")
+"""Files of interrupted writes: ours (``.tmp``), TensorStore's (``.__lock``) and
+zarr-python's (``.partial``). They are never part of a commit."""
+NOT_DATA = (LOCK_FILE, LEASE_KEY)
+
+
+def is_temporary(name: str) -> bool:
+    return name.endswith(TEMPORARY_SUFFIXES)
+
+
+def is_store_object(key: str) -> bool:
+    """Whether ``key`` belongs to the store's content (what a copy takes along)."""
+    name = key.rpartition("/")[2]
+    return not is_temporary(name) and key not in NOT_DATA
+
+
+class WriterHold(Protocol):
+    """The right to write a store: a lock (local) or a lease (object store)."""
+
+    holder: dict[str, Any]
+
+    @property
+    def held(self) -> bool: ...
+
+    def check(self) -> None:
+        """Raise :class:`~zarr_rb.errors.FencedError` if the hold was lost (a lease that
+        expired or was taken over): nothing may be written then."""
+
+    def release(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Versioned:
+    """An object's bytes (``None``: absent) and its generation."""
+
+    value: bytes | None
+    generation: Generation
+
+
+ProgressCallback = Callable[[int], None]
+
+
+class Location(abc.ABC):
+    """The objects of one store (see the module's docstring for what is atomic)."""
+
+    supports_server_side_copy: bool = False
+    """Whether :meth:`copy_to` into a location of the same kind copies without the
+    bytes passing through this process."""
+    caches_chunks: bool = False
+    """Whether arrays read through :attr:`context` keep chunks in RAM (readers must then
+    reopen arrays when the commit they read moves)."""
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """Where the store is, for messages and records (never holds a secret)."""
+
+    @property
+    @abc.abstractmethod
+    def context(self) -> ts.Context:
+        """The TensorStore context arrays of this location are opened with."""
+
+    @abc.abstractmethod
+    def identity(self) -> tuple[str, ...]:
+        """Equal for two locations of the same store (one writer per store per process)."""
+
+    def path_of(self, key: str) -> PurePath:
+        """What I/O observers are told an operation touches (see ``zarr_rb._io``)."""
+        return PurePosixPath(self.url) / key
+
+    @abc.abstractmethod
+    def kvstore(self, key: str) -> dict[str, Any]:
+        """The TensorStore kvstore spec of the prefix ``key`` (an array's directory)."""
+
+    # --- objects ---------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def read_versioned(self, key: str) -> Versioned: ...
+
+    def read(self, key: str) -> bytes | None:
+        """The bytes of ``key``, or ``None`` if it does not exist."""
+        return self.read_versioned(key).value
+
+    @abc.abstractmethod
+    def write(self, key: str, value: bytes) -> Generation:
+        """Replace ``key`` atomically; returns its new generation."""
+
+    @abc.abstractmethod
+    def write_if(
+        self, key: str, value: bytes | None, *, generation: Generation
+    ) -> Generation | None:
+        """Replace (``value=None``: delete) ``key`` only if its generation is still
+        ``generation`` (the one :meth:`read_versioned` gave, absent objects included).
+
+        Returns:
+            The new generation, or ``None`` if the object changed meanwhile (nothing was
+            written).
+        """
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object under ``prefix/`` (not atomic)."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> dict[str, int]:
+        """The keys under ``prefix`` (``""``: the whole store) and their sizes in bytes."""
+
+    def copy_to(
+        self,
+        target: Location,
+        keys: Iterable[str],
+        *,
+        progress: ProgressCallback | None = None,
+    ) -> int:
+        """Copy objects to the same keys of ``target``; returns the bytes that passed
+        through this process (0 for a server-side copy). The default streams them."""
+        copied = 0
+        for key in keys:
+            value = self.read(key)
+            if value is None:
+                continue
+            target.write(key, value)
+            copied += len(value)
+            if progress is not None:
+                progress(len(value))
+        return copied
+
+    # --- the store as a whole --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def check_usable(self, *, create: bool) -> None:
+        """Raise a typed error now, in bounded time, if the store cannot be reached (a
+        missing bucket, refused credentials, an unreachable endpoint), or (``create``) if
+        it cannot be created there (a file in the way)."""
+
+    @abc.abstractmethod
+    def create_root(self) -> None:
+        """Make the store's root exist (a directory; nothing on an object store)."""
+
+    @abc.abstractmethod
+    def acquire_writer(self, **options: Any) -> WriterHold:
+        """Take the store's writer hold or raise :class:`~zarr_rb.errors.LockedError`
+        naming the holder (never waits for it)."""
+
+    def remove_leftovers(self) -> builtins.list[str]:
+        """Delete what interrupted writes left behind (only the writer calls this)."""
+        return []
+
+    def exists(self) -> bool:
+        """Whether anything at all is stored under the root."""
+        return bool(self.list())
+
+    # --- durability --------------------------------------------------------------------
+
+    def written(self, keys: Iterable[str]) -> None:  # noqa: B027 (optional hook)
+        """Objects written since the last :meth:`sync` (by TensorStore, say)."""
+
+    def sync(self) -> None:  # noqa: B027 (optional hook)
+        """Make every object written so far durable (the barrier before a commit)."""
+
+    def child(self, key: str) -> Location:
+        """The location of the store at ``key`` below this one (a snapshot's target)."""
+        raise NotImplementedError(f"{type(self).__name__} has no child locations")
+
+
+def join(*parts: str) -> str:
+    """Keys joined with ``/`` (empty parts skipped)."""
+    return "/".join(part.strip("/") for part in parts if part.strip("/"))
+
+
+def redact(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``storage_options`` fit for a message: secrets replaced by ``***``."""
+    return {k: "***" if k in ("secret", "token") else v for k, v in options.items()}

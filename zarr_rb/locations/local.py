@@ -1,0 +1,269 @@
+"""A store in a directory of a local (or network-mounted) filesystem.
+
+Atomicity: an object is replaced by writing a temporary file, fsyncing it and renaming
+it over the old one (then fsyncing the directory). Objects written by TensorStore are
+made durable together by :meth:`LocalLocation.sync`, just before a commit. The writer
+hold is ``flock(2)`` (see :mod:`zarr_rb.locations.lock`); compare-and-swap is atomic among
+processes that take it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import tensorstore as ts
+
+from zarr_rb._io import announce, fsync
+from zarr_rb.errors import NotAStoreError
+from zarr_rb.locations.base import (
+    LOCK_FILE,
+    ROOT_METADATA,
+    Generation,
+    Location,
+    ProgressCallback,
+    Versioned,
+    WriterHold,
+    is_temporary,
+)
+from zarr_rb.locations.lock import WriterLock
+
+ABSENT: Generation = b"absent"
+
+
+class LocalLocation(Location):
+    """A store on a local (or network-mounted) filesystem, rooted at a directory."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+        self.durability = Durability(self.root)
+        self._context = ts.Context(
+            {
+                "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
+                "file_io_concurrency": {"limit": 32},
+                # Written files are fsynced once per commit (Durability.sync), together,
+                # rather than one by one as TensorStore writes them.
+                "file_io_sync": False,
+            }
+        )
+
+    def __repr__(self) -> str:
+        return f"LocalLocation({str(self.root)!r})"
+
+    @property
+    def url(self) -> str:
+        return str(self.root)
+
+    @property
+    def context(self) -> ts.Context:
+        return self._context
+
+    def identity(self) -> tuple[str, ...]:
+        return ("file", str(self.root.resolve()))
+
+    def path_of(self, key: str) -> Path:
+        return self.root / key
+
+    def kvstore(self, key: str) -> dict[str, Any]:
+        return {"driver": "file", "path": str(self.root / key)}
+
+    def child(self, key: str) -> LocalLocation:
+        return LocalLocation(self.root / key)
+
+    # --- objects ---------------------------------------------------------------------------
+
+    def read_versioned(self, key: str) -> Versioned:
+        try:
+            with open(self.root / key, "rb") as fh:
+                stat = os.fstat(fh.fileno())
+                value = fh.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return Versioned(None, ABSENT)
+        # Every write renames a new file into place: a new inode, whatever its content.
+        return Versioned(value, f"{stat.st_ino}:{stat.st_mtime_ns}:{stat.st_size}".encode())
+
+    def write(self, key: str, value: bytes) -> Generation:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, value, publish=key == ROOT_METADATA)
+        self.durability.written([path])
+        return self.read_versioned(key).generation
+
+    def write_if(
+        self, key: str, value: bytes | None, *, generation: Generation
+    ) -> Generation | None:
+        if self.read_versioned(key).generation != generation:
+            return None
+        if value is None:
+            self.delete(key)
+            return ABSENT
+        return self.write(key, value)
+
+    def delete(self, key: str) -> None:
+        path = self.root / key
+        announce("remove", path)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+    def delete_prefix(self, prefix: str) -> None:
+        target = self.root / prefix
+        if target.exists():
+            announce("remove", target)
+            shutil.rmtree(target)
+
+    def list(self, prefix: str = "") -> dict[str, int]:
+        base = self.root / prefix
+        if not base.is_dir():
+            return {}
+        found = {}
+        for path in walk_files(base):
+            with contextlib.suppress(FileNotFoundError):
+                found[path.relative_to(self.root).as_posix()] = path.stat().st_size
+        return found
+
+    def copy_to(
+        self,
+        target: Location,
+        keys: Iterable[str],
+        *,
+        progress: ProgressCallback | None = None,
+    ) -> int:
+        """Into another directory: hard links on the same filesystem (safe because nothing
+        ever writes into an existing file of a store: TensorStore, zarr-python and the
+        commit all rename a new file over the old one), copies elsewhere."""
+        if not isinstance(target, LocalLocation):
+            return super().copy_to(target, keys, progress=progress)
+        target.create_root()
+        same_device = os.stat(self.root).st_dev == os.stat(target.root).st_dev
+        copied = 0
+        destinations = []
+        for key in keys:
+            source, destination = self.root / key, target.root / key
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            size = source.stat().st_size
+            try:
+                if not same_device:
+                    raise OSError("another filesystem")
+                os.link(source, destination)
+            except OSError:
+                shutil.copy2(source, destination)
+                copied += size
+            destinations.append(destination)
+            if progress is not None:
+                progress(size)
+        target.durability.written(destinations)
+        target.sync()
+        return copied
+
+    # --- the store as a whole --------------------------------------------------------------
+
+    def check_usable(self, *, create: bool) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise NotAStoreError(
+                f"store {str(self.root)!r} is a file, not a zarr_rb store; pass a directory "
+                "path (e.g. 'runs/buffer.zarr')",
+            )
+
+    def exists(self) -> bool:
+        return self.root.is_dir() and any(
+            p.name != LOCK_FILE and not is_temporary(p.name) for p in self.root.iterdir()
+        )
+
+    def create_root(self) -> None:
+        """Create the store's directory, durably (its entry in its parent included)."""
+        missing = [p for p in (self.root, *self.root.parents) if not p.exists()]
+        self.root.mkdir(parents=True, exist_ok=True)
+        for directory in [self.root, *(p.parent for p in missing)]:
+            fsync(directory)
+
+    def acquire_writer(self, **options: Any) -> WriterHold:
+        return WriterLock.acquire(self.root)
+
+    def remove_leftovers(self) -> builtins.list[str]:
+        removed = []
+        for path in walk_files(self.root):
+            if is_temporary(path.name):
+                announce("remove", path)
+                path.unlink(missing_ok=True)
+                removed.append(path.relative_to(self.root).as_posix())
+        return removed
+
+    # --- durability ------------------------------------------------------------------------
+
+    def written(self, keys: Iterable[str]) -> None:
+        self.durability.written(self.root / key for key in keys)
+
+    def sync(self) -> None:
+        self.durability.sync()
+
+
+def write_atomically(path: Path, payload: bytes, *, publish: bool = False) -> None:
+    """Replace ``path``: a crash leaves the old or the new bytes.
+
+    Write a temporary file, fsync it, rename it over ``path``, fsync the directory.
+    ``publish`` marks the rename as a commit point for observers.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            announce("write", Path(tmp))
+            fh.write(payload)
+            fh.flush()
+            fsync(Path(tmp))
+        announce("publish" if publish else "write", path)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync(path.parent)
+
+
+def walk_files(root: Path) -> Iterator[Path]:
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            yield Path(dirpath) / name
+
+
+class Durability:
+    """Files written since the last commit, made durable together before it is published.
+
+    A file is durable once it has been fsynced and its directory entry has been
+    fsynced in its parent, and so on up to the store root for directories created
+    since (new chunk directories).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._written: set[Path] = set()
+        self._durable_dirs: set[Path] = {root}
+
+    def written(self, paths: Iterable[Path]) -> None:
+        self._written.update(paths)
+
+    def sync(self) -> None:
+        """fsync every file written since the last call, then the directories they are in."""
+        files = sorted(self._written)
+        dirs: set[Path] = set()
+        new_dirs: set[Path] = set()
+        for path in files:
+            with contextlib.suppress(FileNotFoundError):
+                fsync(path)
+            dirs.add(path.parent)
+            parent = path.parent
+            while parent not in self._durable_dirs and self.root in parent.parents:
+                new_dirs.add(parent)
+                dirs.add(parent.parent)
+                parent = parent.parent
+        # Deepest first: a directory's own entries before its entry in its parent.
+        for directory in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(FileNotFoundError):
+                fsync(directory)
+        self._durable_dirs |= new_dirs
+        self._written.difference_update(files)

@@ -1,0 +1,422 @@
+"""A store under a prefix of an S3 (or S3-compatible) bucket.
+
+Objects are read and written through TensorStore's ``s3`` kvstore, which also holds the
+arrays' chunks. What is atomic here, and what the commit protocol relies on:
+
+- one PUT replaces one object atomically (a reader gets the old or the new bytes);
+- a conditional PUT (``If-Match: <etag>``, or ``If-None-Match: *`` to create) either
+  replaces the object or fails with 412: :meth:`S3Location.write_if`. TensorStore sends
+  real conditional PUTs only with ``use_conditional_write``, always set here (without it
+  it checks with a HEAD first, which races);
+- nothing spans objects: no rename, no directory, no lock. A commit is one object (the
+  root ``zarr.json``) written only after every object it refers to, and the writer's
+  right to write is a lease object (:mod:`zarr_rb.locations.lease`);
+- a PUT acknowledged by the server is durable: :meth:`S3Location.sync` has nothing to do.
+
+Copies between locations on one endpoint are made by the server (``CopyObject``), so the
+bytes never pass through this process. TensorStore has no such request; it is made with
+the small signer in :mod:`zarr_rb.locations._sigv4`, as are listings with sizes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import dataclasses
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import urllib.error
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+import tensorstore as ts
+
+from zarr_rb.errors import (
+    BucketNotFoundError,
+    CredentialsError,
+    EndpointUnreachableError,
+    InvalidLocationError,
+    StoreWriteError,
+)
+from zarr_rb.locations import _sigv4
+from zarr_rb.locations.base import (
+    Generation,
+    Location,
+    ProgressCallback,
+    Versioned,
+    WriterHold,
+    join,
+)
+
+OPTIONS = ("endpoint_url", "key", "secret", "token", "region", "anon")
+"""``storage_options`` as fsspec/s3fs name them."""
+OWN_OPTIONS = ("lease_seconds", "cache_bytes", "retries")
+"""zarr_rb's own ``storage_options`` for object stores."""
+DEFAULT_CACHE_BYTES = 2**30
+"""Chunks kept in RAM per process (decoded), so that warm sampling reads no object."""
+DEFAULT_RETRIES = 4
+"""Attempts of a failed request (connection refused, 5xx), 0.1 s to 2 s apart: an
+unreachable endpoint fails in a few seconds, not the minutes TensorStore waits by default."""
+STALLED_SECONDS = 30
+"""A request moving less than 1 byte a second for this long has failed (a hung server)."""
+
+# TensorStore reads these when it makes its first HTTP transport: set them before.
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(STALLED_SECONDS))
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+os.environ.setdefault("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", "10")
+
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class S3Options:
+    """Where the bucket is and how to sign requests (from ``storage_options`` first, the
+    standard ``AWS_*`` environment variables second)."""
+
+    endpoint: str | None
+    region: str
+    credentials: _sigv4.Credentials
+    anonymous: bool
+    lease_seconds: float
+    cache_bytes: int
+    retries: int
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | None) -> S3Options:
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(OPTIONS) - set(OWN_OPTIONS))
+        if unknown:
+            raise InvalidLocationError(
+                f"unknown storage_options {unknown}; expected some of {list(OPTIONS + OWN_OPTIONS)}"
+            )
+        env = os.environ
+        endpoint = options.get("endpoint_url") or env.get("AWS_ENDPOINT_URL_S3")
+        endpoint = endpoint or env.get("AWS_ENDPOINT_URL")
+        region = options.get("region") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+        anonymous = bool(options.get("anon", False))
+        if "key" in options or "secret" in options:
+            key, secret, token = options.get("key"), options.get("secret"), options.get("token")
+        else:
+            key = env.get("AWS_ACCESS_KEY_ID")
+            secret = env.get("AWS_SECRET_ACCESS_KEY")
+            token = options.get("token") or env.get("AWS_SESSION_TOKEN")
+        if (key is None) != (secret is None) and not anonymous:
+            raise InvalidLocationError(
+                "storage_options need both 'key' and 'secret' (or neither, to use the "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment variables)"
+            )
+        lease = float(options.get("lease_seconds", 20.0))
+        if not 0.5 <= lease <= 30.0:
+            raise InvalidLocationError(
+                f"expected storage_options['lease_seconds'] in [0.5, 30], got {lease}"
+            )
+        return cls(
+            endpoint=str(endpoint).rstrip("/") if endpoint else None,
+            region=str(region or "us-east-1"),
+            credentials=_sigv4.Credentials(
+                None if anonymous else key, None if anonymous else secret, token
+            ),
+            anonymous=anonymous,
+            lease_seconds=lease,
+            cache_bytes=int(options.get("cache_bytes", DEFAULT_CACHE_BYTES)),
+            retries=int(options.get("retries", DEFAULT_RETRIES)),
+        )
+
+    @property
+    def http_endpoint(self) -> str:
+        return self.endpoint or f"https://s3.{self.region}.amazonaws.com"
+
+
+class S3Location(Location):
+    """The store at ``s3://<bucket>/<prefix>``."""
+
+    supports_server_side_copy = True
+    caches_chunks = True
+
+    def __init__(self, bucket: str, prefix: str, options: S3Options) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.options = options
+        self._context = _context(options)
+        self._credentials_spec = _credentials_spec(options)
+        self._kv = self._run(
+            lambda: ts.KvStore.open(self.kvstore(""), context=self._context).result(), "open"
+        )
+
+    def __repr__(self) -> str:
+        return f"S3Location({self.url!r})"
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    @property
+    def context(self) -> ts.Context:
+        return self._context
+
+    def identity(self) -> tuple[str, ...]:
+        return ("s3", self.options.http_endpoint, self.bucket, self.prefix)
+
+    def kvstore(self, key: str) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "driver": "s3",
+            "bucket": self.bucket,
+            "path": join(self.prefix, key) + "/",
+            "aws_region": self.options.region,
+            "use_conditional_write": True,
+            "aws_credentials": self._credentials_spec,
+        }
+        if self.options.endpoint:
+            spec["endpoint"] = self.options.endpoint
+        return spec
+
+    def child(self, key: str) -> S3Location:
+        return S3Location(self.bucket, join(self.prefix, key), self.options)
+
+    def where(self, key: str = "") -> str:
+        return f"s3://{self.bucket}/{join(self.prefix, key)}"
+
+    # --- objects ---------------------------------------------------------------------------
+
+    def read_versioned(self, key: str) -> Versioned:
+        result = self._run(lambda: self._kv.read(key).result(), f"reading {key!r}")
+        value = bytes(result.value) if result.state == "value" else None
+        return Versioned(value, bytes(result.stamp.generation))
+
+    def write(self, key: str, value: bytes) -> Generation:
+        stamp = self._run(lambda: self._kv.write(key, value).result(), f"writing {key!r}")
+        return bytes(stamp.generation)
+
+    def write_if(
+        self, key: str, value: bytes | None, *, generation: Generation
+    ) -> Generation | None:
+        stamp = self._run(
+            lambda: self._kv.write(key, value, if_equal=generation).result(),
+            f"writing {key!r} conditionally",
+        )
+        # TensorStore reports a failed condition (412) as an empty generation.
+        return bytes(stamp.generation) or None
+
+    def delete(self, key: str) -> None:
+        self._run(lambda: self._kv.write(key, None).result(), f"deleting {key!r}")
+
+    def delete_prefix(self, prefix: str) -> None:
+        start = prefix.strip("/") + "/"
+        end = start[:-1] + "0"  # the first key after every "<prefix>/..."
+        self._run(
+            lambda: self._kv.delete_range(ts.KvStore.KeyRange(start, end)).result(),
+            f"deleting {start!r}",
+        )
+
+    def list(self, prefix: str = "") -> dict[str, int]:
+        """Keys and sizes (``ListObjectsV2``, page by page)."""
+        base = join(self.prefix, prefix)
+        base = base + "/" if base else ""
+        found: dict[str, int] = {}
+        token: str | None = None
+        while True:
+            query = {"list-type": "2", "prefix": base, "max-keys": "1000"}
+            if token:
+                query["continuation-token"] = token
+            body = self._http("GET", f"/{self.bucket}", query=query, what="listing")
+            root = ET.fromstring(body)
+            ns = root.tag.partition("}")[0] + "}" if root.tag.startswith("{") else ""
+            for item in root.iter(f"{ns}Contents"):
+                name = item.findtext(f"{ns}Key") or ""
+                found[name[len(join(self.prefix)) + 1 :]] = int(item.findtext(f"{ns}Size") or 0)
+            token = root.findtext(f"{ns}NextContinuationToken")
+            if root.findtext(f"{ns}IsTruncated") != "true" or not token:
+                return found
+
+    def copy_to(
+        self,
+        target: Location,
+        keys: Iterable[str],
+        *,
+        progress: ProgressCallback | None = None,
+    ) -> int:
+        """To a location on the same endpoint: ``CopyObject`` on the server, 16 at a
+        time (nothing passes through this process); elsewhere, streamed."""
+        if not (
+            isinstance(target, S3Location)
+            and target.options.http_endpoint == self.options.http_endpoint
+            and target.options.credentials == self.options.credentials
+        ):
+            return super().copy_to(target, keys, progress=progress)
+        sizes = self.list()
+
+        def copy(key: str) -> int:
+            source = "/" + join(self.bucket, self.prefix, key)
+            target._http(
+                "PUT",
+                "/" + join(target.bucket, target.prefix, key),
+                headers={"x-amz-copy-source": _sigv4.quote(source)},
+                what=f"copying {key!r}",
+            )
+            return sizes.get(key, 0)
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            for size in pool.map(copy, list(keys)):
+                if progress is not None:
+                    progress(size)
+        return 0
+
+    # --- the store as a whole --------------------------------------------------------------
+
+    def check_usable(self, *, create: bool) -> None:
+        """A listing of the bucket, which (unlike a read) fails for a missing bucket."""
+        self._http(
+            "GET",
+            f"/{self.bucket}",
+            query={"list-type": "2", "prefix": join(self.prefix) + "/", "max-keys": "1"},
+            what="checking the bucket",
+        )
+
+    def create_root(self) -> None:
+        pass  # an object store has no directories
+
+    def acquire_writer(self, **options: Any) -> WriterHold:
+        from zarr_rb.locations.lease import Lease
+
+        return Lease.acquire(self, seconds=self.options.lease_seconds)
+
+    # --- errors ----------------------------------------------------------------------------
+
+    def _run(self, call: Callable[[], _T], what: str) -> _T:
+        """``call()``, with TensorStore's errors as typed ones."""
+        try:
+            return call()
+        except ValueError as err:
+            raise self._error(str(err).split(" [source locations=")[0], what) from None
+
+    def _error(self, reason: str, what: str) -> Exception:
+        where = f"store {self.url!r}"
+        endpoint = self.options.http_endpoint
+        if "NoSuchBucket" in reason or reason.startswith("NOT_FOUND"):
+            return BucketNotFoundError(
+                f"{where}: bucket {self.bucket!r} does not exist at {endpoint} ({what}); "
+                "create it first, or check the URL and storage_options['endpoint_url']"
+            )
+        if reason.startswith("PERMISSION_DENIED") or "AccessDenied" in reason:
+            return CredentialsError(
+                f"{where}: {endpoint} refused the credentials ({what}: {reason[:200]}); "
+                "check storage_options 'key'/'secret' (or AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY) and the bucket's permissions"
+            )
+        if "CURL error" in reason or reason.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED")):
+            return EndpointUnreachableError(
+                f"{where}: {endpoint} did not answer ({what}: {reason[:200]}); check "
+                "storage_options['endpoint_url'] (or AWS_ENDPOINT_URL) and that the server "
+                "is up"
+            )
+        return StoreWriteError(None, f"{where}: {what} failed ({reason[:300]})")
+
+    def _http(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        what: str,
+    ) -> bytes:
+        try:
+            response = _sigv4.request(
+                method,
+                self.options.http_endpoint,
+                path,
+                query=query,
+                credentials=self.options.credentials,
+                region=self.options.region,
+                headers=headers,
+                timeout=STALLED_SECONDS,
+            )
+        except (OSError, urllib.error.URLError) as err:
+            raise self._error(f"CURL error {err}", what) from None
+        if response.status == 404 and b"NoSuchBucket" in response.body:
+            raise self._error("NoSuchBucket", what)
+        if response.status == 403:
+            raise self._error(f"PERMISSION_DENIED {_s3_code(response.body)}", what)
+        if response.status >= 300:
+            raise self._error(f"HTTP {response.status} {_s3_code(response.body)}", what)
+        return response.body
+
+
+def _s3_code(body: bytes) -> str:
+    with contextlib.suppress(ET.ParseError):
+        return ET.fromstring(body).findtext("Code") or ""
+    return ""
+
+
+def _context(options: S3Options) -> ts.Context:
+    return ts.Context(
+        {
+            "cache_pool": {"total_bytes_limit": options.cache_bytes},
+            "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
+            "s3_request_concurrency": {"limit": 32},
+            "s3_request_retries": {
+                "max_retries": max(1, options.retries),
+                "initial_delay": "100ms",
+                "max_delay": "2s",
+            },
+        }
+    )
+
+
+_CREDENTIALS_DIR: str | None = None
+_CREDENTIALS_LOCK = threading.Lock()
+
+
+def _credentials_spec(options: S3Options) -> dict[str, Any]:
+    """TensorStore's ``aws_credentials``. Its spec cannot hold keys, so keys given in
+    ``storage_options`` are written to a credentials file in a private (0700) temporary
+    directory of this process, removed at exit."""
+    if options.anonymous:
+        return {"type": "anonymous"}
+    creds = options.credentials
+    if creds.key is None or creds.secret is None:
+        return {"type": "default"}
+    global _CREDENTIALS_DIR
+    with _CREDENTIALS_LOCK:
+        if _CREDENTIALS_DIR is None:
+            _CREDENTIALS_DIR = tempfile.mkdtemp(prefix="zarr_rb-aws-")
+            atexit.register(shutil.rmtree, _CREDENTIALS_DIR, ignore_errors=True)
+        name = f"{abs(hash((creds.key, creds.secret, creds.token, socket.gethostname())))}"
+        path = os.path.join(_CREDENTIALS_DIR, name)
+        if not os.path.exists(path):
+            lines = ["[default]", f"aws_access_key_id = {creds.key}"]
+            lines.append(f"aws_secret_access_key = {creds.secret}")
+            if creds.token:
+                lines.append(f"aws_session_token = {creds.token}")
+            fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write("\n".join(lines) + "\n")
+            config = path + ".config"
+            with open(config, "w") as fh:
+                fh.write(f"[default]\nregion = {options.region}\n")
+            os.replace(path + ".tmp", path)
+    return {
+        "type": "profile",
+        "profile": "default",
+        "credentials_file": path,
+        "config_file": path + ".config",
+    }
+
+
+def parse_s3_url(url: str, storage_options: Mapping[str, Any] | None) -> S3Location:
+    """The location of ``s3://bucket/prefix``."""
+    rest = url[len("s3://") :]
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise InvalidLocationError(f"expected s3://<bucket>/<path>, got {url!r} (no bucket)")
+    if not prefix.strip("/"):
+        raise InvalidLocationError(
+            f"expected s3://<bucket>/<path>, got {url!r}: name a path inside the bucket "
+            "(e.g. s3://bucket/runs/pong.zarr); a store never takes a whole bucket"
+        )
+    return S3Location(bucket, prefix, S3Options.parse(storage_options))
