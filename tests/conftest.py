@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
+import uuid
 
 import pytest
 import torch
+from s3_server import S3Server, WeedNotFoundError, start_server, stop_server
 from tensordict import TensorDict, is_tensor_collection
 
 from zarr_rb import LazyColumn
@@ -43,3 +46,30 @@ def assert_identical(actual, expected) -> None:
 @pytest.fixture
 def store_path(tmp_path):
     return tmp_path / "buffer.zarr"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (SeaweedFS) for the whole session, with bucket ``zarr-rb-test``.
+
+    ``ZARR_RB_TEST_S3=<endpoint>,<key>,<secret>`` uses a running server instead.
+    """
+    try:
+        server = start_server(tmp_path_factory.mktemp("s3-server"))
+    except WeedNotFoundError as err:
+        # Fail, not skip: a missing binary would otherwise hide every S3 test.
+        pytest.fail(str(err), pytrace=False)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture
+def s3_url(s3_server: S3Server, request) -> str:
+    """A fresh ``s3://zarr-rb-test/<test-name>-<uuid8>.zarr`` URL, unique per test."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name).strip("-")
+    return s3_server.url(f"{name}-{uuid.uuid4().hex[:8]}.zarr")
+
+
+@pytest.fixture
+def s3_options(s3_server: S3Server) -> dict[str, str]:
+    return s3_server.storage_options()
