@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import uuid
@@ -60,6 +61,7 @@ def s3_server(tmp_path_factory):
         # Fail, not skip: a missing binary would otherwise hide every S3 test.
         pytest.fail(str(err), pytrace=False)
     yield server
+    gc.collect()  # storages a failed test left open close while the server still answers
     stop_server(server)
 
 

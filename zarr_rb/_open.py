@@ -103,6 +103,17 @@ def open_store(
     document = read_root(engine)
     if document is not None:
         check_is_store(document, where)
+    else:
+        if location.exists():
+            what = (
+                "is a non-empty directory without a zarr_rb store"
+                if isinstance(location, LocalLocation)
+                else "holds objects but no zarr_rb store"
+            )
+            raise NotAStoreError(
+                f"{where} {what} (a snapshot interrupted before it was published leaves "
+                "that too); choose a new or empty directory, or delete it",
+            )
     if mode == "r":
         if document is None:
             raise StoreNotFoundError(f"no zarr_rb store at {location.url!r}")
@@ -115,16 +126,6 @@ def open_store(
             raise StoreNotFoundError(
                 f"no zarr_rb store at {location.url!r} (mode='r+' opens an existing store; "
                 "mode='a' creates a missing one)"
-            )
-        if location.exists():
-            what = (
-                "is a non-empty directory without a zarr_rb store"
-                if isinstance(location, LocalLocation)
-                else "holds objects but no zarr_rb store"
-            )
-            raise NotAStoreError(
-                f"{where} {what} (a snapshot interrupted before it was published leaves "
-                "that too); choose a new or empty directory, or delete it",
             )
         if max_size is None:
             raise ValueError(f"max_size is required to create a new store at {location.url!r}")

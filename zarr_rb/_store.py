@@ -56,7 +56,7 @@ from zarr_rb.errors import (
     ZarrRBError,
 )
 from zarr_rb.locations import LocalLocation, Location
-from zarr_rb.locations.base import WriterHold
+from zarr_rb.locations.base import ROOT_METADATA, WriterHold
 
 _MAX_STAGED_BLOCKS = 8
 STAGED_RAGGED_BYTES = 128 * 2**20
@@ -789,7 +789,7 @@ class Store:
             return False
         self.users -= 1
         # A store deleted from under it (by another program) has nothing left to flush into.
-        gone = not self.engine.location.exists()
+        gone = self.read_only or self.engine.location.read(ROOT_METADATA) is None
         if self.users > 0:
             if not gone:
                 self.flush()

@@ -27,6 +27,7 @@ import torch
 
 from zarr_rb import _compat
 from zarr_rb._io import IOKind, observe_io
+from zarr_rb.locations import is_remote, open_location
 from zarr_rb.locations.base import LOCK_FILE, is_temporary
 
 __all__ = [
@@ -234,14 +235,17 @@ class CrashWorkload:
     def priority(steps: torch.Tensor) -> torch.Tensor:
         return 1.0 + (steps % 97).to(torch.float32) / 8.0
 
-    def buffer(self, path: Path) -> Any:
+    def buffer(self, path: Path | str, storage_options: dict[str, Any] | None = None) -> Any:
         from torchrl.data import TensorDictPrioritizedReplayBuffer
 
         from zarr_rb._layout import Compression
         from zarr_rb.storage import ZarrStorage
 
         storage = ZarrStorage(
-            self.capacity, path, compression=Compression(block_rows=self.block_rows)
+            self.capacity,
+            path,
+            compression=Compression(block_rows=self.block_rows),
+            storage_options=storage_options,
         )
         return TensorDictPrioritizedReplayBuffer(
             alpha=self.alpha, beta=self.beta, storage=storage, batch_size=8
@@ -277,6 +281,7 @@ def run_crash_writer(
     steps: int = 10**9,
     kill_at: int | None = None,
     kill_after_steps: int = 0,
+    storage_options: dict[str, Any] | None = None,
 ) -> None:
     """The writer side of a crash test (run it in a child process and kill it).
 
@@ -290,7 +295,7 @@ def run_crash_writer(
 
     log = _Log(Path(log_path))
     rng = np.random.default_rng(seed)
-    rb = workload.buffer(Path(path))
+    rb = workload.buffer(path if is_remote(path) else Path(path), storage_options)
     log("ready")
     total = 0
     for step in range(1, steps + 1):
@@ -341,8 +346,14 @@ def _fail(message: str) -> None:
     raise AssertionError(message)
 
 
-def check_crashed_store(path: Path, log_path: Path, workload: CrashWorkload) -> CrashCheck:
-    """Check every promise a killed writer's store makes, then reopen it and write on.
+def check_crashed_store(
+    path: Path | str,
+    log_path: Path,
+    workload: CrashWorkload,
+    storage_options: dict[str, Any] | None = None,
+) -> CrashCheck:
+    """Check every promise a killed writer's store makes, then reopen it and write on (on
+    an object store, once the dead writer's lease has expired).
 
     Raises:
         AssertionError: a promise is broken (with what and where).
@@ -356,8 +367,10 @@ def check_crashed_store(path: Path, log_path: Path, workload: CrashWorkload) -> 
     log = _log_values(log_path)
     written = max(log.get("extending", [0]))
     durable = max(log.get("flushed", []) + log.get("saved", []) + [0])
-    temporaries = sum(1 for p in path.rglob("*") if p.is_file() and is_temporary(p.name))
-    document = json.loads((path / "zarr.json").read_text()) if path.exists() else None
+    location = open_location(path, storage_options)
+    temporaries = sum(1 for key in location.list() if is_temporary(key))
+    raw = location.read("zarr.json")
+    document = json.loads(raw) if raw is not None else None
     if document is None:  # killed before the store existed
         if log.get("saved") or log.get("flushed"):
             _fail("rows were extended but no store exists")
@@ -366,7 +379,7 @@ def check_crashed_store(path: Path, log_path: Path, workload: CrashWorkload) -> 
     commit = meta["commit"]
 
     # Readers open it as it is (temporaries ignored), at exactly the last commit.
-    reader = ZarrStorage(path=path, read_only=True)
+    reader = ZarrStorage(path=path, read_only=True, storage_options=storage_options)
     if len(reader) != commit["length"]:
         _fail(f"reopened length {len(reader)} != committed length {commit['length']}")
     holes = sum(b - a for a, b in commit["holes"])
@@ -401,7 +414,7 @@ def check_crashed_store(path: Path, log_path: Path, workload: CrashWorkload) -> 
     saved = meta.get("saved")
     saved_count = None
     if saved is not None:
-        rb = zarr_rb.load(path, read_only=True)
+        rb = zarr_rb.load(path, read_only=True, storage_options=storage_options)
         saved_count = int(_compat.get(rb.writer, "_write_count"))
         if saved_count not in log.get("saving", []):
             _fail(f"loaded write count {saved_count} is not one the writer saved")
@@ -424,16 +437,36 @@ def check_crashed_store(path: Path, log_path: Path, workload: CrashWorkload) -> 
         rb.storage.close()
 
     # The writer reopens (clearing temporaries), samples, and goes on from the last save.
-    rb = zarr_rb.load(path) if saved is not None else workload.buffer(path)
+    rb = _when_unlocked(
+        lambda: (
+            zarr_rb.load(path, storage_options=storage_options)
+            if saved is not None
+            else workload.buffer(path, storage_options)
+        )
+    )
     if len(rb):
         _check_sampling_avoids_holes(rb, commit["holes"])
     workload.step(rb, np.random.default_rng(0))
     zarr_rb.save(rb, progress=False)
     rb.storage.close()
-    left = [p for p in path.rglob("*") if p.is_file() and is_temporary(p.name)]
+    left = [key for key in location.list() if is_temporary(key)]
     if left:
         _fail(f"temporaries left after the writer reopened: {left[:4]}")
     return CrashCheck(length, holes, written, durable, saved_count, temporaries)
+
+
+def _when_unlocked(open_writer: Any, *, seconds: float = 40.0) -> Any:
+    """``open_writer()``, retried while a dead writer's lease has not expired yet."""
+    from zarr_rb.errors import LockedError
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return open_writer()
+        except LockedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _check_sampling_avoids_holes(rb: Any, holes: list[list[int]]) -> None:
@@ -553,13 +586,24 @@ def forkserver_context() -> Any:
 
 
 def kill_randomly(
-    where: Path, seed: int, workload: CrashWorkload, context: Any, *, max_delay: float = 1.0
+    where: Path,
+    seed: int,
+    workload: CrashWorkload,
+    context: Any,
+    *,
+    max_delay: float = 1.0,
+    store: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> CrashCheck:
-    """Start a crash writer, SIGKILL it at a random moment (seeded), check its store."""
+    """Start a crash writer, SIGKILL it at a random moment (seeded), check its store (at
+    ``store``, a URL, or in ``where``)."""
     rng = np.random.default_rng(seed)
-    path, log_path = where / "rb.zarr", where / "writer.log"
+    path: Path | str = where / "rb.zarr" if store is None else store
+    log_path = where / "writer.log"
     child = context.Process(
-        target=run_crash_writer, args=(str(path), str(log_path), seed, workload)
+        target=run_crash_writer,
+        args=(str(path), str(log_path), seed, workload),
+        kwargs={"storage_options": storage_options},
     )
     child.start()
     early = rng.random() < 0.1  # sometimes while the store is being created
@@ -574,24 +618,40 @@ def kill_randomly(
     child.join()
     if child.exitcode != -signal.SIGKILL:
         _fail(f"the writer exited with code {child.exitcode} before it was killed")
-    return check_crashed_store(path, log_path, workload)
+    return check_crashed_store(path, log_path, workload, storage_options)
 
 
 def kill_at_each_operation_of_a_save(
-    where: Path, workload: CrashWorkload, context: Any, *, after_steps: int = 23, stride: int = 1
+    where: Path,
+    workload: CrashWorkload,
+    context: Any,
+    *,
+    after_steps: int = 23,
+    stride: int = 1,
+    store: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Iterator[tuple[int, int, CrashCheck]]:
     """Kill a writer at the 1st, 2nd, ... store operation of one save (a save after
-    ``after_steps`` steps, which wrapped the ring and saved before); check each store.
+    ``after_steps`` steps, which wrapped the ring and saved before); check each store
+    (in ``where``, or below the URL ``store``).
 
     Yields:
         ``(n, operations_of_the_save, check)`` for each kill point ``n``.
     """
+
+    def store_at(name: str) -> str:
+        return str(where / name / "rb.zarr") if store is None else f"{store}/{name}.zarr"
+
     count_dir = where / "count"
     count_dir.mkdir(parents=True)
     child = context.Process(
         target=run_crash_writer,
-        args=(str(count_dir / "rb.zarr"), str(count_dir / "log"), 0, workload),
-        kwargs={"kill_at": 0, "kill_after_steps": after_steps},
+        args=(store_at("count"), str(count_dir / "log"), 0, workload),
+        kwargs={
+            "kill_at": 0,
+            "kill_after_steps": after_steps,
+            "storage_options": storage_options,
+        },
     )
     child.start()
     child.join()
@@ -601,11 +661,16 @@ def kill_at_each_operation_of_a_save(
         run_dir.mkdir()
         child = context.Process(
             target=run_crash_writer,
-            args=(str(run_dir / "rb.zarr"), str(run_dir / "log"), 0, workload),
-            kwargs={"kill_at": n, "kill_after_steps": after_steps},
+            args=(store_at(f"kill-{n}"), str(run_dir / "log"), 0, workload),
+            kwargs={
+                "kill_at": n,
+                "kill_after_steps": after_steps,
+                "storage_options": storage_options,
+            },
         )
         child.start()
         child.join()
         if child.exitcode != -signal.SIGKILL:
             _fail(f"kill point {n}: writer exited with {child.exitcode}, not SIGKILL")
-        yield n, operations, check_crashed_store(run_dir / "rb.zarr", run_dir / "log", workload)
+        path = run_dir / "rb.zarr" if store is None else store_at(f"kill-{n}")
+        yield n, operations, check_crashed_store(path, run_dir / "log", workload, storage_options)

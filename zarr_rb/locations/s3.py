@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import tensorstore as ts
 
+from zarr_rb._io import IOKind, announce
 from zarr_rb.errors import (
     BucketNotFoundError,
     CredentialsError,
@@ -45,6 +46,7 @@ from zarr_rb.errors import (
 )
 from zarr_rb.locations import _sigv4
 from zarr_rb.locations.base import (
+    ROOT_METADATA,
     Generation,
     Location,
     ProgressCallback,
@@ -62,11 +64,9 @@ DEFAULT_CACHE_BYTES = 2**30
 DEFAULT_RETRIES = 4
 """Attempts of a failed request (connection refused, 5xx), 0.1 s to 2 s apart: an
 unreachable endpoint fails in a few seconds, not the minutes TensorStore waits by default."""
-STALLED_SECONDS = 30
-"""A request moving less than 1 byte a second for this long has failed (a hung server)."""
-
-# TensorStore reads these when it makes its first HTTP transport: set them before.
-os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(STALLED_SECONDS))
+# TensorStore reads these when it makes its first HTTP transport: set them before. A
+# request moving less than 1 byte a second for this long has failed (a hung server).
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "30")
 os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
 os.environ.setdefault("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", "10")
 
@@ -189,12 +189,15 @@ class S3Location(Location):
         return Versioned(value, bytes(result.stamp.generation))
 
     def write(self, key: str, value: bytes) -> Generation:
+        announce("publish" if key == ROOT_METADATA else "write", self.path_of(key))
         stamp = self._run(lambda: self._kv.write(key, value).result(), f"writing {key!r}")
         return bytes(stamp.generation)
 
     def write_if(
         self, key: str, value: bytes | None, *, generation: Generation
     ) -> Generation | None:
+        kind: IOKind = "remove" if value is None else "write"
+        announce("publish" if key == ROOT_METADATA else kind, self.path_of(key))
         stamp = self._run(
             lambda: self._kv.write(key, value, if_equal=generation).result(),
             f"writing {key!r} conditionally",
@@ -203,14 +206,17 @@ class S3Location(Location):
         return bytes(stamp.generation) or None
 
     def delete(self, key: str) -> None:
+        announce("remove", self.path_of(key))
         self._run(lambda: self._kv.write(key, None).result(), f"deleting {key!r}")
 
     def delete_prefix(self, prefix: str) -> None:
-        start = prefix.strip("/") + "/"
-        end = start[:-1] + "0"  # the first key after every "<prefix>/..."
+        announce("remove", self.path_of(prefix))
+        start = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        # The first key after every "<prefix>/..." ("" : no end, the whole store).
+        end = start[:-1] + "0" if start else ""
         self._run(
             lambda: self._kv.delete_range(ts.KvStore.KeyRange(start, end)).result(),
-            f"deleting {start!r}",
+            f"deleting {start or 'the store'!r}",
         )
 
     def list(self, prefix: str = "") -> dict[str, int]:
@@ -228,7 +234,8 @@ class S3Location(Location):
             ns = root.tag.partition("}")[0] + "}" if root.tag.startswith("{") else ""
             for item in root.iter(f"{ns}Contents"):
                 name = item.findtext(f"{ns}Key") or ""
-                found[name[len(join(self.prefix)) + 1 :]] = int(item.findtext(f"{ns}Size") or 0)
+                own = name[len(self.prefix) + 1 :] if self.prefix else name
+                found[own] = int(item.findtext(f"{ns}Size") or 0)
             token = root.findtext(f"{ns}NextContinuationToken")
             if root.findtext(f"{ns}IsTruncated") != "true" or not token:
                 return found
@@ -251,6 +258,7 @@ class S3Location(Location):
         sizes = self.list()
 
         def copy(key: str) -> int:
+            announce("write", target.path_of(key))
             source = "/" + join(self.bucket, self.prefix, key)
             target._http(
                 "PUT",
@@ -334,7 +342,7 @@ class S3Location(Location):
                 credentials=self.options.credentials,
                 region=self.options.region,
                 headers=headers,
-                timeout=STALLED_SECONDS,
+                timeout=float(os.environ["TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS"]),
             )
         except (OSError, urllib.error.URLError) as err:
             raise self._error(f"CURL error {err}", what) from None
