@@ -80,3 +80,18 @@ def test_data_kinds_benchmark_smoke(tmp_path, monkeypatch, capsys):
     assert "| ZarrStorage |" in capsys.readouterr().out
     sys.modules.pop("data_kinds", None)
     sys.modules.pop("run", None)
+
+
+def test_s3_benchmark_smoke(tmp_path, monkeypatch, s3_server):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import s3
+
+    out = tmp_path / "s3.json"
+    options = s3_server.storage_options()
+    argv = ["--rows", "64", "--repeats", "2", "--dataset", "random", "--json", str(out)]
+    argv += ["--endpoint", options["endpoint_url"], "--key", options["key"]]
+    argv += ["--secret", options["secret"], "--bucket", s3_server.bucket]
+    assert s3.main(argv) == 0
+    results = json.loads(out.read_text())
+    assert set(results["local"]) == set(results["s3"])
+    assert results["s3"]["raw_mb"] == results["local"]["raw_mb"]

@@ -3,12 +3,14 @@ one working directory, as a reader following the README would)."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from s3_server import S3Server, create_bucket
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
@@ -32,13 +34,22 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return where
 
 
+@pytest.fixture(scope="module")
+def s3_env(s3_server: S3Server) -> dict[str, str]:
+    """The environment of a machine pointed at the test S3 server, which has the bucket
+    ``buffers`` the README's samples use."""
+    create_bucket(s3_server, "buffers")
+    return {**os.environ, **s3_server.env()}
+
+
 @pytest.mark.parametrize("index", range(len(SAMPLES)), ids=lambda i: f"sample-{i + 1}")
-def test_readme_sample_runs(workdir: Path, index: int) -> None:
+def test_readme_sample_runs(workdir: Path, s3_env: dict[str, str], index: int) -> None:
     result = subprocess.run(
         [sys.executable, "-c", SAMPLES[index]],
         cwd=workdir,
         capture_output=True,
         text=True,
         timeout=300,
+        env=s3_env,
     )
     assert result.returncode == 0, f"README sample {index + 1} failed:\n{result.stderr[-3000:]}"

@@ -631,3 +631,60 @@ def test_a_writer_killed_during_a_save_on_s3(s3_server, s3_url, tmp_path):
     previous, new = outcomes[0], check.written
     assert set(outcomes) <= {previous, new}
     assert outcomes == sorted(outcomes, key=lambda saved: saved == new)  # one switch
+
+
+# --- the cache of encoded objects --------------------------------------------------------------
+
+
+class CountingSource:
+    """A kvstore that counts the reads passed on to it."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+        self.reads = 0
+
+    def read(self, key, **kwargs):
+        self.reads += 1
+        return self.source.read(key, **kwargs)
+
+
+def test_warm_reads_send_no_request_and_never_return_stale_rows(s3_url, s3_options):
+    rb = TensorDictReplayBuffer(
+        storage=ZarrStorage(64, s3_url, storage_options=s3_options), batch_size=16
+    )
+    rb.extend(batch(0, 64))
+    rb.storage.flush()
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=s3_options)
+    assert_identical(reader.get(torch.arange(64)).exclude("index"), batch(0, 64))
+    cache = reader._store.engine.cache
+    counting = CountingSource(cache._source)
+    cache._source = counting
+    sampler = TensorDictReplayBuffer(storage=reader, batch_size=16)
+    for _ in range(5):
+        sampler.sample()
+    assert counting.reads == 0  # warm: every object comes from RAM
+    rb.extend(batch(100, 40))  # rows 0-39 rewritten (the ring wraps)
+    rb.storage.flush()
+    reader.refresh()
+    expected = torch.cat([batch(100, 40)["action"], batch(40, 24)["action"]])
+    assert torch.equal(reader.get(torch.arange(64))["action"], expected)
+    assert counting.reads > 0  # revalidated after the commit moved
+    rb.storage.close()
+    reader.close()
+
+
+def test_the_cache_stays_within_its_bound(s3_url, s3_options):
+    options = {**s3_options, "cache_bytes": 4096}
+    rb = TensorDictReplayBuffer(
+        storage=ZarrStorage(CAPACITY, s3_url, storage_options=options), batch_size=16
+    )
+    rb.extend(batch(0, CAPACITY))
+    rb.storage.flush()
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    for start in range(0, CAPACITY, 10):
+        rows = torch.arange(start, start + 10)
+        assert_identical(reader.get(rows).exclude("index"), batch(start, 10))
+    cache = reader._store.engine.cache
+    assert cache.nbytes <= 4096 + max(entry.size for entry in cache._entries.values())
+    reader.close()
+    rb.storage.close()

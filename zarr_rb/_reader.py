@@ -45,9 +45,10 @@ def reread_commit(store: Store) -> Commit:
     )
     if meta.commit.generation != store.committed.generation:
         store.version += 1
-        if store.engine.location.caches_chunks:
-            # Chunks cached before now may have been rewritten: reopened arrays revalidate
-            # them (once) on their next read.
+        if store.engine.cache is not None:
+            # Objects cached before now may have been rewritten: each is revalidated (once)
+            # on its next use, and arrays reopen to see their writer's shapes.
+            store.engine.cache.new_epoch()
             store._arrays.clear()
     store.committed = meta.commit
     if store._ledger is not None:

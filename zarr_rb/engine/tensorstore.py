@@ -12,7 +12,7 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import tensorstore as ts
@@ -21,6 +21,7 @@ from zarr_rb._format import describe_runs
 from zarr_rb._io import announce, load_json
 from zarr_rb._layout import Compression, LeafLayout
 from zarr_rb._progress import progress_bar
+from zarr_rb.engine.cache import EncodedCache
 from zarr_rb.errors import ChunkCorruptedError, FencedError, StoreCorruptedError
 from zarr_rb.locations.base import (
     ROOT_METADATA,
@@ -36,6 +37,9 @@ STATE_CHUNK_BYTES = 2**20
 MAX_CHUNK_ELEMENTS = 2**27
 """Largest chunk (or shard) accepted from an array's metadata, in elements: a read
 allocates a whole chunk, so a hostile ``chunk_shape`` must not size one."""
+MAX_CACHED_OBJECT_BYTES = 4 * 2**20
+"""Arrays whose stored objects (shards) are at most this large on average are read from
+the cache of encoded objects; larger ones by byte ranges, an inner chunk at a time."""
 MAX_RAGGED_WIDTH = 2**40
 """The widest a ragged array may claim to be (a bound on hostile metadata)."""
 
@@ -95,6 +99,14 @@ class Engine:
     def __init__(self, location: Location) -> None:
         self.location = location
         self._root_generation: Generation | None = None
+        self.cache: EncodedCache | None = None
+        """Encoded objects in RAM that arrays are read from (remote locations)."""
+        if location.cache_bytes > 0:
+            source = location.run(
+                lambda: ts.KvStore.open(location.kvstore(""), context=location.context).result(),
+                "open",
+            )
+            self.cache = EncodedCache(source, limit=location.cache_bytes, errors=location.run)
 
     def __repr__(self) -> str:
         return f"Engine({self.location!r})"
@@ -159,7 +171,10 @@ class Engine:
             if isinstance(document, bytes)
             else json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
         )
-        self.location.write(join(path, ROOT_METADATA), payload)
+        key = join(path, ROOT_METADATA)
+        self.location.write(key, payload)
+        if self.cache is not None:
+            self.cache.invalidate([key])
 
     def _ensure_groups(self, path: str) -> None:
         """Group metadata for ``path`` and each group above it that has none yet."""
@@ -207,6 +222,8 @@ class Engine:
         self._ensure_groups(path.rpartition("/")[0])
         # Chunks of an array previously at this path would be read as this one's.
         self.location.delete_prefix(path)
+        if self.cache is not None:
+            self.cache.invalidate(self.cache.keys_under(path))
         self._write_metadata(path, documents[ROOT_METADATA].to_bytes())
 
     def create_group(self, path: str) -> None:
@@ -222,17 +239,31 @@ class Engine:
             "fill_missing_data_reads": False,
             "store_data_equal_to_fill_value": True,
         }
-        if self.location.caches_chunks:
-            # Chunks cached before this open are revalidated (a conditional GET) once; a
-            # reader reopens its arrays whenever the commit it reads moves.
-            spec["recheck_cached_data"] = "open"
 
         def reopen() -> ts.TensorStore:
             return ts.open(
                 spec, open=True, read=True, write=not read_only, context=self.location.context
             ).result()
 
-        return RowArray(reopen(), path, location=self.location, ragged=ragged, reopen=reopen)
+        cache = self.cache
+        if cache is None:
+            return RowArray(reopen(), path, location=self.location, ragged=ragged, reopen=reopen)
+        metadata = join(path, ROOT_METADATA)
+        cached_spec = {**spec, "kvstore": cache.kvstore(path)}
+
+        def reopen_cached() -> ts.TensorStore:
+            cache.ensure([metadata])
+            return ts.open(cached_spec, open=True, read=True, context=cache.context).result()
+
+        return RowArray(
+            self.location.run(reopen, f"opening array {path!r}"),
+            path,
+            location=self.location,
+            ragged=ragged,
+            reopen=reopen,
+            cache=cache,
+            reopen_cached=reopen_cached,
+        )
 
     # --- state groups: small arrays and JSON attributes -------------------------------------
 
@@ -418,8 +449,16 @@ class RowArray:
         location: Location,
         ragged: bool = False,
         reopen: Callable[[], ts.TensorStore] | None = None,
+        cache: EncodedCache | None = None,
+        reopen_cached: Callable[[], ts.TensorStore] | None = None,
     ) -> None:
         self._array = array
+        self._cache = cache
+        self._reopen_cached = reopen_cached
+        self._reader = array if reopen_cached is None else reopen_cached()
+        """What rows are read from: ``array``, or the same array on the cache."""
+        self._through_cache: bool | None = None if cache is not None else False
+        """Whether reads go through the cache (decided at the first read)."""
         self.path = path
         self.ragged = ragged
         self._location = location
@@ -483,11 +522,37 @@ class RowArray:
             for tail in tails
         ]
 
-    def _region(self, first: Any, width: int | None) -> ts.TensorStore:
-        region: ts.TensorStore = (
-            self._array[first] if width is None else self._array[first, 0:width]
-        )
+    def _region(self, first: Any, width: int | None, *, read: bool = False) -> ts.TensorStore:
+        array = self._reader if read and self._through_cache else self._array
+        region: ts.TensorStore = array[first] if width is None else array[first, 0:width]
         return region
+
+    def _fetch(self, rows: np.ndarray, width: int | None) -> None:
+        """Bring the objects holding ``rows`` into the cache, if reads go through one."""
+        if self._through_cache is None:
+            self._through_cache = self._worth_caching()
+        if self._through_cache:
+            assert self._cache is not None
+            self._cache.ensure(self.chunk_keys(rows, width))
+
+    def _worth_caching(self) -> bool:
+        """Whether whole objects of this array are small enough to fetch for a few rows
+        (compressed frames are; incompressible ones are read by byte ranges instead)."""
+        sizes = [
+            size
+            for key, size in self._location.list(self.path).items()
+            if not key.endswith(ROOT_METADATA)
+        ]
+        if sizes:
+            return sum(sizes) / len(sizes) <= MAX_CACHED_OBJECT_BYTES
+        return math.prod(self._write_chunk) * self.dtype.itemsize <= MAX_CACHED_OBJECT_BYTES
+
+    def _read(self, first: Any, width: int | None) -> Any:
+        if isinstance(first, slice):
+            self._fetch(np.arange(first.start, first.stop), width)
+        else:
+            self._fetch(np.asarray(first), width)
+        return self._region(first, width, read=True).read()
 
     def damaged_runs(
         self, start: int, stop: int, width: int | None = None
@@ -500,7 +565,7 @@ class RowArray:
             range asked).
         """
         try:
-            self._region(slice(start, stop), width).read().result()
+            self._read(slice(start, stop), width).result()
             return []
         except ValueError:
             pass
@@ -509,7 +574,7 @@ class RowArray:
         for first in range(start - start % step, stop, step):
             a, b = max(first, start), min(first + step, stop)
             try:
-                self._region(slice(a, b), width).read().result()
+                self._read(slice(a, b), width).result()
             except ValueError as err:
                 damaged.append((a, b, _short_reason(err)))
         return damaged
@@ -542,7 +607,10 @@ class RowArray:
         if width is not None and width > self.width:
             self.refresh()  # the writer made it wider since it was opened
         if _is_run(rows):
-            return self._region(slice(int(rows[0]), int(rows[0]) + rows.size), width).read()
+            return cast(
+                PendingRead, self._read(slice(int(rows[0]), int(rows[0]) + rows.size), width)
+            )
+        self._fetch(rows, width)
         breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         if (breaks.size + 1) * 4 <= rows.size:
             # Runs of consecutive rows (trajectory slices): one slice read per run is
@@ -554,11 +622,11 @@ class RowArray:
             )
             return _Runs(
                 [
-                    self._region(slice(int(rows[a]), int(rows[a]) + b - a), width).read()
+                    self._region(slice(int(rows[a]), int(rows[a]) + b - a), width, read=True).read()
                     for a, b in bounds
                 ]
             )
-        return self._region(rows, width).read()
+        return cast(PendingRead, self._region(rows, width, read=True).read())
 
     def write_rows(self, rows: np.ndarray, values: np.ndarray) -> ts.WriteFutures:
         """Start writing ``values[i]`` to row ``rows[i]`` (``rows`` unique); rows of a ragged
@@ -568,7 +636,10 @@ class RowArray:
         """
         width = int(values.shape[1]) if self.ragged else None
         announce("write", self._location.path_of(self.path))
-        self._location.written(self.chunk_keys(rows, width))
+        keys = self.chunk_keys(rows, width)
+        self._location.written(keys)
+        if self._cache is not None:
+            self._cache.invalidate(keys)
         if _is_run(rows):
             return self._region(slice(int(rows[0]), int(rows[0]) + rows.size), width).write(values)
         return self._region(rows, width).write(values)
@@ -586,11 +657,21 @@ class RowArray:
         shape = list(self.shape)
         shape[1] = wider
         self._array = self._array.resize(exclusive_max=shape, resize_metadata_only=True).result()
+        self._refresh_reader()
+
+    def _refresh_reader(self) -> None:
+        if self._reopen_cached is None:
+            self._reader = self._array
+            return
+        assert self._cache is not None
+        self._cache.invalidate([join(self.path, ROOT_METADATA)])
+        self._reader = self._reopen_cached()
 
     def refresh(self) -> None:
         """Reopen the array to see the shape its writer gave it since."""
         if self._reopen is not None:
             self._array = self._reopen()
+            self._refresh_reader()
 
 
 def _rows_of(grid: Any) -> int:

@@ -31,9 +31,11 @@ import builtins
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import PurePath, PurePosixPath
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import tensorstore as ts
+
+_T = TypeVar("_T")
 
 Generation = bytes
 """An object's version as its location reports it: compare for equality only."""
@@ -91,9 +93,9 @@ class Location(abc.ABC):
     supports_server_side_copy: bool = False
     """Whether :meth:`copy_to` into a location of the same kind copies without the
     bytes passing through this process."""
-    caches_chunks: bool = False
-    """Whether arrays read through :attr:`context` keep chunks in RAM (readers must then
-    reopen arrays when the commit they read moves)."""
+    cache_bytes: int = 0
+    """How many bytes of encoded objects a process keeps in RAM to read arrays from (0: it
+    reads the location directly, as a local filesystem, whose page cache does that)."""
 
     @property
     @abc.abstractmethod
@@ -116,6 +118,11 @@ class Location(abc.ABC):
     @abc.abstractmethod
     def kvstore(self, key: str) -> dict[str, Any]:
         """The TensorStore kvstore spec of the prefix ``key`` (an array's directory)."""
+
+    def run(self, call: Callable[[], _T], what: str) -> _T:
+        """``call()`` (an operation on this location's kvstore), with its errors as the
+        location's typed ones."""
+        return call()
 
     # --- objects ---------------------------------------------------------------------------
 

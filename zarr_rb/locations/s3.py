@@ -60,7 +60,8 @@ OPTIONS = ("endpoint_url", "key", "secret", "token", "region", "anon")
 OWN_OPTIONS = ("lease_seconds", "cache_bytes", "retries")
 """zarr_rb's own ``storage_options`` for object stores."""
 DEFAULT_CACHE_BYTES = 2**30
-"""Chunks kept in RAM per process (decoded), so that warm sampling reads no object."""
+"""Encoded objects kept in RAM per store and process (see ``zarr_rb.engine.cache``), so
+that warm sampling sends no request: a million compressed Pong transitions fit."""
 DEFAULT_RETRIES = 4
 """Attempts of a failed request (connection refused, 5xx), 0.1 s to 2 s apart: an
 unreachable endpoint fails in a few seconds, not the minutes TensorStore waits by default."""
@@ -136,7 +137,6 @@ class S3Location(Location):
     """The store at ``s3://<bucket>/<prefix>``."""
 
     supports_server_side_copy = True
-    caches_chunks = True
 
     def __init__(self, bucket: str, prefix: str, options: S3Options) -> None:
         self.bucket = bucket
@@ -144,7 +144,8 @@ class S3Location(Location):
         self.options = options
         self._context = _context(options)
         self._credentials_spec = _credentials_spec(options)
-        self._kv = self._run(
+        self.cache_bytes = options.cache_bytes
+        self._kv = self.run(
             lambda: ts.KvStore.open(self.kvstore(""), context=self._context).result(), "open"
         )
 
@@ -184,13 +185,13 @@ class S3Location(Location):
     # --- objects ---------------------------------------------------------------------------
 
     def read_versioned(self, key: str) -> Versioned:
-        result = self._run(lambda: self._kv.read(key).result(), f"reading {key!r}")
+        result = self.run(lambda: self._kv.read(key).result(), f"reading {key!r}")
         value = bytes(result.value) if result.state == "value" else None
         return Versioned(value, bytes(result.stamp.generation))
 
     def write(self, key: str, value: bytes) -> Generation:
         announce("publish" if key == ROOT_METADATA else "write", self.path_of(key))
-        stamp = self._run(lambda: self._kv.write(key, value).result(), f"writing {key!r}")
+        stamp = self.run(lambda: self._kv.write(key, value).result(), f"writing {key!r}")
         return bytes(stamp.generation)
 
     def write_if(
@@ -198,7 +199,7 @@ class S3Location(Location):
     ) -> Generation | None:
         kind: IOKind = "remove" if value is None else "write"
         announce("publish" if key == ROOT_METADATA else kind, self.path_of(key))
-        stamp = self._run(
+        stamp = self.run(
             lambda: self._kv.write(key, value, if_equal=generation).result(),
             f"writing {key!r} conditionally",
         )
@@ -207,14 +208,14 @@ class S3Location(Location):
 
     def delete(self, key: str) -> None:
         announce("remove", self.path_of(key))
-        self._run(lambda: self._kv.write(key, None).result(), f"deleting {key!r}")
+        self.run(lambda: self._kv.write(key, None).result(), f"deleting {key!r}")
 
     def delete_prefix(self, prefix: str) -> None:
         announce("remove", self.path_of(prefix))
         start = prefix.strip("/") + "/" if prefix.strip("/") else ""
         # The first key after every "<prefix>/..." ("" : no end, the whole store).
         end = start[:-1] + "0" if start else ""
-        self._run(
+        self.run(
             lambda: self._kv.delete_range(ts.KvStore.KeyRange(start, end)).result(),
             f"deleting {start or 'the store'!r}",
         )
@@ -278,12 +279,16 @@ class S3Location(Location):
 
     def check_usable(self, *, create: bool) -> None:
         """A listing of the bucket, which (unlike a read) fails for a missing bucket."""
-        self._http(
+        self.exists()
+
+    def exists(self) -> bool:
+        body = self._http(
             "GET",
             f"/{self.bucket}",
             query={"list-type": "2", "prefix": join(self.prefix) + "/", "max-keys": "1"},
             what="checking the bucket",
         )
+        return b"<Key>" in body
 
     def create_root(self) -> None:
         pass  # an object store has no directories
@@ -295,7 +300,7 @@ class S3Location(Location):
 
     # --- errors ----------------------------------------------------------------------------
 
-    def _run(self, call: Callable[[], _T], what: str) -> _T:
+    def run(self, call: Callable[[], _T], what: str) -> _T:
         """``call()``, with TensorStore's errors as typed ones."""
         try:
             return call()
@@ -364,7 +369,9 @@ def _s3_code(body: bytes) -> str:
 def _context(options: S3Options) -> ts.Context:
     return ts.Context(
         {
-            "cache_pool": {"total_bytes_limit": options.cache_bytes},
+            # Shard indexes, for writes of part of a shard (rows are read from the cache
+            # of encoded objects, see zarr_rb.engine.cache).
+            "cache_pool": {"total_bytes_limit": 32 * 2**20},
             "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
             "s3_request_concurrency": {"limit": 32},
             "s3_request_retries": {
