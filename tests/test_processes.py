@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 import textwrap
@@ -51,10 +52,22 @@ def check_rows(data, rows: torch.Tensor) -> None:
     assert (data["next", "obs"] == expected + 1).all(), "next/obs torn from stamp"
 
 
-def test_reader_sees_only_committed_rows_while_writer_extends(store_path):
-    ZarrStorage(CAPACITY, store_path).close()  # create the (empty) store first
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(store_path)])
-    reader = ZarrStorage(path=store_path, read_only=True)
+@pytest.fixture(params=["local", "s3"])
+def shared_store(request, store_path):
+    """Where the writer and reader processes meet: a directory, or an S3 prefix (the
+    writer subprocess finds its credentials in the AWS_* environment variables)."""
+    if request.param == "local":
+        return str(store_path), None, None
+    server = request.getfixturevalue("s3_server")
+    url = request.getfixturevalue("s3_url")
+    return url, server.storage_options(), {**os.environ, **server.env()}
+
+
+def test_reader_sees_only_committed_rows_while_writer_extends(shared_store):
+    path, options, env = shared_store
+    ZarrStorage(CAPACITY, path, storage_options=options).close()  # create the store first
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, path], env=env)
+    reader = ZarrStorage(path=path, read_only=True, storage_options=options)
     g = torch.Generator().manual_seed(0)
     lengths, reads, withheld = [], 0, 0
     try:

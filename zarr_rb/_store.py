@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -806,12 +805,8 @@ class Store:
                 callback(self)
         removed = False
         for location in self._remove:
-            if location.exists():
-                if isinstance(location, LocalLocation):
-                    shutil.rmtree(location.root, ignore_errors=True)
-                else:
-                    location.delete_prefix("")
-                removed = True
+            removed = removed or location.exists()
+            location.delete_prefix("")
         return removed
 
     def on_close(self, callback: Callable[[Store], None]) -> None:

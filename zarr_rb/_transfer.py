@@ -10,7 +10,6 @@ different lengths, a ``LazyStackStorage``) holding the saved rows.
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,7 +31,7 @@ from zarr_rb import _compat
 from zarr_rb._convert import key_tuple
 from zarr_rb._torchrl_state import copy_rows
 from zarr_rb.errors import RowsNotCommittedError, UnsupportedDataError
-from zarr_rb.locations import LocalLocation, StoreURL, open_location
+from zarr_rb.locations import StoreURL, open_location
 from zarr_rb.state import check_savable
 
 if TYPE_CHECKING:
@@ -97,9 +96,7 @@ def save_foreign(
             _compat.put(rb, "_collate_fn", collate)
     except BaseException:
         target.close()
-        if created and isinstance(location, LocalLocation):
-            shutil.rmtree(location.root, ignore_errors=True)
-        elif created:
+        if created:
             location.delete_prefix("")
         raise
     target.close()
