@@ -8,11 +8,11 @@ Examples:
 
 from __future__ import annotations
 
-from zarr_rb._format import FORMAT_VERSION
-from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
 from zarr_rb.api import load, save
 from zarr_rb.convert import export_torchrl, import_torchrl
+from zarr_rb.core.format import FORMAT_VERSION
+from zarr_rb.core.layout import Compression
 from zarr_rb.errors import (
     ChunkCorruptedError,
     FormatVersionError,

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torchrl.data.replay_buffers.checkpointers import TensorStorageCheckpointer
 
-from zarr_rb._format import ATTRS_KEY
 from zarr_rb._torchrl_state import copy_rows, copy_store
+from zarr_rb.core.format import ATTRS_KEY
 from zarr_rb.errors import NotSupportedError, StoreCorruptedError, UnsupportedDataError
 from zarr_rb.locations import LocalLocation
 from zarr_rb.locations.base import ROOT_METADATA

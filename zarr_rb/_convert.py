@@ -28,10 +28,10 @@ from tensordict import (
 )
 
 from zarr_rb import _rows
-from zarr_rb._format import Kind, LeafSpec, Schema, parse_key, stored_dtype
 from zarr_rb._io import load_json
 from zarr_rb._lazy import LazyColumn
 from zarr_rb._rows import Entry, PyValues, RaggedRows, as_written
+from zarr_rb.core.format import Kind, LeafSpec, Schema, parse_key, stored_dtype
 from zarr_rb.errors import (
     SchemaMismatchError,
     StoreCorruptedError,

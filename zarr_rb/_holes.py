@@ -25,7 +25,7 @@ import torch
 from torchrl.data import find_start_stop_traj
 
 from zarr_rb import _compat
-from zarr_rb._format import preview_rows
+from zarr_rb.core.format import preview_rows
 
 if TYPE_CHECKING:
     from zarr_rb.storage import ZarrStorage

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from zarr_rb import _compat
-from zarr_rb._format import preview_rows
+from zarr_rb.core.format import preview_rows
 from zarr_rb.errors import RowIndexError
 
 

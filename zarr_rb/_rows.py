@@ -10,7 +10,7 @@ Two kinds of entries reach a storage besides fixed-shape tensors:
   ids, point clouds), as ``LazyStackStorage`` keeps them.
 
 Rows of different lengths are stored padded with zeros along their first dimension, with
-their lengths in a companion leaf (:meth:`LeafSpec.lengths_key`); :mod:`zarr_rb._store`
+their lengths in a companion leaf (:meth:`LeafSpec.lengths_key`); :mod:`zarr_rb.core.store`
 reads each row up to its length only.
 """
 
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from zarr_rb._dtypes import TORCH_DTYPES
-from zarr_rb._format import SCALAR_DTYPES, LeafSpec, Value
+from zarr_rb.core.dtypes import TORCH_DTYPES
+from zarr_rb.core.format import SCALAR_DTYPES, LeafSpec, Value
 from zarr_rb.errors import SchemaMismatchError, StoreCorruptedError, UnsupportedDataError
 
 Key = tuple[str, ...]

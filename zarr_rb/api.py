@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from zarr_rb import _compat
-from zarr_rb._format import STATE_GROUP, Saved
-from zarr_rb._open import open_store
-from zarr_rb._store import Store
 from zarr_rb._transfer import fill_memory, memory_storage, save_foreign
+from zarr_rb.core.format import STATE_GROUP, Saved
+from zarr_rb.core.open import open_store
+from zarr_rb.core.store import Store
 from zarr_rb.errors import (
     NoSavedBufferError,
     ReadOnlyError,

@@ -46,9 +46,9 @@ from zarr_rb._checkpointer import (
     open_torchrl_dump,
 )
 from zarr_rb._convert import row_nbytes
-from zarr_rb._format import LeafSpec
 from zarr_rb._progress import copy_in_blocks
 from zarr_rb.api import load, save
+from zarr_rb.core.format import LeafSpec
 from zarr_rb.errors import (
     NotAStoreError,
     NotSupportedError,

@@ -1,6 +1,6 @@
 """``ZarrStorage``: a drop-in, out-of-core TorchRL storage on sharded Zarr v3 arrays.
 
-This module adapts a :class:`~zarr_rb._store.Store` to TorchRL's ``TensorStorage``
+This module adapts a :class:`~zarr_rb.core.store.Store` to TorchRL's ``TensorStorage``
 contract (constructor keywords, index forms, length and cursor bookkeeping, lazy
 initialisation from the first write, writable views). The private TorchRL names it
 relies on go through :mod:`zarr_rb._compat`.
@@ -26,16 +26,16 @@ from torchrl.data.replay_buffers.storages import TensorStorage
 
 from zarr_rb import _compat, _convert, _index, _rows, _torchrl_state
 from zarr_rb._checkpointer import ZarrStorageCheckpointer
-from zarr_rb._dtypes import TORCH_DTYPES
-from zarr_rb._format import LeafSpec, Schema
 from zarr_rb._holes import guard_sampler, random_readable_indices
-from zarr_rb._layout import Compression
 from zarr_rb._lazy import LazyColumn
-from zarr_rb._metadata import capacity_of
-from zarr_rb._open import Mode, one_path, open_store, resolve_mode
-from zarr_rb._store import Store
 from zarr_rb._views import Gather, LeafSource, RowsOnlySource
 from zarr_rb._writes import guard_writer
+from zarr_rb.core.dtypes import TORCH_DTYPES
+from zarr_rb.core.format import LeafSpec, Schema
+from zarr_rb.core.layout import Compression
+from zarr_rb.core.metadata import capacity_of
+from zarr_rb.core.open import Mode, one_path, open_store, resolve_mode
+from zarr_rb.core.store import Store
 from zarr_rb.errors import (
     LockedError,
     NotSupportedError,

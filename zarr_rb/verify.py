@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb._format import STATE_GROUP, LeafSpec, describe_runs, mask_to_ranges
-from zarr_rb._open import open_store
-from zarr_rb._store import Store
+from zarr_rb.core.format import STATE_GROUP, LeafSpec, describe_runs, mask_to_ranges
+from zarr_rb.core.open import open_store
+from zarr_rb.core.store import Store
 from zarr_rb.errors import StoreCorruptedError
 
 __all__ = ["DamagedChunk", "VerifyReport", "verify"]

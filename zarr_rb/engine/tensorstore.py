@@ -17,10 +17,10 @@ from typing import Any, Protocol, cast
 import numpy as np
 import tensorstore as ts
 
-from zarr_rb._format import describe_runs
 from zarr_rb._io import announce, load_json
-from zarr_rb._layout import Compression, LeafLayout
 from zarr_rb._progress import progress_bar
+from zarr_rb.core.format import describe_runs
+from zarr_rb.core.layout import Compression, LeafLayout
 from zarr_rb.engine.cache import EncodedCache
 from zarr_rb.errors import ChunkCorruptedError, FencedError, StoreCorruptedError
 from zarr_rb.locations.base import (

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from zarr_rb._dtypes import TORCH_DTYPES, from_numpy, to_numpy
+from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy, to_numpy
 from zarr_rb.engine import Engine
 
 

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from zarr_rb._format import LeafSpec
+from zarr_rb.core.format import LeafSpec
 
 __all__ = ["Compression"]
 

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from zarr_rb._format import Commit, Schema, leaves_by_key, parse_store_meta, preview_rows
-from zarr_rb._metadata import check_is_store, read_root
+from zarr_rb.core.format import Commit, Schema, leaves_by_key, parse_store_meta, preview_rows
+from zarr_rb.core.metadata import check_is_store, read_root
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
 
 if TYPE_CHECKING:
-    from zarr_rb._store import Store
+    from zarr_rb.core.store import Store
 
 Key = tuple[str, ...]
 _READ_RETRIES = 20

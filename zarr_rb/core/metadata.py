@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from zarr_rb._format import ATTRS_KEY, StoreMeta, parse_store_meta
+from zarr_rb.core.format import ATTRS_KEY, StoreMeta, parse_store_meta
 from zarr_rb.engine import Engine
 from zarr_rb.errors import NotAStoreError, SchemaMismatchError, StoreCorruptedError
 

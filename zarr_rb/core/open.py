@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from zarr_rb._format import DATA_GROUP, STATE_GROUP, Commit, StoreMeta, parse_store_meta
-from zarr_rb._layout import Compression
-from zarr_rb._metadata import check_is_store, check_meta, parse_meta, read_root
-from zarr_rb._store import Store
+from zarr_rb.core.format import DATA_GROUP, STATE_GROUP, Commit, StoreMeta, parse_store_meta
+from zarr_rb.core.layout import Compression
+from zarr_rb.core.metadata import check_is_store, check_meta, parse_meta, read_root
+from zarr_rb.core.store import Store
 from zarr_rb.engine import Engine
 from zarr_rb.errors import (
     LockedError,

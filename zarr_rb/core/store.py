@@ -12,7 +12,7 @@ The commit protocol (see DESIGN.md):
   read is retried (a seqlock), so a read never returns a torn transition.
 
 This module works with leaf dictionaries ``{key: tensor[rows, ...]}`` and row
-numbers; it knows nothing about TorchRL. Stores are opened by :mod:`zarr_rb._open`.
+numbers; it knows nothing about TorchRL. Stores are opened by :mod:`zarr_rb.core.open`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 
-from zarr_rb._dtypes import TORCH_DTYPES, from_numpy, to_numpy
-from zarr_rb._format import (
+from zarr_rb._io import errno_of
+from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy, to_numpy
+from zarr_rb.core.format import (
     ATTRS_KEY,
     FORMAT_VERSION,
     Commit,
@@ -41,11 +42,10 @@ from zarr_rb._format import (
     leaves_by_key,
     preview_rows,
 )
-from zarr_rb._io import errno_of
-from zarr_rb._layout import Compression, choose_block_rows, leaf_layout, row_nbytes
-from zarr_rb._ledger import Ledger
-from zarr_rb._reader import read_committed, reread_commit
-from zarr_rb._staging import Block, Key, WriteBuffer
+from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
+from zarr_rb.core.ledger import Ledger
+from zarr_rb.core.reader import read_committed, reread_commit
+from zarr_rb.core.write_cache import Block, Key, WriteBuffer
 from zarr_rb.engine import Engine, RowArray
 from zarr_rb.errors import (
     ReadOnlyError,
@@ -84,7 +84,7 @@ def _serialized(method: _F) -> _F:
 
 
 class Store:
-    """One zarr_rb store: open it with :func:`zarr_rb._open.open_store`."""
+    """One zarr_rb store: open it with :func:`zarr_rb.core.open.open_store`."""
 
     def __init__(
         self,
