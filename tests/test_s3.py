@@ -688,3 +688,65 @@ def test_the_cache_stays_within_its_bound(s3_url, s3_options):
     assert cache.nbytes <= 4096 + max(entry.size for entry in cache._entries.values())
     reader.close()
     rb.storage.close()
+
+
+def test_a_takeover_fences_a_writer_that_passed_its_lease_check(s3_url, s3_options):
+    """A writer that stalls right after its last lease check (so that the check cannot
+    stop it) still cannot commit over the writer that took the store over."""
+    options = {**s3_options, "lease_seconds": 1.0}
+    storage = ZarrStorage(CAPACITY, s3_url, storage_options=options)
+    rb = TensorDictReplayBuffer(storage=storage)
+    rb.extend(batch(0, 10))
+    storage.flush()
+    lease = storage._store._lock
+    lease._lost = "stopped renewing for the test"  # the renewal thread stops
+    lease.check = lambda: None  # as if its last check passed just before the stall
+    time.sleep(1.5)  # the lease expires
+    other = run_python(
+        f"""
+        from zarr_rb import ZarrStorage
+        storage = ZarrStorage(path={s3_url!r}, storage_options={options!r})
+        print(len(storage))
+        storage.close()
+        """
+    )
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert other.stdout.strip() == "10"
+    rb.extend(batch(10, 10))
+    with pytest.raises(FencedError, match="commit record was changed"):
+        storage.flush()
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=s3_options)
+    assert len(reader) == 10
+    reader.close()
+
+
+def test_a_closed_writer_leaves_an_expired_lease_which_is_no_data(s3_url, s3_options):
+    import json
+
+    storage = ZarrStorage(CAPACITY, s3_url, storage_options=s3_options)
+    storage.close()
+    location = open_location(s3_url, s3_options)
+    record = json.loads(location.read(".zarr_rb.lease") or b"{}")
+    assert record["expires"] < time.time()  # released by a conditional PUT, not a delete
+    only_lease = open_location(s3_url.replace(".zarr", "-lease-only.zarr"), s3_options)
+    only_lease.write(".zarr_rb.lease", json.dumps(record).encode())
+    assert not only_lease.exists()
+    ZarrStorage(10, only_lease.url, storage_options=s3_options).close()  # a new store
+
+
+def test_a_server_side_snapshot_copies_the_root_record_last(s3_url, s3_options):
+    from zarr_rb._io import observe_io
+
+    rb = TensorDictReplayBuffer(
+        storage=ZarrStorage(CAPACITY, s3_url, storage_options=s3_options), batch_size=8
+    )
+    rb.extend(batch(0, 64))
+    rb.storage.flush()
+    copied = []
+    target = open_location(s3_url.replace(".zarr", "-ordered.zarr"), s3_options)
+    with observe_io(lambda kind, path: copied.append(str(path))):
+        rb.storage._store.engine.snapshot_to(target)
+    assert len(copied) > 5
+    assert copied[-1].endswith("-ordered.zarr/zarr.json")
+    assert sum(path.endswith("-ordered.zarr/zarr.json") for path in copied) == 1
+    rb.storage.close()

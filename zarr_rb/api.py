@@ -114,6 +114,7 @@ def _save_into(rb: Any, store: Store, saved: Saved) -> None:
     # Alternate between two slots: the previous save stays intact until the new root
     # record, which names the new slot, is published.
     slot = 0 if previous is None else 1 - previous.slot
+    store.check_hold()  # the slot may be a newer writer's last save
     with store.writing("saving the buffer state"):
         save_buffer(rb, store.engine, f"{STATE_GROUP}/{slot}")
     store.publish_saved(Saved(slot=slot, length=saved.length, cursor=saved.cursor))

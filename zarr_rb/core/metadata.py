@@ -12,9 +12,10 @@ from zarr_rb.engine import Engine
 from zarr_rb.errors import NotAStoreError, SchemaMismatchError, StoreCorruptedError
 
 
-def read_root(engine: Engine) -> dict[str, Any] | None:
+def read_root(engine: Engine, *, adopt: bool = False) -> dict[str, Any] | None:
+    """The root record (see :meth:`Engine.read_root_metadata` for ``adopt``)."""
     try:
-        return engine.read_root_metadata()
+        return engine.read_root_metadata(adopt=adopt)
     except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise StoreCorruptedError(
             f"store {engine.url!r}: root zarr.json is not valid JSON "

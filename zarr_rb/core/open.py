@@ -187,7 +187,7 @@ def _open_locked(
     where = f"store {engine.url!r}"
     # Now that no other writer can, re-read (another one may have committed or
     # created the store meanwhile) and clear what interrupted writes left behind.
-    document = read_root(engine)
+    document = read_root(engine, adopt=True)
     generation = 0
     if document is not None:
         check_is_store(document, where)
@@ -199,6 +199,8 @@ def _open_locked(
                 # Nothing was written with the recorded settings yet: take the new ones.
                 meta = dataclasses.replace(meta, compression=compression.to_json())
             engine.remove_temporaries()
+            if lock.needs_claim:
+                engine.claim(lock.holder)
             return Store(
                 engine,
                 meta,

@@ -260,6 +260,7 @@ class Store:
     def _create_arrays(
         self, leaves: Sequence[LeafSpec], batch_shape: tuple[int, ...], block_rows: int
     ) -> None:
+        self.check_hold()
         groups = sorted(
             {
                 "/".join(leaf.path.split("/")[:i])
@@ -401,7 +402,7 @@ class Store:
 
     def _write_to_disk(self, writes: Sequence[Write]) -> None:
         assert self._ledger is not None
-        self._check_hold()
+        self.check_hold()
         touched = np.zeros(self.rows, dtype=bool)
         for rows, _ in writes:
             touched[rows] = True
@@ -435,8 +436,12 @@ class Store:
         keys = {key for _, values in writes for key in values}
         self._ledger.finish_write(touched, was_intact, keys)
 
-    def _check_hold(self) -> None:
-        """Nothing is written by a writer that lost its hold (a lease taken over)."""
+    def check_hold(self) -> None:
+        """Nothing is written by a writer that lost its hold (a lease taken over).
+
+        Raises:
+            FencedError: it did.
+        """
         if self._lock is not None:
             self._lock.check()
 
@@ -544,7 +549,7 @@ class Store:
         meta = dataclasses.replace(self.meta, commit=commit)
         if saved is not None:
             meta = dataclasses.replace(meta, saved=saved)
-        self._check_hold()
+        self.check_hold()
         with self.writing("publishing a commit"):
             self.engine.write_root_attributes({ATTRS_KEY: meta.to_json()})
         self.meta = meta
@@ -787,16 +792,14 @@ class Store:
         if self.closed:
             return False
         self.users -= 1
-        # A store deleted from under it (by another program) has nothing left to flush into.
-        gone = self.read_only or self.engine.location.read(ROOT_METADATA) is None
         if self.users > 0:
-            if not gone:
+            if not self._gone():
                 self.flush()
             return False
         try:
-            if not gone:
+            if not self._gone():
                 self.flush()
-        finally:
+        finally:  # the lock or lease is given up even when the store cannot be reached
             self.closed = True
             self._arrays.clear()
             if self._lock is not None:
@@ -808,6 +811,11 @@ class Store:
             removed = removed or location.exists()
             location.delete_prefix("")
         return removed
+
+    def _gone(self) -> bool:
+        """Whether there is nothing to flush into: a reader, or a store deleted from under
+        it (by another program)."""
+        return self.read_only or self.engine.location.read(ROOT_METADATA) is None
 
     def on_close(self, callback: Callable[[Store], None]) -> None:
         self._on_close.append(callback)

@@ -19,11 +19,13 @@ import collections
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import tensorstore as ts
 
 from zarr_rb.locations.base import Generation
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(slots=True)
@@ -58,7 +60,13 @@ class EncodedCache:
         self._entries: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         self._bytes = 0
         self._epoch = 0
+        self._versions: collections.Counter[str] = collections.Counter()
+        """How often each key was invalidated: a fetch that began before an invalidation
+        does not insert what it fetched (it may be older than what was written)."""
         self._mutex = threading.Lock()
+        self._reading = threading.RLock()
+        """Held from fetching objects until the read from them is done, so that no other
+        read evicts them in between."""
 
     @property
     def nbytes(self) -> int:
@@ -82,7 +90,15 @@ class EncodedCache:
         """Forget objects (this process just wrote them)."""
         with self._mutex:
             for key in keys:
+                self._versions[key] += 1
                 self._drop(key)
+
+    def read(self, keys: Iterable[str], read: Callable[[], _T]) -> _T:
+        """``read()`` (a read of arrays on :attr:`context`) once the objects ``keys`` are
+        current in the cache; none of them leaves the cache before it returns."""
+        with self._reading:
+            self.ensure(keys)
+            return read()
 
     def ensure(self, keys: Iterable[str]) -> None:
         """Make the objects ``keys`` current in the cache (fetching the missing and the
@@ -99,6 +115,7 @@ class EncodedCache:
             for key in wanted:
                 if key in self._entries and key not in stale:
                     self._entries.move_to_end(key)
+            versions = {key: self._versions[key] for key in wanted}
         if not stale and not missing:
             return
         reads = {key: self._source.read(key) for key in missing}
@@ -110,6 +127,8 @@ class EncodedCache:
         }
         with self._mutex:
             for key, result in results.items():
+                if self._versions[key] != versions[key]:
+                    continue  # written meanwhile: fetched again at its next use
                 if result.state == "unspecified":  # not modified since it was cached
                     entry = self._entries.get(key)
                     if entry is not None:

@@ -32,6 +32,8 @@ from zarr_rb.locations.base import (
 )
 
 STATE_CHUNK_BYTES = 2**20
+WRITER_KEY = "zarr_rb_writer"
+"""Root attribute naming the writer that claimed the store (object stores)."""
 
 
 MAX_CHUNK_ELEMENTS = 2**27
@@ -117,10 +119,17 @@ class Engine:
 
     # --- root metadata (the commit point) ------------------------------------------------
 
-    def read_root_metadata(self) -> dict[str, Any] | None:
-        """The parsed root ``zarr.json``, or ``None`` if there is none."""
+    def read_root_metadata(self, *, adopt: bool = False) -> dict[str, Any] | None:
+        """The parsed root ``zarr.json``, or ``None`` if there is none.
+
+        Args:
+            adopt: make the generation read the one the next commit is conditional on (a
+                writer that just took its hold). A writer's later reads never move it: a
+                record changed by someone else must fail its next commit.
+        """
         found = self.location.read_versioned(ROOT_METADATA)
-        self._root_generation = found.generation
+        if adopt or self._root_generation is None:
+            self._root_generation = found.generation
         if found.value is None:
             return None
         value = load_json(found.value)
@@ -148,6 +157,12 @@ class Engine:
             ROOT_METADATA, payload, generation=self._root_generation
         )
         if generation is None:
+            # A retried request whose first attempt landed fails its condition: the record
+            # is then ours, byte for byte (each commit's record is unique, see claim()).
+            current = self.location.read_versioned(ROOT_METADATA)
+            if current.value == payload:
+                generation = current.generation
+        if generation is None:
             raise FencedError(
                 f"store {self.url!r}: its commit record was changed by another writer since "
                 "this one last committed; nothing was published. Reopen the store to write "
@@ -155,6 +170,17 @@ class Engine:
                 holder={},
             )
         self._root_generation = generation
+
+    def claim(self, writer: Mapping[str, Any]) -> None:
+        """Rewrite the commit record as it is, naming ``writer`` (a compare-and-swap on the
+        record read now, under the new writer's hold): a writer that held the store before
+        and stalled can then no longer commit, even if it passed its last lease check."""
+        document = self.read_root_metadata(adopt=True)
+        if document is None:
+            return
+        attributes = dict(document.get("attributes") or {})
+        attributes[WRITER_KEY] = dict(writer)
+        self.write_root_attributes(attributes)
 
     def remove_tree(self, path: str) -> None:
         """Delete a group and everything under it (only the store's writer calls this, and
@@ -398,14 +424,15 @@ class Engine:
             )
         # Temporaries of interrupted writes are not part of the store, nor is the writer's
         # lock or lease (a hard-linked lock file would even be shared with it).
-        sizes = {k: n for k, n in self.location.list().items() if is_store_object(k)}
+        sizes = {k: max(0, n) for k, n in self.location.list().items() if is_store_object(k)}
         keys = sorted(sizes, key=lambda key: key == ROOT_METADATA)
         with progress_bar(sum(sizes.values()), desc="snapshot", unit="B", enabled=progress) as bar:
             return self.location.copy_to(target, keys, progress=bar.update)
 
     def nbytes(self) -> int:
-        """Bytes of all objects of the store."""
-        return sum(self.location.list().values())
+        """Bytes of all objects of the store (0 for those whose size the location cannot
+        tell)."""
+        return sum(max(0, n) for n in self.location.list().values())
 
 
 _GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
@@ -415,10 +442,24 @@ class PendingRead(Protocol):
     def result(self) -> np.ndarray: ...
 
 
+class _Done:
+    """A read already done (or failed)."""
+
+    def __init__(self, values: np.ndarray | None = None, *, error: Exception | None = None):
+        self._values = values
+        self._error = error
+
+    def result(self) -> np.ndarray:
+        if self._error is not None:
+            raise self._error
+        assert self._values is not None
+        return self._values
+
+
 class _Runs:
     """Reads of several row runs, concatenated in order when their result is asked for."""
 
-    def __init__(self, futures: list[ts.Future[np.ndarray]]) -> None:
+    def __init__(self, futures: list[PendingRead]) -> None:
         self._futures = futures
 
     def result(self) -> np.ndarray:
@@ -527,13 +568,24 @@ class RowArray:
         region: ts.TensorStore = array[first] if width is None else array[first, 0:width]
         return region
 
-    def _fetch(self, rows: np.ndarray, width: int | None) -> None:
-        """Bring the objects holding ``rows`` into the cache, if reads go through one."""
+    def _cached(self) -> bool:
+        """Whether reads go through the cache (decided at the first read)."""
         if self._through_cache is None:
             self._through_cache = self._worth_caching()
-        if self._through_cache:
-            assert self._cache is not None
-            self._cache.ensure(self.chunk_keys(rows, width))
+        return self._through_cache
+
+    def _read_region(self, first: Any, rows: np.ndarray, width: int | None) -> PendingRead:
+        """Start reading ``self[first]`` (rows ``rows``). Through the cache the read is
+        done before this returns: the objects it needs stay cached only until then."""
+        if not self._cached():
+            return cast(PendingRead, self._region(first, width).read())
+        assert self._cache is not None
+        region = self._region(first, width, read=True)
+        try:
+            values = self._cache.read(self.chunk_keys(rows, width), lambda: region.read().result())
+        except ValueError as err:
+            return _Done(error=err)  # raised by result(), as TensorStore's futures do
+        return _Done(values)
 
     def _worth_caching(self) -> bool:
         """Whether whole objects of this array are small enough to fetch for a few rows
@@ -541,18 +593,14 @@ class RowArray:
         sizes = [
             size
             for key, size in self._location.list(self.path).items()
-            if not key.endswith(ROOT_METADATA)
+            if not key.endswith(ROOT_METADATA) and size >= 0
         ]
         if sizes:
             return sum(sizes) / len(sizes) <= MAX_CACHED_OBJECT_BYTES
         return math.prod(self._write_chunk) * self.dtype.itemsize <= MAX_CACHED_OBJECT_BYTES
 
-    def _read(self, first: Any, width: int | None) -> Any:
-        if isinstance(first, slice):
-            self._fetch(np.arange(first.start, first.stop), width)
-        else:
-            self._fetch(np.asarray(first), width)
-        return self._region(first, width, read=True).read()
+    def _read(self, first: slice, width: int | None) -> PendingRead:
+        return self._read_region(first, np.arange(first.start, first.stop), width)
 
     def damaged_runs(
         self, start: int, stop: int, width: int | None = None
@@ -607,10 +655,7 @@ class RowArray:
         if width is not None and width > self.width:
             self.refresh()  # the writer made it wider since it was opened
         if _is_run(rows):
-            return cast(
-                PendingRead, self._read(slice(int(rows[0]), int(rows[0]) + rows.size), width)
-            )
-        self._fetch(rows, width)
+            return self._read(slice(int(rows[0]), int(rows[0]) + rows.size), width)
         breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         if (breaks.size + 1) * 4 <= rows.size:
             # Runs of consecutive rows (trajectory slices): one slice read per run is
@@ -621,12 +666,9 @@ class RowArray:
                 strict=True,
             )
             return _Runs(
-                [
-                    self._region(slice(int(rows[a]), int(rows[a]) + b - a), width, read=True).read()
-                    for a, b in bounds
-                ]
+                [self._read(slice(int(rows[a]), int(rows[a]) + b - a), width) for a, b in bounds]
             )
-        return cast(PendingRead, self._region(rows, width, read=True).read())
+        return self._read_region(rows, rows, width)
 
     def write_rows(self, rows: np.ndarray, values: np.ndarray) -> ts.WriteFutures:
         """Start writing ``values[i]`` to row ``rows[i]`` (``rows`` unique); rows of a ragged

@@ -65,6 +65,10 @@ class WriterHold(Protocol):
     """The right to write a store: a lock (local) or a lease (object store)."""
 
     holder: dict[str, Any]
+    needs_claim: bool
+    """Whether the new holder must also claim the commit record (a lease, which another
+    writer may have held until a moment ago and still believe it holds); a kernel lock
+    keeps every other writer out by itself."""
 
     @property
     def held(self) -> bool: ...

@@ -48,6 +48,8 @@ still write."""
 class Lease:
     """The writer lease of one store, held from :meth:`acquire` until :meth:`release`."""
 
+    needs_claim = True
+
     def __init__(
         self, location: Location, *, seconds: float, holder: dict[str, Any], generation: bytes
     ) -> None:
@@ -107,11 +109,19 @@ class Lease:
                 f"leases last {self.seconds:g} s). It writes nothing more, so that it cannot "
                 "overwrite a newer writer's rows: reopen the store to write again (rows not "
                 "committed are lost)",
-                holder=_parse(self.location.read(LEASE_KEY)),
+                holder=self._current_holder(),
             )
 
+    def _current_holder(self) -> dict[str, Any]:
+        """Who holds the lease now, as far as it can be read."""
+        with contextlib.suppress(OSError):
+            return _parse(self.location.read(LEASE_KEY))
+        return {}
+
     def release(self) -> None:
-        """Give the lease up (deleting the record, if still ours)."""
+        """Give the lease up: replace the record, if still ours, by an expired one. (Not a
+        delete: a conditional delete on S3 is a check then a delete, which could remove
+        the record of a writer that took over in between; a conditional PUT cannot.)"""
         if self._released.is_set():
             return
         self._released.set()
@@ -119,7 +129,11 @@ class Lease:
             if self._lost is None:
                 # Unreachable: the lease expires by itself.
                 with contextlib.suppress(OSError):
-                    self.location.write_if(LEASE_KEY, None, generation=self._lease_generation)
+                    self.location.write_if(
+                        LEASE_KEY,
+                        _record(self.holder, -self.seconds),
+                        generation=self._lease_generation,
+                    )
 
     def _keep(self) -> None:
         while not self._released.wait(self.seconds / 4):
@@ -132,10 +146,15 @@ class Lease:
             if self._lost is not None or self._released.is_set():
                 return
             started = time.monotonic()
+            record = _record(self.holder, self.seconds)
             try:
                 generation = self.location.write_if(
-                    LEASE_KEY, _record(self.holder, self.seconds), generation=self._lease_generation
+                    LEASE_KEY, record, generation=self._lease_generation
                 )
+                if generation is None:
+                    # A retried request whose first attempt landed fails its condition.
+                    current = self.location.read_versioned(LEASE_KEY)
+                    generation = current.generation if current.value == record else None
             except OSError:
                 return  # try again at the next renewal; check() fences once it is too old
             if generation is None:

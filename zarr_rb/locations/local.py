@@ -116,6 +116,7 @@ class LocalLocation(Location):
         if target.exists():
             announce("remove", target)
             shutil.rmtree(target)
+            self.durability.removed(target)
 
     def list(self, prefix: str = "") -> dict[str, int]:
         base = self.root / prefix
@@ -142,23 +143,30 @@ class LocalLocation(Location):
         target.create_root()
         same_device = os.stat(self.root).st_dev == os.stat(target.root).st_dev
         copied = 0
-        destinations = []
-        for key in keys:
-            source, destination = self.root / key, target.root / key
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            size = source.stat().st_size
-            try:
-                if not same_device:
-                    raise OSError("another filesystem")
-                os.link(source, destination)
-            except OSError:
-                shutil.copy2(source, destination)
-                copied += size
-            destinations.append(destination)
-            if progress is not None:
-                progress(size)
-        target.durability.written(destinations)
-        target.sync()
+        keys = list(keys)
+        # The root record last, once every other file is durable: a crash leaves no store
+        # at the target, or a whole one.
+        for batch in (
+            [k for k in keys if k != ROOT_METADATA],
+            [k for k in keys if k == ROOT_METADATA],
+        ):
+            destinations = []
+            for key in batch:
+                source, destination = self.root / key, target.root / key
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                size = source.stat().st_size
+                try:
+                    if not same_device:
+                        raise OSError("another filesystem")
+                    os.link(source, destination)
+                except OSError:
+                    shutil.copy2(source, destination)
+                    copied += size
+                destinations.append(destination)
+                if progress is not None:
+                    progress(size)
+            target.durability.written(destinations)
+            target.sync()
         return copied
 
     # --- the store as a whole --------------------------------------------------------------
@@ -246,6 +254,13 @@ class Durability:
 
     def written(self, paths: Iterable[Path]) -> None:
         self._written.update(paths)
+
+    def removed(self, tree: Path) -> None:
+        """``tree`` was deleted: directories created there again must be fsynced again."""
+        self._durable_dirs = {
+            d for d in self._durable_dirs if d == self.root or not d.is_relative_to(tree)
+        }
+        self._written = {p for p in self._written if not p.is_relative_to(tree)}
 
     def sync(self) -> None:
         """fsync every file written since the last call, then the directories they are in."""

@@ -24,6 +24,8 @@ from zarr_rb.locations.base import LOCK_FILE
 class WriterLock:
     """The writer lock of one store, held from :meth:`acquire` until :meth:`release`."""
 
+    needs_claim = False
+
     def __init__(self, path: Path, fd: int, holder: dict[str, Any]) -> None:
         self.path = path
         self.holder = holder

@@ -25,10 +25,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import os
+import secrets
 import shutil
-import socket
 import tempfile
 import threading
+import time
 import urllib.error
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Mapping
@@ -46,6 +47,7 @@ from zarr_rb.errors import (
 )
 from zarr_rb.locations import _sigv4
 from zarr_rb.locations.base import (
+    NOT_DATA,
     ROOT_METADATA,
     Generation,
     Location,
@@ -99,7 +101,7 @@ class S3Options:
         endpoint = options.get("endpoint_url") or env.get("AWS_ENDPOINT_URL_S3")
         endpoint = endpoint or env.get("AWS_ENDPOINT_URL")
         region = options.get("region") or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-        anonymous = bool(options.get("anon", False))
+        anonymous = _flag(options.get("anon", False), "anon")
         if "key" in options or "secret" in options:
             key, secret, token = options.get("key"), options.get("secret"), options.get("token")
         else:
@@ -220,8 +222,26 @@ class S3Location(Location):
             f"deleting {start or 'the store'!r}",
         )
 
+    @property
+    def signs(self) -> bool:
+        """Whether requests beyond TensorStore's can be signed here: keys were given (in
+        ``storage_options`` or ``AWS_*``), or the bucket is public (``anon``). Credentials
+        from other sources (IAM roles, SSO profiles) reach TensorStore only."""
+        creds = self.options.credentials
+        return self.options.anonymous or (creds.key is not None and creds.secret is not None)
+
     def list(self, prefix: str = "") -> dict[str, int]:
-        """Keys and sizes (``ListObjectsV2``, page by page)."""
+        """Keys and sizes (``ListObjectsV2``, page by page; sizes ``-1`` when requests
+        cannot be signed here, the keys then listed by TensorStore)."""
+        if not self.signs:
+            start = prefix.strip("/") + "/" if prefix.strip("/") else ""
+            keys = self.run(
+                lambda: self._kv.list(
+                    ts.KvStore.KeyRange(start, start[:-1] + "0" if start else "")
+                ).result(),
+                "listing",
+            )
+            return {key.decode(): -1 for key in keys}
         base = join(self.prefix, prefix)
         base = base + "/" if base else ""
         found: dict[str, int] = {}
@@ -249,9 +269,11 @@ class S3Location(Location):
         progress: ProgressCallback | None = None,
     ) -> int:
         """To a location on the same endpoint: ``CopyObject`` on the server, 16 at a
-        time (nothing passes through this process); elsewhere, streamed."""
+        time (nothing passes through this process), the root record last, once every
+        other object is copied; elsewhere, streamed."""
         if not (
             isinstance(target, S3Location)
+            and self.signs
             and target.options.http_endpoint == self.options.http_endpoint
             and target.options.credentials == self.options.credentials
         ):
@@ -261,34 +283,40 @@ class S3Location(Location):
         def copy(key: str) -> int:
             announce("write", target.path_of(key))
             source = "/" + join(self.bucket, self.prefix, key)
-            target._http(
+            body = target._http(
                 "PUT",
                 "/" + join(target.bucket, target.prefix, key),
                 headers={"x-amz-copy-source": _sigv4.quote(source)},
                 what=f"copying {key!r}",
             )
-            return sizes.get(key, 0)
+            if b"CopyObjectResult" not in body:  # S3 may answer 200 with an <Error> body
+                raise self._http_error(f"CopyObject failed: {_s3_code(body)}", f"copying {key!r}")
+            return max(0, sizes.get(key, 0))
 
+        keys = list(keys)
+        last = [key for key in keys if key == ROOT_METADATA]
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            for size in pool.map(copy, list(keys)):
-                if progress is not None:
-                    progress(size)
+            for batch in ([key for key in keys if key != ROOT_METADATA], last):
+                for size in pool.map(copy, batch):
+                    if progress is not None:
+                        progress(size)
         return 0
 
     # --- the store as a whole --------------------------------------------------------------
 
     def check_usable(self, *, create: bool) -> None:
-        """A listing of the bucket, which (unlike a read) fails for a missing bucket."""
-        self.exists()
+        """A listing of one key, which (unlike a read) fails for a missing bucket."""
+        self.run(
+            lambda: self._kv.list(
+                ts.KvStore.KeyRange(ROOT_METADATA, ROOT_METADATA + "\0")
+            ).result(),
+            "checking the bucket",
+        )
 
     def exists(self) -> bool:
-        body = self._http(
-            "GET",
-            f"/{self.bucket}",
-            query={"list-type": "2", "prefix": join(self.prefix) + "/", "max-keys": "1"},
-            what="checking the bucket",
-        )
-        return b"<Key>" in body
+        """Whether the prefix holds any object other than a writer's lease."""
+        keys = self.run(lambda: self._kv.list().result(), "listing")
+        return any(key.decode() not in NOT_DATA for key in keys)
 
     def create_root(self) -> None:
         pass  # an object store has no directories
@@ -301,16 +329,20 @@ class S3Location(Location):
     # --- errors ----------------------------------------------------------------------------
 
     def run(self, call: Callable[[], _T], what: str) -> _T:
-        """``call()``, with TensorStore's errors as typed ones."""
+        """``call()``, with TensorStore's errors about the bucket, the credentials and the
+        endpoint as typed ones (others stay ``ValueError``, as from a local store)."""
         try:
             return call()
         except ValueError as err:
-            raise self._error(str(err).split(" [source locations=")[0], what) from None
+            typed = self._error(str(err).split(" [source locations=")[0], what)
+            if isinstance(typed, _UnclassifiedError):
+                raise
+            raise typed from None
 
     def _error(self, reason: str, what: str) -> Exception:
         where = f"store {self.url!r}"
         endpoint = self.options.http_endpoint
-        if "NoSuchBucket" in reason or reason.startswith("NOT_FOUND"):
+        if "NoSuchBucket" in reason:
             return BucketNotFoundError(
                 f"{where}: bucket {self.bucket!r} does not exist at {endpoint} ({what}); "
                 "create it first, or check the URL and storage_options['endpoint_url']"
@@ -327,7 +359,7 @@ class S3Location(Location):
                 "storage_options['endpoint_url'] (or AWS_ENDPOINT_URL) and that the server "
                 "is up"
             )
-        return StoreWriteError(None, f"{where}: {what} failed ({reason[:300]})")
+        return _UnclassifiedError(f"{where}: {what} failed ({reason[:300]})")
 
     def _http(
         self,
@@ -338,32 +370,59 @@ class S3Location(Location):
         headers: Mapping[str, str] | None = None,
         what: str,
     ) -> bytes:
-        try:
-            response = _sigv4.request(
-                method,
-                self.options.http_endpoint,
-                path,
-                query=query,
-                credentials=self.options.credentials,
-                region=self.options.region,
-                headers=headers,
-                timeout=float(os.environ["TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS"]),
-            )
-        except (OSError, urllib.error.URLError) as err:
-            raise self._error(f"CURL error {err}", what) from None
+        for attempt in range(max(1, self.options.retries)):
+            # As TensorStore does: connection failures and 5xx answers (SlowDown) are
+            # retried, 0.1 s to 2 s apart; anything else is final.
+            if attempt:
+                time.sleep(min(2.0, 0.1 * 2 ** (attempt - 1)))
+            try:
+                response = _sigv4.request(
+                    method,
+                    self.options.http_endpoint,
+                    path,
+                    query=query,
+                    credentials=self.options.credentials,
+                    region=self.options.region,
+                    headers=headers,
+                    timeout=float(os.environ["TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS"]),
+                )
+            except (OSError, urllib.error.URLError) as err:
+                failure = f"CURL error {err}"
+                continue
+            if response.status < 500:
+                break
+            failure = f"HTTP {response.status} {_s3_code(response.body)}"
+        else:
+            raise self._http_error(failure, what)
         if response.status == 404 and b"NoSuchBucket" in response.body:
-            raise self._error("NoSuchBucket", what)
+            raise self._http_error("NoSuchBucket", what)
         if response.status == 403:
-            raise self._error(f"PERMISSION_DENIED {_s3_code(response.body)}", what)
+            raise self._http_error(f"PERMISSION_DENIED {_s3_code(response.body)}", what)
         if response.status >= 300:
-            raise self._error(f"HTTP {response.status} {_s3_code(response.body)}", what)
+            raise self._http_error(f"HTTP {response.status} {_s3_code(response.body)}", what)
         return response.body
+
+    def _http_error(self, reason: str, what: str) -> Exception:
+        error = self._error(reason, what)
+        return StoreWriteError(None, str(error)) if isinstance(error, _UnclassifiedError) else error
+
+
+class _UnclassifiedError(ValueError):
+    """A TensorStore error that is none of the location's typed ones."""
 
 
 def _s3_code(body: bytes) -> str:
     with contextlib.suppress(ET.ParseError):
         return ET.fromstring(body).findtext("Code") or ""
     return ""
+
+
+def _flag(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise InvalidLocationError(f"expected storage_options[{name!r}] True or False, got {value!r}")
 
 
 def _context(options: S3Options) -> ts.Context:
@@ -385,6 +444,7 @@ def _context(options: S3Options) -> ts.Context:
 
 _CREDENTIALS_DIR: str | None = None
 _CREDENTIALS_LOCK = threading.Lock()
+_CREDENTIALS_FILES: dict[tuple[str | None, ...], str] = {}
 
 
 def _credentials_spec(options: S3Options) -> dict[str, Any]:
@@ -401,9 +461,12 @@ def _credentials_spec(options: S3Options) -> dict[str, Any]:
         if _CREDENTIALS_DIR is None:
             _CREDENTIALS_DIR = tempfile.mkdtemp(prefix="zarr_rb-aws-")
             atexit.register(shutil.rmtree, _CREDENTIALS_DIR, ignore_errors=True)
-        name = f"{abs(hash((creds.key, creds.secret, creds.token, socket.gethostname())))}"
-        path = os.path.join(_CREDENTIALS_DIR, name)
-        if not os.path.exists(path):
+        identity = (creds.key, creds.secret, creds.token, options.region)
+        path = _CREDENTIALS_FILES.get(identity)
+        if path is None:
+            # A random name: nothing derived from the secret appears in paths or messages.
+            path = os.path.join(_CREDENTIALS_DIR, secrets.token_hex(8))
+            _CREDENTIALS_FILES[identity] = path
             lines = ["[default]", f"aws_access_key_id = {creds.key}"]
             lines.append(f"aws_secret_access_key = {creds.secret}")
             if creds.token:
