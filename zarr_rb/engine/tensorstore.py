@@ -298,17 +298,26 @@ class Engine:
             path, {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
         )
 
-    def read_group_attributes(self, path: str) -> dict[str, Any]:
+    def _read_metadata(self, path: str, where: str) -> Any:
+        """The parsed ``zarr.json`` of the node at ``path`` (``None``: there is none).
+
+        Raises:
+            StoreCorruptedError: it is not valid JSON, or nested too deep.
+        """
         raw = self.location.read(join(path, ROOT_METADATA))
         if raw is None:
-            raise FileNotFoundError(f"no group {path!r} in store {self.url!r}")
+            return None
         try:
-            document = load_json(raw)
+            return load_json(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise StoreCorruptedError(
-                f"store {self.url!r}: group {path!r} has an invalid zarr.json "
-                f"({type(err).__name__})"
+                f"{where}: zarr.json is not valid JSON ({type(err).__name__})"
             ) from None
+
+    def read_group_attributes(self, path: str) -> dict[str, Any]:
+        document = self._read_metadata(path, f"store {self.url!r}: group {path!r}")
+        if document is None:
+            raise FileNotFoundError(f"no group {path!r} in store {self.url!r}")
         attributes = document.get("attributes", {}) if isinstance(document, dict) else None
         if not isinstance(attributes, dict):
             raise StoreCorruptedError(
@@ -373,15 +382,9 @@ class Engine:
                 bounded chunks.
         """
         where = f"store {self.url!r}: array {path!r}"
-        raw = self.location.read(join(path, ROOT_METADATA))
-        if raw is None:
+        document = self._read_metadata(path, where)
+        if document is None:
             raise StoreCorruptedError(f"{where} is missing (no zarr.json)")
-        try:
-            document = load_json(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as err:
-            raise StoreCorruptedError(
-                f"{where}: zarr.json is not valid JSON ({type(err).__name__})"
-            ) from None
         problem = array_metadata_problem(document, list(shape))
         if problem is not None:
             raise StoreCorruptedError(f"{where}: {problem}")
