@@ -759,3 +759,28 @@ def test_a_server_side_snapshot_copies_the_root_record_last(s3_url, s3_options):
     assert copied[-1].endswith("-ordered.zarr/zarr.json")
     assert sum(path.endswith("-ordered.zarr/zarr.json") for path in copied) == 1
     rb.storage.close()
+
+
+def test_torchrl_dumps_and_loads_of_a_buffer_on_s3(s3_url, s3_options, tmp_path):
+    rb = TensorDictPrioritizedReplayBuffer(
+        alpha=0.7,
+        beta=0.5,
+        storage=ZarrStorage(CAPACITY, s3_url, storage_options=s3_options),
+        batch_size=8,
+    )
+    fill(rb, total=120)
+    rb.dumps(tmp_path / "dump")  # TorchRL's route: a local directory, streamed from S3
+    other = s3_url.replace(".zarr", "-loaded.zarr")
+    back = TensorDictPrioritizedReplayBuffer(
+        alpha=0.7,
+        beta=0.5,
+        storage=ZarrStorage(CAPACITY, other, storage_options=s3_options),
+        batch_size=8,
+    )
+    back.loads(tmp_path / "dump")
+    assert len(back) == len(rb) == CAPACITY
+    assert_identical(back.storage[:], rb.storage[:])
+    assert torch.equal(back.sampler._sum_tree[torch.arange(CAPACITY)],
+                       rb.sampler._sum_tree[torch.arange(CAPACITY)])  # fmt: skip
+    rb.storage.close()
+    back.storage.close()
