@@ -28,7 +28,7 @@ import torch
 from zarr_rb import _compat
 from zarr_rb._io import IOKind, observe_io
 from zarr_rb.locations import is_remote, open_location
-from zarr_rb.locations.base import LOCK_FILE, is_temporary
+from zarr_rb.locations.base import NOT_DATA, is_temporary
 
 __all__ = [
     "ALL_KINDS",
@@ -113,7 +113,7 @@ def _entry_state(path: Path) -> tuple[Any, ...] | None:
         entries = frozenset(
             (p.name, p.stat().st_ino)
             for p in path.iterdir()
-            if not is_temporary(p.name) and p.name != LOCK_FILE
+            if not is_temporary(p.name) and p.name not in NOT_DATA
         )
         return ("dir", st.st_ino, entries)
     return ("file", st.st_ino, st.st_size, st.st_mtime_ns)
@@ -128,7 +128,7 @@ def _tree_state(root: Path) -> dict[Path, tuple[Any, ...]]:
             state[directory] = entry
         for name in filenames:
             path = directory / name
-            if is_temporary(path.name) or name == LOCK_FILE:
+            if is_temporary(path.name) or name in NOT_DATA:
                 continue
             entry = _entry_state(path)
             if entry is not None:

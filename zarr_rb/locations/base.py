@@ -9,9 +9,11 @@ the commit protocol relies on:
   *generation* (an opaque token that changes with every write of the object).
 - :meth:`Location.write`: replace one object; a reader sees the old or the new bytes,
   never a mix (local: temporary file + rename; S3: one PUT).
-- :meth:`Location.write_if`: compare-and-swap of one object on its generation (local:
-  under the store's writer lock; S3: a conditional PUT with ``If-Match`` /
-  ``If-None-Match``). Only the commit record and the writer lease rely on it.
+- :meth:`Location.write_if`: compare-and-swap of one object on its generation (local: the
+  compare and the rename inside a short ``flock`` critical section, atomic among all
+  processes of the machine, and of NFS clients where ``flock`` maps to NFS locks; S3: a
+  conditional PUT with ``If-Match`` / ``If-None-Match``). Only the commit record and the
+  writer lease rely on it.
 - :meth:`Location.delete`, :meth:`Location.delete_prefix`, :meth:`Location.list`:
   not atomic as a group (a crash may leave some of the objects).
 - :meth:`Location.copy_to`: copy objects into another location, on the server where
@@ -43,12 +45,14 @@ Generation = bytes
 ROOT_METADATA = "zarr.json"
 LOCK_FILE = ".zarr_rb.lock"
 """The writer lock of a local store; not part of the store's data, never copied."""
+CAS_LOCK_FILE = ".zarr_rb.cas.lock"
+"""Held (``flock``) for the moment of a compare-and-swap in a local store."""
 LEASE_KEY = ".zarr_rb.lease"
 """The writer lease of a store on an object store; not part of its data, never copied."""
 TEMPORARY_SUFFIXES = (".tmp", ".__lock", ".partial")
 """Files of interrupted writes: ours (``.tmp``), TensorStore's (``.__lock``) and
 zarr-python's (``.partial``). They are never part of a commit."""
-NOT_DATA = (LOCK_FILE, LEASE_KEY)
+NOT_DATA = (LOCK_FILE, CAS_LOCK_FILE, LEASE_KEY)
 
 
 def is_temporary(name: str) -> bool:

@@ -3,14 +3,15 @@
 Atomicity: an object is replaced by writing a temporary file, fsyncing it and renaming
 it over the old one (then fsyncing the directory). Objects written by TensorStore are
 made durable together by :meth:`LocalLocation.sync`, just before a commit. The writer
-hold is ``flock(2)`` (see :mod:`zarr_rb.locations.lock`); compare-and-swap is atomic among
-processes that take it.
+hold is ``flock(2)`` (see :mod:`zarr_rb.locations.lock`). A compare-and-swap compares and
+renames inside a short ``flock`` critical section on ``.zarr_rb.cas.lock``.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -23,7 +24,8 @@ import tensorstore as ts
 from zarr_rb._io import announce, fsync
 from zarr_rb.errors import NotAStoreError
 from zarr_rb.locations.base import (
-    LOCK_FILE,
+    CAS_LOCK_FILE,
+    NOT_DATA,
     ROOT_METADATA,
     Generation,
     Location,
@@ -98,12 +100,23 @@ class LocalLocation(Location):
     def write_if(
         self, key: str, value: bytes | None, *, generation: Generation
     ) -> Generation | None:
-        if self.read_versioned(key).generation != generation:
-            return None
-        if value is None:
-            self.delete(key)
-            return ABSENT
-        return self.write(key, value)
+        with self._exclusive():
+            if self.read_versioned(key).generation != generation:
+                return None
+            if value is None:
+                self.delete(key)
+                return ABSENT
+            return self.write(key, value)
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """A critical section among every process (and thread) working on this store."""
+        fd = os.open(self.root / CAS_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def delete(self, key: str) -> None:
         path = self.root / key
@@ -180,7 +193,7 @@ class LocalLocation(Location):
 
     def exists(self) -> bool:
         return self.root.is_dir() and any(
-            p.name != LOCK_FILE and not is_temporary(p.name) for p in self.root.iterdir()
+            p.name not in NOT_DATA and not is_temporary(p.name) for p in self.root.iterdir()
         )
 
     def create_root(self) -> None:
