@@ -87,7 +87,7 @@ def save(
     if target.identity() == source.identity():
         _save_into(rb, storage._store, saved)
         return storage.path
-    target.check_usable(create=True)
+    target.check_usable()
     storage.flush()
     storage._store.engine.snapshot_to(target, progress=progress)
     snapshot = open_store(

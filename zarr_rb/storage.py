@@ -425,11 +425,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         state = _compat.storage_state(self)
         for name in ("_store", "_finalizer", "_thread_state", "_last_gather", "writes_begun"):
             state.pop(name, None)
-        state[_HANDLE] = {
-            "path": self.url,
-            "read_only": self.read_only,
-            "storage_options": self.__dict__.get("_storage_options") or None,
-        }
+        state[_HANDLE] = {"path": self.url, "read_only": self.read_only}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -442,7 +438,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 max_size=self.max_size,
                 ndim=self.ndim,
                 compression=None,
-                storage_options=handle.get("storage_options"),
+                storage_options=self.storage_options or None,
             )
         except LockedError as err:
             raise LockedError(

@@ -43,7 +43,7 @@ def one_path(
     path: str | os.PathLike[str] | None, scratch_dir: str | os.PathLike[str] | None
 ) -> str | os.PathLike[str] | None:
     """``path``, also accepted under LazyMemmapStorage's name ``scratch_dir``."""
-    if path is not None and scratch_dir is not None and _same(path, scratch_dir) is False:
+    if path is not None and scratch_dir is not None and not _same(path, scratch_dir):
         raise ValueError(
             f"got path={str(path)!r} and scratch_dir={str(scratch_dir)!r}; scratch_dir is "
             "another name for path: pass one of them",
@@ -93,7 +93,7 @@ def open_store(
     ``compression`` too (``None``: the store's own settings).
     """
     location = open_location(path, storage_options)
-    location.check_usable(create=mode != "r")
+    location.check_usable()
     engine = Engine(location)
     where = f"store {location.url!r}"
     key = location.identity()
@@ -103,17 +103,16 @@ def open_store(
     document = read_root(engine)
     if document is not None:
         check_is_store(document, where)
-    else:
-        if location.exists():
-            what = (
-                "is a non-empty directory without a zarr_rb store"
-                if isinstance(location, LocalLocation)
-                else "holds objects but no zarr_rb store"
-            )
-            raise NotAStoreError(
-                f"{where} {what} (a snapshot interrupted before it was published leaves "
-                "that too); choose a new or empty directory, or delete it",
-            )
+    elif location.exists():
+        what = (
+            "is a non-empty directory without a zarr_rb store"
+            if isinstance(location, LocalLocation)
+            else "holds objects but no zarr_rb store"
+        )
+        raise NotAStoreError(
+            f"{where} {what} (a snapshot interrupted before it was published leaves that "
+            "too); choose a new or empty directory, or delete it",
+        )
     if mode == "r":
         if document is None:
             raise StoreNotFoundError(f"no zarr_rb store at {location.url!r}")

@@ -47,9 +47,9 @@ def reread_commit(store: Store) -> Commit:
         store.version += 1
         if store.engine.cache is not None:
             # Objects cached before now may have been rewritten: each is revalidated (once)
-            # on its next use, and arrays reopen to see their writer's shapes.
+            # on its next use. (Arrays stay open: a ragged one reopens when a row is wider
+            # than it, as on a local store.)
             store.engine.cache.new_epoch()
-            store._arrays.clear()
     store.committed = meta.commit
     if store._ledger is not None:
         store._ledger.published_as(meta.commit.readable_mask(store.rows))

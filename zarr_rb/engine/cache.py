@@ -97,10 +97,10 @@ class EncodedCache:
         """``read()`` (a read of arrays on :attr:`context`) once the objects ``keys`` are
         current in the cache; none of them leaves the cache before it returns."""
         with self._reading:
-            self.ensure(keys)
+            self._ensure(keys)
             return read()
 
-    def ensure(self, keys: Iterable[str]) -> None:
+    def _ensure(self, keys: Iterable[str]) -> None:
         """Make the objects ``keys`` current in the cache (fetching the missing and the
         stale ones, together), then trim the cache to its limit."""
         wanted = list(dict.fromkeys(keys))

@@ -148,8 +148,7 @@ class Engine:
             FencedError: the record changed since this writer last read or wrote it.
         """
         self.location.sync()
-        document = {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
-        payload = json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
+        payload = _group_metadata(attributes)
         if self._root_generation is None:
             self.read_root_metadata()
         assert self._root_generation is not None
@@ -191,12 +190,7 @@ class Engine:
         """Delete what interrupted writes left (only ever called by the store's writer)."""
         return self.location.remove_leftovers()
 
-    def _write_metadata(self, path: str, document: Mapping[str, Any] | bytes) -> None:
-        payload = (
-            document
-            if isinstance(document, bytes)
-            else json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
-        )
+    def _write_metadata(self, path: str, payload: bytes) -> None:
         key = join(path, ROOT_METADATA)
         self.location.write(key, payload)
         if self.cache is not None:
@@ -208,7 +202,7 @@ class Engine:
         for i in range(1, len(parts) + 1):
             group = "/".join(parts[:i])
             if self.location.read(join(group, ROOT_METADATA)) is None:
-                self._write_metadata(group, _GROUP)
+                self._write_metadata(group, _group_metadata({}))
 
     def create_root(self) -> None:
         self.location.create_root()
@@ -278,8 +272,10 @@ class Engine:
         cached_spec = {**spec, "kvstore": cache.kvstore(path)}
 
         def reopen_cached() -> ts.TensorStore:
-            cache.ensure([metadata])
-            return ts.open(cached_spec, open=True, read=True, context=cache.context).result()
+            return cache.read(
+                [metadata],
+                lambda: ts.open(cached_spec, open=True, read=True, context=cache.context).result(),
+            )
 
         return RowArray(
             self.location.run(reopen, f"opening array {path!r}"),
@@ -294,9 +290,7 @@ class Engine:
     # --- state groups: small arrays and JSON attributes -------------------------------------
 
     def write_group_attributes(self, path: str, attributes: Mapping[str, Any]) -> None:
-        self._write_metadata(
-            path, {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
-        )
+        self._write_metadata(path, _group_metadata(attributes))
 
     def _read_metadata(self, path: str, where: str) -> Any:
         """The parsed ``zarr.json`` of the node at ``path`` (``None``: there is none).
@@ -438,7 +432,10 @@ class Engine:
         return sum(max(0, n) for n in self.location.list().values())
 
 
-_GROUP = {"zarr_format": 3, "node_type": "group", "attributes": {}}
+def _group_metadata(attributes: Mapping[str, Any]) -> bytes:
+    """The ``zarr.json`` of a group with these attributes."""
+    document = {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
+    return json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
 
 
 class PendingRead(Protocol):
@@ -499,8 +496,8 @@ class RowArray:
         self._array = array
         self._cache = cache
         self._reopen_cached = reopen_cached
-        self._reader = array if reopen_cached is None else reopen_cached()
-        """What rows are read from: ``array``, or the same array on the cache."""
+        self._cached_array = None if reopen_cached is None else reopen_cached()
+        """The same array read from the cache, if there is one."""
         self._through_cache: bool | None = None if cache is not None else False
         """Whether reads go through the cache (decided at the first read)."""
         self.path = path
@@ -566,8 +563,12 @@ class RowArray:
             for tail in tails
         ]
 
-    def _region(self, first: Any, width: int | None, *, read: bool = False) -> ts.TensorStore:
-        array = self._reader if read and self._through_cache else self._array
+    def _region(
+        self, first: Any, width: int | None, array: ts.TensorStore | None = None
+    ) -> ts.TensorStore:
+        """``self[first]``, up to ``width`` along a ragged array's second dimension, of
+        ``array`` (by default the array itself)."""
+        array = self._array if array is None else array
         region: ts.TensorStore = array[first] if width is None else array[first, 0:width]
         return region
 
@@ -583,7 +584,7 @@ class RowArray:
         if not self._cached():
             return cast(PendingRead, self._region(first, width).read())
         assert self._cache is not None
-        region = self._region(first, width, read=True)
+        region = self._region(first, width, self._cached_array)
         try:
             values = self._cache.read(self.chunk_keys(rows, width), lambda: region.read().result())
         except ValueError as err:
@@ -705,12 +706,10 @@ class RowArray:
         self._refresh_reader()
 
     def _refresh_reader(self) -> None:
-        if self._reopen_cached is None:
-            self._reader = self._array
-            return
-        assert self._cache is not None
-        self._cache.invalidate([join(self.path, ROOT_METADATA)])
-        self._reader = self._reopen_cached()
+        if self._reopen_cached is not None:
+            assert self._cache is not None
+            self._cache.invalidate([join(self.path, ROOT_METADATA)])
+            self._cached_array = self._reopen_cached()
 
     def refresh(self) -> None:
         """Reopen the array to see the shape its writer gave it since."""

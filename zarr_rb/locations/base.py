@@ -16,9 +16,8 @@ the commit protocol relies on:
   writer lease rely on it.
 - :meth:`Location.delete`, :meth:`Location.delete_prefix`, :meth:`Location.list`:
   not atomic as a group (a crash may leave some of the objects).
-- :meth:`Location.copy_to`: copy objects into another location, on the server where
-  :attr:`Location.supports_server_side_copy` (or by hard links on one filesystem),
-  streamed otherwise.
+- :meth:`Location.copy_to`: copy objects into another location, on the server where the
+  store can (S3 to S3 on one endpoint), by hard links on one filesystem, streamed otherwise.
 - :meth:`Location.written` / :meth:`Location.sync`: the durability barrier before a
   commit is published (local: fsync; S3: a PUT is durable once acknowledged).
 
@@ -98,9 +97,6 @@ ProgressCallback = Callable[[int], None]
 class Location(abc.ABC):
     """The objects of one store (see the module's docstring for what is atomic)."""
 
-    supports_server_side_copy: bool = False
-    """Whether :meth:`copy_to` into a location of the same kind copies without the
-    bytes passing through this process."""
     cache_bytes: int = 0
     """How many bytes of encoded objects a process keeps in RAM to read arrays from (0: it
     reads the location directly, as a local filesystem, whose page cache does that)."""
@@ -191,17 +187,17 @@ class Location(abc.ABC):
     # --- the store as a whole --------------------------------------------------------------
 
     @abc.abstractmethod
-    def check_usable(self, *, create: bool) -> None:
+    def check_usable(self) -> None:
         """Raise a typed error now, in bounded time, if the store cannot be reached (a
-        missing bucket, refused credentials, an unreachable endpoint), or (``create``) if
-        it cannot be created there (a file in the way)."""
+        missing bucket, refused credentials, an unreachable endpoint) or something else is
+        in its place (a file where its directory goes)."""
 
     @abc.abstractmethod
     def create_root(self) -> None:
         """Make the store's root exist (a directory; nothing on an object store)."""
 
     @abc.abstractmethod
-    def acquire_writer(self, **options: Any) -> WriterHold:
+    def acquire_writer(self) -> WriterHold:
         """Take the store's writer hold or raise :class:`~zarr_rb.errors.LockedError`
         naming the holder (never waits for it)."""
 

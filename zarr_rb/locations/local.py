@@ -184,7 +184,7 @@ class LocalLocation(Location):
 
     # --- the store as a whole --------------------------------------------------------------
 
-    def check_usable(self, *, create: bool) -> None:
+    def check_usable(self) -> None:
         if self.root.exists() and not self.root.is_dir():
             raise NotAStoreError(
                 f"store {str(self.root)!r} is a file, not a zarr_rb store; pass a directory "
@@ -203,7 +203,7 @@ class LocalLocation(Location):
         for directory in [self.root, *(p.parent for p in missing)]:
             fsync(directory)
 
-    def acquire_writer(self, **options: Any) -> WriterHold:
+    def acquire_writer(self) -> WriterHold:
         return WriterLock.acquire(self.root)
 
     def remove_leftovers(self) -> builtins.list[str]:

@@ -138,8 +138,6 @@ class S3Options:
 class S3Location(Location):
     """The store at ``s3://<bucket>/<prefix>``."""
 
-    supports_server_side_copy = True
-
     def __init__(self, bucket: str, prefix: str, options: S3Options) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
@@ -180,9 +178,6 @@ class S3Location(Location):
 
     def child(self, key: str) -> S3Location:
         return S3Location(self.bucket, join(self.prefix, key), self.options)
-
-    def where(self, key: str = "") -> str:
-        return f"s3://{self.bucket}/{join(self.prefix, key)}"
 
     # --- objects ---------------------------------------------------------------------------
 
@@ -304,7 +299,7 @@ class S3Location(Location):
 
     # --- the store as a whole --------------------------------------------------------------
 
-    def check_usable(self, *, create: bool) -> None:
+    def check_usable(self) -> None:
         """A listing of one key, which (unlike a read) fails for a missing bucket."""
         self.run(
             lambda: self._kv.list(
@@ -321,7 +316,7 @@ class S3Location(Location):
     def create_root(self) -> None:
         pass  # an object store has no directories
 
-    def acquire_writer(self, **options: Any) -> WriterHold:
+    def acquire_writer(self) -> WriterHold:
         from zarr_rb.locations.lease import Lease
 
         return Lease.acquire(self, seconds=self.options.lease_seconds)
