@@ -432,8 +432,8 @@ def test_commit_record_changed_by_another_writer_fences(s3_url, s3_options):
     location = open_location(s3_url, s3_options)
     record = location.read("zarr.json") or b""
     location.write("zarr.json", record + b" ")  # the same record, another generation
-    rb.extend(batch(10, 10))
-    with pytest.raises(FencedError, match="commit record was changed"):
+    with pytest.raises(FencedError, match="commit record was changed"):  # noqa: PT012
+        rb.extend(batch(10, 10))  # (full blocks are written, and committed, at once)
         storage.flush()
     assert len(ZarrStorage(path=s3_url, read_only=True, storage_options=s3_options)) == 10
 
@@ -721,8 +721,8 @@ def test_a_takeover_fences_a_writer_that_passed_its_lease_check(s3_url, s3_optio
     )
     assert other.returncode == 0, other.stderr[-3000:]
     assert other.stdout.strip() == "10"
-    rb.extend(batch(10, 10))
-    with pytest.raises(FencedError, match="commit record was changed"):
+    with pytest.raises(FencedError, match="commit record was changed"):  # noqa: PT012
+        rb.extend(batch(10, 10))  # (full blocks are written, and committed, at once)
         storage.flush()
     reader = ZarrStorage(path=s3_url, read_only=True, storage_options=s3_options)
     assert len(reader) == 10

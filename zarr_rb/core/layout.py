@@ -3,7 +3,9 @@ and the policy that turns them into Zarr chunk and shard shapes.
 
 Large leaves (images) are sharded along rows: one shard holds ``block_rows``
 rows and is written whole, inner chunks of a few rows keep random row reads
-cheap. Small leaves (rewards, actions, flags) use plain chunks of many rows.
+cheap. Small leaves (rewards, actions, flags) use plain chunks of one block.
+A block is thus the unit no two writers of a shared store ever write at once: no
+object on disk holds rows of two blocks.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ __all__ = ["Compression"]
 Codec = Literal["zstd", "lz4", "none"]
 
 _TARGET_SHARD_BYTES = 32 * 2**20
-_TARGET_SMALL_CHUNK_BYTES = 2**20
 _TARGET_RAGGED_CHUNK_BYTES = 16 * 2**10
 _MIN_BLOCK_ROWS = 256
 _MAX_BLOCK_ROWS = 4096
+_MIN_BLOCKS = 32
+"""A store has at least this many blocks (when its rows allow): the writers of a shared
+store each hold one at a time."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,7 +44,7 @@ class Compression:
             rows are buffered in RAM and written. ``None`` picks a power of two that
             puts about 32 MiB of raw data in a shard (256-4096 rows).
         large_row_bytes: leaves with at least this many bytes per row are sharded;
-            smaller ones are stored in plain chunks of about 1 MiB.
+            smaller ones are stored in plain chunks of one block.
 
     Examples:
         >>> from zarr_rb import Compression, ZarrStorage
@@ -116,6 +120,9 @@ def choose_block_rows(
         block = _MAX_BLOCK_ROWS
         while block > _MIN_BLOCK_ROWS and block * widest > _TARGET_SHARD_BYTES:
             block //= 2
+        while block > chunk and block * _MIN_BLOCKS > rows:
+            block //= 2
+        block = _round_up(block, chunk)
     # A block never needs to be taller than the array itself.
     return max(chunk, min(block, _round_up(rows, chunk)))
 
@@ -156,8 +163,6 @@ def leaf_layout(
             chunks=(compression.chunk_rows, *tail),
             shards=(block_rows, *tail),
         )
-    # Small leaves: chunks of about 1 MiB, a whole number of blocks so that a block
-    # write never straddles two chunks.
-    blocks_per_chunk = max(1, _TARGET_SMALL_CHUNK_BYTES // max(1, block_rows * nbytes))
-    chunk_rows = min(block_rows * blocks_per_chunk, _round_up(rows, block_rows))
-    return LeafLayout(shape=shape, chunks=(chunk_rows, *tail), shards=None)
+    # Small leaves: a chunk per block, so that writers of different blocks never write
+    # one object (the writer reads them from its RAM mirror, see core.store).
+    return LeafLayout(shape=shape, chunks=(block_rows, *tail), shards=None)
