@@ -17,6 +17,8 @@ __all__ = [
     "FormatVersionError",
     "InvalidLocationError",
     "LockedError",
+    "LocksUnsupportedError",
+    "MixedWritersError",
     "NoSavedBufferError",
     "NotAStoreError",
     "NotSupportedError",
@@ -24,6 +26,7 @@ __all__ = [
     "RowIndexError",
     "RowsNotCommittedError",
     "SchemaMismatchError",
+    "ServerBusyError",
     "StoreCorruptedError",
     "StoreExistsError",
     "StoreNotFoundError",
@@ -126,6 +129,14 @@ class LockedError(ZarrRBError, BlockingIOError):
         self.holder = holder
 
 
+class MixedWritersError(LockedError):
+    """A single writer and shared writers (``shared=True``) tried to write one store."""
+
+
+class LocksUnsupportedError(ZarrRBError, OSError):
+    """The filesystem of a local store has no working file locks, which its writers need."""
+
+
 class FencedError(LockedError):
     """This writer lost its hold on the store (its lease expired while it stalled, and
     another writer may have taken over): it writes nothing more. Reopen the store to
@@ -143,6 +154,10 @@ class CredentialsError(ZarrRBError, PermissionError):
 
 class EndpointUnreachableError(ZarrRBError, ConnectionError):
     """The object store's endpoint did not answer in time (a wrong URL, a server down)."""
+
+
+class ServerBusyError(ZarrRBError, ConnectionError):
+    """An object store kept answering with server errors (5xx) after every retry."""
 
 
 class InvalidLocationError(ZarrRBError, ValueError):

@@ -137,6 +137,18 @@ class Engine:
             raise ValueError(f"expected a JSON object, got {type(value).__name__}")
         return value
 
+    def root_if_changed(self) -> dict[str, Any] | None:
+        """The root document if it changed since this engine last read or wrote it (its
+        generation adopted), else ``None``: one read, no parse when unchanged."""
+        found = self.location.read_versioned(ROOT_METADATA)
+        if found.generation == self._root_generation or found.value is None:
+            return None
+        self._root_generation = found.generation
+        value = load_json(found.value)
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+        return value
+
     def write_root_attributes(self, attributes: Mapping[str, Any]) -> None:
         """Publish new root attributes (a commit): make every object written since the
         last commit durable, then replace the root ``zarr.json`` in one atomic write.
@@ -147,6 +159,18 @@ class Engine:
         Raises:
             FencedError: the record changed since this writer last read or wrote it.
         """
+        if not self.try_write_root_attributes(attributes):
+            raise FencedError(
+                f"store {self.url!r}: its commit record was changed by another writer since "
+                "this one last committed; nothing was published. Reopen the store to write "
+                "again",
+                holder={},
+            )
+
+    def try_write_root_attributes(self, attributes: Mapping[str, Any]) -> bool:
+        """:meth:`write_root_attributes`, returning ``False`` instead of raising when the
+        record changed since this engine last read or wrote it (the writers of a shared
+        store then read it again, merge and retry)."""
         self.location.sync()
         payload = _group_metadata(attributes)
         if self._root_generation is None:
@@ -162,13 +186,9 @@ class Engine:
             if current.value == payload:
                 generation = current.generation
         if generation is None:
-            raise FencedError(
-                f"store {self.url!r}: its commit record was changed by another writer since "
-                "this one last committed; nothing was published. Reopen the store to write "
-                "again",
-                holder={},
-            )
+            return False
         self._root_generation = generation
+        return True
 
     def claim(self, writer: Mapping[str, Any]) -> None:
         """Rewrite the commit record as it is, naming ``writer`` (a compare-and-swap on the
@@ -217,14 +237,23 @@ class Engine:
         dtype: str,
         compression: Compression,
         attributes: Mapping[str, Any],
+        replace: bool = True,
     ) -> None:
         """Create an array (and its parent groups), replacing any array at ``path``.
 
         zarr-python writes the metadata (so it is exactly what zarr-python writes and
         reads), into memory; the location stores it.
+
+        Args:
+            replace: remove what is at ``path`` first. ``False``: leave an array that is
+                there alone (the writers of a shared store all create the arrays of the
+                schema they agreed on; the same metadata, whoever writes it first).
         """
+        if not replace and self.location.read(join(path, ROOT_METADATA)) is not None:
+            return
         self._create(
             path,
+            replace=replace,
             shape=layout.shape,
             dtype=dtype,
             chunks=layout.chunks,
@@ -233,15 +262,16 @@ class Engine:
             attributes=dict(attributes),
         )
 
-    def _create(self, path: str, **settings: Any) -> None:
+    def _create(self, path: str, *, replace: bool = True, **settings: Any) -> None:
         import zarr
         from zarr.storage import MemoryStore
 
         documents: dict[str, Any] = {}
         zarr.create_array(MemoryStore(documents), fill_value=0, zarr_format=3, **settings)
         self._ensure_groups(path.rpartition("/")[0])
-        # Chunks of an array previously at this path would be read as this one's.
-        self.location.delete_prefix(path)
+        if replace:
+            # Chunks of an array previously at this path would be read as this one's.
+            self.location.delete_prefix(path)
         if self.cache is not None:
             self.cache.invalidate(self.cache.keys_under(path))
         self._write_metadata(path, documents[ROOT_METADATA].to_bytes())

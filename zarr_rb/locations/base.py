@@ -51,7 +51,10 @@ LEASE_KEY = ".zarr_rb.lease"
 TEMPORARY_SUFFIXES = (".tmp", ".__lock", ".partial")
 """Files of interrupted writes: ours (``.tmp``), TensorStore's (``.__lock``) and
 zarr-python's (``.partial``). They are never part of a commit."""
-NOT_DATA = (LOCK_FILE, CAS_LOCK_FILE, LEASE_KEY)
+WRITERS_DIR = ".zarr_rb.writers"
+"""One object per writer of a shared store, ``<dir>/<writer id>``: its lock file (local)
+or its lease (object store), which tells the others whether it is alive."""
+NOT_DATA = (LOCK_FILE, CAS_LOCK_FILE, LEASE_KEY, WRITERS_DIR)
 
 
 def is_temporary(name: str) -> bool:
@@ -61,7 +64,12 @@ def is_temporary(name: str) -> bool:
 def is_store_object(key: str) -> bool:
     """Whether ``key`` belongs to the store's content (what a copy takes along)."""
     name = key.rpartition("/")[2]
-    return not is_temporary(name) and key not in NOT_DATA
+    return not is_temporary(name) and key.partition("/")[0] not in NOT_DATA
+
+
+def writer_key(writer: str) -> str:
+    """The object of a shared store's writer ``writer`` (see :data:`WRITERS_DIR`)."""
+    return f"{WRITERS_DIR}/{writer}"
 
 
 class WriterHold(Protocol):
@@ -199,7 +207,24 @@ class Location(abc.ABC):
     @abc.abstractmethod
     def acquire_writer(self) -> WriterHold:
         """Take the store's writer hold or raise :class:`~zarr_rb.errors.LockedError`
-        naming the holder (never waits for it)."""
+        naming the holder (never waits for it); :class:`~zarr_rb.errors.MixedWritersError`
+        when shared writers hold it."""
+
+    @abc.abstractmethod
+    def join_writers(self, writer: str) -> WriterHold:
+        """Hold the store as one of its shared writers, named ``writer`` (a new id), until
+        released; raise :class:`~zarr_rb.errors.MixedWritersError` at once if a single
+        writer holds it."""
+
+    @abc.abstractmethod
+    def writer_alive(self, writer: str) -> bool:
+        """Whether the shared writer ``writer`` still holds the store (once ``False``,
+        never ``True`` again: a writer id is never reused)."""
+
+    def live_writers(self) -> builtins.list[str]:
+        """The shared writers that hold the store now."""
+        names = {key.partition("/")[2] for key in self.list(WRITERS_DIR)}
+        return sorted(name for name in names if name and self.writer_alive(name))
 
     def remove_leftovers(self) -> builtins.list[str]:
         """Delete what interrupted writes left behind (only the writer calls this)."""

@@ -51,9 +51,17 @@ class Lease:
     needs_claim = True
 
     def __init__(
-        self, location: Location, *, seconds: float, holder: dict[str, Any], generation: bytes
+        self,
+        location: Location,
+        *,
+        seconds: float,
+        holder: dict[str, Any],
+        generation: bytes,
+        key: str = LEASE_KEY,
     ) -> None:
         self.location = location
+        self.key = key
+        self.needs_claim = key == LEASE_KEY  # a shared writer's lease names no commit
         self.seconds = seconds
         self.holder = holder
         self._lease_generation: Generation = generation
@@ -65,9 +73,13 @@ class Lease:
         self._thread.start()
 
     @classmethod
-    def acquire(cls, location: Location, *, seconds: float) -> Lease:
-        """Take the lease, or raise :class:`LockedError` at once if it is held."""
-        current = location.read_versioned(LEASE_KEY)
+    def acquire(
+        cls, location: Location, *, seconds: float, key: str = LEASE_KEY, **about: Any
+    ) -> Lease:
+        """Take the lease at ``key`` (the store's writer lease by default; a shared
+        writer's own otherwise), or raise :class:`LockedError` at once if it is held.
+        ``about`` goes into the record."""
+        current = location.read_versioned(key)
         record = _parse(current.value)
         if current.value is not None and record.get("expires", 0) > time.time():
             raise _locked(location, record)
@@ -78,13 +90,12 @@ class Lease:
             "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "token": uuid.uuid4().hex,
             "seconds": seconds,
+            **about,
         }
-        generation = location.write_if(
-            LEASE_KEY, _record(holder, seconds), generation=current.generation
-        )
+        generation = location.write_if(key, _record(holder, seconds), generation=current.generation)
         if generation is None:  # another writer took it between our read and our write
-            raise _locked(location, _parse(location.read(LEASE_KEY)))
-        lease = cls(location, seconds=seconds, holder=holder, generation=generation)
+            raise _locked(location, _parse(location.read(key)))
+        lease = cls(location, seconds=seconds, holder=holder, generation=generation, key=key)
         lease._renewed = started
         return lease
 
@@ -115,7 +126,7 @@ class Lease:
     def _current_holder(self) -> dict[str, Any]:
         """Who holds the lease now, as far as it can be read."""
         with contextlib.suppress(OSError):
-            return _parse(self.location.read(LEASE_KEY))
+            return _parse(self.location.read(self.key))
         return {}
 
     def release(self) -> None:
@@ -130,7 +141,7 @@ class Lease:
                 # Unreachable: the lease expires by itself.
                 with contextlib.suppress(OSError):
                     self.location.write_if(
-                        LEASE_KEY,
+                        self.key,
                         _record(self.holder, -self.seconds),
                         generation=self._lease_generation,
                     )
@@ -149,11 +160,11 @@ class Lease:
             record = _record(self.holder, self.seconds)
             try:
                 generation = self.location.write_if(
-                    LEASE_KEY, record, generation=self._lease_generation
+                    self.key, record, generation=self._lease_generation
                 )
                 if generation is None:
                     # A retried request whose first attempt landed fails its condition.
-                    current = self.location.read_versioned(LEASE_KEY)
+                    current = self.location.read_versioned(self.key)
                     generation = current.generation if current.value == record else None
             except OSError:
                 return  # try again at the next renewal; check() fences once it is too old
@@ -162,6 +173,12 @@ class Lease:
                 return
             self._lease_generation = generation
             self._renewed = started
+
+
+def lease_alive(location: Location, key: str) -> bool:
+    """Whether the lease at ``key`` is held (its record has not expired)."""
+    record = _parse(location.read(key))
+    return float(record.get("expires", 0)) > time.time()
 
 
 def _record(holder: dict[str, Any], seconds: float) -> bytes:

@@ -34,7 +34,7 @@ from zarr_rb.locations.base import (
     WriterHold,
     is_temporary,
 )
-from zarr_rb.locations.lock import WriterLock
+from zarr_rb.locations.lock import SharedLock, WriterLock, shared_writer_alive
 
 ABSENT: Generation = b"absent"
 
@@ -204,7 +204,13 @@ class LocalLocation(Location):
             fsync(directory)
 
     def acquire_writer(self) -> WriterHold:
-        return WriterLock.acquire(self.root)
+        return WriterLock.acquire(self.root, shared_writers=self.live_writers)
+
+    def join_writers(self, writer: str) -> WriterHold:
+        return SharedLock.acquire(self.root, writer)
+
+    def writer_alive(self, writer: str) -> bool:
+        return shared_writer_alive(self.root, writer)
 
     def remove_leftovers(self) -> builtins.list[str]:
         removed = []

@@ -1,24 +1,36 @@
-"""One writer per store: an advisory lock on a file inside the store.
+"""Who may write a local store: advisory locks on files inside it.
 
-The lock is ``flock(2)`` on ``<store>/.zarr_rb.lock``: the kernel releases it
+The writer lock is ``flock(2)`` on ``<store>/.zarr_rb.lock``: the kernel releases it
 when the holder exits or dies (even by SIGKILL), so a crashed writer never
 leaves a store locked. The holder writes who it is (host, pid, since when) into
 the file so that the next writer can say who holds it. Readers never touch it.
 On NFS, Linux maps ``flock`` onto NFS byte-range locks.
+
+The writers of a shared store each hold that file's lock *shared* (so no single writer
+gets in while they are there, and none of them while a single writer is) and an
+exclusive lock on a file of their own, ``.zarr_rb.writers/<writer id>``: whoever can take
+that lock knows its writer is gone, at once, however it ended.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from zarr_rb.errors import LockedError
-from zarr_rb.locations.base import LOCK_FILE
+from zarr_rb.errors import LockedError, LocksUnsupportedError, MixedWritersError
+from zarr_rb.locations.base import LOCK_FILE, WRITERS_DIR
+
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+"""What ``flock`` fails with on a filesystem that has no working locks (NFS mounted with
+``nolock`` and no local locking, some FUSE filesystems)."""
 
 
 class WriterLock:
@@ -32,15 +44,22 @@ class WriterLock:
         self._fd: int | None = fd
 
     @classmethod
-    def acquire(cls, root: Path) -> WriterLock:
-        """Take the lock or raise :class:`LockedError` at once (never waits)."""
+    def acquire(
+        cls, root: Path, *, shared_writers: Callable[[], list[str]] | None = None
+    ) -> WriterLock:
+        """Take the lock or raise :class:`LockedError` at once (never waits);
+        :class:`MixedWritersError` if shared writers hold it (``shared_writers`` names
+        them)."""
         path = root / LOCK_FILE
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, path)
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
+            others = shared_writers() if shared_writers is not None else []
+            if others:
+                raise mixed_writers(str(root), len(others)) from None
             who = (
                 f"pid {holder.get('pid')} on host {holder.get('host')!r} since "
                 f"{holder.get('since')}"
@@ -49,17 +68,14 @@ class WriterLock:
             )
             raise LockedError(
                 f"store {str(root)!r} is open for writing by {who}; one writer per store: "
-                "close it there first, or open this one read-only (read_only=True)",
+                "close it there first, open this one read-only (read_only=True), or make "
+                "every writer a shared one (shared=True)",
                 holder=holder,
             ) from None
         except BaseException:
             os.close(fd)
             raise
-        holder = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        }
+        holder = _me()
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode("utf-8"), 0)
         return cls(path, fd, holder)
@@ -79,6 +95,123 @@ class WriterLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+
+class SharedLock:
+    """One writer's hold on a shared store: the writer lock taken shared, and its own
+    file's lock taken exclusively (see the module's docstring)."""
+
+    needs_claim = False
+
+    def __init__(self, shared: WriterLock, own: WriterLock) -> None:
+        self._shared = shared
+        self._own = own
+        self.holder = own.holder
+
+    @classmethod
+    def acquire(cls, root: Path, writer: str) -> SharedLock:
+        path = root / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, path)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise MixedWritersError(
+                f"store {str(root)!r} is open by a single writer (pid {holder.get('pid')} on "
+                f"host {holder.get('host')!r}), which writes rows wherever its cursor points; "
+                "shared writers cannot join it. Close it there and reopen every writer with "
+                "shared=True",
+                holder=holder,
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        shared = WriterLock(path, fd, {})
+        try:
+            (root / WRITERS_DIR).mkdir(exist_ok=True)
+            own_path = root / WRITERS_DIR / writer
+            own_fd = os.open(own_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                flock(own_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, own_path)
+            except BaseException:
+                os.close(own_fd)
+                raise
+            holder = {**_me(), "writer": writer}
+            os.pwrite(own_fd, json.dumps(holder).encode("utf-8"), 0)
+        except BaseException:
+            shared.release()
+            raise
+        return cls(shared, WriterLock(own_path, own_fd, holder))
+
+    @property
+    def held(self) -> bool:
+        return self._own.held
+
+    def check(self) -> None:
+        """Nothing to check: the kernel holds an flock until the holder closes it."""
+
+    def release(self) -> None:
+        if not self._own.held:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self._own.path.unlink()
+        self._own.release()
+        self._shared.release()
+
+
+def shared_writer_alive(root: Path, writer: str) -> bool:
+    """Whether a shared writer of the store at ``root`` holds its lock file; the file of
+    one that is gone is removed."""
+    path = root / WRITERS_DIR / writer
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, path)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    return False
+
+
+def flock(fd: int, operation: int, path: Path) -> None:
+    """``flock(2)``, failing with :class:`LocksUnsupportedError` where the filesystem has
+    no working locks."""
+    try:
+        fcntl.flock(fd, operation)
+    except BlockingIOError:
+        raise
+    except OSError as err:
+        if err.errno not in _NO_LOCKS:
+            raise
+        raise LocksUnsupportedError(
+            err.errno,
+            f"cannot lock {str(path)!r}: the filesystem has no working file locks "
+            f"({os.strerror(err.errno)}). A store's writers rely on them: mount it with "
+            "locking (NFS: without 'nolock'), or put the store on a local disk or on S3",
+        ) from None
+
+
+def mixed_writers(where: str, count: int) -> MixedWritersError:
+    return MixedWritersError(
+        f"store {where!r} is written by {count} shared writer(s) (opened with shared=True), "
+        "which place rows by blocks; a single writer would overwrite their rows. Open this "
+        "one with shared=True too, or close the shared writers first",
+        holder={"shared_writers": count},
+    )
+
+
+def _me() -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _read_holder(fd: int) -> dict[str, Any]:

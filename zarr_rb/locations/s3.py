@@ -43,10 +43,13 @@ from zarr_rb.errors import (
     CredentialsError,
     EndpointUnreachableError,
     InvalidLocationError,
+    MixedWritersError,
+    ServerBusyError,
     StoreWriteError,
 )
 from zarr_rb.locations import _sigv4
 from zarr_rb.locations.base import (
+    LEASE_KEY,
     NOT_DATA,
     ROOT_METADATA,
     Generation,
@@ -55,7 +58,9 @@ from zarr_rb.locations.base import (
     Versioned,
     WriterHold,
     join,
+    writer_key,
 )
+from zarr_rb.locations.lock import mixed_writers
 
 OPTIONS = ("endpoint_url", "key", "secret", "token", "region", "anon")
 """``storage_options`` as fsspec/s3fs name them."""
@@ -311,7 +316,7 @@ class S3Location(Location):
     def exists(self) -> bool:
         """Whether the prefix holds any object other than a writer's lease."""
         keys = self.run(lambda: self._kv.list().result(), "listing")
-        return any(key.decode() not in NOT_DATA for key in keys)
+        return any(key.decode().partition("/")[0] not in NOT_DATA for key in keys)
 
     def create_root(self) -> None:
         pass  # an object store has no directories
@@ -319,7 +324,34 @@ class S3Location(Location):
     def acquire_writer(self) -> WriterHold:
         from zarr_rb.locations.lease import Lease
 
-        return Lease.acquire(self, seconds=self.options.lease_seconds)
+        lease = Lease.acquire(self, seconds=self.options.lease_seconds)
+        others = self.live_writers()
+        if others:
+            lease.release()
+            raise mixed_writers(self.url, len(others))
+        return lease
+
+    def join_writers(self, writer: str) -> WriterHold:
+        from zarr_rb.locations.lease import Lease, lease_alive
+
+        if lease_alive(self, LEASE_KEY):
+            raise MixedWritersError(
+                f"store {self.url!r} is open by a single writer, which writes rows wherever "
+                "its cursor points; shared writers cannot join it. Close it there and reopen "
+                "every writer with shared=True",
+                holder={},
+            )
+        return Lease.acquire(
+            self, seconds=self.options.lease_seconds, key=writer_key(writer), writer=writer
+        )
+
+    def writer_alive(self, writer: str) -> bool:
+        from zarr_rb.locations.lease import lease_alive
+
+        if lease_alive(self, writer_key(writer)):
+            return True
+        self.delete(writer_key(writer))  # expired for good: writer ids are never reused
+        return False
 
     # --- errors ----------------------------------------------------------------------------
 
@@ -353,6 +385,12 @@ class S3Location(Location):
                 f"{where}: {endpoint} did not answer ({what}: {reason[:200]}); check "
                 "storage_options['endpoint_url'] (or AWS_ENDPOINT_URL) and that the server "
                 "is up"
+            )
+        if "http_response_code='5" in reason:
+            return ServerBusyError(
+                f"{where}: {endpoint} kept answering with a server error ({what}: "
+                f"{reason[:200]}) after {self.options.retries} attempts; retry later, or "
+                "raise storage_options['retries']"
             )
         return _UnclassifiedError(f"{where}: {what} failed ({reason[:300]})")
 
