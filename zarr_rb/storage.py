@@ -24,7 +24,7 @@ import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 from torchrl.data.replay_buffers.storages import TensorStorage
 
-from zarr_rb import _compat, _convert, _index, _rows, _torchrl_state
+from zarr_rb import _compat, _convert, _index, _rows, _shared, _torchrl_state
 from zarr_rb._checkpointer import ZarrStorageCheckpointer
 from zarr_rb._holes import guard_sampler, random_readable_indices
 from zarr_rb._lazy import LazyColumn
@@ -38,8 +38,10 @@ from zarr_rb.core.open import Mode, one_path, open_store, resolve_mode
 from zarr_rb.core.store import Store
 from zarr_rb.errors import (
     LockedError,
+    MixedWritersError,
     NotSupportedError,
     ReadOnlyError,
+    StoreNotFoundError,
 )
 from zarr_rb.locations import LocalLocation
 
@@ -114,7 +116,14 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             at exit. Default: only for temporary stores (``path=None``).
         compilable: as for TorchRL's storages (bookkeeping in plain Python numbers). The I/O
             of a store cannot be traced by ``torch.compile``, which breaks the graph there.
-        shared_init: not supported yet (raises :class:`~zarr_rb.errors.NotSupportedError`).
+        shared: write the store as one of several writers, in this process and in others,
+            on this machine or others (a shared filesystem, S3): each writer appends by whole
+            blocks of rows and publishes every extend before it returns, so every writer's
+            ``len`` and samples include it. A storage handed to another process (pickled for
+            ``multiprocessing``: collectors, ``mp.Process``) becomes shared by itself. See
+            the README's "Many writers".
+        shared_init: as for TorchRL's storages: the first write may come from any process
+            (always true of a ZarrStorage).
         ragged: tensor entries to store as rows of different lengths (along their first
             dimension), as ``LazyStackStorage`` holds them: ``True`` for every entry with at
             least one dimension, or their keys. Entries whose rows differ in the write that
@@ -156,19 +165,16 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         auto_cleanup: bool | None = None,
         compilable: bool = False,
         shared_init: bool = False,
+        shared: bool = False,
         consolidated: bool = False,
         cleanup_memmap: bool = True,
         ragged: bool | str | Sequence[str | tuple[str, ...]] = False,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         del consolidated, cleanup_memmap  # layout hints of TorchRL's in-RAM storages
-        if shared_init:
-            raise NotSupportedError(
-                "ZarrStorage(shared_init=True): initialising a storage from several processes "
-                "is not supported yet. Write a first batch in the parent process before the "
-                "buffer is handed to other processes",
-            )
         mode = resolve_mode(mode, read_only=read_only, existsok=existsok)
+        if shared and mode == "r":
+            raise ValueError("shared=True is for writers; readers are never in each other's way")
         if refresh_interval is not None and mode != "r":
             raise ValueError(
                 "refresh_interval is for read-only storages (the writer always sees its own "
@@ -196,6 +202,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             ndim=ndim,
             compression=compression,
             storage_options=storage_options,
+            shared=shared,
         )
         try:
             length = store.length
@@ -214,6 +221,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             if self.initialized and store.committed.length:
                 _compat.set_last_cursor(self, (store.cursor - 1) % store.rows)
             self.existsok = existsok
+            self.shared_init = shared_init
             self.__dict__["_ragged"] = _convert.ragged_keys(ragged)
             self.__dict__["_storage_options"] = dict(storage_options or {})
             self.auto_cleanup = tmpdir is not None if auto_cleanup is None else bool(auto_cleanup)
@@ -247,14 +255,22 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     @property
     def _len(self) -> int:
+        store = self.__dict__["_store"]
         interval = self.__dict__.get("_refresh_interval")
-        if interval is not None and time.monotonic() - self._refreshed_at >= interval:
+        if store.sharing is not None:
+            store.refresh()  # rows other writers published (one read of the record)
+            if not self.initialized and store.schema is not None:  # made by another writer
+                self.initialized = True
+                self.max_size = capacity_of(store.meta)
+        elif interval is not None and time.monotonic() - self._refreshed_at >= interval:
             self.refresh()
-        return int(self.__dict__["_store"].length)
+        return int(store.length)
 
     @_len.setter
     def _len(self, value: int) -> None:
-        self.__dict__["_store"].length = int(value)
+        store = self.__dict__["_store"]
+        if store.sharing is None:  # a shared store's length is its commit record's
+            store.length = int(value)
 
     @property
     def _total_shape(self) -> torch.Size | None:
@@ -417,15 +433,22 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickles as a handle: the store's path and the storage's settings, never its open
-        files or rows. Unpickled in this process, it shares the open store; in another
-        process, it opens the store there (read-only storages only, for now: a store has
-        one writer process)."""
+        """Pickles as a handle: the store's location and the storage's settings, never its
+        open files or rows. Unpickled in this process, it shares the open store; in
+        another process, it opens the store there, as one more writer (a writer's storage
+        sent to a new process makes its store shared first) or as a reader."""
+        store = self._store
+        if not store.read_only and store.sharing is None and _shared.spawning():
+            store.become_shared()
         self.flush()
         state = _compat.storage_state(self)
         for name in ("_store", "_finalizer", "_thread_state", "_last_gather", "writes_begun"):
             state.pop(name, None)
-        state[_HANDLE] = {"path": self.url, "read_only": self.read_only}
+        state[_HANDLE] = {
+            "path": self.url,
+            "read_only": self.read_only,
+            "shared": store.sharing is not None,
+        }
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -439,12 +462,23 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 ndim=self.ndim,
                 compression=None,
                 storage_options=self.storage_options or None,
+                shared=handle.get("shared", False),
             )
+        except StoreNotFoundError:
+            raise StoreNotFoundError(
+                f"the store this ZarrStorage was pickled from, at {handle['path']!r}, is "
+                "gone (deleted since, or a temporary store removed when the storage that "
+                "made it closed): keep the storage that made it open while others use it, "
+                "and give it a path that outlives it (ZarrStorage(max_size, path))",
+            ) from None
+        except MixedWritersError:
+            raise
         except LockedError as err:
             raise LockedError(
-                f"{err}. A ZarrStorage unpickled in another process joins its store as a "
-                "writer, and a store takes one writer process for now: share a read-only "
-                "storage (ZarrStorage(path=..., read_only=True)) with other processes",
+                f"{err}. A ZarrStorage unpickled in another process joins its store as one "
+                "more writer: create it with shared=True (or hand it to the other process "
+                "through multiprocessing, which makes it shared), or share a read-only "
+                "storage (ZarrStorage(path=..., read_only=True))",
                 holder=err.holder,
             ) from None
         self._attach_store(store)
@@ -491,6 +525,10 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         store._check_writable()
         if isinstance(data, list):
             data = _convert.flip_list(data)
+        if store.sharing is not None and set_cursor and not isinstance(cursor, tuple):
+            _shared.append(self, cursor, data)
+            _compat.bump_revision(self)
+            return
         # Validate everything before touching the length or the cursor: a rejected
         # write leaves the storage as it was (and its writer, see _writes.guard_writer).
         rows, leaves = self._rows_to_write(cursor, data)
@@ -598,6 +636,11 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
     @_io_boundary
     def _empty(self) -> None:
         self._store._check_writable()
+        if self._store.sharing is not None:
+            raise NotSupportedError(
+                f"{self._where} is shared by several writers: emptying it would drop the rows "
+                "of the others; start a new store instead (mode='w' once no writer has it)",
+            )
         self._store.discard()
         self._len = 0
         self._store.flush()
@@ -652,7 +695,17 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             if rest:
                 out = _convert.select(out, (slice(None), *rest))
         elif not rest and not isinstance(head, slice) and not _compat.is_int(head):
-            out = self._gather(_index.as_index_tensor(head), schema, length)
+            if self._store.sharing is not None and isinstance(head, torch.Tensor):
+                out = _shared.gather_redrawing(
+                    self,
+                    head,
+                    lambda i: self._gather(
+                        _index.as_index_tensor(i), schema, _compat.length_along_dim0(self)
+                    ),
+                    self._rand_given_ndim,
+                )
+            else:
+                out = self._gather(_index.as_index_tensor(head), schema, length)
         else:
             rows, position = _index.read_rows(head, length, where=self._where)
             block = self._read(rows, schema)
@@ -754,8 +807,12 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         """Random element indices (RandomSampler), drawn among the rows that can be read:
         rows withdrawn by a crash or by ``verify --repair`` are never drawn."""
         if not self._store.unreadable_rows().size:
-            return super()._rand_given_ndim(batch_size)
-        return random_readable_indices(self, batch_size)
+            index = super()._rand_given_ndim(batch_size)
+        else:
+            index = random_readable_indices(self, batch_size)
+        if self._store.sharing is not None:
+            self._thread_state.draw = index  # drawn again if evicted before it is read
+        return index
 
     # --- state -----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -239,6 +240,35 @@ class Schema:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Ring:
+    """How the writers of a shared store take turns: by whole blocks, in ring order.
+
+    ``taken`` counts the blocks handed out since the store became shared; the next one is
+    block ``taken % blocks`` (a block still held by a live writer is stepped over), so the
+    ring order of blocks is this count alone. ``held`` maps each block being written to
+    the writer holding it. ``rewrites`` counts writes to given rows (``storage[i] = ...``)
+    that held blocks outside the ring order: readers that saw it move re-read.
+    """
+
+    taken: int = 0
+    held: tuple[tuple[int, str], ...] = ()
+    rewrites: int = 0
+
+    def holder(self, block: int) -> str | None:
+        return dict(self.held).get(block)
+
+    def blocks_of(self, writer: str) -> list[int]:
+        return [block for block, who in self.held if who == writer]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "taken": self.taken,
+            "held": [[block, who] for block, who in self.held],
+            "rewrites": self.rewrites,
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Commit:
     """The committed state that readers and a reopening writer trust.
 
@@ -251,14 +281,19 @@ class Commit:
     length: int = 0
     cursor: int = 0
     holes: tuple[tuple[int, int], ...] = ()
+    ring: Ring | None = None
+    """The blocks of a store written by several writers (``None``: one writer)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        record: dict[str, Any] = {
             "generation": self.generation,
             "length": self.length,
             "cursor": self.cursor,
             "holes": [list(h) for h in self.holes],
         }
+        if self.ring is not None:
+            record["ring"] = self.ring.to_json()
+        return record
 
     def readable_mask(self, rows: int) -> np.ndarray:
         """Boolean mask over ``rows`` rows: which rows this commit declares readable."""
@@ -393,6 +428,37 @@ def parse_commit(value: object, *, rows: int) -> Commit:
         length=length,
         cursor=_parse_int(value.get("cursor", 0), "commit cursor", hi=max(rows - 1, 0)),
         holes=tuple(holes),
+        ring=parse_ring(value.get("ring"), rows=rows),
+    )
+
+
+_WRITER_ID = re.compile(r"[0-9a-f]{8,64}")
+
+
+def parse_ring(value: object, *, rows: int) -> Ring | None:
+    if value is None:
+        return None
+    _expect(isinstance(value, Mapping), "'ring' to be an object or null", value)
+    assert isinstance(value, Mapping)
+    held_raw = value.get("held", [])
+    _expect(isinstance(held_raw, list) and len(held_raw) <= rows, "ring held list", held_raw)
+    assert isinstance(held_raw, list)
+    held = []
+    for entry in held_raw:
+        _expect(
+            isinstance(entry, list)
+            and len(entry) == 2
+            and isinstance(entry[1], str)
+            and _WRITER_ID.fullmatch(entry[1]) is not None,
+            "a held block [block, writer id]",
+            entry,
+        )
+        held.append((_parse_int(entry[0], "held block", hi=max(rows - 1, 0)), entry[1]))
+    _expect(len({block for block, _ in held}) == len(held), "each block held once", held_raw)
+    return Ring(
+        taken=_parse_int(value.get("taken"), "ring taken"),
+        held=tuple(held),
+        rewrites=_parse_int(value.get("rewrites", 0), "ring rewrites"),
     )
 
 

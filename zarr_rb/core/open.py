@@ -14,9 +14,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from zarr_rb.core.format import DATA_GROUP, STATE_GROUP, Commit, StoreMeta, parse_store_meta
+from zarr_rb.core.format import (
+    ATTRS_KEY,
+    DATA_GROUP,
+    STATE_GROUP,
+    Commit,
+    Ring,
+    StoreMeta,
+    parse_store_meta,
+)
 from zarr_rb.core.layout import Compression
 from zarr_rb.core.metadata import check_is_store, check_meta, parse_meta, read_root
+from zarr_rb.core.sharing import Sharing, new_writer_id
 from zarr_rb.core.store import Store
 from zarr_rb.engine import Engine
 from zarr_rb.errors import (
@@ -85,20 +94,31 @@ def open_store(
     ndim: int | None,
     compression: Compression | None,
     storage_options: Mapping[str, Any] | None = None,
+    shared: bool = False,
 ) -> Store:
     """Open the store at ``path`` (a local path or a URL) in ``mode`` (see the module's
     docstring).
 
     ``max_size`` and ``ndim`` must match an existing store's (``None``: take its own);
-    ``compression`` too (``None``: the store's own settings).
+    ``compression`` too (``None``: the store's own settings). ``shared``: write it as one
+    of several writers (see :mod:`zarr_rb.core.sharing`).
     """
+    if shared and mode == "w":
+        raise ValueError(
+            "mode='w' removes what a store holds, rows of other writers included; shared "
+            "writers open a store with mode='a' (created if missing) or 'r+'"
+        )
     location = open_location(path, storage_options)
     location.check_usable()
     engine = Engine(location)
     where = f"store {location.url!r}"
     key = location.identity()
     open_here = _WRITERS.get(key)
-    if open_here is not None and mode != "r":
+    if open_here is not None and mode != "r" and not (shared and open_here.sharing is not None):
+        # One writer per process, unless shared: a shared store takes any number of
+        # writers, in this process as in others.
+        if shared:
+            open_here.become_shared()
         return _share(open_here, mode, max_size=max_size, ndim=ndim, compression=compression)
     document = read_root(engine)
     if document is not None:
@@ -131,7 +151,26 @@ def open_store(
         location.create_root()
     elif mode == "w-":
         raise _exists_error(where)
-    lock = location.acquire_writer()
+    if shared:
+        store = _open_shared(engine, max_size=max_size, ndim=ndim, compression=compression)
+    else:
+        store = _open_single(engine, mode, max_size=max_size, ndim=ndim, compression=compression)
+    if key not in _WRITERS:
+        _WRITERS[key] = store
+        store.on_close(_forget)
+    return store
+
+
+def _open_single(
+    engine: Engine,
+    mode: Mode,
+    *,
+    max_size: int | None,
+    ndim: int | None,
+    compression: Compression | None,
+) -> Store:
+    """Open (or create) the store as its one writer."""
+    lock = engine.location.acquire_writer()
     try:
         store = _open_locked(
             engine, lock, mode, max_size=max_size, ndim=ndim, compression=compression
@@ -139,13 +178,62 @@ def open_store(
     except BaseException:
         lock.release()
         raise
-    _WRITERS[key] = store
-    store.on_close(_forget)
+    return store
+
+
+def _open_shared(
+    engine: Engine,
+    *,
+    max_size: int | None,
+    ndim: int | None,
+    compression: Compression | None,
+) -> Store:
+    """Open (or create) the store as one of its shared writers: no cleanup (other writers'
+    writes are under way), the record created by compare-and-swap if missing."""
+    where = f"store {engine.url!r}"
+    writer = new_writer_id()
+    hold = engine.location.join_writers(writer)
+    try:
+        document = read_root(engine, adopt=True)
+        if document is None:
+            assert max_size is not None
+            compression = compression or Compression()
+            meta = StoreMeta(
+                max_size=max_size,
+                ndim=ndim or 1,
+                schema=None,
+                commit=Commit(ring=Ring()),
+                compression=compression.to_json(),
+            )
+            # Create-only: of writers creating it at once, one record wins; all join it.
+            engine.try_write_root_attributes({ATTRS_KEY: meta.to_json()})
+            engine.create_group(DATA_GROUP)
+            document = read_root(engine, adopt=True)
+            assert document is not None
+        check_is_store(document, where)
+        meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
+        if meta.commit.ring is not None:
+            # Its arrays may still be being created by the writer that set its schema:
+            # the schema is taken (and missing arrays created) as the store is joined.
+            meta = dataclasses.replace(meta, schema=None, block_rows=None)
+        store = Store(
+            engine,
+            meta,
+            read_only=False,
+            compression=_compression_of(meta, compression, where),
+            lock=hold,
+        )
+        Sharing.start(store, writer)
+    except BaseException:
+        hold.release()
+        raise
     return store
 
 
 def _forget(store: Store) -> None:
-    _WRITERS.pop(store.engine.location.identity(), None)
+    key = store.engine.location.identity()
+    if _WRITERS.get(key) is store:
+        del _WRITERS[key]
 
 
 def _share(

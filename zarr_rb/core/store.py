@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -45,9 +46,11 @@ from zarr_rb.core.format import (
 from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.reader import read_committed, reread_commit
+from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.write_cache import Block, Key, WriteBuffer
 from zarr_rb.engine import Engine, RowArray
 from zarr_rb.errors import (
+    NotSupportedError,
     ReadOnlyError,
     RowsNotCommittedError,
     StoreCorruptedError,
@@ -61,6 +64,8 @@ _MAX_STAGED_BLOCKS = 8
 STAGED_RAGGED_BYTES = 128 * 2**20
 """A block of rows of different lengths waits in RAM padded to its longest row; rows so
 long that their block would take more than this are written at once instead."""
+ARRAYS_WAIT_SECONDS = 10.0
+"""How long a store that just got its schema from another writer waits for its arrays."""
 MIRROR_LIMIT_BYTES = 256 * 2**20
 """Small leaves (actions, rewards, flags, trajectory ids) are mirrored in RAM by the writer
 when all of them together take at most this much."""
@@ -123,6 +128,8 @@ class Store:
         self._remove: list[Location] = []
         self._on_close: list[Callable[[Store], None]] = []
         self.closed = False
+        self.sharing: Sharing | None = None
+        """The shared-writer protocol, when this store has several writers."""
         if meta.schema is not None:
             self._attach_schema(meta.schema, meta.block_rows or 1)
 
@@ -173,6 +180,8 @@ class Store:
 
     def _attach_schema(self, schema: Schema, block_rows: int) -> None:
         self._leaves = leaves_by_key(schema.leaves)
+        if self.meta.commit.ring is not None:
+            self._wait_for_arrays(schema)
         # Row masks are sized from the schema: check it against an array on disk first.
         first = next(leaf for leaf in schema.leaves if not leaf.ragged)
         self.engine.check_array_metadata(first.path, self._array_shape(first))
@@ -187,6 +196,16 @@ class Store:
         # Rows known to hold intact data: those of the commit. Rows past it were never
         # written or belong to an interrupted write; they become intact when written.
         self._ledger = Ledger(self.committed.readable_mask(schema.rows), self._leaves)
+
+    def _wait_for_arrays(self, schema: Schema) -> None:
+        """The arrays of a shared store are created by the writer that set its schema,
+        right after it published it: wait for the last of them."""
+        last = schema.leaves[-1]
+        deadline = time.monotonic() + ARRAYS_WAIT_SECONDS
+        while self.engine.location.read(f"{last.path}/{ROOT_METADATA}") is None:
+            if time.monotonic() > deadline:
+                return  # reported by the checks that follow
+            time.sleep(0.01)
 
     def _update_mirrorable(self) -> None:
         schema = self.schema
@@ -209,17 +228,36 @@ class Store:
         """Create the arrays of ``schema`` (first write of a new store)."""
         self._check_writable()
         block_rows = choose_block_rows(self.compression, schema.leaves, schema.batch_shape)
+        if self.sharing is not None:
+            self.sharing.set_schema(schema, block_rows)
+            return
         with self.writing("creating the arrays"):
             self._create_arrays(schema.leaves, schema.batch_shape, block_rows)
         self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows)
         self._attach_schema(schema, block_rows)
         self.publish_meta()
 
+    def ensure_arrays(self) -> None:
+        """Create the arrays of the schema that are missing (shared stores: whichever
+        writer gets there first; the same metadata from every one)."""
+        schema = self.schema
+        assert schema is not None
+        with self.writing("creating the arrays"):
+            self._create_arrays(
+                schema.leaves, schema.batch_shape, self.meta.block_rows or 1, replace=False
+            )
+
     @_serialized
     def add_leaves(self, leaves: Sequence[LeafSpec]) -> None:
         """Add columns to an initialised store. Rows already written read as zeros in them,
         as in TorchRL's storages; the new schema is published with the next commit."""
         self._check_writable()
+        if self.sharing is not None:
+            raise NotSupportedError(
+                f"store {self.url!r} is shared by several writers, whose schema is fixed by "
+                f"the first write; cannot add keys {[leaf.key for leaf in leaves]}: write "
+                "every key from the first extend on",
+            )
         schema = self.schema
         assert schema is not None
         assert self._buffer is not None
@@ -258,7 +296,12 @@ class Store:
         self._ledger.add_keys(leaf.key for leaf in leaves)
 
     def _create_arrays(
-        self, leaves: Sequence[LeafSpec], batch_shape: tuple[int, ...], block_rows: int
+        self,
+        leaves: Sequence[LeafSpec],
+        batch_shape: tuple[int, ...],
+        block_rows: int,
+        *,
+        replace: bool = True,
     ) -> None:
         self.check_hold()
         groups = sorted(
@@ -280,6 +323,7 @@ class Store:
                 dtype=leaf.stored_dtype,
                 compression=self.compression,
                 attributes={ATTRS_KEY: {"dtype": leaf.dtype, "batch_dims": len(batch_shape)}},
+                replace=replace,
             )
 
     def array(self, key: Key) -> RowArray:
@@ -331,9 +375,14 @@ class Store:
         self._check_writable()
         assert self._buffer is not None
         self.version += 1
-        index = torch.from_numpy(rows)
-        for key in self._mirror.keys() & values.keys():
-            self._mirror[key][index] = values[key]
+        if self.sharing is not None:
+            blocks = self.sharing.hold_rows(rows)
+            try:
+                self._write_through(rows, values)
+            finally:
+                self.sharing.publish(rows, release=blocks)
+            return
+        self._update_mirror(rows, values)
         if values.keys() == self._leaves.keys():
             writes = self._stage_rows(rows, values)
         else:
@@ -347,6 +396,60 @@ class Store:
         if writes:
             self._write_or_keep(writes)
             self._commit()
+
+    @_serialized
+    def append(self, values: Mapping[Key, torch.Tensor], count: int) -> np.ndarray:
+        """A shared store's extend: write ``count`` whole rows where this writer's blocks
+        have room and publish them; returns the rows they went to."""
+        self._check_writable()
+        assert self.sharing is not None
+        self.version += 1
+        rows = self.sharing.place(count)
+        self._write_through(rows, self._whole_rows(rows, values))
+        self.sharing.publish(rows)
+        return rows
+
+    def _whole_rows(
+        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
+    ) -> Mapping[Key, torch.Tensor]:
+        """``values`` with the keys an extend left out, as TorchRL's storages have them:
+        the values the rows held (when they held a whole transition), zeros otherwise."""
+        missing = [key for key in self._leaves if key not in values]
+        if not missing:
+            return values
+        assert self._ledger is not None
+        held = self._ledger.intact[rows]
+        old = self._read_disk_all(dict.fromkeys(missing, rows[held]))
+        out = dict(values)
+        for key in missing:
+            leaf = self._leaf(key)
+            tensor = torch.zeros((rows.size, *self.element_shape(leaf)), dtype=old[key].dtype)
+            tensor[torch.from_numpy(np.flatnonzero(held))] = old[key]
+            out[key] = tensor
+        return out
+
+    def _update_mirror(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
+        index = torch.from_numpy(rows)
+        for key in self._mirror.keys() & values.keys():
+            self._mirror[key][index] = values[key]
+
+    def _write_through(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
+        """Write to disk now (shared stores keep no rows in RAM: others must see them)."""
+        self._update_mirror(rows, values)
+        self._write_to_disk([(rows, values)], withdraw=False)
+
+    def mirror_changed(self, rows: np.ndarray) -> None:
+        """Rows (a mask) that other writers changed: read their small leaves again."""
+        if not self._mirror:
+            return
+        assert self._ledger is not None
+        picked = np.flatnonzero(rows & self._ledger.published)
+        if picked.size > self.rows // 4:
+            self._mirror.clear()  # read whole again when next needed
+            return
+        if picked.size:
+            values = self._read_disk(dict.fromkeys(self._mirror, picked))
+            self._update_mirror(picked, values)
 
     def _write_or_keep(self, writes: Sequence[Write]) -> None:
         """Write to disk; what a failed write held is kept for the next flush to retry."""
@@ -400,13 +503,16 @@ class Store:
             else:
                 self._retries.append((rows, values))
 
-    def _write_to_disk(self, writes: Sequence[Write]) -> None:
+    def _write_to_disk(self, writes: Sequence[Write], *, withdraw: bool = True) -> None:
+        """Write rows; rows the last commit declared readable are withdrawn first, by a
+        commit (``withdraw=False``: the caller did, as shared writers do when they take a
+        block)."""
         assert self._ledger is not None
         self.check_hold()
         touched = np.zeros(self.rows, dtype=bool)
         for rows, _ in writes:
             touched[rows] = True
-        withdrawal = self._ledger.withdrawal_for(touched)
+        withdrawal = self._ledger.withdrawal_for(touched) if withdraw else None
         if withdrawal is not None:
             # Withdraw the rows about to change before touching a byte of them; the length
             # stays, so readers see holes rather than a shrinking buffer.
@@ -472,7 +578,9 @@ class Store:
         withdrawn = int((self._ledger.published & rows).sum())
         self.version += 1
         self._ledger.withdraw(rows)
-        if withdrawn:
+        if withdrawn and self.sharing is not None:
+            self.sharing.withdraw(rows)
+        elif withdrawn:
             self._publish_mask(self._ledger.published & ~rows, length=self.committed.length)
         return withdrawn
 
@@ -480,6 +588,9 @@ class Store:
     def flush(self) -> None:
         """Write every row held in RAM and publish a commit that covers them."""
         if self.read_only or self.closed or self._buffer is None:
+            return
+        if self.sharing is not None:
+            self.sharing.refresh()  # nothing waits in RAM: every write was published
             return
         writes = [_block_rows(block) for block in self._buffer]
         self._buffer.clear()
@@ -538,6 +649,9 @@ class Store:
     def publish_saved(self, saved: Saved) -> None:
         """Flush, then publish the data commit together with a new save record."""
         self.flush()
+        if self.sharing is not None:
+            self.sharing.update(lambda meta: dataclasses.replace(meta, saved=saved))
+            return
         self._publish(self.committed, saved=saved)
 
     @_serialized
@@ -585,6 +699,32 @@ class Store:
                 self, rows, self.with_lengths(keys), unreadable_as_zeros=unreadable_as_zeros
             )
             return {key: committed[key] for key in keys}
+        if self.sharing is not None:
+            return self.sharing.read_checked(
+                lambda: self._read_as_writer(
+                    rows,
+                    keys,
+                    unwritten_as_zeros=unwritten_as_zeros,
+                    unreadable_as_zeros=unreadable_as_zeros,
+                ),
+                rows,
+            )
+        return self._read_as_writer(
+            rows,
+            keys,
+            unwritten_as_zeros=unwritten_as_zeros,
+            unreadable_as_zeros=unreadable_as_zeros,
+        )
+
+    def _read_as_writer(
+        self,
+        rows: np.ndarray,
+        keys: list[Key],
+        *,
+        unwritten_as_zeros: bool,
+        unreadable_as_zeros: bool,
+    ) -> dict[Key, torch.Tensor]:
+        """Rows as this writer has them: on disk, in its RAM buffer, in its mirror."""
         assert self._buffer is not None
         assert self._ledger is not None
         hit, served = self._buffer.staged_rows(rows)
@@ -764,14 +904,33 @@ class Store:
 
     @_serialized
     def refresh(self) -> Commit:
-        """Re-read the commit record and move to it: its length, cursor and rows (readers);
-        returns it."""
+        """Re-read the commit record and move to it: its length, cursor and rows (readers,
+        and the writers of a shared store); returns it."""
+        if self.sharing is not None:
+            self.sharing.refresh()
+            return self.committed
         commit = reread_commit(self)
         self.length = commit.length * self._elements_per_row(self.schema)
         self.cursor = commit.cursor
         return commit
 
     # --- lifetime --------------------------------------------------------------------------
+
+    # --- sharing -----------------------------------------------------------------------------
+
+    @_serialized
+    def become_shared(self) -> None:
+        """Let other processes join this store as writers (it is handed to one): flush,
+        trade the single writer's hold for a shared one, start sharing."""
+        if self.sharing is not None or self.read_only:
+            return
+        check_shareable(self)
+        self.flush()
+        writer = new_writer_id()
+        if self._lock is not None:
+            self._lock.release()
+        self._lock = self.engine.location.join_writers(writer)
+        Sharing.start(self, writer)
 
     @_serialized
     def acquire(self) -> Store:
@@ -799,6 +958,8 @@ class Store:
         try:
             if not self._gone():
                 self.flush()
+                if self.sharing is not None:
+                    self.sharing.leave()
         finally:  # the lock or lease is given up even when the store cannot be reached
             self.closed = True
             self._arrays.clear()

@@ -1,0 +1,479 @@
+"""Many writers on one store: real processes, on a local disk and on S3 (SeaweedFS)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import multiprocessing as mp
+import os
+import pickle
+import re
+import shutil
+import signal
+
+import numpy as np
+import pytest
+import torch
+from shared_workers import (
+    WRITER_STRIDE,
+    extend_buffer,
+    independent_writer,
+    sampling_reader,
+    stamped,
+    torn,
+)
+from tensordict import TensorDict
+from torchrl.data import (
+    LazyTensorStorage,
+    RandomSampler,
+    ReplayBuffer,
+    TensorDictReplayBuffer,
+    TensorDictRoundRobinWriter,
+)
+
+import zarr_rb
+from zarr_rb import ZarrStorage
+from zarr_rb.errors import (
+    LockedError,
+    LocksUnsupportedError,
+    NotSupportedError,
+    SchemaMismatchError,
+    StoreNotFoundError,
+)
+
+SPAWN = mp.get_context("spawn")
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request, store_path):
+    """A store's URL and storage options: a directory, or an S3 prefix."""
+    if request.param == "local":
+        return str(store_path), None
+    return request.getfixturevalue("s3_url"), request.getfixturevalue("s3_options")
+
+
+def readable_rows(storage: ZarrStorage) -> torch.Tensor:
+    storage.refresh()
+    rows = np.setdiff1d(np.arange(len(storage)), storage._store.unreadable_rows())
+    return torch.from_numpy(rows)
+
+
+def every_row(storage: ZarrStorage):
+    """The stamps of every readable row, after checking that none is torn."""
+    data = storage.get(readable_rows(storage))
+    assert torn(data) == 0
+    return data["stamp"]
+
+
+def join(processes, timeout=120.0):
+    for process in processes:
+        process.join(timeout)
+    assert [p.exitcode for p in processes] == [0] * len(processes)
+
+
+# --- a buffer handed to other processes ----------------------------------------------------
+
+
+def test_spawned_children_extend_one_buffer_and_the_parent_sees_every_row(store_path):
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(4000, store_path), batch_size=16)
+    rb.extend(stamped(9, 0, 10))  # written before it is shared, by a single writer
+    children = [
+        SPAWN.Process(target=extend_buffer, args=(rb, writer, 10, 50)) for writer in range(3)
+    ]
+    for child in children:
+        child.start()
+    samples = 0
+    while any(child.is_alive() for child in children):
+        if len(rb):
+            assert torn(rb.sample()) == 0  # the parent samples throughout
+            samples += 1
+    join(children)
+    assert samples
+    assert len(rb) >= 1510
+    stamps = every_row(rb.storage)
+    assert stamps.numel() == 1510 == stamps.unique().numel()  # every row, once, whole
+    for writer in range(3):
+        mine = stamps[stamps // WRITER_STRIDE == writer] % WRITER_STRIDE
+        assert torch.equal(mine.sort().values, torch.arange(500))
+
+
+def test_rows_extended_in_another_process_are_in_len_and_samples_once_extend_returns(
+    store_path,
+):
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(1000, store_path), batch_size=8)
+    rb.extend(stamped(0, 0, 5))
+    done = SPAWN.Queue()
+    child = SPAWN.Process(target=extend_buffer, args=(rb, 1, 3, 7, done))
+    child.start()
+    for batch in range(3):
+        writer, i, index = done.get(timeout=60)
+        assert (writer, i) == (1, batch)
+        # As with a shared memmap: the rows are there as soon as extend returned there.
+        assert len(rb) >= 5 + 7 * (batch + 1)
+        got = rb.storage.get(torch.tensor(index))["stamp"]
+        assert torch.equal(got, WRITER_STRIDE + torch.arange(batch * 7, batch * 7 + 7))
+    join([child])
+    stamps = every_row(rb.storage)
+    assert stamps.numel() == 26
+
+
+def test_the_index_extend_returns_says_where_the_rows_went(store_path):
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(640, store_path, shared=True), batch_size=4)
+    index = rb.extend(stamped(0, 0, 30))
+    assert torch.equal(rb.storage.get(index)["stamp"], torch.arange(30))
+    index = rb.extend(stamped(0, 30, 30))
+    assert torch.equal(rb[index]["stamp"], torch.arange(30, 60))
+
+
+def test_a_buffer_made_before_its_store_is_initialised_is_shared_from_the_first_write(
+    store_path,
+):
+    # As collectors hand a buffer to their workers before any data exists.
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(2000, store_path), batch_size=8)
+    children = [
+        SPAWN.Process(target=extend_buffer, args=(rb, writer, 4, 25)) for writer in range(3)
+    ]
+    for child in children:
+        child.start()
+    join(children)
+    stamps = every_row(rb.storage)
+    assert stamps.numel() == 300 == stamps.unique().numel()
+
+
+def test_writes_to_given_rows_from_another_process(store_path):
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(320, store_path), batch_size=4)
+    rb.extend(stamped(0, 0, 20))
+    child = SPAWN.Process(target=_set_rows, args=(rb,))
+    child.start()
+    join([child])
+    assert len(rb) == 20
+    got = rb[torch.arange(20)]["stamp"]
+    assert torch.equal(got[3:6], 7 * WRITER_STRIDE + torch.arange(3))
+    assert torch.equal(got[:3], torch.arange(3))
+
+
+def _set_rows(rb):
+    rb[torch.arange(3, 6)] = stamped(7, 0, 3)
+    rb.storage.close()
+
+
+# --- independent writers (shared=True), on a local disk and on S3 --------------------------
+
+
+def test_four_writers_one_killed_mid_way_the_others_lose_nothing(where):
+    url, options = where
+    ZarrStorage(20_000, url, shared=True, storage_options=options).close()
+    # A queue each: a process killed while it writes to a queue takes the queue's lock
+    # with it.
+    progress = [SPAWN.Queue() for _ in range(4)]
+    writers = [
+        SPAWN.Process(
+            target=independent_writer,
+            args=(url, writer, 30, 20, options, progress[writer], 0.02 if writer == 3 else 0.0),
+        )
+        for writer in range(4)
+    ]
+    results = SPAWN.Queue()
+    reader = SPAWN.Process(target=sampling_reader, args=(url, options, 4.0, results))
+    for process in [*writers, reader]:
+        process.start()
+    pid = progress[3].get(timeout=60)[2]
+    batches = -1
+    while batches < 10:  # mid-way: holding a block, rows in flight
+        batches = progress[3].get(timeout=60)[2]
+    os.kill(pid, signal.SIGKILL)
+    killed = True
+    assert killed
+    for writer in range(3):
+        while progress[writer].get(timeout=120)[0] != "done":
+            pass
+    join(writers[:3])
+    writers[3].join(10)
+    read, bad = results.get(timeout=60)
+    join([reader])
+    assert read > 0
+    assert bad == 0  # the reader never saw a torn row
+    storage = ZarrStorage(path=url, storage_options=options, shared=True)
+    try:
+        stamps = every_row(storage)
+        for writer in range(3):
+            mine = stamps[stamps // WRITER_STRIDE == writer] % WRITER_STRIDE
+            assert torch.equal(mine.sort().values, torch.arange(600))  # nothing lost
+        # The killed writer loses at most what it had not published.
+        theirs = stamps[stamps // WRITER_STRIDE == 3] % WRITER_STRIDE
+        assert theirs.numel() >= 20 * (batches + 1)
+        assert torch.equal(theirs.sort().values, torch.arange(theirs.numel()))
+        # Its block was given back: the next writer to look finds it gone.
+        storage._store.sharing._swept = 0.0
+        storage._store.sharing._sweep()
+        held = {who for _, who in storage._store.committed.ring.held}
+        assert all(storage._store.engine.location.writer_alive(who) for who in held)
+    finally:
+        storage.close()
+
+
+def test_writers_wrapping_around_a_small_ring_never_tear_a_row(where):
+    url, options = where
+    ZarrStorage(256, url, shared=True, storage_options=options).close()
+    progress = SPAWN.Queue()
+    writers = [
+        SPAWN.Process(target=independent_writer, args=(url, w, 25, 16, options, progress, 0.0))
+        for w in range(3)
+    ]
+    for writer in writers:
+        writer.start()
+    storage = ZarrStorage(path=url, storage_options=options, shared=True)
+    rb = ReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=32)
+    try:
+        while any(w.is_alive() for w in writers):
+            if len(rb) > 0:
+                assert torn(rb.sample()) == 0
+        join(writers)
+        assert len(storage) == 256
+        stamps = every_row(storage)
+        assert stamps.numel() > 256 - 3 * 8 - 8  # at most a block's tail per writer missing
+        for writer in range(3):  # the oldest blocks went first: each keeps its newest rows
+            mine = stamps[stamps // WRITER_STRIDE == writer] % WRITER_STRIDE
+            if mine.numel():
+                first = int(mine.min())
+                assert torch.equal(mine.sort().values, torch.arange(first, 25 * 16))
+    finally:
+        storage.close()
+
+
+def test_a_shared_buffer_saves_everyones_rows_and_its_own_sampler_state(where, tmp_path):
+    url, options = where
+    rb = TensorDictReplayBuffer(
+        storage=ZarrStorage(1000, url, shared=True, storage_options=options), batch_size=4
+    )
+    rb.extend(stamped(0, 0, 40))
+    other = ZarrStorage(1000, url, shared=True, storage_options=options)
+    other.set(torch.arange(30), stamped(1, 0, 30))  # ("index", which rb.extend adds: zeros)
+    torch.manual_seed(3)
+    zarr_rb.save(rb)
+    expected = rb.sample()["stamp"]
+    other.close()
+    rb.storage.close()
+    loaded = zarr_rb.load(url, storage_options=options)
+    try:
+        torch.manual_seed(3)
+        assert torch.equal(loaded.sample()["stamp"], expected)
+        assert every_row(loaded.storage).numel() == 70
+    finally:
+        loaded.storage.close()
+
+
+# --- TorchRL's own multi-process paths ------------------------------------------------------
+
+
+def test_multi_sync_collector_workers_write_straight_into_the_store(store_path):
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.envs import GymEnv
+
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(5000, store_path), batch_size=32)
+    collector = MultiSyncCollector(
+        [_cartpole, _cartpole],
+        policy=None,
+        frames_per_batch=200,
+        total_frames=1200,
+        replay_buffer=rb,
+    )
+    try:
+        batches = 0
+        for _ in collector:
+            batches += 1
+            sample = rb.sample()
+            assert sample["observation"].shape == (32, 4)
+    finally:
+        collector.shutdown()
+    assert batches
+    assert len(rb) >= 1200
+    data = rb.storage.get(readable_rows(rb.storage))
+    assert data.numel() >= 1200
+    del GymEnv
+
+
+def _cartpole():
+    from torchrl.envs import GymEnv
+
+    return GymEnv("CartPole-v1")
+
+
+def test_torchrl_shared_init_buffers_initialised_by_children(store_path):
+    storage = ZarrStorage(100, store_path, shared_init=True)
+    rb = ReplayBuffer(storage=storage, batch_size=2).share(True)
+    children = [SPAWN.Process(target=_extend_two, args=(rb, i)) for i in range(4)]
+    for child in children:
+        child.start()
+    join(children)
+    assert len(rb) >= 8
+    values = rb.storage.get(readable_rows(rb.storage))
+    assert sorted(values.tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def _extend_two(rb, worker):
+    index = rb.extend(torch.full((2,), worker))
+    assert (rb[index] == worker).all()
+    rb.storage.close()
+
+
+def test_a_max_value_writer_is_refused_for_sharing_as_torchrl_refuses_it(store_path):
+    from torchrl.data import TensorDictMaxValueWriter
+
+    for storage in (LazyTensorStorage(21), ZarrStorage(21, store_path)):
+        rb = TensorDictReplayBuffer(storage=storage, writer=TensorDictMaxValueWriter())
+        rb.extend(TensorDict({"a": torch.zeros(10), "next": {"reward": torch.ones(10)}}, [10]))
+        child = SPAWN.Process(target=extend_buffer, args=(rb, 0, 1, 2))
+        with pytest.raises(RuntimeError, match="cannot be shared between processes"):
+            child.start()
+
+
+def test_the_round_robin_pattern_of_torchrls_tests(store_path):
+    """A child extends after the parent, the parent after the child: each sees the
+    other's rows where its writer put them (rows written in order, blocks of two rows)."""
+    rb = TensorDictReplayBuffer(
+        storage=ZarrStorage(21, store_path),
+        writer=TensorDictRoundRobinWriter(),
+        sampler=RandomSampler(),
+    )
+    rb.extend(TensorDict({"a": torch.zeros(10), "next": {"reward": torch.ones(10)}}, [10]))
+    q0, q1 = SPAWN.Queue(1), SPAWN.Queue(1)
+    child = SPAWN.Process(target=_round_robin_child, args=(rb, q0, q1))
+    child.start()
+    try:
+        assert q0.get(timeout=100) == "extended"
+        assert len(rb) == 20
+        assert (rb["a"][10:20] == 1).all()
+        rb.extend(TensorDict({"a": torch.zeros(10) + 2}, [10]))
+        q1.put("extended")
+        assert q0.get(timeout=30) == "finish"
+    finally:
+        child.join()
+    assert child.exitcode == 0
+
+
+def _round_robin_child(rb, q0, q1):
+    rb.extend(TensorDict({"a": torch.ones(10), "next": {"reward": torch.ones(10)}}, [10]))
+    q0.put("extended")
+    assert q1.get(timeout=30) == "extended"
+    assert len(rb) == 21, len(rb)
+    assert (rb["a"][:9] == 2).all()
+    q0.put("finish")
+    rb.storage.close()
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def test_a_single_writer_and_a_shared_one_cannot_both_write(where):
+    url, options = where
+    single = ZarrStorage(1000, url, storage_options=options)
+    try:
+        kind, message = _open_elsewhere(url, options, shared=True)
+    finally:
+        single.close()
+    assert kind == "MixedWritersError"
+    assert re.search("single writer.*shared=True", message)
+    shared = ZarrStorage(1000, url, shared=True, storage_options=options)
+    try:
+        kind, message = _open_elsewhere(url, options, shared=False)
+    finally:
+        shared.close()
+    assert kind == "MixedWritersError"
+    assert re.search("shared writer.*shared=True", message)
+
+
+def _open_elsewhere(url, options, *, shared):
+    """Open the store in another process; what it raised (type name, message)."""
+    results = SPAWN.Queue()
+    process = SPAWN.Process(target=_open, args=(url, options, shared, results))
+    process.start()
+    outcome = results.get(timeout=60)
+    process.join(30)
+    return outcome
+
+
+def _open(url, options, shared, results):
+    try:
+        ZarrStorage(1000, url, storage_options=options, shared=shared).close()
+        results.put(("ok", ""))
+    except LockedError as err:
+        results.put((type(err).__name__, str(err)))
+
+
+def test_writers_of_one_shared_store_must_agree_on_the_schema(store_path):
+    one = ZarrStorage(640, store_path, shared=True)
+    two = ZarrStorage(640, store_path, shared=True)
+    try:
+        one.set(torch.arange(4), TensorDict({"obs": torch.zeros(4, 3)}, [4]))
+        with pytest.raises(SchemaMismatchError, match="same keys"):
+            two.set(torch.arange(4), TensorDict({"obs": torch.zeros(4, 5)}, [4]))
+        with pytest.raises(NotSupportedError, match="fixed by the first write"):
+            one.set(
+                torch.arange(4), TensorDict({"obs": torch.zeros(4, 3), "x": torch.ones(4)}, [4])
+            )
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_filesystem_without_locks_is_refused_with_what_to_do(store_path, monkeypatch):
+    ZarrStorage(100, store_path).close()
+    real = fcntl.flock
+
+    def no_locks(fd, operation):
+        if operation & fcntl.LOCK_SH:
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        return real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(LocksUnsupportedError, match=r"no working file locks.*nolock"):
+        ZarrStorage(100, store_path, shared=True)
+
+
+def test_a_pickled_storage_whose_store_vanished_says_what_to_do(store_path):
+    storage = ZarrStorage(100, store_path, shared=True)
+    storage.set(torch.arange(2), TensorDict({"x": torch.ones(2)}, [2]))
+    handle = pickle.dumps(storage)
+    storage.close()
+    shutil.rmtree(store_path)
+    with pytest.raises(StoreNotFoundError, match=r"pickled from.*is gone"):
+        pickle.loads(handle)
+
+
+def test_a_single_writer_storage_sent_elsewhere_without_multiprocessing_says_shared(store_path):
+    storage = ZarrStorage(100, store_path)
+    handle = pickle.dumps(storage)  # as Ray or a queue would: not to a child being spawned
+    results = SPAWN.Queue()
+    process = SPAWN.Process(target=_unpickle, args=(handle, results))
+    process.start()
+    kind, message = results.get(timeout=60)
+    process.join(30)
+    storage.close()
+    assert kind == "LockedError"
+    assert "shared=True" in message
+
+
+def _unpickle(handle, results):
+    try:
+        pickle.loads(handle).close()
+        results.put(("ok", ""))
+    except LockedError as err:
+        results.put((type(err).__name__, str(err)))
+
+
+def test_more_writers_than_blocks_are_refused_with_what_to_do(store_path):
+    storages = [
+        ZarrStorage(4, store_path, shared=True, compression=zarr_rb.Compression(block_rows=2))
+    ]
+    storages.append(ZarrStorage(4, store_path, shared=True))
+    storages.append(ZarrStorage(4, store_path, shared=True))
+    try:
+        data = TensorDict({"x": torch.ones(1)}, [1])
+        storages[0].set(torch.arange(1), data)
+        storages[1].set(torch.arange(1), data)
+        with pytest.raises(LockedError, match="more blocks than writers"):
+            storages[2].set(torch.arange(1), data)
+    finally:
+        for storage in storages:
+            storage.close()

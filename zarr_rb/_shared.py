@@ -1,0 +1,68 @@
+"""What a ZarrStorage does differently when its store has several writers (see
+:mod:`zarr_rb.core.sharing`): extends go where the store places them, and a sampler's
+draw that another writer evicted before it was read is drawn again."""
+
+from __future__ import annotations
+
+import multiprocessing.context
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from zarr_rb import _index
+from zarr_rb.errors import NotSupportedError, RowsNotCommittedError
+
+if TYPE_CHECKING:
+    from zarr_rb.storage import ZarrStorage
+
+_REDRAWS = 20
+
+
+def spawning() -> bool:
+    """Whether the object being pickled goes to a new process (``multiprocessing`` spawn or
+    forkserver, as TorchRL's buffers, collectors and ``mp.Process`` use)."""
+    return multiprocessing.context.get_spawning_popen() is not None
+
+
+def append(storage: ZarrStorage, cursor: Any, data: Any) -> None:
+    """An extend of a shared store: the rows go where this writer's blocks have room, and
+    the writer's index (the tensor ``rb.extend`` returns) is rewritten in place to say
+    where."""
+    store = storage._store
+    if storage.ndim != 1:
+        raise NotSupportedError(
+            f"{storage._where}: shared writers place rows by blocks of a 1-D storage; "
+            f"this one has ndim={storage.ndim}: flatten the batch (data.reshape(-1)) and "
+            "use ndim=1",
+        )
+    rows, leaves = storage._rows_to_write(cursor, data)
+    storage.__dict__["writes_begun"] += 1
+    placed = store.append(leaves, rows.size)
+    if isinstance(cursor, torch.Tensor) and cursor.ndim == 1 and not cursor.is_floating_point():
+        assert store.schema is not None
+        index, _ = _index.write_rows(cursor, store.schema.rows, where=storage._where)
+        where = np.searchsorted(rows, index)
+        cursor.copy_(torch.from_numpy(placed[where]).to(cursor.device, cursor.dtype))
+
+
+def gather_redrawing(
+    storage: ZarrStorage,
+    index: torch.Tensor,
+    gather: Callable[[torch.Tensor], Any],
+    draw_again: Callable[[int], torch.Tensor],
+) -> Any:
+    """``gather(index)``; if rows the sampler just drew were evicted by another writer
+    before they could be read, they are drawn again (``index`` is rewritten in place, so
+    the index the buffer reports is the one read)."""
+    draw = getattr(storage._thread_state, "draw", None)
+    for _ in range(_REDRAWS):
+        try:
+            return gather(index)
+        except RowsNotCommittedError:
+            if draw is None or index is not draw:
+                raise
+            storage.refresh()
+            index.copy_(draw_again(index.numel()))
+    return gather(index)
