@@ -1,0 +1,169 @@
+"""Many writers: aggregate extend throughput of 1, 2 and 4 writer processes into one
+buffer, zarr_rb (shared store) against TorchRL's shared LazyMemmapStorage, in one run.
+
+Each writer process extends ``--batches`` batches of ``--batch`` rows. A row is an
+Atari-sized frame stack (4x84x84 uint8) with a stamp, a reward and a done flag, all
+derived from the stamp, so that a torn row (leaves of two writes) is recognised and
+every writer's rows can be counted after the run. Figures: rows per second over the
+whole run (first write to last), the median time of one extend (so the cost of making
+each extend visible to other processes shows against a single writer), rows lost and
+rows torn.
+
+    python benchmarks/writers.py --json benchmarks/writers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
+
+from zarr_rb import ZarrStorage
+
+SPAWN = mp.get_context("spawn")
+STRIDE = 1_000_000
+
+
+def batch(writer: int, first: int, count: int) -> TensorDict:
+    stamp = writer * STRIDE + torch.arange(first, first + count)
+    frame = (stamp % 251).to(torch.uint8).view(-1, 1, 1, 1).expand(-1, 4, 84, 84).clone()
+    frame[:, :, 20:30, 40:50] = 7  # something for the codec to work on
+    return TensorDict(
+        {"stamp": stamp, "obs": frame, "reward": stamp.float(), "done": stamp % 50 == 0},
+        batch_size=[count],
+    )
+
+
+def torn_rows(data: Any) -> int:
+    stamp = data["stamp"]
+    frame = (stamp % 251).to(torch.uint8).view(-1, 1, 1)
+    whole = (
+        (data["obs"][:, :, 0, :5] == frame).flatten(1).all(1)
+        & (data["reward"] == stamp.float())
+        & (data["done"] == (stamp % 50 == 0))
+    )
+    return int((~whole).sum())
+
+
+def work(rb: Any, writer: int, batches: int, size: int, start: Any, times: Any) -> None:
+    pending = [batch(writer, i * size, size) for i in range(batches)]
+    start.wait()
+    spent = []
+    for data in pending:
+        began = time.perf_counter()
+        rb.extend(data)
+        spent.append(time.perf_counter() - began)
+    if isinstance(rb.storage, ZarrStorage):
+        rb.storage.close()
+    times.put((writer, time.perf_counter(), spent))
+
+
+def run(kind: str, writers: int, batches: int, size: int, workdir: Path) -> dict[str, Any]:
+    capacity = writers * batches * size + 4096  # no row is evicted: every one is counted
+    path = workdir / f"{kind}-{writers}"
+    if kind == "zarr_rb":
+        storage: Any = ZarrStorage(capacity, path / "buffer.zarr", shared=True)
+    else:
+        storage = LazyMemmapStorage(capacity, scratch_dir=path)
+    rb = TensorDictReplayBuffer(storage=storage)
+    rb.extend(batch(99, 0, 1))  # a memmap is shared once it exists
+    start, times = SPAWN.Barrier(writers + 1), SPAWN.Queue()
+    processes = [
+        SPAWN.Process(target=work, args=(rb, w, batches, size, start, times))
+        for w in range(writers)
+    ]
+    for process in processes:
+        process.start()
+    start.wait()
+    began = time.perf_counter()
+    results = [times.get(timeout=600) for _ in processes]
+    for process in processes:
+        process.join()
+    ended = max(result[1] for result in results)
+    extends = [t for result in results for t in result[2]]
+    if kind == "zarr_rb":
+        storage.refresh()
+        rows = np.setdiff1d(np.arange(len(storage)), storage._store.unreadable_rows())
+        data = storage.get(torch.from_numpy(rows))
+    else:
+        data = storage.get(torch.arange(len(storage)))
+    stamps = data["stamp"]
+    ours = stamps[stamps // STRIDE < writers]
+    expected = writers * batches * size
+    out = {
+        "writers": writers,
+        "rows": expected,
+        "rows_per_s": expected / (ended - began),
+        "extend_ms_median": 1000 * statistics.median(extends),
+        "len": len(storage) - 1,
+        "rows_read_back": int(ours.numel()),
+        "rows_lost": expected - int(ours.unique().numel()),
+        "rows_torn": torn_rows(data),
+    }
+    if kind == "zarr_rb":
+        storage.close()
+    shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def one_writer(batches: int, size: int, workdir: Path) -> float:
+    """Median ms of one extend of a ZarrStorage with one writer (rows wait in RAM by block
+    until it is full, unseen by other processes): the reference for a shared extend."""
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(batches * size, workdir / "one.zarr"))
+    pending = [batch(0, i * size, size) for i in range(batches)]
+    spent = []
+    for data in pending:
+        began = time.perf_counter()
+        rb.extend(data)
+        spent.append(time.perf_counter() - began)
+    rb.storage.close()
+    return 1000 * statistics.median(spent)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=50)
+    parser.add_argument("--writers", default="1,2,4")
+    parser.add_argument("--json", type=Path, help="write the figures here too")
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(dir=args.workdir, prefix="writers-"))
+    results: dict[str, list[dict[str, Any]]] = {"zarr_rb": [], "LazyMemmapStorage": []}
+    try:
+        for writers in [int(n) for n in args.writers.split(",")]:
+            for kind in results:
+                results[kind].append(run(kind, writers, args.batches, args.batch, workdir))
+        single = one_writer(args.batches, args.batch, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print("| storage | writers | rows/s | extend (median) | rows read back | lost | torn |")
+    print("|---|---|---|---|---|---|---|")
+    for kind, rows in results.items():
+        for r in rows:
+            print(
+                f"| {kind} | {r['writers']} | {r['rows_per_s']:,.0f} | "
+                f"{r['extend_ms_median']:.1f} ms | {r['rows_read_back']:,} of {r['rows']:,} | "
+                f"{r['rows_lost']} | {r['rows_torn']} |"
+            )
+    print(f"ZarrStorage, one writer (not shared), extend (median): {single:.1f} ms")
+    if args.json is not None:
+        figures = {"batch": args.batch, "batches": args.batches, **results}
+        args.json.write_text(json.dumps({**figures, "one_writer_extend_ms": single}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
