@@ -42,11 +42,25 @@ def _substitutes() -> dict[str, type]:
                 _BUILT.add(_CURRENT[-1])
             ZarrStorage.__init__(self, *args, **kwargs)
 
-        cls = type(name, (ZarrStorage,), {"__init__": init, "__module__": __name__})
+        def reduce(self: Any, protocol: Any) -> Any:
+            # Processes that did not load this plugin (spawned children, Ray's workers) get
+            # the ZarrStorage it stands for.
+            return (_plain_storage, (self.__getstate__(),))
+
+        attributes = {"__init__": init, "__module__": __name__, "__reduce_ex__": reduce}
+        cls = type(name, (ZarrStorage,), attributes)
         globals()[name] = cls  # picklable by name
         return cls
 
     return {name: counted(name) for name in ("LazyMemmapStorage", "LazyTensorStorage")}
+
+
+def _plain_storage(state: dict[str, Any]) -> Any:
+    from zarr_rb import ZarrStorage
+
+    storage = ZarrStorage.__new__(ZarrStorage)
+    storage.__setstate__(state)
+    return storage
 
 
 def _gym_from_gymnasium() -> None:
@@ -156,7 +170,10 @@ def main() -> int:
         help="run the tests that need gym with gymnasium standing in for it",
     )
     args, pytest_args = parser.parse_known_args()
-    sys.path.insert(0, str(Path(__file__).parent))
+    here = str(Path(__file__).parent)
+    sys.path.insert(0, here)
+    # Processes that do not inherit sys.path (Ray's workers) import the substitutes by name.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     if args.gym_from_gymnasium:
         os.environ["ZARR_RB_SUITE_GYM"] = "gymnasium"
     os.environ.setdefault("TORCHRL_TEST_STORAGE", "zarr_rb")

@@ -253,15 +253,27 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     # --- TorchRL bookkeeping, backed by the store ------------------------------------------
 
+    def _pick_up_other_writers(self) -> None:
+        """A shared store: the rows other writers published, and the schema if another
+        writer made it (one read of the commit record)."""
+        store = self.__dict__["_store"]
+        generation = store.committed.generation
+        store.refresh()
+        if not self.initialized and store.schema is not None:
+            self.initialized = True
+            self.max_size = capacity_of(store.meta)
+        if store.committed.generation != generation and store.schema is not None:
+            # The row written last, by any writer (the record's cursor follows it); the
+            # rows changed, for the caches of samplers and gathers too.
+            _compat.set_last_cursor(self, (store.cursor - 1) % store.rows)
+            _compat.bump_revision(self)
+
     @property
     def _len(self) -> int:
         store = self.__dict__["_store"]
         interval = self.__dict__.get("_refresh_interval")
         if store.sharing is not None:
-            store.refresh()  # rows other writers published (one read of the record)
-            if not self.initialized and store.schema is not None:  # made by another writer
-                self.initialized = True
-                self.max_size = capacity_of(store.meta)
+            self._pick_up_other_writers()
         elif interval is not None and time.monotonic() - self._refreshed_at >= interval:
             self.refresh()
         return int(store.length)
@@ -675,6 +687,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     @_io_boundary
     def get(self, index: Any) -> Any:
+        if not self.initialized and self._store.sharing is not None:
+            self._pick_up_other_writers()
         if not self.initialized:
             raise RuntimeError("Cannot get elements out of a non-initialized storage.")
         schema = self._store.schema

@@ -328,6 +328,11 @@ class Sharing:
 
         self.update(take)
         self.current, self.filled = chosen[0], 0
+        # What the block held belongs to the transitions it evicts: not this writer's to
+        # serve, nor to complete rows with.
+        ledger = self.store._ledger
+        assert ledger is not None
+        ledger.intact[self._rows_of(self.current)] = False
 
     def hold_rows(self, rows: np.ndarray) -> list[int]:
         """Before a write of given rows (``storage[i] = ...``): hold every block they are in

@@ -412,20 +412,16 @@ class Store:
     def _whole_rows(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
     ) -> Mapping[Key, torch.Tensor]:
-        """``values`` with the keys an extend left out, as TorchRL's storages have them:
-        the values the rows held (when they held a whole transition), zeros otherwise."""
+        """``values`` with zeros for the keys an extend left out (the rows it goes to are
+        new ones, as in a new TorchRL storage: what they held belongs to evicted rows)."""
         missing = [key for key in self._leaves if key not in values]
         if not missing:
             return values
-        assert self._ledger is not None
-        held = self._ledger.intact[rows]
-        old = self._read_disk_all(dict.fromkeys(missing, rows[held]))
         out = dict(values)
         for key in missing:
             leaf = self._leaf(key)
-            tensor = torch.zeros((rows.size, *self.element_shape(leaf)), dtype=old[key].dtype)
-            tensor[torch.from_numpy(np.flatnonzero(held))] = old[key]
-            out[key] = tensor
+            shape = (rows.size, *self.element_shape(leaf))
+            out[key] = torch.zeros(shape, dtype=TORCH_DTYPES[leaf.dtype])
         return out
 
     def _update_mirror(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import fcntl
+import hashlib
 import os
 import shutil
 import tempfile
@@ -87,8 +88,11 @@ class LocalLocation(Location):
                 value = fh.read()
         except (FileNotFoundError, NotADirectoryError):
             return Versioned(None, ABSENT)
-        # Every write renames a new file into place: a new inode, whatever its content.
-        return Versioned(value, f"{stat.st_ino}:{stat.st_mtime_ns}:{stat.st_size}".encode())
+        # Every write renames a new file into place, but a freed inode number is soon
+        # reused and mtimes are coarse: the content's digest tells two writes apart (the
+        # commit record, the one object compared under contention, differs in every write).
+        digest = hashlib.blake2b(value, digest_size=8).hexdigest()
+        return Versioned(value, f"{stat.st_ino}:{stat.st_mtime_ns}:{digest}".encode())
 
     def write(self, key: str, value: bytes) -> Generation:
         path = self.root / key
