@@ -365,22 +365,19 @@ def _round_robin_child(rb, q0, q1):
 # --- bad input ------------------------------------------------------------------------------
 
 
-def test_a_single_writer_and_a_shared_one_cannot_both_write(where):
+@pytest.mark.parametrize(
+    ("shared_here", "says"),
+    [(False, "single writer.*shared=True"), (True, "shared writer.*shared=True")],
+)
+def test_a_single_writer_and_a_shared_one_cannot_both_write(where, shared_here, says):
     url, options = where
-    single = ZarrStorage(1000, url, storage_options=options)
+    storage = ZarrStorage(1000, url, storage_options=options, shared=shared_here)
     try:
-        kind, message = _open_elsewhere(url, options, shared=True)
+        kind, message = _open_elsewhere(url, options, shared=not shared_here)
     finally:
-        single.close()
+        storage.close()
     assert kind == "MixedWritersError"
-    assert re.search("single writer.*shared=True", message)
-    shared = ZarrStorage(1000, url, shared=True, storage_options=options)
-    try:
-        kind, message = _open_elsewhere(url, options, shared=False)
-    finally:
-        shared.close()
-    assert kind == "MixedWritersError"
-    assert re.search("shared writer.*shared=True", message)
+    assert re.search(says, message)
 
 
 def _open_elsewhere(url, options, *, shared):

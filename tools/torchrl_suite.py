@@ -55,6 +55,14 @@ def _substitutes() -> dict[str, type]:
     return {name: counted(name) for name in ("LazyMemmapStorage", "LazyTensorStorage")}
 
 
+def __getattr__(name: str) -> type:
+    """The substitutes in a process that imports this module without loading it as a
+    plugin (a Ray worker unpickling ``partial(LazyTensorStorage, ...)``)."""
+    if name in ("LazyMemmapStorage", "LazyTensorStorage"):
+        return _substitutes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _plain_storage(state: dict[str, Any]) -> Any:
     from zarr_rb import ZarrStorage
 

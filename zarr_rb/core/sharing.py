@@ -158,7 +158,11 @@ class Sharing:
         while True:
             try:
                 meta = self.read_record()
-                edited = edit(meta)
+                try:
+                    edited = edit(meta)
+                except BaseException:
+                    self.adopt(meta)  # the record was read: show it (refresh() skips it)
+                    raise
                 if edited is None:
                     self.adopt(meta)
                     return meta

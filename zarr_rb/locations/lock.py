@@ -51,12 +51,10 @@ class WriterLock:
         :class:`MixedWritersError` if shared writers hold it (``shared_writers`` names
         them)."""
         path = root / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, path)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
+            fd = _take(path, fcntl.LOCK_EX)
+        except _HeldError as held:
+            holder = held.holder
             others = shared_writers() if shared_writers is not None else []
             if others:
                 raise mixed_writers(str(root), len(others)) from None
@@ -72,9 +70,6 @@ class WriterLock:
                 "every writer a shared one (shared=True)",
                 holder=holder,
             ) from None
-        except BaseException:
-            os.close(fd)
-            raise
         holder = _me()
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode("utf-8"), 0)
@@ -111,12 +106,10 @@ class SharedLock:
     @classmethod
     def acquire(cls, root: Path, writer: str) -> SharedLock:
         path = root / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, path)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
+            fd = _take(path, fcntl.LOCK_SH)
+        except _HeldError as held:
+            holder = held.holder
             raise MixedWritersError(
                 f"store {str(root)!r} is open by a single writer (pid {holder.get('pid')} on "
                 f"host {holder.get('host')!r}), which writes rows wherever its cursor points; "
@@ -124,19 +117,11 @@ class SharedLock:
                 "shared=True",
                 holder=holder,
             ) from None
-        except BaseException:
-            os.close(fd)
-            raise
         shared = WriterLock(path, fd, {})
         try:
             (root / WRITERS_DIR).mkdir(exist_ok=True)
             own_path = root / WRITERS_DIR / writer
-            own_fd = os.open(own_path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                flock(own_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, own_path)
-            except BaseException:
-                os.close(own_fd)
-                raise
+            own_fd = _take(own_path, fcntl.LOCK_EX)  # a new file: nobody else holds it
             holder = {**_me(), "writer": writer}
             os.pwrite(own_fd, json.dumps(holder).encode("utf-8"), 0)
         except BaseException:
@@ -212,6 +197,27 @@ def _me() -> dict[str, Any]:
         "pid": os.getpid(),
         "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+class _HeldError(Exception):
+    def __init__(self, holder: dict[str, Any]) -> None:
+        self.holder = holder
+
+
+def _take(path: Path, operation: int) -> int:
+    """Open ``path`` and lock it (``LOCK_EX`` or ``LOCK_SH``) without waiting: the file
+    descriptor, or :class:`_HeldError` with what its holder wrote in it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        flock(fd, operation | fcntl.LOCK_NB, path)
+    except BlockingIOError:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise _HeldError(holder) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _read_holder(fd: int) -> dict[str, Any]:
