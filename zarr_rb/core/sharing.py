@@ -236,18 +236,19 @@ class Sharing:
 
     def _retaken(self, before: Commit, after: Commit) -> np.ndarray:
         """Rows of blocks taken (or rewritten) between two records."""
-        rows = np.zeros(self.store.rows, dtype=bool)
+        blocks = self._retaken_blocks(before, after)
+        if blocks is None:
+            return np.ones(self.store.rows, dtype=bool)
+        return self._mask_of(sorted(blocks))
+
+    def _retaken_blocks(self, before: Commit, after: Commit) -> set[int] | None:
+        """Blocks taken (or rewritten) between two records (``None``: any of them)."""
         old, new = before.ring, after.ring
         if old is None or new is None or new.rewrites != old.rewrites:
-            rows[:] = True
-            return rows
-        blocks = self.blocks
-        if new.taken - old.taken >= blocks:
-            rows[:] = True
-            return rows
-        for position in range(old.taken, new.taken):
-            rows[self._rows_of(position % blocks)] = True
-        return rows
+            return None
+        if new.taken - old.taken >= self.blocks:
+            return None
+        return {position % self.blocks for position in range(old.taken, new.taken)}
 
     # --- blocks ----------------------------------------------------------------------------
 
@@ -445,34 +446,27 @@ class Sharing:
             return
         self._swept = time.monotonic()
         gone = {who for _, who in self.ring.held if who != self.writer and not self._is_alive(who)}
-        if not gone:
-            return
-
-        def release(meta: StoreMeta) -> StoreMeta | None:
-            ring = meta.commit.ring
-            assert ring is not None
-            kept = tuple((block, who) for block, who in ring.held if who not in gone)
-            if kept == ring.held:
-                return None
-            readable = meta.commit.readable_mask(self.store.rows)
-            return self._with(meta, readable, dataclasses.replace(ring, held=kept))
-
-        self.update(release)
+        if gone:
+            self._release(lambda who: who in gone)
 
     def leave(self) -> None:
         """Give the blocks this writer holds back (it closes)."""
+        self._release(lambda who: who == self.writer)
+        self.current, self.filled = None, 0
+
+    def _release(self, whose: Callable[[str], bool]) -> None:
+        """Release every block held by a writer for which ``whose`` is true."""
 
         def release(meta: StoreMeta) -> StoreMeta | None:
             ring = meta.commit.ring
             assert ring is not None
-            kept = tuple((block, who) for block, who in ring.held if who != self.writer)
+            kept = tuple((block, who) for block, who in ring.held if not whose(who))
             if kept == ring.held:
                 return None
             readable = meta.commit.readable_mask(self.store.rows)
             return self._with(meta, readable, dataclasses.replace(ring, held=kept))
 
         self.update(release)
-        self.current, self.filled = None, 0
 
     def _check_holds(self, held: dict[int, str]) -> None:
         """This writer's blocks must still be its own (others release them only once they
@@ -512,10 +506,10 @@ class Sharing:
             out = read()
             self.refresh()
             after = self.store.committed
-            if (
-                after.generation == before.generation
-                or not self._retaken(before, after)[rows].any()
-            ):
+            if after.generation == before.generation:
+                return out
+            retaken = self._retaken_blocks(before, after)
+            if retaken is not None and retaken.isdisjoint((rows // self.block_rows).tolist()):
                 return out
             time.sleep(0.0005 * (attempt + 1))
         raise RowsNotCommittedError(

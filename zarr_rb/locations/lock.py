@@ -109,14 +109,7 @@ class SharedLock:
         try:
             fd = _take(path, fcntl.LOCK_SH)
         except _HeldError as held:
-            holder = held.holder
-            raise MixedWritersError(
-                f"store {str(root)!r} is open by a single writer (pid {holder.get('pid')} on "
-                f"host {holder.get('host')!r}), which writes rows wherever its cursor points; "
-                "shared writers cannot join it. Close it there and reopen every writer with "
-                "shared=True",
-                holder=holder,
-            ) from None
+            raise single_writer_holds(str(root), held.holder) from None
         shared = WriterLock(path, fd, {})
         try:
             (root / WRITERS_DIR).mkdir(exist_ok=True)
@@ -180,6 +173,16 @@ def flock(fd: int, operation: int, path: Path) -> None:
             f"({os.strerror(err.errno)}). A store's writers rely on them: mount it with "
             "locking (NFS: without 'nolock'), or put the store on a local disk or on S3",
         ) from None
+
+
+def single_writer_holds(where: str, holder: dict[str, Any]) -> MixedWritersError:
+    who = f" (pid {holder.get('pid')} on host {holder.get('host')!r})" if holder else ""
+    return MixedWritersError(
+        f"store {where!r} is open by a single writer{who}, which writes rows wherever its "
+        "cursor points; shared writers cannot join it. Close it there and reopen every "
+        "writer with shared=True",
+        holder=holder,
+    )
 
 
 def mixed_writers(where: str, count: int) -> MixedWritersError:

@@ -43,7 +43,6 @@ from zarr_rb.errors import (
     CredentialsError,
     EndpointUnreachableError,
     InvalidLocationError,
-    MixedWritersError,
     ServerBusyError,
     StoreWriteError,
 )
@@ -60,7 +59,7 @@ from zarr_rb.locations.base import (
     join,
     writer_key,
 )
-from zarr_rb.locations.lock import mixed_writers
+from zarr_rb.locations.lock import mixed_writers, single_writer_holds
 
 OPTIONS = ("endpoint_url", "key", "secret", "token", "region", "anon")
 """``storage_options`` as fsspec/s3fs name them."""
@@ -335,12 +334,7 @@ class S3Location(Location):
         from zarr_rb.locations.lease import Lease, lease_alive
 
         if lease_alive(self, LEASE_KEY):
-            raise MixedWritersError(
-                f"store {self.url!r} is open by a single writer, which writes rows wherever "
-                "its cursor points; shared writers cannot join it. Close it there and reopen "
-                "every writer with shared=True",
-                holder={},
-            )
+            raise single_writer_holds(self.url, {})
         return Lease.acquire(
             self, seconds=self.options.lease_seconds, key=writer_key(writer), writer=writer
         )
