@@ -92,11 +92,31 @@ class Compression:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LeafLayout:
-    """Chunk shape, and shard shape for sharded leaves, of one array."""
+    """Chunk shape, and shard shape for sharded leaves, of one array, and the names of its
+    dimensions (Zarr v3 ``dimension_names``, which xarray reads)."""
 
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
     shards: tuple[int, ...] | None
+    dimension_names: tuple[str, ...] = ()
+
+
+BATCH_DIMENSIONS = {1: ("row",), 2: ("time", "env")}
+"""Names of a store's batch dimensions by ``ndim`` (TorchRL's ``ndim=2`` layout is
+``[time, n_envs]``)."""
+
+
+def batch_dimension_names(ndim: int) -> tuple[str, ...]:
+    return BATCH_DIMENSIONS.get(ndim) or ("row", *(f"batch_{i}" for i in range(1, ndim)))
+
+
+def dimension_names(key: tuple[str, ...], ndim: int, array_ndim: int) -> tuple[str, ...]:
+    """Names of the dimensions of the array of ``key``: the batch dimensions, shared by
+    every array, then ``<key>_<i>`` for each dimension of an element (unique to the key,
+    so that arrays of different element shapes never share a dimension name)."""
+    name = ".".join(key) or "tensor"
+    batch = batch_dimension_names(ndim)
+    return (*batch, *(f"{name}_{i}" for i in range(array_ndim - ndim)))
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -138,6 +158,20 @@ def ragged_chunk_length(leaf: LeafSpec, compression: Compression) -> int:
 
 
 def leaf_layout(
+    leaf: LeafSpec,
+    *,
+    batch_shape: tuple[int, ...],
+    block_rows: int,
+    compression: Compression,
+) -> LeafLayout:
+    layout = _chunking(
+        leaf, batch_shape=batch_shape, block_rows=block_rows, compression=compression
+    )
+    names = dimension_names(leaf.key, len(batch_shape), len(layout.shape))
+    return dataclasses.replace(layout, dimension_names=names)
+
+
+def _chunking(
     leaf: LeafSpec,
     *,
     batch_shape: tuple[int, ...],

@@ -260,6 +260,7 @@ class Engine:
             shards=layout.shards,
             compressors=_checksummed(compression.compressors()),
             attributes=dict(attributes),
+            dimension_names=layout.dimension_names or None,
         )
 
     def _create(self, path: str, *, replace: bool = True, **settings: Any) -> None:
