@@ -221,6 +221,12 @@ class Location(abc.ABC):
         """Whether the shared writer ``writer`` still holds the store (once ``False``,
         never ``True`` again: a writer id is never reused)."""
 
+    @abc.abstractmethod
+    def holders(self) -> builtins.list[dict[str, Any]]:
+        """Who writes the store now, as each writer recorded itself (host, pid, since; a
+        shared writer's ``writer`` id), found without taking, waiting for or changing
+        anything: for ``zarr-rb info``."""
+
     def live_writers(self) -> builtins.list[str]:
         """The shared writers that hold the store now."""
         names = {key.partition("/")[2] for key in self.list(WRITERS_DIR)}

@@ -38,7 +38,7 @@ import uuid
 from typing import Any
 
 from zarr_rb.errors import FencedError, LockedError
-from zarr_rb.locations.base import LEASE_KEY, Generation, Location
+from zarr_rb.locations.base import LEASE_KEY, WRITERS_DIR, Generation, Location
 
 SAFETY = 0.75
 """Fraction of the lease's duration after its last renewal during which the holder may
@@ -179,6 +179,19 @@ def lease_alive(location: Location, key: str) -> bool:
     """Whether the lease at ``key`` is held (its record has not expired)."""
     record = _parse(location.read(key))
     return float(record.get("expires", 0)) > time.time()
+
+
+def lease_holders(location: Location) -> list[dict[str, Any]]:
+    """The writers whose lease on the store has not expired (see ``Location.holders``); reads
+    only."""
+    keys = [LEASE_KEY, *sorted(location.list(WRITERS_DIR))]
+    out = []
+    for key in keys:
+        record = _parse(location.read(key))
+        if float(record.get("expires", 0)) > time.time():
+            kind = "single writer" if key == LEASE_KEY else "shared writer"
+            out.append({k: v for k, v in record.items() if k != "token"} | {"kind": kind})
+    return out
 
 
 def _record(holder: dict[str, Any], seconds: float) -> bytes:

@@ -22,6 +22,7 @@ from typing import Any
 
 import tensorstore as ts
 
+from zarr_rb._fork import starting_tensorstore
 from zarr_rb._io import announce, fsync
 from zarr_rb.errors import NotAStoreError
 from zarr_rb.locations.base import (
@@ -35,7 +36,7 @@ from zarr_rb.locations.base import (
     WriterHold,
     is_temporary,
 )
-from zarr_rb.locations.lock import SharedLock, WriterLock, shared_writer_alive
+from zarr_rb.locations.lock import SharedLock, WriterLock, lock_holders, shared_writer_alive
 
 ABSENT: Generation = b"absent"
 
@@ -46,6 +47,7 @@ class LocalLocation(Location):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).absolute()
         self.durability = Durability(self.root)
+        starting_tensorstore(f"store {str(self.root)!r}")
         self._context = ts.Context(
             {
                 "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
@@ -215,6 +217,9 @@ class LocalLocation(Location):
 
     def writer_alive(self, writer: str) -> bool:
         return shared_writer_alive(self.root, writer)
+
+    def holders(self) -> builtins.list[dict[str, Any]]:
+        return lock_holders(self.root)
 
     def remove_leftovers(self) -> builtins.list[str]:
         removed = []

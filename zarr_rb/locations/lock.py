@@ -157,6 +157,50 @@ def shared_writer_alive(root: Path, writer: str) -> bool:
     return False
 
 
+def lock_holders(root: Path) -> list[dict[str, Any]]:
+    """The writers that hold the store at ``root`` (see ``Location.holders``): its single
+    writer, or its shared writers. Linux lists every flock in ``/proc/locks``; elsewhere
+    the records of the lock files are reported as they are, unchecked."""
+    files = [root / LOCK_FILE, *sorted((root / WRITERS_DIR).glob("*"))]
+    held = _flocked_inodes()
+    out = []
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            inode = os.fstat(fd).st_ino
+            holder = _read_holder(fd)
+        finally:
+            os.close(fd)
+        exclusive = held.get(inode) if held is not None else "WRITE"
+        if path.name == LOCK_FILE and exclusive == "WRITE" and holder:
+            out.append({**holder, "kind": "single writer"})
+        elif path.name != LOCK_FILE and exclusive is not None:
+            out.append({**holder, "kind": "shared writer"})
+    return out
+
+
+def _flocked_inodes() -> dict[int, str] | None:
+    """Inode -> ``"WRITE"`` (exclusive) or ``"READ"`` (shared) of every file with an flock,
+    from ``/proc/locks`` (``None`` where there is none)."""
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    out: dict[int, str] = {}
+    for line in lines:
+        fields = line.split()
+        if "->" in fields:  # a process waiting for the lock, not holding it
+            continue
+        if len(fields) >= 6 and fields[1] == "FLOCK":
+            with contextlib.suppress(ValueError, IndexError):
+                inode = int(fields[5].rsplit(":", 1)[1])
+                out[inode] = "WRITE" if out.get(inode) == "WRITE" else fields[3]
+    return out
+
+
 def flock(fd: int, operation: int, path: Path) -> None:
     """``flock(2)``, failing with :class:`LocksUnsupportedError` where the filesystem has
     no working locks."""

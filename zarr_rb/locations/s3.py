@@ -21,6 +21,7 @@ the small signer in :mod:`zarr_rb.locations._sigv4`, as are listings with sizes.
 from __future__ import annotations
 
 import atexit
+import builtins
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -37,6 +38,7 @@ from typing import Any, TypeVar
 
 import tensorstore as ts
 
+from zarr_rb._fork import starting_tensorstore
 from zarr_rb._io import IOKind, announce
 from zarr_rb.errors import (
     BucketNotFoundError,
@@ -146,6 +148,7 @@ class S3Location(Location):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.options = options
+        starting_tensorstore(f"store 's3://{bucket}/{self.prefix}'")
         self._context = _context(options)
         self._credentials_spec = _credentials_spec(options)
         self.cache_bytes = options.cache_bytes
@@ -338,6 +341,11 @@ class S3Location(Location):
         return Lease.acquire(
             self, seconds=self.options.lease_seconds, key=writer_key(writer), writer=writer
         )
+
+    def holders(self) -> builtins.list[dict[str, Any]]:
+        from zarr_rb.locations.lease import lease_holders
+
+        return lease_holders(self)
 
     def writer_alive(self, writer: str) -> bool:
         from zarr_rb.locations.lease import lease_alive

@@ -1,0 +1,32 @@
+"""TensorStore and ``fork()``: TensorStore's threads do not survive a fork, and it aborts a
+child that uses it after its parent did. zarr_rb raises a typed error in such a child
+instead, and its readers that must work there (the workers of a PyTorch ``DataLoader``,
+which forks by default) read with zarr-python instead (see :mod:`zarr_rb.engine.forked`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from zarr_rb.errors import NotSupportedError
+
+_started_in: int | None = None
+"""The process that started TensorStore (made a context), if one did."""
+
+
+def tensorstore_usable() -> bool:
+    """Whether this process may use TensorStore: it is not a fork of one that did."""
+    return _started_in is None or _started_in == os.getpid()
+
+
+def starting_tensorstore(where: str) -> None:
+    """Called before TensorStore starts in this process (a context is made for ``where``)."""
+    global _started_in
+    if not tensorstore_usable():
+        raise NotSupportedError(
+            f"{where}: this process was forked from one that used TensorStore, whose threads "
+            "do not survive a fork; start processes with the 'spawn' or 'forkserver' method "
+            "(multiprocessing.get_context('spawn'), DataLoader(multiprocessing_context="
+            "'spawn')). zarr_rb.open(path).dataset() reads local stores in forked workers too"
+        )
+    _started_in = os.getpid()

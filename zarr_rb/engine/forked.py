@@ -1,0 +1,79 @@
+"""Reads of a local store with zarr-python, for processes forked from one that used
+TensorStore (which cannot run there, see :mod:`zarr_rb._fork`). zarr-python resets its I/O
+loop after a fork.
+
+Only what the last commit declares readable is read, and never a torn transition: the
+commit record is read before and after the rows, and the read repeated if it moved (the
+seqlock of :mod:`zarr_rb.core.reader`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zarr_rb.core.format import ATTRS_KEY, Commit, LeafSpec, parse_store_meta, preview_rows
+from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
+
+_RETRIES = 20
+
+
+class ForkedReader:
+    """Rows of some fixed-shape leaves of the local store at ``root``, read with zarr-python."""
+
+    def __init__(self, root: Path, leaves: Sequence[LeafSpec]) -> None:
+        import zarr
+        from zarr.storage import LocalStore
+
+        self._root = root
+        self._where = f"store {str(root)!r}"
+        store = LocalStore(root, read_only=True)
+        self._arrays = {
+            leaf.key: zarr.open_array(store=store, path=leaf.path, mode="r") for leaf in leaves
+        }
+
+    def _commit(self) -> Commit:
+        try:
+            document = json.loads((self._root / "zarr.json").read_bytes())
+            return parse_store_meta(document["attributes"], where=self._where).commit
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise StoreCorruptedError(
+                f"{self._where}: cannot read its commit record: {err}"
+            ) from None
+
+    def read(self, rows: np.ndarray) -> dict[tuple[str, ...], np.ndarray]:
+        """``rows`` (any order, repeats allowed) of every leaf, as the last commit has them."""
+        unique, inverse = np.unique(rows, return_inverse=True)
+        for attempt in range(_RETRIES):
+            commit = self._commit()
+            readable = commit.readable_mask(int(unique.max()) + 1 if unique.size else 0)[unique]
+            if not readable.all():
+                raise RowsNotCommittedError(
+                    f"{self._where}: rows {preview_rows(unique[~readable])} are not readable "
+                    f"in commit {commit.generation} (length {commit.length}, holes "
+                    f"{list(commit.holes)})",
+                )
+            out = {
+                key: _stored(a, np.asarray(a.oindex[unique]))[inverse]
+                for key, a in self._arrays.items()
+            }
+            if self._commit().generation == commit.generation:
+                return out
+            time.sleep(0.001 * (attempt + 1))
+        raise RowsNotCommittedError(
+            f"{self._where}: rows kept changing while being read ({_RETRIES} attempts)"
+        )
+
+
+def _stored(array: Any, values: np.ndarray) -> np.ndarray:
+    """``values`` in their real dtype (bfloat16 is stored as its uint16 bits)."""
+    if array.attrs.get(ATTRS_KEY, {}).get("dtype") == "bfloat16":
+        import ml_dtypes
+
+        return values.view(ml_dtypes.bfloat16)
+    return values
