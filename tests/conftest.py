@@ -75,3 +75,48 @@ def s3_url(s3_server: S3Server, request) -> str:
 @pytest.fixture
 def s3_options(s3_server: S3Server) -> dict[str, str]:
     return s3_server.storage_options()
+
+
+class PongRun:
+    """A buffer of real ALE Pong transitions that wrapped its ring, and every transition
+    written into it, in order (the reference for what the store must show)."""
+
+    CAPACITY = 500
+    STEPS = 700  # the ring wraps: the oldest 200 rows were overwritten
+    EPISODE_STEPS = 90  # episodes truncated at 90 steps, so that several fit
+
+    def __init__(self, path) -> None:
+        import gymnasium
+        from torchrl.data import TensorDictReplayBuffer
+
+        from zarr_rb import ZarrStorage
+        from zarr_rb.demo import collect, make_env
+
+        self.path = path
+        rb = TensorDictReplayBuffer(storage=ZarrStorage(self.CAPACITY, path))
+        written = []
+
+        class Both:
+            def extend(self, td):
+                written.append(td.clone())
+                rb.extend(td)
+
+        env = gymnasium.wrappers.TimeLimit(make_env("pong"), max_episode_steps=self.EPISODE_STEPS)
+        collect(Both(), env, self.STEPS, batch_size=64, seed=3, progress=False)
+        env.close()
+        rb.storage.close()
+        self.written = torch.cat(written)
+
+    @property
+    def kept(self) -> TensorDict:
+        """The transitions the ring holds, oldest first."""
+        return self.written[-self.CAPACITY :]
+
+    def row_of(self, position: int) -> int:
+        """Storage row of the ``position``-th kept transition."""
+        return (self.STEPS - self.CAPACITY + position) % self.CAPACITY
+
+
+@pytest.fixture(scope="session")
+def pong(tmp_path_factory) -> PongRun:
+    return PongRun(tmp_path_factory.mktemp("pong") / "pong.zarr")

@@ -4,20 +4,26 @@ Examples:
     >>> from torchrl.data import TensorDictReplayBuffer
     >>> from zarr_rb import ZarrStorage
     >>> rb = TensorDictReplayBuffer(storage=ZarrStorage(1_000_000, "runs/pong.zarr"))
+    >>> view = zarr_rb.open("runs/pong.zarr")   # read-only, for analysis
 """
 
 from __future__ import annotations
 
 from zarr_rb._lazy import LazyColumn
+from zarr_rb.analysis import ReplayDataset, View, open
 from zarr_rb.api import load, save
 from zarr_rb.convert import export_torchrl, import_torchrl
 from zarr_rb.core.format import FORMAT_VERSION
 from zarr_rb.core.layout import Compression
 from zarr_rb.errors import (
     ChunkCorruptedError,
+    EpisodeIndexError,
     FormatVersionError,
     LockedError,
+    MissingDependencyError,
+    NoEpisodeFlagsError,
     NoSavedBufferError,
+    NotAnImageError,
     NotAStoreError,
     NotSupportedError,
     ReadOnlyError,
@@ -28,6 +34,7 @@ from zarr_rb.errors import (
     StoreExistsError,
     StoreNotFoundError,
     StoreWriteError,
+    UnknownKeyError,
     UnstackableError,
     UnsupportedDataError,
     ZarrRBError,
@@ -43,14 +50,19 @@ __all__ = [
     "ChunkCorruptedError",
     "Compression",
     "DamagedChunk",
+    "EpisodeIndexError",
     "FormatVersionError",
     "LazyColumn",
     "LockedError",
+    "MissingDependencyError",
+    "NoEpisodeFlagsError",
     "NoSavedBufferError",
     "NotAStoreError",
+    "NotAnImageError",
     "NotSupportedError",
     "PickleNotAllowedError",
     "ReadOnlyError",
+    "ReplayDataset",
     "RowIndexError",
     "RowsNotCommittedError",
     "SchemaMismatchError",
@@ -58,15 +70,18 @@ __all__ = [
     "StoreExistsError",
     "StoreNotFoundError",
     "StoreWriteError",
+    "UnknownKeyError",
     "UnstackableError",
     "UnsupportedDataError",
     "VerifyReport",
+    "View",
     "ZarrRBError",
     "ZarrStorage",
     "__version__",
     "export_torchrl",
     "import_torchrl",
     "load",
+    "open",
     "save",
     "verify",
 ]

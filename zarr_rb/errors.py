@@ -13,14 +13,18 @@ __all__ = [
     "ChunkCorruptedError",
     "CredentialsError",
     "EndpointUnreachableError",
+    "EpisodeIndexError",
     "FencedError",
     "FormatVersionError",
     "InvalidLocationError",
     "LockedError",
     "LocksUnsupportedError",
+    "MissingDependencyError",
     "MixedWritersError",
+    "NoEpisodeFlagsError",
     "NoSavedBufferError",
     "NotAStoreError",
+    "NotAnImageError",
     "NotSupportedError",
     "ReadOnlyError",
     "RowIndexError",
@@ -31,6 +35,7 @@ __all__ = [
     "StoreExistsError",
     "StoreNotFoundError",
     "StoreWriteError",
+    "UnknownKeyError",
     "UnstackableError",
     "UnsupportedDataError",
     "ZarrRBError",
@@ -162,3 +167,27 @@ class ServerBusyError(ZarrRBError, ConnectionError):
 
 class InvalidLocationError(ZarrRBError, ValueError):
     """A store URL or ``storage_options`` that cannot name a location."""
+
+
+class UnknownKeyError(ZarrRBError, KeyError):
+    """A key the store does not hold; the message lists the keys it holds."""
+
+    def __str__(self) -> str:  # KeyError would show the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+class NoEpisodeFlagsError(ZarrRBError, LookupError):
+    """The store holds no key that marks where episodes end; the message lists the keys
+    looked for and how to name one."""
+
+
+class EpisodeIndexError(ZarrRBError, IndexError):
+    """An episode number outside the episodes the store holds."""
+
+
+class NotAnImageError(ZarrRBError, ValueError):
+    """A key whose rows are not images (``uint8`` ``[C, H, W]`` or ``[H, W]``)."""
+
+
+class MissingDependencyError(ZarrRBError, ImportError):
+    """An optional dependency is not installed; the message says which extra installs it."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from zarr_rb._optional import require
 from zarr_rb.storage import ZarrStorage
 
 __all__ = ["BufferWriter", "require_ray", "writer_actor"]
@@ -24,13 +25,7 @@ __all__ = ["BufferWriter", "require_ray", "writer_actor"]
 
 def require_ray() -> Any:
     """The ``ray`` module, or an :class:`ImportError` saying how to install it."""
-    try:
-        import ray
-    except ImportError:
-        raise ImportError(
-            "zarr_rb.ray needs Ray, an optional extra: pip install 'zarr-rb[ray]'"
-        ) from None
-    return ray
+    return require("ray", extra="ray", what="zarr_rb.ray")
 
 
 class BufferWriter:

@@ -764,7 +764,22 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         read, how to read them."""
         schema = self._store.schema
         assert schema is not None
-        columns: dict[Key, torch.Tensor] = {}
+        columns, leaves = self.lazy_columns(length, unused_as_zeros=unused_as_zeros)
+        return _convert.build(
+            columns,
+            schema=dataclasses.replace(schema, leaves=tuple(leaves)),
+            batch_shape=(length, *schema.batch_shape[1:]),
+            device=self._build_device,
+        )
+
+    def lazy_columns(
+        self, length: int, *, unused_as_zeros: bool = False
+    ) -> tuple[dict[Key, LazyColumn], list[LeafSpec]]:
+        """Every leaf as a :class:`LazyColumn` over rows ``[0, length)``, and the leaves the
+        columns stand for (an entry no tensor column holds stands as ``uint8``)."""
+        schema = self._store.schema
+        assert schema is not None
+        columns: dict[Key, LazyColumn] = {}
         leaves = []
         for leaf in schema.leaves:
             if leaf.value == "lengths":
@@ -783,12 +798,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             shape = (length, *schema.batch_shape[1:])
             columns[leaf.key] = LazyColumn(shape, torch.uint8, source=source)
             leaves.append(LeafSpec(key=leaf.key, dtype="uint8", shape=()))
-        return _convert.build(
-            columns,
-            schema=dataclasses.replace(schema, leaves=tuple(leaves)),
-            batch_shape=(length, *schema.batch_shape[1:]),
-            device=self._build_device,
-        )
+        return columns, leaves
 
     def _entry(self, key: Key) -> Any:
         """``storage.get(key)`` of an entry no tensor column holds: every row of it, as a

@@ -1,0 +1,83 @@
+"""A store's keys as dask arrays and as an xarray ``Dataset`` (optional: ``pip install
+'zarr-rb[analysis]'``), lazy, one dask chunk per block of rows (a shard, or a plain chunk
+for small keys), so that each task reads whole objects of the store once."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from zarr_rb._optional import require
+from zarr_rb.core.dtypes import TORCH_DTYPES
+from zarr_rb.core.layout import dimension_names
+
+if TYPE_CHECKING:
+    import xarray
+
+    from zarr_rb.analysis.view import KeyLike, View
+
+Key = tuple[str, ...]
+
+
+class _Rows:
+    """One key's committed rows as dask reads them (``shape``, ``dtype``, ``[slices]``)."""
+
+    def __init__(self, view: View, key: Key, shape: tuple[int, ...], dtype: np.dtype[Any]):
+        self._view = view
+        self._key = key
+        self.shape = shape
+        self.dtype = dtype
+        self.ndim = len(shape)
+
+    def __getitem__(self, selection: tuple[slice, ...]) -> np.ndarray:
+        first, *rest = selection if isinstance(selection, tuple) else (selection,)
+        return self._view.numpy(self._key, first)[(slice(None), *rest)]
+
+
+def _numpy_dtype(name: str) -> np.dtype[Any]:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)  # type: ignore[no-any-return]
+    dtype: np.dtype[Any] = np.dtype(str(TORCH_DTYPES[name]).removeprefix("torch."))
+    return dtype
+
+
+def to_dask(view: View) -> dict[KeyLike, Any]:
+    """Each tensor key of ``view`` as a dask array of its committed rows."""
+    da = require("dask.array", extra="analysis", what="View.to_dask()")
+    schema = view.storage.schema
+    if schema is None:
+        return {}
+    block = view.storage._store.meta.block_rows or max(1, view.rows)
+    out: dict[KeyLike, Any] = {}
+    for leaf in view._leaves():
+        if leaf.value != "tensor":
+            continue  # strings and rows of different lengths are no arrays
+        shape = (*view.shape, *leaf.shape)
+        rows = _Rows(view, leaf.key, shape, _numpy_dtype(leaf.dtype))
+        chunks = (block, *shape[1:])
+        name = f"zarr_rb-{view.url}-{'/'.join(leaf.key)}-{view.storage._store.version}"
+        meta = np.empty((0,) * len(shape), dtype=rows.dtype)
+        key: KeyLike = leaf.key[0] if len(leaf.key) == 1 else leaf.key
+        out[key or "tensor"] = da.from_array(
+            rows, chunks=chunks, name=name, lock=False, asarray=False, meta=meta
+        )
+    return out
+
+
+def to_xarray(view: View) -> xarray.Dataset:
+    """The tensor keys of ``view`` as an ``xarray.Dataset`` on dask, with the dimension
+    names the store's arrays carry (``row``, or ``time`` and ``env``; ``<key>_<i>`` for
+    element dimensions) and a ``valid`` variable along the first one."""
+    xr = require("xarray", extra="analysis", what="View.to_xarray()")
+    arrays = to_dask(view)
+    names = {}
+    for key, array in arrays.items():
+        tuple_key = (key,) if isinstance(key, str) else key
+        names[".".join(tuple_key)] = (dimension_names(tuple_key, view.ndim, array.ndim), array)
+    first = dimension_names((), view.ndim, view.ndim)[0]
+    names["valid"] = ((first,), view.valid)
+    dataset: xarray.Dataset = xr.Dataset(names, attrs={"zarr_rb_url": view.url})
+    return dataset

@@ -1,0 +1,124 @@
+"""Pictures of a store: an episode's frames as an animated GIF or a PNG strip (Pillow), and
+its episodes' returns and lengths as a plot (matplotlib). Optional: ``pip install
+'zarr-rb[analysis]'``."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from zarr_rb._optional import require
+from zarr_rb.errors import NotAnImageError
+
+if TYPE_CHECKING:
+    from zarr_rb.analysis.view import KeyLike, View
+
+STRIP_FRAMES = 12
+"""Frames in a PNG strip (evenly spaced over the episode)."""
+
+
+def image_keys(view: View) -> list[KeyLike]:
+    """The keys whose rows are images (``uint8`` ``[C, H, W]``, ``[H, W, 3]`` or ``[H, W]``)."""
+    return [key for key, column in view.schema.items() if _image_problem(column) is None]
+
+
+def _image_problem(column: Any) -> str | None:
+    if column.kind != "tensor" or str(column.dtype) != "torch.uint8":
+        return f"{str(column.dtype).removeprefix('torch.')} values"
+    shape = column.shape
+    if len(shape) not in (2, 3) or (min(shape[-2:]) < 8 and shape[-1] != 3):
+        return f"rows of shape {list(shape)}"
+    return None
+
+
+def to_frames(images: np.ndarray) -> np.ndarray:
+    """Rows of an image key as frames: ``[N, H, W]`` (grey) or ``[N, H, W, 3]`` (RGB).
+    A stack of frames (``[C, H, W]`` with ``C`` other than 1 or 3) shows its last frame."""
+    if images.ndim == 3:
+        return images
+    if images.shape[-1] == 3 and images.shape[1] != 3:
+        return images  # channels last
+    if images.shape[1] == 3:
+        return np.ascontiguousarray(images.transpose(0, 2, 3, 1))
+    return images[:, -1]
+
+
+def episode_frames(view: View, episode: int, key: KeyLike | None = None) -> np.ndarray:
+    """The frames of ``episode`` (see :func:`to_frames`), of ``key`` or the first image key."""
+    key = _image_key(view, key)
+    images = view.select(key).episode(episode)[key]
+    return to_frames(images.numpy())
+
+
+def _image_key(view: View, key: KeyLike | None) -> KeyLike:
+    schema = view.schema
+    if key is None:
+        found = image_keys(view)
+        if not found:
+            shown = ", ".join(f"{k!r}: {c!r}" for k, c in schema.items())
+            raise NotAnImageError(
+                f"{view.url!r} holds no image key (uint8 [C, H, W] or [H, W]); it holds {shown}"
+            )
+        return found[0]
+    view._key(key)
+    key = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+    problem = _image_problem(schema[key])
+    if problem is not None:
+        raise NotAnImageError(
+            f"key {key!r} of {view.url!r} holds {problem}, not images (uint8 [C, H, W], "
+            f"[H, W, 3] or [H, W]); image keys: {image_keys(view) or 'none'}"
+        )
+    return key
+
+
+def write_frames(frames: np.ndarray, path: str | os.PathLike[str], *, fps: float = 15) -> int:
+    """Write ``frames`` as an animated GIF (``.gif``) or, for any other suffix, a PNG strip of
+    up to :data:`STRIP_FRAMES` of them. Returns the number of frames written."""
+    image = require("PIL.Image", extra="analysis", what="zarr-rb show")
+    if not len(frames):
+        raise ValueError("no frame to write: the episode has no row")
+    mode = "RGB" if frames.ndim == 4 else "L"
+    if str(path).lower().endswith(".gif"):
+        pictures = [image.fromarray(frame, mode) for frame in frames]
+        pictures[0].save(
+            path,
+            save_all=True,
+            append_images=pictures[1:],
+            duration=max(1, round(1000 / fps)),
+            loop=0,
+        )
+        return len(pictures)
+    picked = np.unique(np.linspace(0, len(frames) - 1, min(STRIP_FRAMES, len(frames))).round())
+    strip = np.concatenate([frames[int(i)] for i in picked], axis=1)
+    image.fromarray(strip, mode).save(path, format="PNG")
+    return int(picked.size)
+
+
+def plot_episodes(view: View, path: str | os.PathLike[str]) -> int:
+    """Plot the returns and lengths of ``view``'s episodes, oldest first, into a PNG.
+    Returns the number of episodes plotted."""
+    matplotlib = require("matplotlib", extra="analysis", what="zarr-rb plot")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    episodes = view._episode_index()
+    number = np.arange(len(episodes))
+    done = episodes.complete
+    figure, (returns, lengths) = plt.subplots(2, 1, sharex=True, figsize=(8, 5))
+    for axes, values, label in (
+        (returns, episodes.returns, "return"),
+        (lengths, episodes.length, "length (rows)"),
+    ):
+        axes.plot(number[done], values[done], ".", label="complete")
+        axes.plot(number[~done], values[~done], "x", color="tab:red", label="incomplete")
+        axes.set_ylabel(label)
+        axes.grid(alpha=0.3)
+    returns.legend(loc="best", fontsize="small")
+    lengths.set_xlabel("episode (oldest first)")
+    returns.set_title(f"{len(episodes)} episodes of {os.path.basename(str(view.url))}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return len(episodes)
