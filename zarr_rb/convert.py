@@ -61,7 +61,7 @@ from zarr_rb.locations import is_remote
 from zarr_rb.state import check_savable
 from zarr_rb.storage import ZarrStorage
 
-__all__ = ["BLOCK_BYTES", "export_torchrl", "import_torchrl"]
+__all__ = ["BLOCK_BYTES", "buffer_like_dump", "export_torchrl", "import_torchrl"]
 
 BLOCK_BYTES: int = 64 * 2**20
 """Bytes of rows held in RAM at once while copying (at least one row per block)."""
@@ -181,6 +181,55 @@ def import_torchrl(
     return save(buffer, progress=progress)
 
 
+def buffer_like_dump(
+    source_dir: str | os.PathLike[str], path: str | os.PathLike[str], *, mode: str = "w-"
+) -> Any:
+    """A replay buffer built as the one TorchRL dumped into ``source_dir`` was, on a new
+    ``ZarrStorage`` at ``path``, for :func:`import_torchrl` (what ``zarr-rb import`` does).
+
+    The dump's files tell its capacity and its components' kinds: a prioritized sampler
+    (with its ``alpha``, ``beta``, ``eps``), a sampler without replacement, a
+    ``TensorDictMaxValueWriter``, or TorchRL's defaults. TensorDict rows get a
+    ``TensorDict*ReplayBuffer``. A dump of an ``ndim>1`` storage or of custom
+    components needs the buffer built by hand.
+    """
+    from tensordict import is_tensor_collection
+    from torchrl.data import (
+        PrioritizedReplayBuffer,
+        ReplayBuffer,
+        TensorDictPrioritizedReplayBuffer,
+        TensorDictReplayBuffer,
+    )
+
+    source = Path(source_dir).absolute()
+    _check_torchrl_dump(source)
+    rows, _ = open_torchrl_dump(source / "storage")
+    storage = ZarrStorage(int(rows.shape[0]), path, mode=mode)  # type: ignore[arg-type]
+    tensordict = is_tensor_collection(rows)
+    writer = TensorDictMaxValueWriter() if _dumped_max_value_writer(source) else None
+    components: dict[str, Any] = {"storage": storage}
+    if writer is not None:
+        components["writer"] = writer
+    prioritized = source / "sampler" / _PRIORITIZED_STATE
+    if prioritized.is_file():
+        state = _read_json(prioritized)
+        cls = TensorDictPrioritizedReplayBuffer if tensordict else PrioritizedReplayBuffer
+        return cls(
+            alpha=float(state["_alpha"]),
+            beta=float(state["_beta"]),
+            eps=float(state["_eps"]),
+            **components,
+        )
+    if (source / "sampler" / _WITHOUT_REPLACEMENT_STATE).is_file():
+        components["sampler"] = SamplerWithoutReplacement()
+    return (TensorDictReplayBuffer if tensordict else ReplayBuffer)(**components)
+
+
+def _dumped_max_value_writer(source: Path) -> bool:
+    state = source / "writer" / _WRITER_STATE
+    return state.is_file() and "rank_key" in _read_json(state)
+
+
 def _import_destination(buffer: Any, source: Path) -> ZarrStorage:
     storage = getattr(buffer, "storage", None)
     if not isinstance(storage, ZarrStorage):
@@ -291,7 +340,7 @@ def _check_writer(writer: Any, path: Path, where: str) -> None:
             f"{where} has no writer state ({str(state_file)!r} is missing); pass the "
             "directory given to TorchRL's rb.dumps(dir)",
         )
-    max_value_dump = "rank_key" in _read_json(state_file)
+    max_value_dump = _dumped_max_value_writer(path.parent)
     if isinstance(writer, TensorDictMaxValueWriter) != max_value_dump:
         dumped = "a TensorDictMaxValueWriter" if max_value_dump else "a round-robin writer"
         raise _kind_error(where, "writer", dumped, writer)

@@ -34,6 +34,7 @@ from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
 from zarr_rb import ZarrStorage
+from zarr_rb.api import save
 from zarr_rb.errors import ZarrRBError
 
 __all__ = [
@@ -487,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         env.close()
     t1 = time.perf_counter()
-    storage.flush()
+    save(rb, progress=False)  # the rows still in RAM, and the sampler and writer state
     flush_s = time.perf_counter() - t1
     collect_s = time.perf_counter() - t0
     rows = len(storage)
@@ -514,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps_s = stats.steps / stats.env_seconds if stats.env_seconds else float("inf")
     print(
         f"collect {stats.steps} steps in {collect_s:.1f} s: env {stats.env_seconds:.1f} s"
-        f" ({steps_s:.0f} steps/s), extend {stats.write_seconds:.1f} s, flush {flush_s:.2f} s"
+        f" ({steps_s:.0f} steps/s), extend {stats.write_seconds:.1f} s, save {flush_s:.2f} s"
         f" | {stats.episodes} episodes ended, mean return {ret}"
     )
     print(f"rows    {rows} ({start_rows} before this run)")
