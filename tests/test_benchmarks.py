@@ -95,3 +95,17 @@ def test_s3_benchmark_smoke(tmp_path, monkeypatch, s3_server):
     results = json.loads(out.read_text())
     assert set(results["local"]) == set(results["s3"])
     assert results["s3"]["raw_mb"] == results["local"]["raw_mb"]
+
+
+def test_analysis_benchmark_smoke(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import analysis
+
+    out = tmp_path / "analysis.json"
+    args = ["--rows", "3000", "--frames", "600", "--collect", "300", "--json", str(out)]
+    assert analysis.main(args) == 0
+    results = json.loads(out.read_text())
+    assert results["small"]["episodes"] > 0
+    assert results["mean_frame"]["raw_bytes"] == 600 * 4 * 84 * 84
+    assert len(results["epoch_rows_per_s"]) == 4
+    sys.modules.pop("analysis", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,39 @@ def test_readme_sample_runs(workdir: Path, s3_env: dict[str, str], index: int) -
         env=s3_env,
     )
     assert result.returncode == 0, f"README sample {index + 1} failed:\n{result.stderr[-3000:]}"
+
+
+def _commands() -> list[str]:
+    """The ``zarr-rb`` lines of the README's Analysis section, without their comments."""
+    analysis = README.read_text().split("## Analysis", 1)[1].split("\n## ", 1)[0]
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", analysis, flags=re.S):
+        for line in block.splitlines():
+            command = line.split("  #", 1)[0].strip()
+            lines.extend(part.strip() for part in command.split("&&") if part.strip())
+    return lines
+
+
+def test_readme_commands_run(tmp_path: Path) -> None:
+    commands = _commands()
+    assert len(commands) >= 6
+    assert all(command.startswith("zarr-rb ") for command in commands)
+    subprocess.run(
+        [sys.executable, "-m", "zarr_rb.demo", "--env", "pong", "--steps", "300"],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    for command in commands:
+        args = shlex.split(command)[1:]
+        result = subprocess.run(
+            [sys.executable, "-m", "zarr_rb", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, f"{command!r} failed:\n{result.stderr[-3000:]}"
+    assert (tmp_path / "episode0.gif").stat().st_size > 0
+    assert (tmp_path / "returns.png").stat().st_size > 0
