@@ -124,7 +124,9 @@ def _episode_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _key(text: str | None) -> tuple[str, ...] | None:
-    return None if text is None else tuple(text.split("."))
+    from zarr_rb.analysis._keys import parse_dotted
+
+    return None if text is None else parse_dotted(text)
 
 
 def _open(args: argparse.Namespace) -> Any:
@@ -218,7 +220,7 @@ def _episodes(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     from zarr_rb.analysis.pictures import episode_frames, write_frames
 
-    key = None if args.key is None else _public(_key(args.key))
+    key = None if args.key is None else _key(args.key)
     with _open(args) as view:
         frames = episode_frames(view, args.episode, key)
     if args.stride < 1:
@@ -284,11 +286,6 @@ def _verify(args: argparse.Namespace) -> int:
     report = verify(args.path, repair=args.repair)
     print(report)
     return 0 if report.ok or (args.repair and not report.damaged_state) else 1
-
-
-def _public(key: tuple[str, ...] | None) -> Any:
-    assert key is not None
-    return key[0] if len(key) == 1 else key
 
 
 def _cell(value: Any) -> str:

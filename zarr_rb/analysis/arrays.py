@@ -9,15 +9,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zarr_rb._optional import require
-from zarr_rb.core.dtypes import TORCH_DTYPES
+from zarr_rb.analysis._keys import Key, KeyLike, public_key
+from zarr_rb.core.dtypes import numpy_dtype
 from zarr_rb.core.layout import dimension_names
 
 if TYPE_CHECKING:
     import xarray
 
-    from zarr_rb.analysis.view import KeyLike, View
-
-Key = tuple[str, ...]
+    from zarr_rb.analysis.view import View
 
 
 class _Rows:
@@ -35,15 +34,6 @@ class _Rows:
         return self._view.numpy(self._key, first)[(slice(None), *rest)]
 
 
-def _numpy_dtype(name: str) -> np.dtype[Any]:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)  # type: ignore[no-any-return]
-    dtype: np.dtype[Any] = np.dtype(str(TORCH_DTYPES[name]).removeprefix("torch."))
-    return dtype
-
-
 def to_dask(view: View) -> dict[KeyLike, Any]:
     """Each tensor key of ``view`` as a dask array of its committed rows."""
     da = require("dask.array", extra="analysis", what="View.to_dask()")
@@ -56,12 +46,11 @@ def to_dask(view: View) -> dict[KeyLike, Any]:
         if leaf.value != "tensor":
             continue  # strings and rows of different lengths are no arrays
         shape = (*view.shape, *leaf.shape)
-        rows = _Rows(view, leaf.key, shape, _numpy_dtype(leaf.dtype))
+        rows = _Rows(view, leaf.key, shape, numpy_dtype(leaf.dtype))
         chunks = (block, *shape[1:])
         name = f"zarr_rb-{view.url}-{'/'.join(leaf.key)}-{view.storage._store.version}"
         meta = np.empty((0,) * len(shape), dtype=rows.dtype)
-        key: KeyLike = leaf.key[0] if len(leaf.key) == 1 else leaf.key
-        out[key or "tensor"] = da.from_array(
+        out[public_key(leaf.key)] = da.from_array(
             rows, chunks=chunks, name=name, lock=False, asarray=False, meta=meta
         )
     return out

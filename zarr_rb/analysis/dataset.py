@@ -28,13 +28,11 @@ from tensordict import TensorDict
 from torch.utils.data import Dataset, Sampler
 
 from zarr_rb._fork import tensorstore_usable
-from zarr_rb.core.dtypes import TORCH_DTYPES
+from zarr_rb.analysis._keys import KeyLike, public_key
+from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy
 from zarr_rb.core.format import LeafSpec
 from zarr_rb.errors import NotSupportedError, RowIndexError
 from zarr_rb.locations import StoreURL, is_remote
-
-Key = tuple[str, ...]
-KeyLike = str | tuple[str, ...]
 
 
 class ReplayDataset(Dataset[TensorDict]):
@@ -79,7 +77,7 @@ class ReplayDataset(Dataset[TensorDict]):
 
     @property
     def keys(self) -> list[KeyLike]:
-        return [key[0] if len(key) == 1 else key for key in (leaf.key for leaf in self._leaves)]
+        return [public_key(leaf.key) for leaf in self._leaves]
 
     def __len__(self) -> int:
         return (self._rows - self._holes.size) * (self._envs or 1)
@@ -171,14 +169,8 @@ class _ForkedRows:
             value = values[leaf.key]
             if envs is not None:
                 value = value[np.arange(rows.size), envs]
-            dtype = TORCH_DTYPES[leaf.dtype]
-            tensor = torch.from_numpy(np.ascontiguousarray(value).view(_bits(value.dtype)))
-            out[leaf.key] = tensor.view(dtype) if dtype == torch.bfloat16 else tensor
+            out[leaf.key] = from_numpy(value, TORCH_DTYPES[leaf.dtype])
         return TensorDict(out, batch_size=[rows.size])
-
-
-def _bits(dtype: np.dtype[Any]) -> np.dtype[Any]:
-    return np.dtype(np.int16) if dtype.name == "bfloat16" else dtype
 
 
 def _restore(

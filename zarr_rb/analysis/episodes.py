@@ -19,9 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from zarr_rb.analysis._keys import Key, shown
 from zarr_rb.errors import EpisodeIndexError, NoEpisodeFlagsError, UnknownKeyError
-
-Key = tuple[str, ...]
 
 TRAJ_KEYS: tuple[Key, ...] = (("collector", "traj_ids"), ("episode",))
 DONE_KEYS: tuple[Key, ...] = (("next", "done"), ("done",))
@@ -59,7 +58,7 @@ def find_keys(
     for given in (key, reward_key):
         if given is not None and given not in dtypes:
             raise UnknownKeyError(
-                f"the store holds no key {_name(given)}; it holds {_names(dtypes)}"
+                f"the store holds no key {shown(given)}; it holds {_names(dtypes)}"
             )
     if reward_key is None:
         reward_key = next((k for k in REWARD_KEYS if k in dtypes), None)
@@ -73,7 +72,7 @@ def find_keys(
         if dtypes[key].startswith(("int", "uint")):
             return EpisodeKeys(traj=key, ends=ends, reward=reward_key)
         raise NoEpisodeFlagsError(
-            f"key {_name(key)} holds {dtypes[key]} values; episodes are marked by a boolean "
+            f"key {shown(key)} holds {dtypes[key]} values; episodes are marked by a boolean "
             "flag (True on an episode's last row) or by integer trajectory ids",
         )
     traj = next((k for k in TRAJ_KEYS if k in dtypes), None)
@@ -265,9 +264,5 @@ def _sums(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.add.reduceat(values, starts)
 
 
-def _name(key: Key) -> str:
-    return repr(key[0]) if len(key) == 1 else repr(key)
-
-
 def _names(keys: Sequence[Key] | Mapping[Key, Any]) -> str:
-    return ", ".join(_name(k) for k in keys)
+    return ", ".join(shown(k) for k in keys)

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zarr_rb._optional import require
+from zarr_rb.analysis._keys import KeyLike, public_key
 from zarr_rb.errors import NotAnImageError
 
 if TYPE_CHECKING:
-    from zarr_rb.analysis.view import KeyLike, View
+    from zarr_rb.analysis.view import View
 
 STRIP_FRAMES = 12
 """Frames in a PNG strip (evenly spaced over the episode)."""
@@ -62,8 +63,7 @@ def _image_key(view: View, key: KeyLike | None) -> KeyLike:
                 f"{view.url!r} holds no image key (uint8 [C, H, W] or [H, W]); it holds {shown}"
             )
         return found[0]
-    view._key(key)
-    key = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+    key = public_key(view._key(key))
     problem = _image_problem(schema[key])
     if problem is not None:
         raise NotAnImageError(

@@ -8,6 +8,7 @@ import dataclasses
 import math
 from typing import Any
 
+from zarr_rb.analysis._keys import dotted, public_key
 from zarr_rb.analysis.view import View
 from zarr_rb.core.format import FORMAT_VERSION, STATE_GROUP
 from zarr_rb.core.layout import leaf_layout
@@ -66,10 +67,10 @@ def describe(view: View) -> StoreReport:
             chunking = f"shard {layout.shards[0]}, chunk {layout.chunks[0]}"
         paths = [leaf.path, *([leaf.lengths_leaf().path] if leaf.ragged else [])]
         stored = sum(max(0, n) for path in paths for n in location.list(path + "/").values())
-        column = view.schema[_shown(leaf.key)]
+        column = view.schema[public_key(leaf.key)]
         keys.append(
             KeyReport(
-                key=_name(leaf.key),
+                key=dotted(leaf.key),
                 dtype=str(column.dtype).removeprefix("torch."),
                 shape="[" + ", ".join("*" if n is None else str(n) for n in column.shape) + "]",
                 kind=column.kind,
@@ -102,7 +103,7 @@ def _episodes_line(view: View) -> str:
     except NoEpisodeFlagsError as err:
         return f"not found: {err}"
     complete = int(episodes.complete.sum())
-    keys = ", ".join(_name(k) for k in (episodes.keys.traj, *episodes.keys.ends) if k)
+    keys = ", ".join(dotted(k) for k in (episodes.keys.traj, *episodes.keys.ends) if k)
     line = f"{len(episodes)} ({complete} complete), from {keys}"
     if complete and episodes.keys.reward is not None:
         mean = float(episodes.returns[episodes.complete].mean())
@@ -130,14 +131,3 @@ def _saved_line(view: View) -> str:
     if transforms:
         parts.append(f"{transforms} transform(s)")
     return ", ".join(parts)
-
-
-def _name(key: tuple[str, ...] | None) -> str:
-    """A key as the command line names it (nested keys with dots)."""
-    return ".".join(key) if key else "tensor"
-
-
-def _shown(key: tuple[str, ...]) -> Any:
-    if not key:
-        return "tensor"
-    return key[0] if len(key) == 1 else key

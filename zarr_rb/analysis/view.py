@@ -16,8 +16,9 @@ import torch
 from tensordict import TensorDict
 
 from zarr_rb import _compat, _convert, _index
+from zarr_rb.analysis._keys import TENSOR_KEY, Key, KeyLike, public_key, shown
 from zarr_rb.analysis.episodes import Episodes, find_episodes, find_keys
-from zarr_rb.core.dtypes import TORCH_DTYPES, to_numpy
+from zarr_rb.core.dtypes import TORCH_DTYPES, numpy_dtype, to_numpy
 from zarr_rb.core.format import LeafSpec, Schema
 from zarr_rb.errors import UnknownKeyError
 from zarr_rb.locations import StoreURL
@@ -27,9 +28,6 @@ if TYPE_CHECKING:
     import xarray
 
     from zarr_rb.analysis.dataset import ReplayDataset
-
-Key = tuple[str, ...]
-KeyLike = str | tuple[str, ...]
 
 _KINDS = {"tensor": "tensor", "ragged": "ragged"}
 
@@ -155,7 +153,7 @@ class View:
 
     def keys(self) -> list[KeyLike]:
         """The keys, nested ones as tuples (as ``TensorDict.keys(True, True)``)."""
-        return [_public(leaf.key) for leaf in self._leaves()]
+        return [public_key(leaf.key) for leaf in self._leaves()]
 
     @property
     def schema(self) -> dict[KeyLike, Column]:
@@ -167,7 +165,7 @@ class View:
                 shape = (None, *leaf.shape)
             kind = _KINDS.get(leaf.value, "values")
             dtype = TORCH_DTYPES[leaf.dtype] if kind != "values" else torch.uint8
-            out[_public(leaf.key)] = Column(dtype=dtype, shape=shape, kind=kind)
+            out[public_key(leaf.key)] = Column(dtype=dtype, shape=shape, kind=kind)
         return out
 
     @property
@@ -198,7 +196,7 @@ class View:
         self.close()
 
     def __repr__(self) -> str:
-        keys = ", ".join(f"{_show(k)}: {c!r}" for k, c in self.schema.items())
+        keys = ", ".join(f"{shown(k)}: {c!r}" for k, c in self.schema.items())
         holes = f", holes={self.holes}" if self.holes else ""
         return f"View({self.url!r}, shape={list(self.shape)}{holes}, keys={{{keys}}})"
 
@@ -217,8 +215,8 @@ class View:
     def _key(self, key: KeyLike) -> Key:
         key = _convert.key_tuple(key)
         if not any(leaf.key == key for leaf in self._leaves()):
-            shown = ", ".join(_show(k) for k in self.keys()) or "no key"
-            raise UnknownKeyError(f"{self.url!r} has no key {_show(key)}: it holds {shown}")
+            held = ", ".join(shown(k) for k in self.keys()) or "no key"
+            raise UnknownKeyError(f"{self.url!r} has no key {shown(key)}: it holds {held}")
         return key
 
     def _lazy(self) -> TensorDict:
@@ -226,7 +224,7 @@ class View:
         columns, _ = storage.lazy_columns(self.rows)
         wanted = {leaf.key for leaf in self._leaves()}
         return TensorDict(
-            {k or ("tensor",): c for k, c in columns.items() if k in wanted},
+            {k or (TENSOR_KEY,): c for k, c in columns.items() if k in wanted},
             batch_size=self.shape,
         )
 
@@ -236,7 +234,7 @@ class View:
         index tensors read the rows of this view's keys."""
         if _index.is_key(index):
             key = self._key(index)
-            return self._lazy()[key or ("tensor",)]
+            return self._lazy()[key or (TENSOR_KEY,)]
         return self._lazy()[index]
 
     def read_rows(self, rows: np.ndarray, envs: np.ndarray | None = None) -> TensorDict:
@@ -252,7 +250,7 @@ class View:
         values = self.storage._store.read(rows, [leaf.key for leaf in leaves])
         batch_shape = (rows.size, *schema.batch_shape[1:])
         if schema.kind == "tensor":
-            out = TensorDict({"tensor": values[()]}, batch_size=batch_shape)
+            out = TensorDict({TENSOR_KEY: values[()]}, batch_size=batch_shape)
         else:
             sub = dataclasses.replace(
                 schema, kind="tensordict", leaves=tuple(leaves), tensorclass=None, treespec=None
@@ -269,12 +267,7 @@ class View:
         picked = np.arange(self.rows)[slice(None) if rows is None else rows]
         store = self.storage._store
         values = store.read(picked, [leaf.key], unreadable_as_zeros=True)[leaf.key]
-        array = to_numpy(values)
-        if leaf.dtype == "bfloat16":
-            import ml_dtypes
-
-            array = array.view(ml_dtypes.bfloat16)
-        return array
+        return to_numpy(values).view(numpy_dtype(leaf.dtype))
 
     def _leaf(self, key: Key) -> LeafSpec:
         return next(leaf for leaf in self._leaves() if leaf.key == key)
@@ -340,18 +333,8 @@ class View:
         :class:`~zarr_rb.analysis.ReplayDataset`)."""
         from zarr_rb.analysis.dataset import ReplayDataset
 
-        chosen = self.keys() if keys is None else [_public(self._key(k)) for k in keys]
+        chosen = self.keys() if keys is None else [public_key(self._key(k)) for k in keys]
         return ReplayDataset(self.url, keys=chosen, storage_options=self.storage_options)
-
-
-def _public(key: Key) -> KeyLike:
-    if not key:
-        return "tensor"
-    return key[0] if len(key) == 1 else key
-
-
-def _show(key: KeyLike | Key) -> str:
-    return repr(key[0] if isinstance(key, tuple) and len(key) == 1 else key)
 
 
 def _ranges(rows: np.ndarray) -> list[tuple[int, int]]:

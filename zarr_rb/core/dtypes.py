@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -17,6 +19,16 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "bfloat16": torch.bfloat16,
 }
+
+
+def numpy_dtype(name: str) -> np.dtype[Any]:
+    """The NumPy dtype of a stored dtype name, bfloat16 as ``ml_dtypes.bfloat16`` (which
+    TensorStore depends on) for NumPy users, to view the stored bits as."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)  # type: ignore[no-any-return]
+    return np.dtype(name)
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -13,11 +13,10 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from zarr_rb.core.format import ATTRS_KEY, Commit, LeafSpec, parse_store_meta, preview_rows
+from zarr_rb.core.format import Commit, LeafSpec, parse_store_meta, preview_rows
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
 
 _RETRIES = 20
@@ -47,7 +46,8 @@ class ForkedReader:
             ) from None
 
     def read(self, rows: np.ndarray) -> dict[tuple[str, ...], np.ndarray]:
-        """``rows`` (any order, repeats allowed) of every leaf, as the last commit has them."""
+        """``rows`` (any order, repeats allowed) of every leaf, as the last commit has them, in
+        their stored dtypes (bfloat16 as its uint16 bits)."""
         unique, inverse = np.unique(rows, return_inverse=True)
         for attempt in range(_RETRIES):
             commit = self._commit()
@@ -58,22 +58,10 @@ class ForkedReader:
                     f"in commit {commit.generation} (length {commit.length}, holes "
                     f"{list(commit.holes)})",
                 )
-            out = {
-                key: _stored(a, np.asarray(a.oindex[unique]))[inverse]
-                for key, a in self._arrays.items()
-            }
+            out = {key: np.asarray(a.oindex[unique])[inverse] for key, a in self._arrays.items()}
             if self._commit().generation == commit.generation:
                 return out
             time.sleep(0.001 * (attempt + 1))
         raise RowsNotCommittedError(
             f"{self._where}: rows kept changing while being read ({_RETRIES} attempts)"
         )
-
-
-def _stored(array: Any, values: np.ndarray) -> np.ndarray:
-    """``values`` in their real dtype (bfloat16 is stored as its uint16 bits)."""
-    if array.attrs.get(ATTRS_KEY, {}).get("dtype") == "bfloat16":
-        import ml_dtypes
-
-        return values.view(ml_dtypes.bfloat16)
-    return values
