@@ -15,7 +15,7 @@ import torch
 from conftest import PongRun, assert_identical
 from tensordict import TensorDict
 from torch.utils.data import DataLoader
-from torchrl.data import SliceSampler
+from torchrl.data import SliceSampler, TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import NotSupportedError, ReplayDataset, ZarrStorage
@@ -129,3 +129,47 @@ def test_bad_positions_and_keys(pong: PongRun) -> None:
         ReplayDataset(pong.path, keys=["pixels"])
     positions = dataset.positions_of(np.array([0, 499]))
     assert positions.tolist() == [0, 499]
+
+
+def test_a_store_on_s3_opens_for_analysis(s3_server, s3_url, s3_options, pong: PongRun) -> None:
+    """The analysis face on an object store: the view, its episodes, dask, a DataLoader whose
+    spawned workers read the store themselves, and the command line with the AWS_* variables."""
+    import os
+    import subprocess
+    import sys
+
+    rb = TensorDictReplayBuffer(
+        storage=ZarrStorage(pong.CAPACITY, s3_url, storage_options=s3_options)
+    )
+    for start in range(0, pong.STEPS, 64):  # as the local store was filled
+        rb.extend(pong.written[start : start + 64].exclude("index"))
+    rb.storage.close()
+    view = zarr_rb.open(s3_url, storage_options=s3_options)
+    local = zarr_rb.open(pong.path)
+    assert view.episodes["length"].tolist() == local.episodes["length"].tolist()
+    assert_identical(view.episode(2)["observation"], local.episode(2)["observation"])
+    total = view.to_dask()["next", "reward"].sum().compute()
+    assert float(total) == float(local.to_dask()["next", "reward"].sum().compute())
+    loader = DataLoader(
+        view.dataset(keys=["observation"]),
+        batch_size=100,
+        shuffle=True,
+        num_workers=2,
+        multiprocessing_context="spawn",
+        collate_fn=torch.stack,
+    )
+    expected = _by_row(pong)["observation"]
+    seen = []
+    for batch in loader:
+        assert_identical(batch["observation"], expected[batch["index"]])
+        seen.extend(batch["index"].tolist())
+    assert sorted(seen) == list(range(pong.CAPACITY))
+    out = subprocess.run(
+        [sys.executable, "-m", "zarr_rb", "episodes", s3_url],
+        env={**os.environ, **s3_server.env(), "COLUMNS": "160"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"{len(local.episodes)} episodes of {s3_url}" in " ".join(out.stdout.split())

@@ -154,7 +154,9 @@ def _info(args: argparse.Namespace) -> int:
     with _open(args) as view:
         report = describe(view)
     console = _console()
-    console.print(f"[bold]{report.url}[/bold]  (zarr_rb format {report.format_version})")
+    console.print(
+        f"[bold]{report.url}[/bold]  (zarr_rb format {report.format_version})", soft_wrap=True
+    )
     rows = " x ".join(str(n) for n in report.shape)
     console.print(
         f"rows      {rows} of {report.capacity} (cursor {report.cursor}, commit "
@@ -205,7 +207,7 @@ def _episodes(args: argparse.Namespace) -> int:
     limit = max(2, args.limit)
     if n > limit:
         shown = [*range(limit // 2), -1, *range(n - limit // 2, n)]
-    table = Table(title=f"{n} episodes of {view.url}", title_justify="left")
+    table = Table()
     for name in columns:
         table.add_column(name, justify="right")
     for i in shown:
@@ -213,7 +215,9 @@ def _episodes(args: argparse.Namespace) -> int:
             table.add_row(*("..." for _ in columns))
             continue
         table.add_row(*(_cell(c[i]) for c in columns.values()))
-    _console().print(table)
+    console = _console()
+    console.print(f"{n} episodes of {view.url}", soft_wrap=True)
+    console.print(table)
     return 0
 
 
