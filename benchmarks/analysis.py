@@ -11,7 +11,7 @@ DataLoader epoch, in one run.
   workers) over a ReplayDataset and over TorchRL's LazyMemmapStorage holding the same rows,
   used as a map-style dataset the same way, with 0 and 2 workers.
 
-    python benchmarks/analysis.py --json benchmarks/analysis.json
+    python benchmarks/analysis.py --json benchmarks/analysis.json   # --workers 0,2 by default
 """
 
 from __future__ import annotations
@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--frames", type=int, default=16_384)
     parser.add_argument("--collect", type=int, default=4_096)
+    parser.add_argument("--workers", default="0,2", help="DataLoader worker counts to run")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         dataset = zarr_rb.open(zarr_path).dataset()  # every key, as the memmap rows hold
         results["epoch_rows_per_s"] = {
             f"{name} workers={workers}": epoch_rows_per_s(source, workers)
-            for workers in (0, 2)
+            for workers in (int(n) for n in args.workers.split(","))
             for name, source in (("ReplayDataset", dataset), ("LazyMemmapStorage", memmap))
         }
     finally:

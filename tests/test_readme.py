@@ -67,26 +67,16 @@ def _commands() -> list[str]:
     return lines
 
 
-def test_readme_commands_run(tmp_path: Path) -> None:
+def test_readme_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from zarr_rb import demo
+    from zarr_rb.cli import main
+
     commands = _commands()
     assert len(commands) >= 6
     assert all(command.startswith("zarr-rb ") for command in commands)
-    subprocess.run(
-        [sys.executable, "-m", "zarr_rb.demo", "--env", "pong", "--steps", "300"],
-        cwd=tmp_path,
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    monkeypatch.chdir(tmp_path)
+    assert demo.main(["--env", "pong", "--steps", "300"]) == 0
     for command in commands:
-        args = shlex.split(command)[1:]
-        result = subprocess.run(
-            [sys.executable, "-m", "zarr_rb", *args],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, f"{command!r} failed:\n{result.stderr[-3000:]}"
+        assert main(shlex.split(command)[1:]) == 0, f"{command!r} failed"
     assert (tmp_path / "episode0.gif").stat().st_size > 0
     assert (tmp_path / "returns.png").stat().st_size > 0
