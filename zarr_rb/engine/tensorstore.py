@@ -586,13 +586,21 @@ class RowArray:
         key: str = self._separator.join(indices if self._v2_keys else ["c", *indices])
         return join(self.path, key)
 
-    def chunk_keys(self, rows: np.ndarray, width: int | None = None) -> list[str]:
+    def chunk_keys(
+        self, rows: np.ndarray, width: int | None = None, *, run: bool | None = None
+    ) -> list[str]:
+        """Keys of the chunks (shards) holding ``rows``; ``run``: whether ``rows`` is one
+        run (``start, start + 1, ...``), whose chunks follow from its ends."""
         tails = self._tail_positions(width)
-        return [
-            self.chunk_key(int(chunk), tail)
-            for chunk in np.unique(rows // self.chunk_rows)
-            for tail in tails
-        ]
+        if run is None:
+            run = _is_run(rows)
+        if run:
+            chunks: Any = range(
+                int(rows[0]) // self.chunk_rows, int(rows[-1]) // self.chunk_rows + 1
+            )
+        else:
+            chunks = np.unique(rows // self.chunk_rows).tolist()
+        return [self.chunk_key(chunk, tail) for chunk in chunks for tail in tails]
 
     def _region(
         self, first: Any, width: int | None, array: ts.TensorStore | None = None
@@ -713,11 +721,12 @@ class RowArray:
         """
         width = int(values.shape[1]) if self.ragged else None
         announce("write", self._location.path_of(self.path))
-        keys = self.chunk_keys(rows, width)
+        run = _is_run(rows)
+        keys = self.chunk_keys(rows, width, run=run)
         self._location.written(keys)
         if self._cache is not None:
             self._cache.invalidate(keys)
-        if _is_run(rows):
+        if run:
             return self._region(slice(int(rows[0]), int(rows[0]) + rows.size), width).write(values)
         return self._region(rows, width).write(values)
 
