@@ -52,3 +52,34 @@ def test_tensordict_from_zarr_opens_the_data_group(store_path):
     assert td.batch_size[0] == 32
     assert torch.equal(td["obs"][:length], data["obs"])
     assert torch.equal(td["next", "reward"][:length], data["next", "reward"])
+
+
+def _codecs(path, key: str) -> list[str]:
+    import json
+
+    meta = json.loads((path / "data" / key / "zarr.json").read_text())
+    sharding = next(c for c in meta["codecs"] if c["name"] == "sharding_indexed")
+    return [codec["name"] for codec in sharding["configuration"]["codecs"]]
+
+
+def test_frames_the_codec_cannot_shrink_are_stored_raw(store_path):
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 256, (64, 4, 84, 84), dtype=torch.uint8, generator=generator)
+    flat = torch.arange(64, dtype=torch.uint8).view(-1, 1, 1, 1).expand(-1, 4, 84, 84).clone()
+    storage = ZarrStorage(256, store_path)
+    storage.set(torch.arange(64), TensorDict({"noise": noise, "flat": flat}, [64]))
+    storage.set(
+        torch.arange(64, 128), TensorDict({"noise": noise, "flat": flat, "more": noise}, [64])
+    )
+    storage.close()
+    assert _codecs(store_path, "noise") == ["bytes", "crc32c"]
+    assert _codecs(store_path, "more") == ["bytes", "crc32c"]  # a key added later too
+    assert _codecs(store_path, "flat") == ["bytes", "zstd", "crc32c"]
+    group = zarr.open_group(store_path, mode="r")  # zarr-python alone reads every kind back
+    np.testing.assert_array_equal(group["data/noise"][:64], noise.numpy())
+    np.testing.assert_array_equal(group["data/noise"][64:128], noise.numpy())
+    np.testing.assert_array_equal(group["data/more"][64:128], noise.numpy())
+    np.testing.assert_array_equal(group["data/flat"][:64], flat.numpy())
+    reopened = ZarrStorage(path=store_path)
+    assert torch.equal(reopened.get(torch.arange(128))["noise"], torch.cat([noise, noise]))
+    reopened.close()

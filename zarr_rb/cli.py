@@ -171,8 +171,19 @@ def _info(args: argparse.Namespace) -> int:
         for w in report.writers
     ]
     console.print(f"writers   {'; '.join(writers) or 'none (no process holds the store)'}")
-    table = Table(title=f"keys (compression {report.codec})", title_justify="left")
-    for name in ("key", "dtype", "shape", "kind", "rows per object", "stored", "raw", "ratio"):
+    table = Table(title=f"keys (store compression {report.codec})", title_justify="left")
+    columns = (
+        "key",
+        "dtype",
+        "shape",
+        "kind",
+        "rows per object",
+        "codec",
+        "stored",
+        "raw",
+        "ratio",
+    )
+    for name in columns:
         table.add_column(name, justify="right" if name in ("stored", "raw", "ratio") else "left")
     for key in report.keys:
         ratio = f"{key.ratio:.1f}x" if key.raw_bytes else "-"
@@ -183,6 +194,7 @@ def _info(args: argparse.Namespace) -> int:
             key.shape,
             key.kind,
             key.chunking,
+            key.codec,
             _size(key.stored_bytes),
             raw,
             ratio,

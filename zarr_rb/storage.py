@@ -524,9 +524,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             data, batched=batched, ndim=self.ndim, max_size=self.max_size, ragged=self._ragged
         )
 
-    def _create(self, schema: Schema) -> None:
-        """Create the store's arrays (the first write)."""
-        self._store.initialize(schema)
+    def _create(self, schema: Schema, *, samples: dict[Key, torch.Tensor] | None = None) -> None:
+        """Create the store's arrays (the first write; ``samples``: the leaves it writes)."""
+        self._store.initialize(schema, samples=samples)
         self.initialized = True
         # As TorchRL's storages: max_size rounded up to whole rows (ndim > 1).
         self.max_size = capacity_of(self._store.meta)
@@ -574,9 +574,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             data, schema=schema, index_shape=index_shape, where=where, ragged=self._ragged
         )
         if first is not None:  # the rows passed: the store's arrays are made only now
-            self._create(first)
+            self._create(first, samples=all_leaves)
         if new:
-            store.add_leaves(new)
+            store.add_leaves(new, samples=all_leaves)
         rows, last = _index.unique_last(index)
         if rows.size == index.size and (rows == index).all():
             return rows, all_leaves  # already sorted and unique: no gather, no copy

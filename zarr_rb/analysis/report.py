@@ -5,6 +5,7 @@ it read from metadata, object listings and small leaves: never from a row of ima
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -22,6 +23,7 @@ class KeyReport:
     shape: str
     kind: str
     chunking: str
+    codec: str
     stored_bytes: int
     raw_bytes: int
 
@@ -75,6 +77,7 @@ def describe(view: View) -> StoreReport:
                 shape="[" + ", ".join("*" if n is None else str(n) for n in column.shape) + "]",
                 kind=column.kind,
                 chunking=chunking,
+                codec=_codec(location.read(f"{leaf.path}/zarr.json")),
                 stored_bytes=stored,
                 raw_bytes=len(view) * leaf.element_nbytes if not leaf.ragged else 0,
             )
@@ -93,6 +96,22 @@ def describe(view: View) -> StoreReport:
         saved=_saved_line(view),
         writers=location.holders(),
     )
+
+
+def _codec(document: bytes | None) -> str:
+    """The compressor an array's ``zarr.json`` names (inside its sharding codec, if any):
+    a large leaf the codec did not shrink is stored raw (``none``)."""
+    try:
+        codecs = json.loads(document or b"{}").get("codecs", [])
+        for codec in codecs:
+            if codec.get("name") == "sharding_indexed":
+                codecs = codec["configuration"]["codecs"]
+        names = [codec.get("name") for codec in codecs]
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return "?"
+    if "zstd" in names:
+        return "zstd"
+    return "lz4" if "blosc" in names else "none"
 
 
 def _episodes_line(view: View) -> str:

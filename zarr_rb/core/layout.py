@@ -15,6 +15,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import numpy as np
+
 from zarr_rb.core.format import LeafSpec
 
 __all__ = ["Compression"]
@@ -88,6 +90,29 @@ class Compression:
     def from_json(cls, value: Mapping[str, Any]) -> Compression:
         """The settings recorded by :meth:`to_json` (already checked by the format parser)."""
         return cls(**{field.name: value[field.name] for field in dataclasses.fields(cls)})
+
+
+SAMPLE_BYTES = 2**20
+"""Bytes of a leaf's first rows compressed to tell whether the codec shrinks it."""
+MIN_RATIO = 1.1
+"""A large leaf the codec shrinks less than this (random frames, already compressed bytes)
+is stored raw: compressing it would cost time on every write and read, for nothing."""
+
+
+def compresses(sample: np.ndarray, compression: Compression) -> bool:
+    """Whether ``compression`` shrinks ``sample`` (the first rows written of a leaf, up to
+    :data:`SAMPLE_BYTES` of them) by at least :data:`MIN_RATIO`."""
+    from numcodecs import Blosc, Zstd
+
+    raw = np.ascontiguousarray(sample).reshape(-1).view(np.uint8)[:SAMPLE_BYTES]
+    if compression.codec == "none" or not raw.size:
+        return compression.codec != "none"
+    codec = (
+        Zstd(level=compression.level)
+        if compression.codec == "zstd"
+        else Blosc(cname="lz4", clevel=compression.level, shuffle=Blosc.NOSHUFFLE)
+    )
+    return raw.size >= MIN_RATIO * len(codec.encode(raw))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -43,7 +43,13 @@ from zarr_rb.core.format import (
     leaves_by_key,
     preview_rows,
 )
-from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
+from zarr_rb.core.layout import (
+    Compression,
+    choose_block_rows,
+    compresses,
+    leaf_layout,
+    row_nbytes,
+)
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.reader import read_committed, reread_commit
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
@@ -224,15 +230,18 @@ class Store:
             self._mirror.clear()
 
     @_serialized
-    def initialize(self, schema: Schema) -> None:
-        """Create the arrays of ``schema`` (first write of a new store)."""
+    def initialize(
+        self, schema: Schema, *, samples: Mapping[Key, torch.Tensor] | None = None
+    ) -> None:
+        """Create the arrays of ``schema`` (first write of a new store; ``samples``: the rows
+        it writes, see :meth:`_create_arrays`)."""
         self._check_writable()
         block_rows = choose_block_rows(self.compression, schema.leaves, schema.batch_shape)
         if self.sharing is not None:
             self.sharing.set_schema(schema, block_rows)
             return
         with self.writing("creating the arrays"):
-            self._create_arrays(schema.leaves, schema.batch_shape, block_rows)
+            self._create_arrays(schema.leaves, schema.batch_shape, block_rows, samples=samples)
         self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows)
         self._attach_schema(schema, block_rows)
         self.publish_meta()
@@ -248,7 +257,9 @@ class Store:
             )
 
     @_serialized
-    def add_leaves(self, leaves: Sequence[LeafSpec]) -> None:
+    def add_leaves(
+        self, leaves: Sequence[LeafSpec], *, samples: Mapping[Key, torch.Tensor] | None = None
+    ) -> None:
         """Add columns to an initialised store. Rows already written read as zeros in them,
         as in TorchRL's storages; the new schema is published with the next commit."""
         self._check_writable()
@@ -264,7 +275,7 @@ class Store:
         assert self._ledger is not None
         block_rows = self.meta.block_rows or 1
         with self.writing("creating the arrays of new keys"):
-            self._create_arrays(leaves, schema.batch_shape, block_rows)
+            self._create_arrays(leaves, schema.batch_shape, block_rows, samples=samples)
         grown = schema.with_leaves(leaves)
         # A store of format 1 that takes leaves format 1 cannot read becomes format 2, so
         # that an older zarr_rb refuses it (FormatVersionError) instead of misreading it.
@@ -302,7 +313,10 @@ class Store:
         block_rows: int,
         *,
         replace: bool = True,
+        samples: Mapping[Key, torch.Tensor] | None = None,
     ) -> None:
+        """Create the arrays of ``leaves``. ``samples``: the first rows written of some of
+        them; a large leaf among those that the codec does not shrink is stored raw."""
         self.check_hold()
         groups = sorted(
             {
@@ -317,11 +331,16 @@ class Store:
             layout = leaf_layout(
                 leaf, batch_shape=batch_shape, block_rows=block_rows, compression=self.compression
             )
+            compression = self.compression
+            sample = None if samples is None else samples.get(leaf.key)
+            large = layout.shards is not None and not leaf.ragged
+            if large and sample is not None and not compresses(to_numpy(sample), compression):
+                compression = dataclasses.replace(compression, codec="none")
             self.engine.create_array(
                 leaf.path,
                 layout=layout,
                 dtype=leaf.stored_dtype,
-                compression=self.compression,
+                compression=compression,
                 attributes={ATTRS_KEY: {"dtype": leaf.dtype, "batch_dims": len(batch_shape)}},
                 replace=replace,
             )
