@@ -49,6 +49,7 @@ from zarr_rb._convert import row_nbytes
 from zarr_rb._progress import copy_in_blocks
 from zarr_rb.api import load, save
 from zarr_rb.core.format import LeafSpec
+from zarr_rb.core.open import Mode
 from zarr_rb.errors import (
     NotAStoreError,
     NotSupportedError,
@@ -182,7 +183,7 @@ def import_torchrl(
 
 
 def buffer_like_dump(
-    source_dir: str | os.PathLike[str], path: str | os.PathLike[str], *, mode: str = "w-"
+    source_dir: str | os.PathLike[str], path: str | os.PathLike[str], *, mode: Mode = "w-"
 ) -> Any:
     """A replay buffer built as the one TorchRL dumped into ``source_dir`` was, on a new
     ``ZarrStorage`` at ``path``, for :func:`import_torchrl` (what ``zarr-rb import`` does).
@@ -204,7 +205,7 @@ def buffer_like_dump(
     source = Path(source_dir).absolute()
     _check_torchrl_dump(source)
     rows, _ = open_torchrl_dump(source / "storage")
-    storage = ZarrStorage(int(rows.shape[0]), path, mode=mode)  # type: ignore[arg-type]
+    storage = ZarrStorage(int(rows.shape[0]), path, mode=mode)
     tensordict = is_tensor_collection(rows)
     writer = TensorDictMaxValueWriter() if _dumped_max_value_writer(source) else None
     components: dict[str, Any] = {"storage": storage}

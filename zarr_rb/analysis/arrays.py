@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from zarr_rb._convert import key_tuple
 from zarr_rb._optional import require
-from zarr_rb.analysis._keys import Key, KeyLike, public_key
+from zarr_rb.analysis._keys import Key, KeyLike, dotted, public_key
 from zarr_rb.core.dtypes import numpy_dtype
 from zarr_rb.core.layout import dimension_names
 
@@ -64,8 +65,8 @@ def to_xarray(view: View) -> xarray.Dataset:
     arrays = to_dask(view)
     names = {}
     for key, array in arrays.items():
-        tuple_key = (key,) if isinstance(key, str) else key
-        names[".".join(tuple_key)] = (dimension_names(tuple_key, view.ndim, array.ndim), array)
+        tuple_key = key_tuple(key)
+        names[dotted(tuple_key)] = (dimension_names(tuple_key, view.ndim, array.ndim), array)
     first = dimension_names((), view.ndim, view.ndim)[0]
     names["valid"] = ((first,), view.valid)
     dataset: xarray.Dataset = xr.Dataset(names, attrs={"zarr_rb_url": view.url})

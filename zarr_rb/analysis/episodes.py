@@ -237,8 +237,7 @@ def _split(
     else:
         assert ends is not None
         changes = ends.copy()
-        if n:
-            changes[-1] = True
+        changes[-1] = True
     next_invalid = np.append(~valid[1:], True)
     last = valid & (changes | next_invalid)
     after_hole = np.insert(~valid[:-1], 0, True)

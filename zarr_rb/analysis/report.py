@@ -55,6 +55,7 @@ def describe(view: View) -> StoreReport:
     codec = "none" if compression.codec == "none" else f"{compression.codec} {compression.level}"
     location = store.engine.location
     keys = []
+    columns = view.schema
     for leaf in view._leaves():
         assert schema is not None
         layout = leaf_layout(
@@ -69,7 +70,7 @@ def describe(view: View) -> StoreReport:
             chunking = f"shard {layout.shards[0]}, chunk {layout.chunks[0]}"
         paths = [leaf.path, *([leaf.lengths_leaf().path] if leaf.ragged else [])]
         stored = sum(max(0, n) for path in paths for n in location.list(path + "/").values())
-        column = view.schema[public_key(leaf.key)]
+        column = columns[public_key(leaf.key)]
         keys.append(
             KeyReport(
                 key=dotted(leaf.key),

@@ -19,7 +19,7 @@ from zarr_rb import _compat, _convert, _index
 from zarr_rb.analysis._keys import TENSOR_KEY, Key, KeyLike, public_key, shown
 from zarr_rb.analysis.episodes import Episodes, find_episodes, find_keys
 from zarr_rb.core.dtypes import TORCH_DTYPES, numpy_dtype, to_numpy
-from zarr_rb.core.format import LeafSpec, Schema
+from zarr_rb.core.format import LeafSpec, Schema, mask_to_ranges
 from zarr_rb.errors import UnknownKeyError
 from zarr_rb.locations import StoreURL
 from zarr_rb.storage import ZarrStorage
@@ -179,7 +179,7 @@ class View:
     def holes(self) -> list[tuple[int, int]]:
         """Row ranges ``[start, stop)`` inside the length that cannot be read: withdrawn by
         a crash or a repair, and not written since."""
-        return _ranges(self.storage._store.unreadable_rows())
+        return list(mask_to_ranges(~self.valid))
 
     def refresh(self) -> View:
         """Move to the writer's latest commit (rows, keys and holes)."""
@@ -335,13 +335,3 @@ class View:
 
         chosen = self.keys() if keys is None else [public_key(self._key(k)) for k in keys]
         return ReplayDataset(self.url, keys=chosen, storage_options=self.storage_options)
-
-
-def _ranges(rows: np.ndarray) -> list[tuple[int, int]]:
-    """Sorted rows as ``[start, stop)`` runs."""
-    if not rows.size:
-        return []
-    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-    starts = np.concatenate(([rows[0]], rows[breaks]))
-    stops = np.concatenate((rows[breaks - 1], [rows[-1]])) + 1
-    return list(zip(starts.tolist(), stops.tolist(), strict=True))

@@ -295,6 +295,13 @@ class Commit:
             record["ring"] = self.ring.to_json()
         return record
 
+    def readable(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each of ``rows`` is readable in this commit (no mask over every row)."""
+        out: np.ndarray = rows < self.length
+        for start, stop in self.holes:
+            out &= (rows < start) | (rows >= stop)
+        return out
+
     def readable_mask(self, rows: int) -> np.ndarray:
         """Boolean mask over ``rows`` rows: which rows this commit declares readable."""
         mask = np.zeros(rows, dtype=bool)

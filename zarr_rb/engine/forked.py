@@ -51,7 +51,7 @@ class ForkedReader:
         unique, inverse = np.unique(rows, return_inverse=True)
         for attempt in range(_RETRIES):
             commit = self._commit()
-            readable = commit.readable_mask(int(unique.max()) + 1 if unique.size else 0)[unique]
+            readable = commit.readable(unique)
             if not readable.all():
                 raise RowsNotCommittedError(
                     f"{self._where}: rows {preview_rows(unique[~readable])} are not readable "

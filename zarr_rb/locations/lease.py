@@ -81,7 +81,7 @@ class Lease:
         ``about`` goes into the record."""
         current = location.read_versioned(key)
         record = _parse(current.value)
-        if current.value is not None and record.get("expires", 0) > time.time():
+        if current.value is not None and _unexpired(record):
             raise _locked(location, record)
         started = time.monotonic()
         holder = {
@@ -177,8 +177,7 @@ class Lease:
 
 def lease_alive(location: Location, key: str) -> bool:
     """Whether the lease at ``key`` is held (its record has not expired)."""
-    record = _parse(location.read(key))
-    return float(record.get("expires", 0)) > time.time()
+    return _unexpired(_parse(location.read(key)))
 
 
 def lease_holders(location: Location) -> list[dict[str, Any]]:
@@ -188,10 +187,15 @@ def lease_holders(location: Location) -> list[dict[str, Any]]:
     out = []
     for key in keys:
         record = _parse(location.read(key))
-        if float(record.get("expires", 0)) > time.time():
+        if _unexpired(record):
             kind = "single writer" if key == LEASE_KEY else "shared writer"
             out.append({k: v for k, v in record.items() if k != "token"} | {"kind": kind})
     return out
+
+
+def _unexpired(record: dict[str, Any]) -> bool:
+    """Whether a lease record is still held (its ``expires`` lies ahead)."""
+    return float(record.get("expires", 0)) > time.time()
 
 
 def _record(holder: dict[str, Any], seconds: float) -> bytes:
