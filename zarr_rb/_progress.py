@@ -1,4 +1,5 @@
-"""Progress bars, and copying rows block by block under one."""
+"""What long operations show: progress bars, copying rows block by block under one, and
+byte counts for people."""
 
 from __future__ import annotations
 
@@ -33,3 +34,12 @@ def copy_in_blocks(
             stop = min(rows, start + step)
             write(slice(start, stop), read(start, stop))
             bar.update(stop - start)
+
+
+def format_bytes(n: float) -> str:
+    """A byte count with a binary unit, e.g. ``1.5 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

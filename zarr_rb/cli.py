@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from zarr_rb._progress import format_bytes
 from zarr_rb.errors import LockedError, ZarrRBError
 
 EPILOG = (
@@ -187,7 +188,7 @@ def _info(args: argparse.Namespace) -> int:
         table.add_column(name, justify="right" if name in ("stored", "raw", "ratio") else "left")
     for key in report.keys:
         ratio = f"{key.ratio:.1f}x" if key.raw_bytes else "-"
-        raw = _size(key.raw_bytes) if key.raw_bytes else "-"
+        raw = format_bytes(key.raw_bytes) if key.raw_bytes else "-"
         table.add_row(
             key.key,
             key.dtype,
@@ -195,7 +196,7 @@ def _info(args: argparse.Namespace) -> int:
             key.kind,
             key.chunking,
             key.codec,
-            _size(key.stored_bytes),
+            format_bytes(key.stored_bytes),
             raw,
             ratio,
         )
@@ -272,7 +273,9 @@ def _snapshot(args: argparse.Namespace) -> int:
         target = open_location(args.dest)
         target.check_usable()
         copied = source._store.engine.snapshot_to(target, progress=True)
-    print(f"wrote {args.dest} ({_size(copied)} copied, the rest linked or copied server-side)")
+    print(
+        f"wrote {args.dest} ({format_bytes(copied)} copied, the rest linked or copied server-side)"
+    )
     return 0
 
 
@@ -307,11 +310,3 @@ def _verify(args: argparse.Namespace) -> int:
 def _cell(value: Any) -> str:
     value = value.item() if hasattr(value, "item") else value
     return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

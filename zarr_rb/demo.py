@@ -34,6 +34,7 @@ from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
 from zarr_rb import ZarrStorage
+from zarr_rb._progress import format_bytes
 from zarr_rb.api import save
 from zarr_rb.errors import ZarrRBError
 
@@ -320,15 +321,6 @@ def _next_traj_id(storage: ZarrStorage, max_size: int) -> int:
     return 0 if traj_ids is None else int(traj_ids) + 1
 
 
-def _fmt_bytes(n: float) -> str:
-    """Formats a byte count with a binary unit, e.g. ``1.5 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def _fmt_ms(seconds: list[float]) -> str:
     """Formats the median of ``seconds`` in milliseconds (``n/a`` when empty)."""
     return f"{statistics.median(seconds) * 1e3:.1f} ms" if seconds else "n/a"
@@ -531,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in schema:
         print(line)
     ratio = f"{raw / on_disk:.1f}x" if on_disk else "n/a"
-    print(f"disk    {_fmt_bytes(on_disk)} on disk, {_fmt_bytes(raw)} raw: compression {ratio}")
+    print(f"disk    {format_bytes(on_disk)} on disk, {format_bytes(raw)} raw: compression {ratio}")
     if not ok:
         print(f"error: reopened store has {rows_reopened} rows, expected {rows}", file=sys.stderr)
         return 1
