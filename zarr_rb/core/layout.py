@@ -32,6 +32,13 @@ _MIN_BLOCKS = 32
 store each hold one at a time."""
 
 
+SAMPLE_BYTES = 2**20
+"""Bytes of a leaf's first rows compressed to tell whether the codec shrinks it."""
+MIN_RATIO = 1.1
+"""A large leaf the codec shrinks less than this (random frames, already compressed bytes)
+is stored raw: compressing it would cost time on every write and read, for nothing."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Compression:
     """Chunking and compression settings of a :class:`~zarr_rb.ZarrStorage`.
@@ -83,6 +90,24 @@ class Compression:
             return [BloscCodec(cname="lz4", clevel=self.level, shuffle="noshuffle")]
         return []
 
+    def shrinks(self, sample: np.ndarray) -> bool:
+        """Whether this codec shrinks ``sample`` (the first rows written of a leaf, up to
+        :data:`SAMPLE_BYTES` of them) by at least :data:`MIN_RATIO`; numcodecs' twin of each
+        codec of :meth:`compressors` measures it."""
+        if self.codec == "none":
+            return False
+        from numcodecs import Blosc, Zstd
+
+        raw = np.ascontiguousarray(sample).reshape(-1).view(np.uint8)[:SAMPLE_BYTES]
+        if not raw.size:
+            return True
+        codec = (
+            Zstd(level=self.level)
+            if self.codec == "zstd"
+            else Blosc(cname="lz4", clevel=self.level, shuffle=Blosc.NOSHUFFLE)
+        )
+        return raw.size >= MIN_RATIO * len(codec.encode(raw))
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -90,29 +115,6 @@ class Compression:
     def from_json(cls, value: Mapping[str, Any]) -> Compression:
         """The settings recorded by :meth:`to_json` (already checked by the format parser)."""
         return cls(**{field.name: value[field.name] for field in dataclasses.fields(cls)})
-
-
-SAMPLE_BYTES = 2**20
-"""Bytes of a leaf's first rows compressed to tell whether the codec shrinks it."""
-MIN_RATIO = 1.1
-"""A large leaf the codec shrinks less than this (random frames, already compressed bytes)
-is stored raw: compressing it would cost time on every write and read, for nothing."""
-
-
-def compresses(sample: np.ndarray, compression: Compression) -> bool:
-    """Whether ``compression`` shrinks ``sample`` (the first rows written of a leaf, up to
-    :data:`SAMPLE_BYTES` of them) by at least :data:`MIN_RATIO`."""
-    from numcodecs import Blosc, Zstd
-
-    raw = np.ascontiguousarray(sample).reshape(-1).view(np.uint8)[:SAMPLE_BYTES]
-    if compression.codec == "none" or not raw.size:
-        return compression.codec != "none"
-    codec = (
-        Zstd(level=compression.level)
-        if compression.codec == "zstd"
-        else Blosc(cname="lz4", clevel=compression.level, shuffle=Blosc.NOSHUFFLE)
-    )
-    return raw.size >= MIN_RATIO * len(codec.encode(raw))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -43,13 +43,7 @@ from zarr_rb.core.format import (
     leaves_by_key,
     preview_rows,
 )
-from zarr_rb.core.layout import (
-    Compression,
-    choose_block_rows,
-    compresses,
-    leaf_layout,
-    row_nbytes,
-)
+from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.reader import read_committed, reread_commit
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
@@ -334,7 +328,7 @@ class Store:
             compression = self.compression
             sample = None if samples is None else samples.get(leaf.key)
             large = layout.shards is not None and not leaf.ragged
-            if large and sample is not None and not compresses(to_numpy(sample), compression):
+            if large and sample is not None and not compression.shrinks(to_numpy(sample)):
                 compression = dataclasses.replace(compression, codec="none")
             self.engine.create_array(
                 leaf.path,
