@@ -4,7 +4,6 @@ arrays, checked against what was written (real Atari frames) and against NumPy."
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -373,31 +372,12 @@ print(json.dumps({{"dims": list(obs.dims), "mean": float(obs[:{pong.CAPACITY}, -
     assert result["mean"] == pytest.approx(expected)
 
 
-_STREAM = """
-import json, sys, threading
-import zarr_rb
+def test_a_dask_mean_frame_streams_with_bounded_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    from analysis import mean_frame  # the benchmark's own measurement
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-peak, done = [0], threading.Event()
-def watch():
-    while not done.wait(0.002):
-        peak[0] = max(peak[0], rss())
-
-obs = zarr_rb.open(sys.argv[1]).to_dask()["obs"]
-before = rss()
-watcher = threading.Thread(target=watch)
-watcher.start()
-mean = obs.mean(axis=0).compute(scheduler="threads", num_workers=2)
-done.set()
-watcher.join()
-print(json.dumps({"grown": peak[0] - before, "mean": float(mean.mean())}))
-"""
-
-
-def test_a_dask_mean_frame_streams_with_bounded_memory(tmp_path: Path) -> None:
     rows, block = 16_384, 256
     path = tmp_path / "frames.zarr"
     storage = ZarrStorage(rows, path, compression=Compression(block_rows=block))
@@ -407,16 +387,8 @@ def test_a_dask_mean_frame_streams_with_bounded_memory(tmp_path: Path) -> None:
         storage.set(torch.arange(start, start + block), TensorDict({"obs": frames}, [block]))
     storage.close()
     raw = rows * 4 * 84 * 84  # 462 MB
-    out = subprocess.run(
-        [sys.executable, "-c", _STREAM, str(path)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert 0 < result["grown"] < raw / 3, result  # about 50 MB: a few blocks of 7 MB
+    result = mean_frame(path, "obs")
+    assert 0 < result["rss_growth_bytes"] < raw / 3, result  # about 50 MB: a few blocks of 7 MB
     assert result["mean"] == pytest.approx(float(np.mean(np.arange(rows) % 251)))
 
 
