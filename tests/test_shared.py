@@ -241,6 +241,30 @@ def test_writers_wrapping_around_a_small_ring_never_tear_a_row(where):
         storage.close()
 
 
+def test_a_block_another_writer_rewrote_is_read_as_it_is_now(where):
+    # A writer that read a block keeps its small leaves in RAM (and, on S3, the objects
+    # in its cache): after another writer takes that block again and rewrites it, it
+    # must read the new rows, not the ones it read before.
+    url, options = where
+    ZarrStorage(256, url, shared=True, storage_options=options).close()
+    other = ZarrStorage(path=url, mode="r+", shared=True, storage_options=options)
+    mine = ZarrStorage(path=url, mode="r+", shared=True, storage_options=options)
+    try:
+        other.set(torch.arange(256), stamped(1, 0, 256))  # the whole ring
+        other.set(torch.arange(8), stamped(1, 256, 8))  # one block more
+        mine.refresh()
+        assert torn(mine.get(torch.arange(256))) == 0
+        other.set(torch.arange(8), stamped(2, 0, 8))  # the oldest block, taken again
+        mine.refresh()
+        everything = torch.arange(256)
+        assert torch.equal(mine.get(everything)["stamp"], other.get(everything)["stamp"])
+        assert torn(mine.get(everything)) == 0
+        assert set((every_row(mine) // WRITER_STRIDE).tolist()) == {1, 2}
+    finally:
+        mine.close()
+        other.close()
+
+
 def test_a_shared_buffer_saves_everyones_rows_and_its_own_sampler_state(where, tmp_path):
     url, options = where
     rb = TensorDictReplayBuffer(

@@ -229,10 +229,12 @@ class Sharing:
         changed &= ~mine
         ledger.published_as(published)
         ledger.intact = np.where(mine, ledger.intact, published)
+        if store.engine.cache is not None:
+            # Before the changed rows are read again: objects cached before now may hold
+            # what those rows held before other writers rewrote them.
+            store.engine.cache.new_epoch()
         if changed.any():
             store.mirror_changed(changed)
-        if store.engine.cache is not None:
-            store.engine.cache.new_epoch()
 
     def _retaken(self, before: Commit, after: Commit) -> np.ndarray:
         """Rows of blocks taken (or rewritten) between two records."""
