@@ -226,6 +226,47 @@ def test_full_blocks_are_written_and_committed_during_extend(store_path):
     assert len(storage) == 150
 
 
+def test_a_store_of_a_billion_rows_holding_a_few_costs_what_the_few_cost(store_path):
+    # Commits, reads and reopening track the rows written, not max_size: a mask over a
+    # billion rows would be a gigabyte per commit (numpy's allocations are traced).
+    import tracemalloc
+
+    from torchrl.data import RandomSampler, TensorDictReplayBuffer
+
+    data = TensorDict(
+        {
+            "obs": torch.arange(3000.0).unsqueeze(-1).expand(-1, 4).clone(),
+            "done": torch.zeros(3000, dtype=torch.bool),
+        },
+        batch_size=[3000],
+    )
+    tracemalloc.start()
+    try:
+        rb = TensorDictReplayBuffer(
+            storage=ZarrStorage(10**9, store_path), sampler=RandomSampler(), batch_size=64
+        )
+        for start in range(0, 3000, 500):
+            rb.extend(data[start : start + 500])
+            rb.storage.flush()
+        rb.storage.set(torch.arange(10, 20), data[:10])  # rows rewritten in place
+        rb.storage.flush()
+        sample = rb.sample()
+        rb.storage.close()
+        reopened = ZarrStorage(path=store_path)
+        got = reopened.get(torch.arange(3000))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    expected = data.clone()
+    expected[10:20] = data[:10]
+    assert len(reopened) == 3000
+    assert torch.equal(got["obs"], expected["obs"])
+    assert torch.equal(got["done"], expected["done"])
+    assert torch.equal(sample["obs"], expected["obs"][sample["index"]])
+    assert peak < 64 * 2**20
+    reopened.close()
+
+
 def test_empty_then_refill(store_path):
     storage = ZarrStorage(30, store_path)
     storage.set(torch.arange(20), make_data("tensordict", torch.float32, (20,)))

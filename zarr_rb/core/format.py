@@ -384,6 +384,8 @@ def commit_from_mask(
     true_rows = np.flatnonzero(readable)
     last = int(true_rows[-1]) + 1 if true_rows.size else 0
     length = last if length is None else max(length, last)
+    if length > readable.size:  # rows past the mask: none of them readable
+        readable = np.concatenate((readable, np.zeros(length - readable.size, dtype=bool)))
     holes = mask_to_ranges(~readable[:length])
     return Commit(generation=generation, length=length, cursor=cursor, holes=holes)
 

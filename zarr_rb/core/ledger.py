@@ -13,6 +13,11 @@ a row intact if it was intact before. On a row that was not (never written, or l
 it makes just those cells readable here; the row becomes intact once every key has
 been written. A commit publishes intact rows only, so no reader ever pairs one key's
 new value with another key's old one.
+
+The masks cover the rows written so far (the ledger's *extent*), not the store's
+capacity: rows past the extent are neither published nor intact. The extent grows (by
+doubling, up to the capacity) as writes reach further, so a store of 100M rows holding a
+few thousand commits as fast as one of 1M.
 """
 
 from __future__ import annotations
@@ -27,16 +32,49 @@ Key = tuple[str, ...]
 class Ledger:
     """The published and intact rows of one store, and cells written key by key."""
 
-    def __init__(self, published: np.ndarray, keys: Iterable[Key]) -> None:
-        self.published = published
-        self.intact = published.copy()
+    def __init__(self, published: np.ndarray, keys: Iterable[Key], *, capacity: int) -> None:
+        self.capacity = capacity
+        self.published = published[:capacity].copy()
+        self.intact = self.published.copy()
         self._keys = set(keys)
         self._cells: dict[Key, np.ndarray] = {}
         """Per key: rows not intact whose cell of that key was written since."""
 
     @property
-    def rows(self) -> int:
+    def extent(self) -> int:
+        """How many rows the masks cover (rows past them were never written here)."""
         return int(self.published.size)
+
+    def grow(self, rows: int) -> None:
+        """Cover at least ``rows`` rows (at most the capacity)."""
+        if rows <= self.extent:
+            return
+        size = min(self.capacity, max(rows, 2 * self.extent))
+        self.published = _padded(self.published, size)
+        self.intact = _padded(self.intact, size)
+        self._cells = {key: _padded(cells, size) for key, cells in self._cells.items()}
+
+    def mask(self) -> np.ndarray:
+        """A mask of no rows, over the extent."""
+        return np.zeros(self.extent, dtype=bool)
+
+    def fit(self, mask: np.ndarray) -> np.ndarray:
+        """``mask`` (over any number of rows) over the extent: the ledger grows to take in
+        any row it sets, rows it does not cover are not set."""
+        if mask.size > self.extent:
+            if mask[self.extent :].any():
+                self.grow(mask.size)
+            else:
+                return mask[: self.extent]
+        return _padded(mask, self.extent)
+
+    def published_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each of ``rows`` is published."""
+        return _lookup(self.published, rows)
+
+    def first(self, mask: np.ndarray, rows: int) -> np.ndarray:
+        """The first ``rows`` rows of a mask over the extent (unset past it)."""
+        return _padded(mask[:rows], rows)
 
     def add_keys(self, keys: Iterable[Key]) -> None:
         """New columns: every intact row holds them (their values are written with them)."""
@@ -45,6 +83,7 @@ class Ledger:
     def withdrawal_for(self, touched: np.ndarray) -> np.ndarray | None:
         """The readable mask to publish before rewriting ``touched`` rows, or ``None`` when
         no published row is among them."""
+        touched = self.fit(touched)
         if not (self.published & touched).any():
             return None
         readable: np.ndarray = self.published & ~touched
@@ -52,6 +91,7 @@ class Ledger:
 
     def start_write(self, touched: np.ndarray) -> np.ndarray:
         """Rows about to be rewritten stop being intact; returns which ones were."""
+        touched = self.fit(touched)
         was_intact: np.ndarray = self.intact & touched
         self.intact &= ~touched
         return was_intact
@@ -60,6 +100,7 @@ class Ledger:
         self, touched: np.ndarray, was_intact: np.ndarray, keys: Collection[Key]
     ) -> None:
         """A write of ``keys`` to ``touched`` rows has landed."""
+        touched, was_intact = self.fit(touched), self.fit(was_intact)
         if self._keys <= set(keys):
             self.intact |= touched
             for cells in self._cells.values():
@@ -70,7 +111,7 @@ class Ledger:
         if not fresh.any():
             return
         for key in keys:
-            cells = self._cells.setdefault(key, np.zeros(self.rows, dtype=bool))
+            cells = self._cells.setdefault(key, self.mask())
             cells |= fresh
         complete = fresh.copy()
         for key in self._keys:
@@ -85,17 +126,41 @@ class Ledger:
 
     def withdraw(self, rows: np.ndarray) -> None:
         """Rows known to be damaged: not intact until rewritten whole."""
+        rows = self.fit(rows)
         self.intact &= ~rows
         for cells in self._cells.values():
             cells &= ~rows
 
     def readable(self, rows: np.ndarray, key: Key) -> np.ndarray:
         """Whether each of ``rows`` (any order) holds data of ``key`` written here."""
-        out: np.ndarray = self.intact[rows]
+        out = _lookup(self.intact, rows)
         cells = self._cells.get(key)
         if cells is not None:
-            out |= cells[rows]
+            out |= _lookup(cells, rows)
         return out
 
     def published_as(self, readable: np.ndarray) -> None:
-        self.published = readable.copy()
+        """What the last commit publishes: ``readable``, a mask over any number of rows."""
+        self.published = self.fit(readable).copy()
+
+
+def _padded(mask: np.ndarray, rows: int) -> np.ndarray:
+    """``mask`` over ``rows`` rows: cut, or extended with unset rows."""
+    if mask.size == rows:
+        return mask
+    if mask.size > rows:
+        return mask[:rows]
+    out = np.zeros(rows, dtype=bool)
+    out[: mask.size] = mask
+    return out
+
+
+def _lookup(mask: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``mask[rows]``, unset for rows past the mask."""
+    if not rows.size or int(rows.max()) < mask.size:
+        found: np.ndarray = mask[rows]
+        return found
+    out = np.zeros(rows.shape, dtype=bool)
+    inside = rows < mask.size
+    out[inside] = mask[rows[inside]]
+    return out

@@ -52,7 +52,7 @@ def reread_commit(store: Store) -> Commit:
             store.engine.cache.new_epoch()
     store.committed = meta.commit
     if store._ledger is not None:
-        store._ledger.published_as(meta.commit.readable_mask(store.rows))
+        store._ledger.published_as(meta.commit.readable_mask(meta.commit.length))
     return meta.commit
 
 
@@ -65,7 +65,7 @@ def read_committed(
     for attempt in range(_READ_RETRIES):
         commit = store.committed
         assert store._ledger is not None
-        published = store._ledger.published[rows]
+        published = store._ledger.published_rows(rows)
         if not published.all() and not unreadable_as_zeros:
             raise RowsNotCommittedError(
                 f"store {store.url!r}: rows {preview_rows(rows[~published])} "

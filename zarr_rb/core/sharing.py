@@ -101,6 +101,8 @@ class Sharing:
         taken already); a store of one writer becomes shared."""
         check_shareable(store)
         sharing = store.sharing = cls(store, writer)
+        if store._ledger is not None:
+            store._ledger.grow(store.rows)  # other writers' blocks lie anywhere in the ring
         block_rows = store.meta.block_rows
 
         def convert(meta: StoreMeta) -> StoreMeta | None:

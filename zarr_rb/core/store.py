@@ -68,7 +68,7 @@ ARRAYS_WAIT_SECONDS = 10.0
 """How long a store that just got its schema from another writer waits for its arrays."""
 MIRROR_LIMIT_BYTES = 256 * 2**20
 """Small leaves (actions, rewards, flags, trajectory ids) are mirrored in RAM by the writer
-when all of them together take at most this much."""
+while all of them together, over the rows written so far, take at most this much."""
 
 Write = tuple[np.ndarray, Mapping[Key, torch.Tensor]]
 """Rows (sorted, unique) and the values of some or all leaves for them."""
@@ -112,6 +112,9 @@ class Store:
         self._arrays: dict[Key, RowArray] = {}
         self._mirror: dict[Key, torch.Tensor] = {}
         self._mirrorable: frozenset[Key] = frozenset()
+        self._mirror_row_bytes = 0
+        self._rows_written = 0
+        """One past the highest row this process wrote (or staged)."""
         self._leaves: dict[Key, LeafSpec] = {}
         self._buffer: WriteBuffer | None = None
         self._ledger: Ledger | None = None
@@ -195,7 +198,11 @@ class Store:
         self._update_mirrorable()
         # Rows known to hold intact data: those of the commit. Rows past it were never
         # written or belong to an interrupted write; they become intact when written.
-        self._ledger = Ledger(self.committed.readable_mask(schema.rows), self._leaves)
+        self._ledger = Ledger(
+            self.committed.readable_mask(self.committed.length), self._leaves, capacity=schema.rows
+        )
+        if self.sharing is not None:
+            self._ledger.grow(schema.rows)  # other writers' blocks lie anywhere in the ring
 
     def _wait_for_arrays(self, schema: Schema) -> None:
         """The arrays of a shared store are created by the writer that set its schema,
@@ -216,8 +223,8 @@ class Store:
             if not leaf.ragged
             and row_nbytes(leaf, schema.batch_shape) < self.compression.large_row_bytes
         ]
-        small_bytes = sum(row_nbytes(leaf, schema.batch_shape) for leaf in small)
-        if not self.read_only and schema.rows * small_bytes <= MIRROR_LIMIT_BYTES:
+        self._mirror_row_bytes = sum(row_nbytes(leaf, schema.batch_shape) for leaf in small)
+        if not self.read_only and self._mirror_fits():
             self._mirrorable = frozenset(leaf.key for leaf in small)
         else:
             self._mirrorable = frozenset()
@@ -437,10 +444,26 @@ class Store:
             out[key] = torch.zeros(shape, dtype=TORCH_DTYPES[leaf.dtype])
         return out
 
+    @property
+    def _rows_reached(self) -> int:
+        """Rows that may hold data: those written or committed (a shared store's whole
+        ring, which other writers fill)."""
+        if self.sharing is not None:
+            return self.rows
+        return max(self._rows_written, self.committed.length)
+
+    def _mirror_fits(self) -> bool:
+        return self._rows_reached * self._mirror_row_bytes <= MIRROR_LIMIT_BYTES
+
     def _update_mirror(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
+        if rows.size and int(rows.max()) >= self._rows_written:
+            self._rows_written = int(rows.max()) + 1
+            if self._mirrorable and not self._mirror_fits():
+                self._mirrorable = frozenset()  # rows read from disk from now on
+                self._mirror.clear()
         index = torch.from_numpy(rows)
         for key in self._mirror.keys() & values.keys():
-            self._mirror[key][index] = values[key]
+            self._mirror_covering(key, self._rows_written)[index] = values[key]
 
     def _write_through(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
         """Write to disk now (shared stores keep no rows in RAM: others must see them)."""
@@ -452,7 +475,7 @@ class Store:
         if not self._mirror:
             return
         assert self._ledger is not None
-        picked = np.flatnonzero(rows & self._ledger.published)
+        picked = np.flatnonzero(self._ledger.fit(rows) & self._ledger.published)
         if picked.size > self.rows // 4:
             self._mirror.clear()  # read whole again when next needed
             return
@@ -518,7 +541,8 @@ class Store:
         block)."""
         assert self._ledger is not None
         self.check_hold()
-        touched = np.zeros(self.rows, dtype=bool)
+        self._ledger.grow(max((int(rows.max()) + 1 for rows, _ in writes if rows.size), default=0))
+        touched = self._ledger.mask()
         for rows, _ in writes:
             touched[rows] = True
         withdrawal = self._ledger.withdrawal_for(touched) if withdraw else None
@@ -584,6 +608,7 @@ class Store:
         returns how many were readable."""
         self._check_writable()
         assert self._ledger is not None
+        rows = self._ledger.fit(rows)
         withdrawn = int((self._ledger.published & rows).sum())
         self.version += 1
         self._ledger.withdraw(rows)
@@ -620,12 +645,15 @@ class Store:
         self._mirror.clear()
         self._retries.clear()
 
-    def _staged_mask(self) -> np.ndarray:
-        mask = np.zeros(self.rows, dtype=bool)
+    def _staged_mask(self, rows: int) -> np.ndarray:
+        """The rows waiting in RAM, as a mask over the first ``rows`` rows."""
+        mask = np.zeros(rows, dtype=bool)
         assert self._buffer is not None
         for block in self._buffer:
             start = block.index * self._buffer.block_rows
-            mask[start : start + block.length] |= block.dirty[: block.length]
+            if start < rows:
+                stop = min(start + block.length, rows)
+                mask[start:stop] |= block.dirty[: stop - start]
         return mask
 
     def _commit(self) -> None:
@@ -635,7 +663,8 @@ class Store:
             return
         assert self._ledger is not None
         # Rows waiting in RAM keep their previous, still intact, committed content.
-        readable = self._ledger.intact & ~(self._staged_mask() & ~self._ledger.published)
+        ledger = self._ledger
+        readable = ledger.intact & ~(self._staged_mask(ledger.extent) & ~ledger.published)
         readable[self.length_rows :] = False
         self._publish_mask(readable)
 
@@ -758,7 +787,7 @@ class Store:
         # Plain leaves first: they include the lengths that ragged leaves are read by.
         for group in self._plain_then_ragged(wanted):
             mirrored = [key for key in group if key in self._mirrorable]
-            out.update({key: self._mirror_of(key)[index] for key in mirrored})
+            out.update({key: self._mirrored_rows(key, index) for key in mirrored})
             requests = {key: rows[on_disk[key]] for key in group if key not in mirrored}
             lengths = {
                 key: out[self._leaf(key).lengths_key][torch.from_numpy(on_disk[key])].numpy()
@@ -791,12 +820,14 @@ class Store:
             assert self._buffer is not None
             assert self._ledger is not None
             leaf = self._leaf(key)
+            # Over the rows that may hold data (grown as writes reach further).
+            covered = min(self.rows, max(self._rows_reached, self._ledger.extent))
             mirror = torch.zeros(
-                (self.rows, *self.element_shape(leaf)), dtype=TORCH_DTYPES[leaf.dtype]
+                (covered, *self.element_shape(leaf)), dtype=TORCH_DTYPES[leaf.dtype]
             )
             # Only cells known to be on disk: others were never written, or were lost to a
             # crash or a failed write, and are not readable until they are rewritten.
-            every_row = np.arange(self.rows)
+            every_row = np.arange(covered)
             on_disk = np.flatnonzero(self._ledger.readable(every_row, key))
             mirror[torch.from_numpy(on_disk)] = self._read_disk({key: on_disk})[key]
             _, served = self._buffer.staged_rows(every_row)
@@ -805,6 +836,27 @@ class Store:
                 mirror[torch.from_numpy(positions)] = block.values[key][offsets]
             self._mirror[key] = mirror
         return mirror
+
+    def _mirror_covering(self, key: Key, rows: int) -> torch.Tensor:
+        """The mirror of ``key``, grown (by doubling, up to the capacity) to cover ``rows``."""
+        mirror = self._mirror[key]
+        if rows > mirror.shape[0]:
+            size = min(self.rows, max(rows, 2 * mirror.shape[0]))
+            mirror = torch.cat(
+                [mirror, mirror.new_zeros((size - mirror.shape[0], *mirror.shape[1:]))]
+            )
+            self._mirror[key] = mirror
+        return mirror
+
+    def _mirrored_rows(self, key: Key, index: torch.Tensor) -> torch.Tensor:
+        """``index`` rows of the mirror of ``key`` (zeros for rows never written)."""
+        mirror = self._mirror_of(key)
+        if not index.numel() or int(index.max()) < mirror.shape[0]:
+            return mirror[index]
+        out = mirror.new_zeros((index.numel(), *mirror.shape[1:]))
+        inside = index < mirror.shape[0]
+        out[inside] = mirror[index[inside]]
+        return out
 
     def _leaf(self, key: Key) -> LeafSpec:
         return self._leaves[key]
@@ -903,12 +955,13 @@ class Store:
             return np.empty(0, dtype=np.int64)
         assert self._ledger is not None
         n = self.length_rows
-        readable = (self._ledger.published if self.read_only else self._ledger.intact)[:n]
+        ledger = self._ledger
+        readable = ledger.first(ledger.published if self.read_only else ledger.intact, n)
         if readable.all():
             return np.empty(0, dtype=np.int64)
         unreadable = ~readable
         if not self.read_only:
-            unreadable &= ~self._staged_mask()[:n]
+            unreadable &= ~self._staged_mask(n)
         return np.flatnonzero(unreadable)
 
     @_serialized
