@@ -1,18 +1,24 @@
 """zarr_rb against TorchRL's storages, side by side, on real Atari frames.
 
-One command, one process, the same data for every storage::
+One command runs every part on the same data and prints every table of the README's
+Performance section (``--parts`` picks some)::
 
-    python benchmarks/run.py                       # default sizes: a few minutes on 2 cores
-    python benchmarks/run.py --scale 4             # four times the rows
-    python benchmarks/run.py --out-of-core --rows 1000000   # buffer larger than RAM
+    python benchmarks/run.py                       # every part: about 15 minutes on 2 cores
+    python benchmarks/run.py --parts datasets --scale 4   # four times the rows
+    python benchmarks/run.py --parts beyond-ram --memory-limit 2G   # only the cgroup rows
+    python benchmarks/run.py --out-of-core --rows 1000000   # ZarrStorage far beyond RAM
 
-It prints a markdown table and writes the same figures as JSON (``--json``). Storages:
-``ZarrStorage``, TorchRL's ``LazyMemmapStorage`` and ``LazyTensorStorage``, and
-tensordict's own Zarr backend (``TensorDict.to_zarr`` / ``PersistentTensorDict``) as the
-naive Zarr reference. Data: real ALE frames (Pong and Breakout; 84x84 grayscale, 4-frame
-stacks; obs and next/obs, action, reward, done, episode ids) generated with a seeded
-random policy and cached under ``benchmarks/.cache``, plus random uint8 frames that no
-codec can compress.
+Parts: ``beyond-ram`` (ZarrStorage and LazyMemmapStorage, each in a child process in a
+memory cgroup, on a buffer bigger than the limit: :mod:`beyond_ram`), ``datasets`` (every
+storage in this process, in RAM: ``ZarrStorage``, TorchRL's ``LazyMemmapStorage`` and
+``LazyTensorStorage``, and tensordict's own Zarr backend, ``TensorDict.to_zarr``, as the
+naive Zarr reference; saving and loading on Pong), ``prioritized`` (a PrioritizedSampler's
+state) and ``capacity`` (commits of a store of 1M and of 100M rows holding few:
+:mod:`capacity`). Data: real ALE frames (Pong, Breakout, and the busier screens of Ms.
+Pac-Man and Space Invaders; 84x84 grayscale, 4-frame stacks; obs and next/obs, action,
+reward, done, episode ids) generated with a seeded random policy and cached under
+``benchmarks/.cache``, plus random uint8 frames that no codec can compress. Figures are
+medians and 95th percentiles; the same figures are written as JSON (``--json``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import beyond_ram  # next to this file: on the path when run as a script
+import capacity
 import numpy as np
 import torch
 from tensordict import TensorDict
@@ -46,7 +54,14 @@ from torchrl.data import (
 import zarr_rb
 
 CACHE = Path(__file__).parent / ".cache"
-GAMES = {"pong": "ALE/Pong-v5", "breakout": "ALE/Breakout-v5"}
+GAMES = {
+    "pong": "ALE/Pong-v5",
+    "breakout": "ALE/Breakout-v5",
+    # Busier screens: more moving sprites, a maze, rows of invaders.
+    "mspacman": "ALE/MsPacman-v5",
+    "spaceinvaders": "ALE/SpaceInvaders-v5",
+}
+PARTS = ("beyond-ram", "datasets", "prioritized", "capacity")
 BATCH = 1024
 SAMPLE = 256
 SLICE_LEN = 32
@@ -336,6 +351,8 @@ def ratios_to_memmap(per_storage: dict[str, Any]) -> dict[str, float]:
 
 def report(results: dict[str, Any]) -> str:
     lines = [f"machine: {results['machine']}", ""]
+    if "beyond_ram" in results:
+        lines += beyond_ram.report(results["beyond_ram"])
     for name, per_storage in results.get("datasets", {}).items():
         lines += [
             f"### {name} ({results['rows']} transitions, "
@@ -389,6 +406,8 @@ def report(results: dict[str, Any]) -> str:
             f"| {p['torchrl_dumps_s']:.3f} | {p['torchrl_loads_s']:.3f} |",
             "",
         ]
+    if "capacity" in results:
+        lines += capacity.report(results["capacity"])
     if "out_of_core" in results:
         o = results["out_of_core"]
         lines += [
@@ -404,17 +423,63 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def bench_dataset(name: str, rows: int, samples: int, work: Path, results: dict[str, Any]) -> None:
+    """Every storage on one dataset (and saving and loading, on Pong)."""
+    data = dataset(name, rows)
+    per_storage = {}
+    for kind in ("ZarrStorage", "LazyMemmapStorage", "LazyTensorStorage"):
+        where = work / f"{name}-{kind}"
+        where.mkdir()
+        per_storage[kind] = bench_torchrl_storage(kind, data, where, samples)
+        shutil.rmtree(where)
+    where = work / f"{name}-tdzarr"
+    where.mkdir()
+    per_storage["TensorDict.to_zarr"] = bench_tensordict_zarr(data, where, samples)
+    shutil.rmtree(where)
+    results["datasets"][name] = per_storage
+    results.setdefault("ratios_to_memmap", {})[name] = ratios_to_memmap(per_storage)
+    if name == "pong":
+        where = work / "save-load"
+        where.mkdir()
+        results["save_load"] = bench_save_load(data, where)
+        shutil.rmtree(where)
+    del data
+    gc.collect()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8192, help="transitions per dataset")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply --rows")
     parser.add_argument("--samples", type=int, default=60, help="sample() calls per measurement")
-    parser.add_argument("--datasets", default="pong,breakout,random")
+    parser.add_argument("--datasets", default="pong,breakout,mspacman,spaceinvaders,random")
     parser.add_argument("--prioritized-capacity", type=int, default=1_000_000)
+    parser.add_argument(
+        "--capacities",
+        default="1000000,100000000",
+        help="max_size values for the commit-at-any-capacity rows ('' to skip them)",
+    )
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"what to run, of {','.join(PARTS)} (all by default)",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=beyond_ram.parse_bytes,
+        default="2G",
+        help="beyond-ram: the memory cgroup each storage runs in (2G, 512M)",
+    )
+    parser.add_argument(
+        "--times-limit", type=float, default=2.5, help="beyond-ram: raw buffer size / limit"
+    )
     parser.add_argument("--out-of-core", action="store_true", help="only the out-of-core run")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results.json"))
     parser.add_argument("--workdir", type=Path, default=None, help="where stores are written")
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(",")) - {""}
+    if parts - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {PARTS}")
     rows = int(args.rows * args.scale)
     results: dict[str, Any] = {
         "machine": f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} threads",
@@ -424,31 +489,24 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         if args.out_of_core:
             results["out_of_core"] = out_of_core(rows, args.samples, work)
-        else:
+            parts = set()
+        if "beyond-ram" in parts:
+            try:
+                results["beyond_ram"] = beyond_ram.side_by_side(
+                    args.memory_limit, args.times_limit, args.samples, work
+                )
+            except beyond_ram.CgroupUnavailableError as err:
+                print(f"beyond-ram skipped: {err}")
+        if "datasets" in parts:
             results["datasets"] = {}
             for name in args.datasets.split(","):
-                data = dataset(name, rows)
-                per_storage = {}
-                for kind in ("ZarrStorage", "LazyMemmapStorage", "LazyTensorStorage"):
-                    where = work / f"{name}-{kind}"
-                    where.mkdir()
-                    per_storage[kind] = bench_torchrl_storage(kind, data, where, args.samples)
-                    shutil.rmtree(where)
-                where = work / f"{name}-tdzarr"
-                where.mkdir()
-                per_storage["TensorDict.to_zarr"] = bench_tensordict_zarr(data, where, args.samples)
-                shutil.rmtree(where)
-                results["datasets"][name] = per_storage
-                results.setdefault("ratios_to_memmap", {})[name] = ratios_to_memmap(per_storage)
-                if name == "pong":
-                    where = work / "save-load"
-                    where.mkdir()
-                    results["save_load"] = bench_save_load(data, where)
-                    shutil.rmtree(where)
-                del data
-                gc.collect()
+                bench_dataset(name, rows, args.samples, work, results)
+        if "prioritized" in parts:
             results["prioritized_capacity"] = args.prioritized_capacity
             results["prioritized"] = bench_prioritized(args.prioritized_capacity, work)
+        if "capacity" in parts and args.capacities:
+            capacities = [int(c) for c in args.capacities.split(",")]
+            results["capacity"] = capacity.at_capacities(capacities, work)
     results["peak_rss_gb"] = peak_rss_gb()
     print(report(results))
     args.json.parent.mkdir(parents=True, exist_ok=True)

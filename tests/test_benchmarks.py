@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
@@ -26,6 +29,10 @@ def test_benchmark_suite_smoke(tmp_path, monkeypatch, capsys):
                 "pong,random",
                 "--prioritized-capacity",
                 "4096",
+                "--capacities",
+                "2000,200000",
+                "--parts",
+                "datasets,prioritized,capacity",
                 "--json",
                 str(out),
                 "--workdir",
@@ -45,6 +52,7 @@ def test_benchmark_suite_smoke(tmp_path, monkeypatch, capsys):
         }
         assert per_storage["ZarrStorage"]["disk_bytes"] > 0
     assert set(results["save_load"]) == {"24", "96"}
+    assert results["capacity"]["200000"]["flush_ms"] > 0
     assert "| ZarrStorage |" in capsys.readouterr().out
     sys.modules.pop("run", None)
 
@@ -59,6 +67,47 @@ def test_out_of_core_smoke(tmp_path, monkeypatch):
     assert result["rows"] == 300
     assert result["disk_gb"] > 0
     sys.modules.pop("run", None)
+
+
+def test_beyond_ram_children_fill_and_sample_each_storage(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import beyond_ram
+    import run
+
+    monkeypatch.setattr(run, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(beyond_ram, "POOL_ROWS", 64)
+    for kind in beyond_ram.STORAGES:
+        where = tmp_path / kind
+        where.mkdir()
+        result = beyond_ram.fill_and_sample(kind, 300, 3, where)
+        assert result["rows"] == 300
+        assert result["sample_random"]["median_ms"] > 0
+        assert result["disk_bytes"] > 0
+    assert beyond_ram.parse_bytes("1.5G") == 3 * 2**29
+    assert beyond_ram.parse_bytes("512MiB") == 2**29
+    sys.modules.pop("run", None)
+
+
+def test_a_memory_cgroup_confines_a_child_and_is_removed(monkeypatch):
+    import subprocess
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import beyond_ram
+
+    try:
+        with beyond_ram.MemoryCgroup.made(f"zarr-rb-test-{os.getpid()}", 64 * 2**20) as cgroup:
+            # The child's memory is charged to the cgroup: its peak counts the 8 MiB.
+            small = subprocess.run(
+                [sys.executable, "-c", "bytearray(8 * 2**20)"], preexec_fn=cgroup.join
+            )
+            peak = cgroup.peak_bytes()
+            path = cgroup.path
+    except beyond_ram.CgroupUnavailableError as err:
+        pytest.skip(str(err))
+    assert small.returncode == 0
+    assert peak is not None
+    assert 8 * 2**20 <= peak <= 64 * 2**20
+    assert not path.exists()
 
 
 def test_data_kinds_benchmark_smoke(tmp_path, monkeypatch, capsys):
