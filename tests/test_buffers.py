@@ -901,3 +901,41 @@ def _save_load(tensor: torch.Tensor) -> torch.Tensor:
     torch.save(tensor, buffer)
     buffer.seek(0)
     return torch.load(buffer)
+
+
+@pytest.mark.parametrize("storage", ["zarr", "torchrl"])
+def test_prefetching_threads_sample_whole_rows_while_the_buffer_is_extended(
+    tmp_path: Path, storage: str
+) -> None:
+    # TorchRL's prefetch=N samples the next batches in threads while the caller goes on
+    # (here: extending the buffer, so the ring wraps under the prefetching threads).
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    capacity = 300
+    kept = (
+        ZarrStorage(capacity, tmp_path / "rb.zarr")
+        if storage == "zarr"
+        else LazyTensorStorage(capacity)
+    )
+    rb = TensorDictReplayBuffer(storage=kept, batch_size=32, prefetch=3)
+
+    def rows(first: int, count: int) -> TensorDict:
+        stamp = torch.arange(first, first + count)
+        return TensorDict(
+            {"stamp": stamp, "obs": stamp.float().unsqueeze(-1).expand(-1, 64).clone()},
+            batch_size=[count],
+        )
+
+    rb.extend(rows(0, 100))
+    seen = 0
+    for step in range(40):
+        batch = rb.sample()
+        assert batch.batch_size == torch.Size([32])
+        assert torch.equal(batch["obs"], batch["stamp"].float().unsqueeze(-1).expand(-1, 64))
+        assert torch.equal(batch["index"], batch["stamp"] % capacity)  # read where drawn
+        seen += int(batch["stamp"].unique().numel())
+        rb.extend(rows(100 + 25 * step, 25))
+    assert seen > 40
+    assert len(rb) == capacity
+    if storage == "zarr":
+        kept.close()
