@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from _memory import peak_rss_bytes
 from torchrl.data import RandomSampler, SliceSampler, TensorDictReplayBuffer
 
 import zarr_rb
@@ -173,7 +173,7 @@ def fill_and_sample(kind: str, rows: int, samples: int, where: Path) -> dict[str
         "sample_random": run.median_p95(random),
         "sample_slices": run.median_p95(slice_times),
         "samples": [len(random), len(slice_times)],
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        "peak_rss_gb": peak_rss_bytes() / 1e9,
         "disk_bytes": run.disk_bytes(where),
     }
     if isinstance(storage, zarr_rb.ZarrStorage):

@@ -10,13 +10,13 @@ the store's own), then flush 1,000 more rows at a time::
 from __future__ import annotations
 
 import multiprocessing as mp
-import resource
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from _memory import peak_rss_bytes, rss_bytes
 from tensordict import TensorDict
 from torchrl.data import RandomSampler, TensorDictReplayBuffer
 
@@ -40,15 +40,10 @@ def small_rows(first: int, count: int) -> TensorDict:
     )
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
-
-
 def measure(capacity: int, where: str) -> dict[str, Any]:
     """One capacity, in the calling process (a fresh one: see :func:`at_capacities`)."""
     path = Path(where) / f"capacity-{capacity}.zarr"
-    before = _rss_bytes()
+    before = rss_bytes()
     storage = zarr_rb.ZarrStorage(capacity, path)
     rb = TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=256)
     rb.extend(small_rows(0, ROWS))
@@ -64,14 +59,14 @@ def measure(capacity: int, where: str) -> dict[str, Any]:
         start = time.perf_counter()
         rb.sample()
         samples.append(time.perf_counter() - start)
-    held = _rss_bytes() - before
+    held = rss_bytes() - before
     storage.close()
     opens = []
     for _ in range(5):
         start = time.perf_counter()
         zarr_rb.ZarrStorage(path=path).close()
         opens.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     return {
         "capacity": capacity,
         "flush_ms": statistics.median(flushes) * 1e3,

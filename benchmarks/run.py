@@ -12,8 +12,9 @@ Parts: ``beyond-ram`` (ZarrStorage and LazyMemmapStorage, each in a child proces
 memory cgroup, on a buffer bigger than the limit: :mod:`beyond_ram`), ``datasets`` (every
 storage in this process, in RAM: ``ZarrStorage``, TorchRL's ``LazyMemmapStorage`` and
 ``LazyTensorStorage``, and tensordict's own Zarr backend, ``TensorDict.to_zarr``, as the
-naive Zarr reference; saving and loading on Pong), ``prioritized`` (a PrioritizedSampler's
-state) and ``capacity`` (commits of a store of 1M and of 100M rows holding few:
+naive Zarr reference; saving and loading on Pong), ``prefetch`` (a training loop with a
+simulated 10 ms learner step, with and without TorchRL's ``prefetch``), ``prioritized`` (a
+PrioritizedSampler's state) and ``capacity`` (commits of a store of 1M and of 100M rows holding few:
 :mod:`capacity`). Data: real ALE frames (Pong, Breakout, and the busier screens of Ms.
 Pac-Man and Space Invaders; 84x84 grayscale, 4-frame stacks; obs and next/obs, action,
 reward, done, episode ids) generated with a seeded random policy and cached under
@@ -27,7 +28,6 @@ import argparse
 import gc
 import json
 import platform
-import resource
 import shutil
 import statistics
 import tempfile
@@ -40,6 +40,7 @@ import beyond_ram  # next to this file: on the path when run as a script
 import capacity
 import numpy as np
 import torch
+from _memory import peak_rss_bytes
 from tensordict import TensorDict
 from torchrl.data import (
     LazyMemmapStorage,
@@ -61,10 +62,12 @@ GAMES = {
     "mspacman": "ALE/MsPacman-v5",
     "spaceinvaders": "ALE/SpaceInvaders-v5",
 }
-PARTS = ("beyond-ram", "datasets", "prioritized", "capacity")
+PARTS = ("beyond-ram", "datasets", "prefetch", "prioritized", "capacity")
 BATCH = 1024
 SAMPLE = 256
 SLICE_LEN = 32
+LEARNER_STEP_S = 0.010
+"""The simulated learner step of the prefetch rows."""
 POOL_ROWS = 16_384
 """Distinct Pong transitions cycled through by the out-of-core run."""
 
@@ -147,24 +150,32 @@ def median_p95(times: list[float]) -> dict[str, float]:
 
 
 def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    return peak_rss_bytes() / 1e9
 
 
 def disk_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def make_storage(kind: str, rows: int, where: Path) -> Any:
+def make_storage(
+    kind: str, rows: int, where: Path, compression: zarr_rb.Compression | None = None
+) -> Any:
     if kind == "ZarrStorage":
-        return zarr_rb.ZarrStorage(rows, where / "rb.zarr")
+        return zarr_rb.ZarrStorage(rows, where / "rb.zarr", compression=compression)
     if kind == "LazyMemmapStorage":
         return LazyMemmapStorage(rows, scratch_dir=where / "memmap")
     return LazyTensorStorage(rows)
 
 
-def bench_torchrl_storage(kind: str, data: TensorDict, where: Path, samples: int) -> dict[str, Any]:
+def bench_torchrl_storage(
+    kind: str,
+    data: TensorDict,
+    where: Path,
+    samples: int,
+    compression: zarr_rb.Compression | None = None,
+) -> dict[str, Any]:
     rows = data.shape[0]
-    storage = make_storage(kind, rows, where)
+    storage = make_storage(kind, rows, where, compression)
     rb = TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=SAMPLE)
     raw = data.bytes()
 
@@ -272,6 +283,36 @@ def bench_save_load(data: TensorDict, where: Path) -> dict[str, Any]:
             "memmap_dumps_s": msave[0],
             "memmap_loads_s": mload[0],
         }
+    return out
+
+
+def bench_prefetch(data: TensorDict, where: Path, steps: int) -> dict[str, Any]:
+    """A training loop (sample, then a simulated 10 ms learner step) with and without
+    TorchRL's ``prefetch``: batches per second, and how long each ``sample()`` waited."""
+    out: dict[str, Any] = {}
+    rows = data.shape[0]
+    for kind in ("ZarrStorage", "LazyMemmapStorage"):
+        storage = make_storage(kind, rows, where / kind)
+        for start in range(0, rows, BATCH):
+            storage.set(torch.arange(start, min(start + BATCH, rows)), data[start : start + BATCH])
+        for prefetch in (None, 4):
+            rb = TensorDictReplayBuffer(storage=storage, batch_size=SAMPLE, prefetch=prefetch)
+            for _ in range(5):
+                rb.sample()
+            waits = []
+            start = time.perf_counter()
+            for _ in range(steps):
+                began = time.perf_counter()
+                rb.sample()
+                waits.append(time.perf_counter() - began)
+                time.sleep(LEARNER_STEP_S)
+            elapsed = time.perf_counter() - start
+            out[f"{kind} prefetch={prefetch or 0}"] = {
+                "batches_per_s": steps / elapsed,
+                "sample_wait": median_p95(waits),
+            }
+        if isinstance(storage, zarr_rb.ZarrStorage):
+            storage.close()
     return out
 
 
@@ -406,6 +447,20 @@ def report(results: dict[str, Any]) -> str:
             f"| {p['torchrl_dumps_s']:.3f} | {p['torchrl_loads_s']:.3f} |",
             "",
         ]
+    if "prefetch" in results:
+        lines += [
+            f"### prefetch: sample(256) then a {LEARNER_STEP_S * 1e3:.0f} ms step (pong)",
+            "",
+            "| storage | batches/s | sample() wait median / p95 ms |",
+            "|---|---|---|",
+        ]
+        for name, r in results["prefetch"].items():
+            wait = r["sample_wait"]
+            lines.append(
+                f"| {name} | {r['batches_per_s']:.1f} "
+                f"| {wait['median_ms']:.1f} / {wait['p95_ms']:.1f} |"
+            )
+        lines.append("")
     if "capacity" in results:
         lines += capacity.report(results["capacity"])
     if "out_of_core" in results:
@@ -423,14 +478,21 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def bench_dataset(name: str, rows: int, samples: int, work: Path, results: dict[str, Any]) -> None:
+def bench_dataset(
+    name: str,
+    rows: int,
+    samples: int,
+    work: Path,
+    results: dict[str, Any],
+    compression: zarr_rb.Compression | None = None,
+) -> None:
     """Every storage on one dataset (and saving and loading, on Pong)."""
     data = dataset(name, rows)
     per_storage = {}
     for kind in ("ZarrStorage", "LazyMemmapStorage", "LazyTensorStorage"):
         where = work / f"{name}-{kind}"
         where.mkdir()
-        per_storage[kind] = bench_torchrl_storage(kind, data, where, samples)
+        per_storage[kind] = bench_torchrl_storage(kind, data, where, samples, compression)
         shutil.rmtree(where)
     where = work / f"{name}-tdzarr"
     where.mkdir()
@@ -473,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--times-limit", type=float, default=2.5, help="beyond-ram: raw buffer size / limit"
     )
+    parser.add_argument("--codec", choices=["zstd", "lz4", "none"], default=None)
+    parser.add_argument("--level", type=int, default=None, help="the codec's level")
+    parser.add_argument("--chunk-rows", type=int, default=None, help="rows per inner chunk")
     parser.add_argument("--out-of-core", action="store_true", help="only the out-of-core run")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results.json"))
     parser.add_argument("--workdir", type=Path, default=None, help="where stores are written")
@@ -481,9 +546,12 @@ def main(argv: list[str] | None = None) -> int:
     if parts - set(PARTS):
         parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {PARTS}")
     rows = int(args.rows * args.scale)
+    settings = {"codec": args.codec, "level": args.level, "chunk_rows": args.chunk_rows}
+    compression = zarr_rb.Compression(**{k: v for k, v in settings.items() if v is not None})
     results: dict[str, Any] = {
         "machine": f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} threads",
         "rows": rows,
+        "compression": compression.to_json(),
     }
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         work = Path(tmp)
@@ -500,7 +568,12 @@ def main(argv: list[str] | None = None) -> int:
         if "datasets" in parts:
             results["datasets"] = {}
             for name in args.datasets.split(","):
-                bench_dataset(name, rows, args.samples, work, results)
+                bench_dataset(name, rows, args.samples, work, results, compression)
+        if "prefetch" in parts:
+            where = work / "prefetch"
+            where.mkdir()
+            results["prefetch"] = bench_prefetch(dataset("pong", rows), where, args.samples)
+            shutil.rmtree(where)
         if "prioritized" in parts:
             results["prioritized_capacity"] = args.prioritized_capacity
             results["prioritized"] = bench_prioritized(args.prioritized_capacity, work)

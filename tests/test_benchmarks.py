@@ -32,7 +32,7 @@ def test_benchmark_suite_smoke(tmp_path, monkeypatch, capsys):
                 "--capacities",
                 "2000,200000",
                 "--parts",
-                "datasets,prioritized,capacity",
+                "datasets,prefetch,prioritized,capacity",
                 "--json",
                 str(out),
                 "--workdir",
@@ -53,6 +53,7 @@ def test_benchmark_suite_smoke(tmp_path, monkeypatch, capsys):
         assert per_storage["ZarrStorage"]["disk_bytes"] > 0
     assert set(results["save_load"]) == {"24", "96"}
     assert results["capacity"]["200000"]["flush_ms"] > 0
+    assert results["prefetch"]["ZarrStorage prefetch=4"]["batches_per_s"] > 0
     assert "| ZarrStorage |" in capsys.readouterr().out
     sys.modules.pop("run", None)
 
