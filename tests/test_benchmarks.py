@@ -160,3 +160,20 @@ def test_analysis_benchmark_smoke(tmp_path, monkeypatch):
     assert results["mean_frame"]["raw_bytes"] == 300 * 4 * 84 * 84
     assert len(results["epoch_rows_per_s"]) == 2
     sys.modules.pop("analysis", None)
+
+
+def test_compression_benchmark_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import compression
+    import run
+
+    monkeypatch.setattr(run, "CACHE", tmp_path / "cache")
+    frames = run.dataset("random", 64)  # no emulator: random frames stand for Pong's
+    monkeypatch.setattr(run, "dataset", lambda name, rows: frames)
+    out = tmp_path / "compression.json"
+    args = ["--games", "pong", "--rows", "64", "--rounds", "2", "--json", str(out)]
+    assert compression.main([*args, "--workdir", str(tmp_path)]) == 0
+    results = json.loads(out.read_text())
+    assert set(results["games"]["pong"]) == {*compression.SETTINGS, "LazyMemmapStorage"}
+    assert "| pong | zstd, 2-row chunks (default) |" in capsys.readouterr().out
+    sys.modules.pop("run", None)
