@@ -9,6 +9,7 @@ from conftest import assert_identical
 from tensordict import TensorDict, tensorclass
 from torchrl.data import LazyTensorStorage
 
+import zarr_rb
 from zarr_rb import Compression, LazyColumn, ZarrStorage
 
 DTYPES = [
@@ -254,6 +255,9 @@ def test_a_store_of_a_billion_rows_holding_a_few_costs_what_the_few_cost(store_p
         rb.storage.close()
         reopened = ZarrStorage(path=store_path)
         got = reopened.get(torch.arange(3000))
+        reopened.close()
+        report = zarr_rb.verify(store_path)  # a check reads the rows committed, not max_size
+        reopened = ZarrStorage(path=store_path)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -263,6 +267,8 @@ def test_a_store_of_a_billion_rows_holding_a_few_costs_what_the_few_cost(store_p
     assert torch.equal(got["obs"], expected["obs"])
     assert torch.equal(got["done"], expected["done"])
     assert torch.equal(sample["obs"], expected["obs"][sample["index"]])
+    assert report.ok
+    assert report.rows_checked == 3000
     assert peak < 64 * 2**20
     reopened.close()
 

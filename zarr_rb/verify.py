@@ -115,8 +115,8 @@ def verify(
     try:
         damaged: list[DamagedChunk] = []
         arrays = 0
-        readable = (
-            store.committed.readable_mask(store.rows)
+        readable = (  # over the committed rows only: a store's capacity costs nothing here
+            store.committed.readable_mask(store.committed.length)
             if store.schema is not None
             else np.zeros(0, bool)
         )
@@ -199,7 +199,7 @@ def _check_ragged(
         return []  # the lengths leaf is damaged: reported with it
     impossible = (sizes < 0) | (sizes > array.width)
     if impossible.any():  # intact chunks, values no row can have
-        mask = np.zeros(store.rows, dtype=bool)
+        mask = np.zeros(store.committed.length, dtype=bool)
         mask[rows[impossible]] = True
         return [
             DamagedChunk(
@@ -209,7 +209,7 @@ def _check_ragged(
             )
             for a, b in mask_to_ranges(mask)
         ]
-    lengths = np.zeros(store.rows, dtype=np.int64)
+    lengths = np.zeros(store.committed.length, dtype=np.int64)
     lengths[rows] = sizes
     step = array.read_chunk_rows
     damaged: list[DamagedChunk] = []
