@@ -140,7 +140,7 @@ def timings_within(fn: Callable[[], Any], repeats: int, seconds: float) -> list[
 
 def fill_and_sample(kind: str, rows: int, samples: int, where: Path) -> dict[str, Any]:
     """Fill one storage with ``rows`` cycled Pong transitions, then sample from it."""
-    import run
+    import run  # not at the top: run.py imports this module
 
     pool = run.dataset("pong", POOL_ROWS)
     if kind == "ZarrStorage":
@@ -215,13 +215,9 @@ def side_by_side(limit: int, times_limit: float, samples: int, work: Path) -> di
         result["cgroup_peak_gb"] = None if peak is None else peak / 1e9
         out["storages"][kind] = result
         shutil.rmtree(where, ignore_errors=True)
-    z, m = (out["storages"][kind] for kind in STORAGES)
-    out["ratios_to_memmap"] = {
-        "extend": z["extend_gbps"] / m["extend_gbps"],
-        "sample_random": z["sample_random"]["median_ms"] / m["sample_random"]["median_ms"],
-        "sample_slices": z["sample_slices"]["median_ms"] / m["sample_slices"]["median_ms"],
-        "disk": z["disk_bytes"] / m["disk_bytes"],
-    }
+    import run  # not at the top: run.py imports this module
+
+    out["ratios_to_memmap"] = run.ratios_to_memmap(out["storages"])
     return out
 
 

@@ -10,7 +10,6 @@ the store's own), then flush 1,000 more rows at a time::
 from __future__ import annotations
 
 import multiprocessing as mp
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,8 @@ def small_rows(first: int, count: int) -> TensorDict:
 
 def measure(capacity: int, where: str) -> dict[str, Any]:
     """One capacity, in the calling process (a fresh one: see :func:`at_capacities`)."""
+    import run  # not at the top: run.py imports this module
+
     path = Path(where) / f"capacity-{capacity}.zarr"
     before = rss_bytes()
     storage = zarr_rb.ZarrStorage(capacity, path)
@@ -67,12 +68,13 @@ def measure(capacity: int, where: str) -> dict[str, Any]:
         zarr_rb.ZarrStorage(path=path).close()
         opens.append(time.perf_counter() - start)
     peak = peak_rss_bytes()
+    flush = run.median_p95(flushes)
     return {
         "capacity": capacity,
-        "flush_ms": statistics.median(flushes) * 1e3,
-        "flush_p95_ms": sorted(flushes)[int(0.95 * len(flushes))] * 1e3,
-        "open_ms": statistics.median(opens) * 1e3,
-        "sample_ms": statistics.median(samples) * 1e3,
+        "flush_ms": flush["median_ms"],
+        "flush_p95_ms": flush["p95_ms"],
+        "open_ms": run.median_p95(opens)["median_ms"],
+        "sample_ms": run.median_p95(samples)["median_ms"],
         "rss_held_mb": held / 1e6,
         "peak_rss_growth_mb": (peak - before) / 1e6,
     }
