@@ -23,7 +23,8 @@ def make_batch(n: int, seed: int) -> TensorDict:
     g = torch.Generator().manual_seed(seed)
     return TensorDict(
         {
-            "obs": torch.randint(0, 255, (n, 2, 3, 3), generator=g, dtype=torch.uint8),
+            # 1 KiB rows: a large leaf (sharded, mirrored in RAM only within ram_bytes).
+            "obs": torch.randint(0, 255, (n, 4, 16, 16), generator=g, dtype=torch.uint8),
             "reward": torch.randn(n, 1, generator=g),
             "next": {"done": torch.randint(0, 2, (n, 1), generator=g).bool()},
             "step": torch.arange(seed * 100, seed * 100 + n),
@@ -35,12 +36,17 @@ def make_batch(n: int, seed: int) -> TensorDict:
 class StorageMachine(RuleBasedStateMachine):
     """ZarrStorage under extend/set/get/sample/empty/reopen vs. LazyTensorStorage."""
 
-    @initialize(block_rows=st.sampled_from([4, 8, 32]))
-    def setup(self, block_rows: int) -> None:
+    @initialize(
+        block_rows=st.sampled_from([4, 8, 32]),
+        # None kept in RAM but small leaves; all of them until 12 rows are reached; all.
+        ram_bytes=st.sampled_from([0, 12 * (1024 + 13), 2**20]),
+    )
+    def setup(self, block_rows: int, ram_bytes: int) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="zarr_rb-model-"))
         self.path = self.dir / "model.zarr"
         self.compression = Compression(block_rows=block_rows)
-        self.zarr = ZarrStorage(MAX_SIZE, self.path, compression=self.compression)
+        self.ram_bytes = ram_bytes
+        self.zarr = self._open()
         self.model = LazyTensorStorage(MAX_SIZE)
         self.cursor = 0
         self.seed = 0
@@ -103,7 +109,12 @@ class StorageMachine(RuleBasedStateMachine):
     @rule()
     def reopen(self) -> None:
         self.zarr.close()
-        self.zarr = ZarrStorage(MAX_SIZE, self.path, compression=self.compression)
+        self.zarr = self._open()
+
+    def _open(self) -> ZarrStorage:
+        return ZarrStorage(
+            MAX_SIZE, self.path, compression=self.compression, ram_bytes=self.ram_bytes
+        )
 
     @invariant()
     def same_length(self) -> None:

@@ -32,7 +32,7 @@ from torchrl.data import (
 )
 
 import zarr_rb
-from zarr_rb import ZarrStorage
+from zarr_rb import Compression, ZarrStorage
 from zarr_rb.errors import (
     LockedError,
     LocksUnsupportedError,
@@ -241,19 +241,24 @@ def test_writers_wrapping_around_a_small_ring_never_tear_a_row(where):
         storage.close()
 
 
-def test_a_block_another_writer_rewrote_is_read_as_it_is_now(where):
-    # A writer that read a block keeps its small leaves in RAM (and, on S3, the objects
-    # in its cache): after another writer takes that block again and rewrites it, it
-    # must read the new rows, not the ones it read before.
+@pytest.mark.parametrize("ram_bytes", [0, 2**20], ids=["small-leaves-in-ram", "frames-in-ram"])
+def test_a_block_another_writer_rewrote_is_read_as_it_is_now(where, ram_bytes):
+    # A writer that read a block keeps its small leaves in RAM (its frames too, within
+    # ram_bytes; and, on S3, the objects in its cache): after another writer takes that
+    # block again and rewrites it, it must read the new rows, not the ones it read before.
     url, options = where
-    ZarrStorage(256, url, shared=True, storage_options=options).close()
+    frames = Compression(large_row_bytes=64)  # "obs" (8x8 bytes) is a large leaf
+    ZarrStorage(256, url, shared=True, storage_options=options, compression=frames).close()
     other = ZarrStorage(path=url, mode="r+", shared=True, storage_options=options)
-    mine = ZarrStorage(path=url, mode="r+", shared=True, storage_options=options)
+    mine = ZarrStorage(
+        path=url, mode="r+", shared=True, storage_options=options, ram_bytes=ram_bytes
+    )
     try:
         other.set(torch.arange(256), stamped(1, 0, 256))  # the whole ring
         other.set(torch.arange(8), stamped(1, 256, 8))  # one block more
         mine.refresh()
         assert torn(mine.get(torch.arange(256))) == 0
+        assert (("obs",) in mine._store._mirror) == bool(ram_bytes)  # frames read in RAM
         other.set(torch.arange(8), stamped(2, 0, 8))  # the oldest block, taken again
         mine.refresh()
         everything = torch.arange(256)

@@ -273,6 +273,89 @@ def test_a_store_of_a_billion_rows_holding_a_few_costs_what_the_few_cost(store_p
     reopened.close()
 
 
+def frames(first: int, count: int) -> TensorDict:
+    """Rows of 4 KiB frames (a large leaf) and small leaves, each a function of its step."""
+    step = torch.arange(first, first + count)
+    return TensorDict(
+        {
+            "obs": (step % 251).to(torch.uint8).view(-1, 1, 1, 1).expand(-1, 4, 32, 32).clone(),
+            "step": step,
+            "next": {"done": step % 7 == 0, "reward": step.float() / 3},
+        },
+        batch_size=[count],
+    )
+
+
+def test_ram_bytes_keeps_frames_in_ram_and_returns_what_a_lazy_tensor_storage_does(store_path):
+    from torchrl.data import RandomSampler, TensorDictReplayBuffer
+
+    def buffer(storage):
+        return TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=32)
+
+    zarr = buffer(ZarrStorage(128, store_path, ram_bytes=2**20))
+    twin = buffer(LazyTensorStorage(128))
+    for start in range(0, 200, 50):  # around the ring and past its start
+        zarr.extend(frames(start, 50))
+        twin.extend(frames(start, 50))
+    rows = torch.tensor([3, 70, 71, 127])  # scattered writes, in place
+    zarr.storage.set(rows, frames(1000, 4), set_cursor=False)
+    twin.storage.set(rows, frames(1000, 4), set_cursor=False)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        got = zarr.sample()
+        torch.manual_seed(seed)
+        assert_identical(got, twin.sample())
+    assert ("obs",) in zarr.storage._store._mirror  # the frames are gathered in RAM
+    everything = torch.arange(128)
+    assert_identical(zarr.storage.get(everything), twin.storage.get(everything))
+    zarr.storage.close()
+    reopened = ZarrStorage(path=store_path, ram_bytes=2**20)  # the copy in RAM read back
+    assert_identical(reopened.get(everything), twin.storage.get(everything))
+    assert ("obs",) in reopened._store._mirror
+    reopened.close()
+
+
+def test_frames_past_ram_bytes_are_read_from_the_store_again(store_path):
+    row = 4 * 32 * 32 + 8 + 1 + 4  # bytes of one row of frames()
+    storage = ZarrStorage(100, store_path, ram_bytes=10 * row)
+    storage.set(torch.arange(8), frames(0, 8))
+    assert_identical(storage.get(torch.arange(8)), frames(0, 8))
+    assert ("obs",) in storage._store._mirror
+    storage.set(torch.arange(8, 60), frames(8, 52))  # 60 rows: past what RAM may hold
+    assert ("obs",) not in storage._store._mirror
+    assert ("step",) in storage._store._mirror  # small leaves stay (within 256 MiB)
+    assert_identical(storage.get(torch.arange(60)), frames(0, 60))
+    storage.close()
+
+
+def test_a_buffer_loaded_with_ram_bytes_samples_its_frames_from_ram(store_path):
+    from torchrl.data import TensorDictReplayBuffer
+
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(64, store_path), batch_size=16)
+    rb.extend(frames(0, 40))
+    torch.manual_seed(1)
+    zarr_rb.save(rb)
+    expected = rb.sample()
+    rb.storage.close()
+    loaded = zarr_rb.load(store_path, ram_bytes=2**20)
+    torch.manual_seed(1)
+    assert_identical(loaded.sample(), expected)
+    assert ("obs",) in loaded.storage._store._mirror
+    loaded.storage.close()
+    with pytest.raises(ValueError, match="ram_bytes is for storage='zarr'"):
+        zarr_rb.load(store_path, storage="memory", ram_bytes=2**20)
+
+
+@pytest.mark.parametrize(
+    ("ram_bytes", "error"),
+    [(-1, ValueError), ("1G", TypeError), (True, TypeError), (1.5, TypeError)],
+)
+def test_ram_bytes_must_be_a_number_of_bytes(store_path, ram_bytes, error):
+    with pytest.raises(error, match="ram_bytes"):
+        ZarrStorage(10, store_path, ram_bytes=ram_bytes)
+    assert not store_path.exists()
+
+
 def test_empty_then_refill(store_path):
     storage = ZarrStorage(30, store_path)
     storage.set(torch.arange(20), make_data("tensordict", torch.float32, (20,)))

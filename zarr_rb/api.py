@@ -133,6 +133,7 @@ def load(
     read_only: bool = False,
     storage: Literal["zarr", "memory"] = "zarr",
     progress: bool = True,
+    ram_bytes: int = 0,
 ) -> Any:
     """Rebuild a replay buffer saved with :func:`save`, without reading any row.
 
@@ -158,6 +159,11 @@ def load(
             extended or saved, takes no writer lock and writes nothing, so it can be
             opened while the store's writer is at work. It stays at the save (its length
             and cursor) until ``rb.storage.refresh()``.
+        storage: ``"zarr"`` (default) samples from the store; ``"memory"`` copies its rows
+            into a ``LazyTensorStorage``.
+        progress: show a progress bar while rows are copied into memory.
+        ram_bytes: RAM the loaded storage may take to keep a copy of its rows, frames
+            included, for sampling at RAM speed (see :class:`ZarrStorage`).
 
     Raises:
         NoSavedBufferError: the store holds data but no saved buffer.
@@ -166,6 +172,8 @@ def load(
     """
     if storage not in ("zarr", "memory"):
         raise ValueError(f"expected storage='zarr' or storage='memory', got {storage!r}")
+    if ram_bytes and storage == "memory":
+        raise ValueError("ram_bytes is for storage='zarr'; storage='memory' holds every row in RAM")
     code_objects = {
         "collate_fn": collate_fn,
         "sample_unit": sample_unit,
@@ -189,6 +197,7 @@ def load(
         code_objects=code_objects,
         device=device,
         read_only=read_only,
+        ram_bytes=ram_bytes,
     )
 
 
@@ -272,9 +281,14 @@ def _load_on_store(
     code_objects: dict[str, Any],
     device: str,
     read_only: bool,
+    ram_bytes: int,
 ) -> Any:
     storage = ZarrStorage(
-        path=path, device=device, read_only=read_only, storage_options=storage_options
+        path=path,
+        device=device,
+        read_only=read_only,
+        storage_options=storage_options,
+        ram_bytes=ram_bytes,
     )
     saved = _saved_of(storage)
     committed_length = len(storage)

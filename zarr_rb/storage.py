@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
 import os
 import tempfile
 import threading
@@ -129,6 +130,12 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             least one dimension, or their keys. Entries whose rows differ in the write that
             creates them are stored so anyway; a store that holds such entries returns rows
             as lazy stacks of one TensorDict per row.
+        ram_bytes: RAM this writer may take to keep a copy of the rows it reached, every
+            fixed-shape entry (frames too), next to the store: while they fit, ``get`` and
+            ``sample`` gather them in RAM, as from a ``LazyTensorStorage``, and the store stays
+            the durable copy; once they no longer fit, large entries are read from the store
+            again. Default 0: only small entries (actions, rewards, flags, trajectory ids)
+            are kept, up to 256 MiB. Reading processes keep none.
         consolidated, cleanup_memmap: layout hints of TorchRL's in-RAM storage, accepted and
             without effect on a store.
 
@@ -170,6 +177,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         cleanup_memmap: bool = True,
         ragged: bool | str | Sequence[str | tuple[str, ...]] = False,
         storage_options: Mapping[str, Any] | None = None,
+        ram_bytes: int = 0,
     ) -> None:
         del consolidated, cleanup_memmap  # layout hints of TorchRL's in-RAM storages
         mode = resolve_mode(mode, read_only=read_only, existsok=existsok)
@@ -184,6 +192,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             raise ValueError(f"expected refresh_interval >= 0, got {refresh_interval}")
         if ndim is not None and ndim < 1:
             raise ValueError(f"expected ndim >= 1, got {ndim}")
+        ram_bytes = _ram_bytes(ram_bytes)
         if max_size is not None and int(max_size) < 1:
             raise ValueError(f"expected max_size >= 1, got {max_size}")
         if device != "auto":
@@ -222,6 +231,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 _compat.set_last_cursor(self, (store.cursor - 1) % store.rows)
             self.existsok = existsok
             self.shared_init = shared_init
+            store.keep_in_ram(ram_bytes)
             self.__dict__["_ragged"] = _convert.ragged_keys(ragged)
             self.__dict__["_storage_options"] = dict(storage_options or {})
             self.auto_cleanup = tmpdir is not None if auto_cleanup is None else bool(auto_cleanup)
@@ -864,3 +874,11 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         """Copy rows ``[0, rows)`` of ``source`` (anything sliceable by rows: a storage,
         a memory-mapped TensorDict) into this storage, in blocks of about 64 MiB."""
         _torchrl_state.copy_rows(source, self, rows=rows, progress=progress)
+
+
+def _ram_bytes(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"expected ram_bytes to be a number of bytes, got {value!r}")
+    if value < 0:
+        raise ValueError(f"expected ram_bytes >= 0, got {value}")
+    return int(value)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -49,6 +50,7 @@ from zarr_rb.core.reader import read_committed, reread_commit
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.write_cache import Block, Key, WriteBuffer
 from zarr_rb.engine import Engine, RowArray
+from zarr_rb.engine.tensorstore import is_run
 from zarr_rb.errors import (
     NotSupportedError,
     ReadOnlyError,
@@ -69,6 +71,16 @@ ARRAYS_WAIT_SECONDS = 10.0
 MIRROR_LIMIT_BYTES = 256 * 2**20
 """Small leaves (actions, rewards, flags, trajectory ids) are mirrored in RAM by the writer
 while all of them together, over the rows written so far, take at most this much."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _MirrorChoice:
+    """Leaves the writer may mirror in RAM, and the bytes they may take there."""
+
+    keys: frozenset[Key]
+    row_bytes: int
+    limit: int
+
 
 Write = tuple[np.ndarray, Mapping[Key, torch.Tensor]]
 """Rows (sorted, unique) and the values of some or all leaves for them."""
@@ -112,7 +124,13 @@ class Store:
         self._arrays: dict[Key, RowArray] = {}
         self._mirror: dict[Key, torch.Tensor] = {}
         self._mirrorable: frozenset[Key] = frozenset()
-        self._mirror_row_bytes = 0
+        self._mirror_choices: tuple[_MirrorChoice, ...] = ()
+        """Widest first: every fixed-shape leaf (within ``ram_bytes``), the small ones."""
+        self._mirror_cap = 0
+        """The most rows the mirrors may cover (their leaves' limit)."""
+        self._small_leaves: frozenset[Key] = frozenset()
+        self.ram_bytes = 0
+        """RAM the writer may take to mirror every fixed-shape leaf (see :meth:`keep_in_ram`)."""
         self._rows_written = 0
         """One past the highest row this process wrote (or staged)."""
         self._leaves: dict[Key, LeafSpec] = {}
@@ -214,21 +232,45 @@ class Store:
                 return  # reported by the checks that follow
             time.sleep(0.01)
 
+    def keep_in_ram(self, nbytes: int) -> None:
+        """Let the writer mirror every fixed-shape leaf in RAM (frames too, not only the
+        small leaves) while the rows it reached take at most ``nbytes`` there; the largest
+        budget asked by the storages sharing this store holds."""
+        self.ram_bytes = max(self.ram_bytes, int(nbytes))
+        if self.schema is not None:
+            self._update_mirrorable()
+
     def _update_mirrorable(self) -> None:
         schema = self.schema
         assert schema is not None
-        small = [
-            leaf
-            for leaf in schema.leaves
-            if not leaf.ragged
-            and row_nbytes(leaf, schema.batch_shape) < self.compression.large_row_bytes
+        fixed = [leaf for leaf in schema.leaves if not leaf.ragged]
+        sizes = {leaf.key: row_nbytes(leaf, schema.batch_shape) for leaf in fixed}
+        small = [key for key, size in sizes.items() if size < self.compression.large_row_bytes]
+        self._small_leaves = frozenset(small)
+        self._mirror_choices = tuple(
+            _MirrorChoice(frozenset(keys), sum(sizes[key] for key in keys), limit)
+            for keys, limit in (
+                (list(sizes), self.ram_bytes),
+                (small, max(self.ram_bytes, MIRROR_LIMIT_BYTES)),
+            )
+            if keys and limit
+        )
+        self._choose_mirror()
+
+    def _choose_mirror(self) -> None:
+        """Mirror the widest choice whose rows fit its limit; drop the mirrors of the others."""
+        fitting = [
+            choice
+            for choice in self._mirror_choices
+            if self._rows_reached * choice.row_bytes <= choice.limit
         ]
-        self._mirror_row_bytes = sum(row_nbytes(leaf, schema.batch_shape) for leaf in small)
-        if not self.read_only and self._mirror_fits():
-            self._mirrorable = frozenset(leaf.key for leaf in small)
+        if self.read_only or not fitting:
+            self._mirrorable, self._mirror_cap = frozenset(), 0
         else:
-            self._mirrorable = frozenset()
-            self._mirror.clear()
+            self._mirrorable = fitting[0].keys
+            self._mirror_cap = fitting[0].limit // max(1, fitting[0].row_bytes)
+        for key in self._mirror.keys() - self._mirrorable:
+            del self._mirror[key]  # read from disk from now on
 
     @_serialized
     def initialize(
@@ -452,18 +494,18 @@ class Store:
             return self.rows
         return max(self._rows_written, self.committed.length)
 
-    def _mirror_fits(self) -> bool:
-        return self._rows_reached * self._mirror_row_bytes <= MIRROR_LIMIT_BYTES
-
     def _update_mirror(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
+        first = self._rows_reached == 0
         if rows.size and int(rows.max()) >= self._rows_written:
             self._rows_written = int(rows.max()) + 1
-            if self._mirrorable and not self._mirror_fits():
-                self._mirrorable = frozenset()  # rows read from disk from now on
-                self._mirror.clear()
-        index = torch.from_numpy(rows)
+            if self._mirrorable:
+                self._choose_mirror()
+        if first:
+            # A new store: mirrors start with its first rows (none to read back later).
+            for key in self._mirrorable - self._mirror.keys():
+                self._mirror_of(key)
         for key in self._mirror.keys() & values.keys():
-            self._mirror_covering(key, self._rows_written)[index] = values[key]
+            _put_rows(self._mirror_covering(key, self._rows_written), rows, values[key])
 
     def _write_through(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
         """Write to disk now (shared stores keep no rows in RAM: others must see them)."""
@@ -814,22 +856,19 @@ class Store:
         return {key: out[key] for key in keys}
 
     def _mirror_of(self, key: Key) -> torch.Tensor:
-        """The whole array of a small leaf in RAM, read once, then kept up to date by writes."""
+        """The whole array of a leaf in RAM, read once, then kept up to date by writes."""
         mirror = self._mirror.get(key)
         if mirror is None:
             assert self._buffer is not None
             assert self._ledger is not None
             leaf = self._leaf(key)
-            # Over the rows that may hold data (grown as writes reach further).
-            covered = min(self.rows, max(self._rows_reached, self._ledger.extent))
-            mirror = torch.zeros(
-                (covered, *self.element_shape(leaf)), dtype=TORCH_DTYPES[leaf.dtype]
-            )
+            covered = self._mirror_rows(key, max(self._rows_reached, self._ledger.extent), 0)
+            mirror = _zeros((covered, *self.element_shape(leaf)), TORCH_DTYPES[leaf.dtype])
             # Only cells known to be on disk: others were never written, or were lost to a
             # crash or a failed write, and are not readable until they are rewritten.
             every_row = np.arange(covered)
             on_disk = np.flatnonzero(self._ledger.readable(every_row, key))
-            mirror[torch.from_numpy(on_disk)] = self._read_disk({key: on_disk})[key]
+            _put_rows(mirror, on_disk, self._read_disk({key: on_disk})[key])
             _, served = self._buffer.staged_rows(every_row)
             for block, positions in served:
                 offsets = torch.from_numpy(positions - block.index * self._buffer.block_rows)
@@ -838,24 +877,33 @@ class Store:
         return mirror
 
     def _mirror_covering(self, key: Key, rows: int) -> torch.Tensor:
-        """The mirror of ``key``, grown (by doubling, up to the capacity) to cover ``rows``."""
+        """The mirror of ``key``, grown to cover ``rows``."""
         mirror = self._mirror[key]
         if rows > mirror.shape[0]:
-            size = min(self.rows, max(rows, 2 * mirror.shape[0]))
-            mirror = torch.cat(
-                [mirror, mirror.new_zeros((size - mirror.shape[0], *mirror.shape[1:]))]
+            grown = _zeros(
+                (self._mirror_rows(key, rows, mirror.shape[0]), *mirror.shape[1:]), mirror.dtype
             )
-            self._mirror[key] = mirror
+            grown[: mirror.shape[0]] = mirror
+            self._mirror[key] = mirror = grown
         return mirror
+
+    def _mirror_rows(self, key: Key, rows: int, now: int) -> int:
+        """Rows for a mirror of ``now`` rows to cover ``rows``: small leaves grow by doubling;
+        large ones (mirrored within ``ram_bytes``) take every row they may reach at once,
+        their pages taken from the OS only as rows are written."""
+        if key in self._small_leaves:
+            return min(self.rows, max(rows, min(2 * now, self._mirror_cap)))
+        return min(self.rows, max(rows, self._mirror_cap))
 
     def _mirrored_rows(self, key: Key, index: torch.Tensor) -> torch.Tensor:
         """``index`` rows of the mirror of ``key`` (zeros for rows never written)."""
         mirror = self._mirror_of(key)
+        # index_select: several times faster than mirror[index] on frames, on some CPUs.
         if not index.numel() or int(index.max()) < mirror.shape[0]:
-            return mirror[index]
+            return mirror.index_select(0, index)
         out = mirror.new_zeros((index.numel(), *mirror.shape[1:]))
         inside = index < mirror.shape[0]
-        out[inside] = mirror[index[inside]]
+        out[inside] = mirror.index_select(0, index[inside])
         return out
 
     def _leaf(self, key: Key) -> LeafSpec:
@@ -1061,6 +1109,23 @@ def _runs(mask: np.ndarray, step: int) -> Iterator[tuple[int, int]]:
     for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
         for first in range(start, stop, step):
             yield first, min(stop, (first // step + 1) * step)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in memory the OS maps on first write (``calloc``): rows of a mirror not yet
+    written take no RAM."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not nbytes:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.from_numpy(np.zeros(nbytes, np.uint8)).view(dtype).reshape(shape)
+
+
+def _put_rows(tensor: torch.Tensor, rows: np.ndarray, values: torch.Tensor) -> None:
+    """``tensor[rows] = values`` (``rows`` unique): a copy for a run of rows."""
+    if is_run(rows):
+        tensor[int(rows[0]) : int(rows[0]) + rows.size] = values
+    elif rows.size:
+        tensor.index_copy_(0, torch.from_numpy(rows), values.to(tensor.dtype))
 
 
 def _place(tensor: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:

@@ -593,7 +593,7 @@ class RowArray:
         run (``start, start + 1, ...``), whose chunks follow from its ends."""
         tails = self._tail_positions(width)
         if run is None:
-            run = _is_run(rows)
+            run = is_run(rows)
         if run:
             chunks: Any = range(
                 int(rows[0]) // self.chunk_rows, int(rows[-1]) // self.chunk_rows + 1
@@ -697,7 +697,7 @@ class RowArray:
         ``width`` along the second dimension of a ragged array."""
         if width is not None and width > self.width:
             self.refresh()  # the writer made it wider since it was opened
-        if _is_run(rows):
+        if is_run(rows):
             return self._read(slice(int(rows[0]), int(rows[0]) + rows.size), width)
         breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         if (breaks.size + 1) * 4 <= rows.size:
@@ -721,7 +721,7 @@ class RowArray:
         """
         width = int(values.shape[1]) if self.ragged else None
         announce("write", self._location.path_of(self.path))
-        run = _is_run(rows)
+        run = is_run(rows)
         keys = self.chunk_keys(rows, width, run=run)
         self._location.written(keys)
         if self._cache is not None:
@@ -771,7 +771,7 @@ def _short_reason(err: Exception) -> str:
     return str(err).split(" [source locations=")[0]
 
 
-def _is_run(rows: np.ndarray) -> bool:
+def is_run(rows: np.ndarray) -> bool:
     """Whether ``rows`` is ``start, start + 1, ...`` (read or written as one slice)."""
     if rows.size == 0:
         return False
