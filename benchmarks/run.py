@@ -10,7 +10,8 @@ Performance section (``--parts`` picks some)::
 
 Parts: ``beyond-ram`` (ZarrStorage and LazyMemmapStorage, each in a child process in a
 memory cgroup, on a buffer bigger than the limit: :mod:`beyond_ram`), ``datasets`` (every
-storage in this process, in RAM: ``ZarrStorage``, TorchRL's ``LazyMemmapStorage`` and
+storage in this process, in RAM: ``ZarrStorage``, by default and with ``ram_bytes`` (a copy
+of the rows in RAM), TorchRL's ``LazyMemmapStorage`` and
 ``LazyTensorStorage``, and tensordict's own Zarr backend, ``TensorDict.to_zarr``, as the
 naive Zarr reference; saving and loading on Pong), ``prefetch`` (a training loop with a
 simulated 10 ms learner step, with and without TorchRL's ``prefetch``), ``prioritized`` (a
@@ -149,6 +150,35 @@ def median_p95(times: list[float]) -> dict[str, float]:
     }
 
 
+def torch_gather(rows: int, repeats: int) -> dict[str, float]:
+    """A batch of 256 Pong-sized stacks gathered from a tensor in RAM, as TorchRL's storages
+    gather (``tensor[index]``) and with ``index_select``: the two differ by several times on
+    some CPUs, and every in-RAM figure of TorchRL's storages follows the first."""
+    frames = torch.zeros((rows, 4, 84, 84), dtype=torch.uint8)
+    g = torch.Generator().manual_seed(0)
+    indexes = [torch.randint(0, rows, (SAMPLE,), generator=g) for _ in range(repeats)]
+
+    def median_ms(gather: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        batches = iter(indexes)
+        return median_p95(timings(lambda: gather(next(batches)), repeats))["median_ms"]
+
+    return {
+        "indexing_ms": median_ms(lambda index: frames[index]),
+        "index_select_ms": median_ms(lambda index: frames.index_select(0, index)),
+    }
+
+
+def cpu_model() -> str:
+    """The CPU's name, as the kernel reports it (``platform.processor()`` is empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def peak_rss_gb() -> float:
     return peak_rss_bytes() / 1e9
 
@@ -157,11 +187,22 @@ def disk_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+IN_RAM = "ZarrStorage, ram_bytes"
+"""ZarrStorage keeping a copy of the rows in RAM, frames included (``ram_bytes`` twice the
+data's bytes: the rows also hold the "index" entry TorchRL's buffer adds)."""
+
+
 def make_storage(
-    kind: str, rows: int, where: Path, compression: zarr_rb.Compression | None = None
+    kind: str,
+    rows: int,
+    where: Path,
+    compression: zarr_rb.Compression | None = None,
+    ram_bytes: int = 0,
 ) -> Any:
-    if kind == "ZarrStorage":
-        return zarr_rb.ZarrStorage(rows, where / "rb.zarr", compression=compression)
+    if kind in ("ZarrStorage", IN_RAM):
+        return zarr_rb.ZarrStorage(
+            rows, where / "rb.zarr", compression=compression, ram_bytes=ram_bytes
+        )
     if kind == "LazyMemmapStorage":
         return LazyMemmapStorage(rows, scratch_dir=where / "memmap")
     return LazyTensorStorage(rows)
@@ -175,9 +216,11 @@ def bench_torchrl_storage(
     compression: zarr_rb.Compression | None = None,
 ) -> dict[str, Any]:
     rows = data.shape[0]
-    storage = make_storage(kind, rows, where, compression)
-    rb = TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=SAMPLE)
     raw = data.bytes()
+    storage = make_storage(
+        kind, rows, where, compression, ram_bytes=2 * raw if kind == IN_RAM else 0
+    )
+    rb = TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=SAMPLE)
 
     def extend() -> None:
         for start in range(0, rows, BATCH):
@@ -379,9 +422,10 @@ def fmt(value: Any, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def ratios_to_memmap(per_storage: dict[str, Any]) -> dict[str, float]:
-    """ZarrStorage's figures divided by LazyMemmapStorage's, measured in the same run."""
-    z, m = per_storage["ZarrStorage"], per_storage["LazyMemmapStorage"]
+def ratios_to_memmap(per_storage: dict[str, Any], zarr: str = "ZarrStorage") -> dict[str, float]:
+    """ZarrStorage's figures (those of the storage named ``zarr``) divided by
+    LazyMemmapStorage's, measured in the same run."""
+    z, m = per_storage[zarr], per_storage["LazyMemmapStorage"]
     return {
         "extend": z["extend_gbps"] / m["extend_gbps"],
         "sample_random": z["sample_random"]["median_ms"] / m["sample_random"]["median_ms"],
@@ -394,6 +438,13 @@ def report(results: dict[str, Any]) -> str:
     lines = [f"machine: {results['machine']}", ""]
     if "beyond_ram" in results:
         lines += beyond_ram.report(results["beyond_ram"])
+    if "torch_gather" in results:
+        g = results["torch_gather"]
+        lines += [
+            "torch on this machine, 256 stacks of 4x84x84 bytes from a tensor in RAM: "
+            f"tensor[index] {g['indexing_ms']:.1f} ms, index_select {g['index_select_ms']:.1f} ms",
+            "",
+        ]
     for name, per_storage in results.get("datasets", {}).items():
         lines += [
             f"### {name} ({results['rows']} transitions, "
@@ -413,14 +464,15 @@ def report(results: dict[str, Any]) -> str:
                 f"{fmt(slices and slices['p95_ms'], 1)} "
                 f"| {fmt(r['disk_bytes'] and r['disk_bytes'] / 1e6, 1)} |"
             )
-        ratios = ratios_to_memmap(per_storage)
-        lines += [
-            "",
-            "ZarrStorage / LazyMemmapStorage: "
-            f"extend {ratios['extend']:.2f}x, sample random {ratios['sample_random']:.2f}x, "
-            f"sample slices {ratios['sample_slices']:.2f}x, disk 1/{1 / ratios['disk']:.0f}",
-            "",
-        ]
+        lines.append("")
+        for zarr in ("ZarrStorage", IN_RAM):
+            ratios = ratios_to_memmap(per_storage, zarr)
+            lines.append(
+                f"{zarr} / LazyMemmapStorage: "
+                f"extend {ratios['extend']:.2f}x, sample random {ratios['sample_random']:.2f}x, "
+                f"sample slices {ratios['sample_slices']:.2f}x, disk 1/{1 / ratios['disk']:.0f}"
+            )
+        lines.append("")
     if "save_load" in results:
         lines += [
             "### save in place and load (pong)",
@@ -489,7 +541,7 @@ def bench_dataset(
     """Every storage on one dataset (and saving and loading, on Pong)."""
     data = dataset(name, rows)
     per_storage = {}
-    for kind in ("ZarrStorage", "LazyMemmapStorage", "LazyTensorStorage"):
+    for kind in ("ZarrStorage", IN_RAM, "LazyMemmapStorage", "LazyTensorStorage"):
         where = work / f"{name}-{kind}"
         where.mkdir()
         per_storage[kind] = bench_torchrl_storage(kind, data, where, samples, compression)
@@ -500,6 +552,9 @@ def bench_dataset(
     shutil.rmtree(where)
     results["datasets"][name] = per_storage
     results.setdefault("ratios_to_memmap", {})[name] = ratios_to_memmap(per_storage)
+    results.setdefault("ratios_to_memmap_ram_bytes", {})[name] = ratios_to_memmap(
+        per_storage, IN_RAM
+    )
     if name == "pong":
         where = work / "save-load"
         where.mkdir()
@@ -549,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"codec": args.codec, "level": args.level, "chunk_rows": args.chunk_rows}
     compression = zarr_rb.Compression(**{k: v for k, v in settings.items() if v is not None})
     results: dict[str, Any] = {
-        "machine": f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": f"{cpu_model()} ({platform.machine()}), {torch.get_num_threads()} threads",
         "rows": rows,
         "compression": compression.to_json(),
     }
@@ -566,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             except beyond_ram.CgroupUnavailableError as err:
                 print(f"beyond-ram skipped: {err}")
         if "datasets" in parts:
+            results["torch_gather"] = torch_gather(rows, args.samples)
             results["datasets"] = {}
             for name in args.datasets.split(","):
                 bench_dataset(name, rows, args.samples, work, results, compression)

@@ -7,7 +7,9 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
@@ -46,6 +48,7 @@ def test_benchmark_suite_smoke(tmp_path, monkeypatch, capsys):
     for per_storage in results["datasets"].values():
         assert set(per_storage) == {
             "ZarrStorage",
+            "ZarrStorage, ram_bytes",
             "LazyMemmapStorage",
             "LazyTensorStorage",
             "TensorDict.to_zarr",
@@ -54,7 +57,9 @@ def test_benchmark_suite_smoke(tmp_path, monkeypatch, capsys):
     assert set(results["save_load"]) == {"24", "96"}
     assert results["capacity"]["200000"]["flush_ms"] > 0
     assert results["prefetch"]["ZarrStorage prefetch=4"]["batches_per_s"] > 0
-    assert "| ZarrStorage |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| ZarrStorage |" in printed
+    assert "ZarrStorage, ram_bytes / LazyMemmapStorage: extend" in printed
     sys.modules.pop("run", None)
 
 
@@ -176,4 +181,21 @@ def test_compression_benchmark_smoke(tmp_path, monkeypatch, capsys):
     results = json.loads(out.read_text())
     assert set(results["games"]["pong"]) == {*compression.SETTINGS, "LazyMemmapStorage"}
     assert "| pong | zstd, 2-row chunks (default) |" in capsys.readouterr().out
+    sys.modules.pop("run", None)
+
+
+def test_dedup_benchmark_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import dedup
+    import run
+
+    # Stacks of 4 consecutive frames of one run (no emulator), as ALE's frame stacks are.
+    single = torch.randint(0, 256, (64 + 4, 84, 84), dtype=torch.uint8).numpy()
+    stacks = np.stack([single[i : i + 4] for i in range(64 + 1)])
+    monkeypatch.setattr(run, "atari_episode_frames", lambda game, rows, seed: (stacks, None))
+    out = tmp_path / "dedup.json"
+    assert dedup.main(["--games", "pong", "--rows", "64", "--rounds", "2", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["pong"]
+    assert results["single frames"]["raw_over_disk"] > 1  # each frame once, not 8 times
+    assert "| stacked, two keys (zarr_rb today) |" in capsys.readouterr().out
     sys.modules.pop("run", None)
