@@ -236,7 +236,9 @@ class Store:
         """Let the writer mirror every fixed-shape leaf in RAM (frames too, not only the
         small leaves) while the rows it reached take at most ``nbytes`` there; the largest
         budget asked by the storages sharing this store holds."""
-        self.ram_bytes = max(self.ram_bytes, int(nbytes))
+        if nbytes <= self.ram_bytes:
+            return  # the mirrors chosen stand
+        self.ram_bytes = int(nbytes)
         if self.schema is not None:
             self._update_mirrorable()
 
