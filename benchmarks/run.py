@@ -20,7 +20,9 @@ PrioritizedSampler's state) and ``capacity`` (commits of a store of 1M and of 10
 Pac-Man and Space Invaders; 84x84 grayscale, 4-frame stacks; obs and next/obs, action,
 reward, done, episode ids) generated with a seeded random policy and cached under
 ``benchmarks/.cache``, plus random uint8 frames that no codec can compress. Figures are
-medians and 95th percentiles; the same figures are written as JSON (``--json``).
+medians and 95th percentiles; the same figures are written as JSON (``--json``). The storages
+of a dataset are measured in turn, so that the machine's noise falls on all of them alike:
+each is filled afresh three times (``--extend-rounds``), then their sample() calls alternate.
 """
 
 from __future__ import annotations
@@ -208,44 +210,100 @@ def make_storage(
     return LazyTensorStorage(rows)
 
 
-def bench_torchrl_storage(
+EXTEND_ROUNDS = 3
+"""Fresh fills of each storage per dataset by default, interleaved: the extend figure is
+their median (``--extend-rounds``)."""
+
+TORCHRL_KINDS = ("ZarrStorage", IN_RAM, "LazyMemmapStorage", "LazyTensorStorage")
+
+
+def fill(
     kind: str,
     data: TensorDict,
     where: Path,
+    compression: zarr_rb.Compression | None = None,
+) -> tuple[Any, float]:
+    """A new storage of ``kind`` in ``where`` filled with ``data`` by a buffer's ``extend``
+    (batches of :data:`BATCH`, then a flush: the rows are committed), and the seconds it
+    took."""
+    rows = data.shape[0]
+    ram_bytes = 2 * data.bytes() if kind == IN_RAM else 0
+    storage = make_storage(kind, rows, where, compression, ram_bytes=ram_bytes)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=SAMPLE)
+    start = time.perf_counter()
+    for begin in range(0, rows, BATCH):
+        rb.extend(data[begin : begin + BATCH])
+    if isinstance(storage, zarr_rb.ZarrStorage):
+        storage.flush()
+    return storage, time.perf_counter() - start
+
+
+def bench_torchrl_storages(
+    data: TensorDict,
+    work: Path,
     samples: int,
     compression: zarr_rb.Compression | None = None,
-) -> dict[str, Any]:
-    rows = data.shape[0]
+    rounds: int = EXTEND_ROUNDS,
+) -> dict[str, dict[str, Any]]:
+    """Every storage of :data:`TORCHRL_KINDS` on ``data``, measured in turn so that the
+    machine's noise falls on all of them alike: ``rounds`` fills of each (interleaved, in a
+    rotating order), then sample() calls taking turns among the last fills."""
     raw = data.bytes()
-    storage = make_storage(
-        kind, rows, where, compression, ram_bytes=2 * raw if kind == IN_RAM else 0
-    )
-    rb = TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=SAMPLE)
+    extend_s: dict[str, list[float]] = {kind: [] for kind in TORCHRL_KINDS}
+    storages: dict[str, Any] = {}
+    for round_ in range(rounds):
+        turn = round_ % len(TORCHRL_KINDS)
+        for kind in TORCHRL_KINDS[turn:] + TORCHRL_KINDS[:turn]:
+            where = work / f"{kind}-{round_}"
+            where.mkdir()
+            storage, seconds = fill(kind, data, where, compression)
+            extend_s[kind].append(seconds)
+            previous = storages.pop(kind, None)
+            if previous is not None:
+                drop(previous)
+            storages[kind] = (storage, where)
+    sampled: dict[str, dict[str, list[float]]] = {kind: {} for kind in TORCHRL_KINDS}
+    for name, sampler in (
+        ("sample_random", RandomSampler),
+        (
+            "sample_slices",
+            lambda: SliceSampler(slice_len=SLICE_LEN, traj_key="episode", strict_length=False),
+        ),
+    ):
+        buffers = {
+            kind: TensorDictReplayBuffer(storage=storage, sampler=sampler(), batch_size=SAMPLE)
+            for kind, (storage, _) in storages.items()
+        }
+        times: dict[str, list[float]] = {kind: [] for kind in TORCHRL_KINDS}
+        for _ in range(samples):
+            for kind, rb in buffers.items():
+                times[kind] += timings(rb.sample, 1)
+        for kind in TORCHRL_KINDS:
+            sampled[kind][name] = times[kind]
+    out = {}
+    for kind in TORCHRL_KINDS:
+        storage, where = storages[kind]
+        seconds = statistics.median(extend_s[kind])
+        out[kind] = {
+            "extend_gbps": raw / seconds / 1e9,
+            "extend_s": extend_s[kind],
+            "sample_random": median_p95(sampled[kind]["sample_random"]),
+            "sample_slices": median_p95(sampled[kind]["sample_slices"]),
+            "raw_bytes": raw,
+            "disk_bytes": None if kind == "LazyTensorStorage" else disk_bytes(where),
+        }
+        drop((storage, where))
+    return out
 
-    def extend() -> None:
-        for start in range(0, rows, BATCH):
-            rb.extend(data[start : start + BATCH])
-        if isinstance(storage, zarr_rb.ZarrStorage):
-            storage.flush()
 
-    (extend_s,) = timings(extend, 1)
-    random = timings(rb.sample, samples)
-    slices = TensorDictReplayBuffer(
-        storage=storage,
-        sampler=SliceSampler(slice_len=SLICE_LEN, traj_key="episode", strict_length=False),
-        batch_size=SAMPLE,
-    )
-    slice_times = timings(slices.sample, samples)
-    result: dict[str, Any] = {
-        "extend_gbps": raw / extend_s / 1e9,
-        "sample_random": median_p95(random),
-        "sample_slices": median_p95(slice_times),
-        "raw_bytes": raw,
-        "disk_bytes": None if kind == "LazyTensorStorage" else disk_bytes(where),
-    }
+def drop(entry: tuple[Any, Path]) -> None:
+    """Close a storage and delete its files."""
+    storage, where = entry
     if isinstance(storage, zarr_rb.ZarrStorage):
         storage.close()
-    return result
+    del storage
+    gc.collect()
+    shutil.rmtree(where)
 
 
 def bench_tensordict_zarr(data: TensorDict, where: Path, samples: int) -> dict[str, Any]:
@@ -537,15 +595,14 @@ def bench_dataset(
     work: Path,
     results: dict[str, Any],
     compression: zarr_rb.Compression | None = None,
+    rounds: int = EXTEND_ROUNDS,
 ) -> None:
     """Every storage on one dataset (and saving and loading, on Pong)."""
     data = dataset(name, rows)
-    per_storage = {}
-    for kind in ("ZarrStorage", IN_RAM, "LazyMemmapStorage", "LazyTensorStorage"):
-        where = work / f"{name}-{kind}"
-        where.mkdir()
-        per_storage[kind] = bench_torchrl_storage(kind, data, where, samples, compression)
-        shutil.rmtree(where)
+    where = work / name
+    where.mkdir()
+    per_storage = bench_torchrl_storages(data, where, samples, compression, rounds)
+    shutil.rmtree(where)
     where = work / f"{name}-tdzarr"
     where.mkdir()
     per_storage["TensorDict.to_zarr"] = bench_tensordict_zarr(data, where, samples)
@@ -570,6 +627,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply --rows")
     parser.add_argument("--samples", type=int, default=60, help="sample() calls per measurement")
     parser.add_argument("--datasets", default="pong,breakout,mspacman,spaceinvaders,random")
+    parser.add_argument(
+        "--extend-rounds",
+        type=int,
+        default=EXTEND_ROUNDS,
+        help="datasets: fresh fills of each storage (the extend figure is their median)",
+    )
     parser.add_argument("--prioritized-capacity", type=int, default=1_000_000)
     parser.add_argument(
         "--capacities",
@@ -624,7 +687,9 @@ def main(argv: list[str] | None = None) -> int:
             results["torch_gather"] = torch_gather(rows, args.samples)
             results["datasets"] = {}
             for name in args.datasets.split(","):
-                bench_dataset(name, rows, args.samples, work, results, compression)
+                bench_dataset(
+                    name, rows, args.samples, work, results, compression, args.extend_rounds
+                )
         if "prefetch" in parts:
             where = work / "prefetch"
             where.mkdir()

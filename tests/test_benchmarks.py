@@ -29,6 +29,8 @@ def test_benchmark_suite_smoke(tmp_path, monkeypatch, capsys):
                 "3",
                 "--datasets",
                 "pong,random",
+                "--extend-rounds",
+                "2",
                 "--prioritized-capacity",
                 "4096",
                 "--capacities",
@@ -54,6 +56,7 @@ def test_benchmark_suite_smoke(tmp_path, monkeypatch, capsys):
             "TensorDict.to_zarr",
         }
         assert per_storage["ZarrStorage"]["disk_bytes"] > 0
+        assert len(per_storage["LazyMemmapStorage"]["extend_s"]) == 2
     assert set(results["save_load"]) == {"24", "96"}
     assert results["capacity"]["200000"]["flush_ms"] > 0
     assert results["prefetch"]["ZarrStorage prefetch=4"]["batches_per_s"] > 0
