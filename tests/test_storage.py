@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -325,6 +328,36 @@ def test_frames_past_ram_bytes_are_read_from_the_store_again(store_path):
     assert ("obs",) not in storage._store._mirror
     assert ("step",) in storage._store._mirror  # small leaves stay (within 256 MiB)
     assert_identical(storage.get(torch.arange(60)), frames(0, 60))
+    storage.close()
+
+
+def resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the pages under ``tensor`` held in RAM (Linux: a present bit per page in
+    ``/proc/self/pagemap``)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = tensor.data_ptr() // page
+    last = (tensor.data_ptr() + tensor.untyped_storage().nbytes() - 1) // page
+    with open("/proc/self/pagemap", "rb") as fh:
+        fh.seek(first * 8)
+        entries = np.frombuffer(fh.read((last - first + 1) * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads /proc/self/pagemap")
+def test_a_copy_in_ram_takes_memory_only_for_the_rows_written(store_path):
+    capacity = 4096  # a 16 MiB copy of the frames, allocated at the first write
+    storage = ZarrStorage(capacity, store_path, ram_bytes=2**26)
+    twin = LazyTensorStorage(capacity)
+    for start in range(0, 300, 100):
+        storage.set(torch.arange(start, start + 100), frames(start, 100))
+        twin.set(torch.arange(start, start + 100), frames(start, 100))
+    scattered = torch.tensor([250, 7, 120])
+    storage.set(scattered, frames(5000, 3), set_cursor=False)
+    twin.set(scattered, frames(5000, 3), set_cursor=False)
+    mirror = storage._store._mirror[("obs",)]
+    assert mirror.untyped_storage().nbytes() == capacity * 4 * 32 * 32
+    assert resident_bytes(mirror) <= 300 * 4 * 32 * 32  # the rows written
+    assert_identical(storage.get(torch.arange(300)), twin.get(torch.arange(300)))
     storage.close()
 
 
