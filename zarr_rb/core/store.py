@@ -1125,8 +1125,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     Large ones are anonymous mappings rather than numpy's ``calloc``: numpy asks the kernel
     for huge pages (``MADV_HUGEPAGE``) on large arrays, and where the kernel's ``defrag``
     setting is ``madvise`` (a common default) each first write then waits for memory to be
-    compacted into huge pages, which made filling a 0.5 GB mirror several times slower than
-    copying the rows. A plain mapping takes huge pages only where they are free.
+    compacted into huge pages, which made filling a 0.5 GB mirror 2-5 times slower than
+    copying the rows into ``torch.empty`` memory. A plain mapping gets huge pages only as the
+    kernel's own settings give them, without that wait.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     if not nbytes:
