@@ -262,7 +262,7 @@ def bench_torchrl_storages(
             if previous is not None:
                 drop(previous)
             storages[kind] = (storage, where)
-    sampled: dict[str, dict[str, list[float]]] = {kind: {} for kind in TORCHRL_KINDS}
+    sampled: dict[str, dict[str, list[float]]] = {}
     for name, sampler in (
         ("sample_random", RandomSampler),
         (
@@ -274,12 +274,10 @@ def bench_torchrl_storages(
             kind: TensorDictReplayBuffer(storage=storage, sampler=sampler(), batch_size=SAMPLE)
             for kind, (storage, _) in storages.items()
         }
-        times: dict[str, list[float]] = {kind: [] for kind in TORCHRL_KINDS}
+        sampled[name] = {kind: [] for kind in TORCHRL_KINDS}
         for _ in range(samples):
             for kind, rb in buffers.items():
-                times[kind] += timings(rb.sample, 1)
-        for kind in TORCHRL_KINDS:
-            sampled[kind][name] = times[kind]
+                sampled[name][kind] += timings(rb.sample, 1)
     out = {}
     for kind in TORCHRL_KINDS:
         storage, where = storages[kind]
@@ -287,8 +285,8 @@ def bench_torchrl_storages(
         out[kind] = {
             "extend_gbps": raw / seconds / 1e9,
             "extend_s": extend_s[kind],
-            "sample_random": median_p95(sampled[kind]["sample_random"]),
-            "sample_slices": median_p95(sampled[kind]["sample_slices"]),
+            "sample_random": median_p95(sampled["sample_random"][kind]),
+            "sample_slices": median_p95(sampled["sample_slices"][kind]),
             "raw_bytes": raw,
             "disk_bytes": None if kind == "LazyTensorStorage" else disk_bytes(where),
         }
@@ -301,7 +299,6 @@ def drop(entry: tuple[Any, Path]) -> None:
     storage, where = entry
     if isinstance(storage, zarr_rb.ZarrStorage):
         storage.close()
-    del storage
     gc.collect()
     shutil.rmtree(where)
 
