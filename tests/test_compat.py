@@ -132,3 +132,63 @@ def _defined_by_zarr_rb(name: str) -> bool:
             and obj is not zarr_rb.ZarrStorage
         )
     return any(name in vars(cls) or name in getattr(cls, "__annotations__", {}) for cls in classes)
+
+
+def _private_torchrl_imports(source: str) -> list[tuple[int, str]]:
+    """``(line, name)`` of every private TorchRL or tensordict name ``source`` imports:
+    ``from torchrl... import _name`` (aliased or not), and modules with a private part
+    (``import torchrl._utils``, ``from tensordict._td import TensorDict``)."""
+
+    def is_theirs(module: str) -> bool:
+        return module.split(".")[0] in ("torchrl", "tensordict")
+
+    def private_part(module: str) -> str | None:
+        return next((part for part in module.split(".") if part.startswith("_")), None)
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if not is_theirs(node.module):
+                continue
+            if private_part(node.module):
+                found.append((node.lineno, node.module))
+            found.extend(
+                (node.lineno, f"{node.module}.{alias.name}")
+                for alias in node.names
+                if alias.name.startswith("_")
+            )
+        elif isinstance(node, ast.Import):
+            found.extend(
+                (node.lineno, alias.name)
+                for alias in node.names
+                if is_theirs(alias.name) and private_part(alias.name)
+            )
+    return found
+
+
+def test_the_import_scan_sees_every_form_of_a_private_import() -> None:
+    source = (
+        "from torchrl.data.utils import _a\n"
+        "from torchrl.data.utils import public, _b as b\n"
+        "from tensordict import (\n    x,\n    _c,\n)\n"
+        "import torchrl._utils\n"
+        "from tensordict._td import TensorDict\n"
+        "def f():\n    from torchrl.envs import _d\n"
+        "from torchrl.data import checkpointers as _public_module\n"
+        "from zarr_rb._compat import _e\n"
+        "import torch._dynamo\n"
+    )
+    assert [line for line, _ in _private_torchrl_imports(source)] == [1, 2, 3, 7, 8, 10]
+
+
+def test_no_module_but_compat_imports_a_torchrl_private_name() -> None:
+    """``from torchrl... import _name`` anywhere in zarr_rb but ``_compat.py`` (the
+    attribute scan above does not see imports)."""
+    package = Path(zarr_rb.__file__).parent
+    offenders = [
+        f"{path.relative_to(package)}:{line} {name}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "_compat.py"
+        for line, name in _private_torchrl_imports(path.read_text())
+    ]
+    assert not offenders, "TorchRL private names imported outside _compat: " + ", ".join(offenders)

@@ -24,6 +24,7 @@ from torchrl.data.replay_buffers import writers as _writers
 from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer
 from torchrl.data.replay_buffers.storages import ListStorage, Storage, TensorStorage
+from torchrl.data.replay_buffers.storages.utils import _get_default_collate
 from torchrl.data.replay_buffers.utils import _is_int, _reduce
 
 TORCHRL_VERSION: str = torchrl.__version__
@@ -143,6 +144,10 @@ def _check_declared(obj: Any, name: str) -> None:
 
 is_int = _is_int
 """TorchRL's test for an integer index (Python and numpy ints, 0-d tensors)."""
+
+default_collate = _get_default_collate
+"""``default_collate(storage, _is_tensordict=False)``: the ``collate_fn`` a TorchRL buffer
+gets when it is given none (a custom one is saved as code; this one is rebuilt)."""
 
 
 # --- storages ------------------------------------------------------------------------------

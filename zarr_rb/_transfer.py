@@ -24,10 +24,10 @@ from torchrl.data.replay_buffers.storages import (
     Storage,
     TensorStorage,
 )
-from torchrl.data.replay_buffers.storages.utils import _get_default_collate
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxValueWriter
 
 from zarr_rb import _compat
+from zarr_rb._compat import default_collate as _get_default_collate
 from zarr_rb._convert import key_tuple
 from zarr_rb._torchrl_state import copy_rows
 from zarr_rb.errors import RowsNotCommittedError, UnsupportedDataError

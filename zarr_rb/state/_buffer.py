@@ -20,7 +20,6 @@ from torchrl.data import (
 )
 from torchrl.data.replay_buffers import checkpointers as _checkpointers
 from torchrl.data.replay_buffers import sample_units as _units
-from torchrl.data.replay_buffers.storages.utils import _get_default_collate
 
 from zarr_rb import _compat as compat
 from zarr_rb.errors import UnsupportedDataError
@@ -81,7 +80,7 @@ def buffer_settings(rb: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     checkpointer = rb.storage.checkpointer
     config["checkpointer"], custom_checkpointer = _checkpointer_config(checkpointer)
     collate = compat.get(rb, "_collate_fn")
-    default_collate = _get_default_collate(
+    default_collate = compat.default_collate(
         rb.storage, _is_tensordict=compat.get(rb, "_is_tensordict")
     )
     objects = {
