@@ -30,9 +30,19 @@ class _Rows:
         self.dtype = dtype
         self.ndim = len(shape)
 
-    def __getitem__(self, selection: tuple[slice, ...]) -> np.ndarray:
-        first, *rest = selection if isinstance(selection, tuple) else (selection,)
-        return self._view.numpy(self._key, first)[(slice(None), *rest)]
+    def __getitem__(self, selection: Any) -> np.ndarray:
+        """``rows[selection]`` as NumPy gives it. Dask passes the slices of a chunk or, once
+        it fuses an indexing into the read, integers among them."""
+        parts = selection if isinstance(selection, tuple) else (selection,)
+        first = parts[0] if parts else Ellipsis
+        if isinstance(first, slice):
+            return self._view.numpy(self._key, first)[(slice(None), *parts[1:])]
+        if isinstance(first, (int, np.integer)) and not isinstance(first, (bool, np.bool_)):
+            # The row read stays in one index with the rest (as a 0-d array), because NumPy
+            # places the dimensions of integer and array indices by where they stand.
+            row = self._view.numpy(self._key, first)[np.newaxis]
+            return np.asarray(row[(np.array(0), *parts[1:])])
+        return np.asarray(self._view.numpy(self._key)[selection])  # other forms: every row
 
 
 def to_dask(view: View) -> dict[KeyLike, Any]:

@@ -260,14 +260,20 @@ class View:
             out = out[torch.arange(rows.size), torch.from_numpy(envs)]
         return out
 
-    def numpy(self, key: KeyLike, rows: slice | np.ndarray | None = None) -> np.ndarray:
+    def numpy(self, key: KeyLike, rows: Any = None) -> np.ndarray:
         """The rows of one key as a NumPy array (bfloat16 as ``ml_dtypes.bfloat16``); holes
-        read as zeros (see :attr:`valid`)."""
+        read as zeros (see :attr:`valid`).
+
+        ``rows`` picks rows as a NumPy index of the first dimension does: an integer gives
+        one element (no row dimension), a slice, a list, an array of row numbers or a
+        boolean mask give rows in that order and shape.
+        """
         leaf = self._leaf(self._key(key))
         picked = np.arange(self.rows)[slice(None) if rows is None else rows]
         store = self.storage._store
-        values = store.read(picked, [leaf.key], unreadable_as_zeros=True)[leaf.key]
-        return to_numpy(values).view(numpy_dtype(leaf.dtype))
+        values = store.read(picked.reshape(-1), [leaf.key], unreadable_as_zeros=True)[leaf.key]
+        out = to_numpy(values).view(numpy_dtype(leaf.dtype))
+        return out.reshape((*picked.shape, *out.shape[1:]))
 
     def _leaf(self, key: Key) -> LeafSpec:
         return next(leaf for leaf in self._leaves() if leaf.key == key)
