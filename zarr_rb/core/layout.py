@@ -6,6 +6,12 @@ rows and is written whole, inner chunks of a few rows keep random row reads
 cheap. Small leaves (rewards, actions, flags) use plain chunks of one block.
 A block is thus the unit no two writers of a shared store ever write at once: no
 object on disk holds rows of two blocks.
+
+No chunk, inner or shard, holds more than :data:`MAX_CHUNK_ELEMENTS` elements, the bound
+readers check an array's metadata against. Rows too wide for the usual blocks of at least
+256 rows (a block past that bound, or a row past a block's 32 MiB) get blocks of about
+32 MiB, down to one row, and a block whose rows still do not fit in one chunk is cut along
+the rows' own dimensions into chunks of one row each.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 
 from zarr_rb.core.format import LeafSpec
+from zarr_rb.errors import UnsupportedDataError
 
 __all__ = ["Compression"]
 
@@ -30,6 +37,10 @@ _MAX_BLOCK_ROWS = 4096
 _MIN_BLOCKS = 32
 """A store has at least this many blocks (when its rows allow): the writers of a shared
 store each hold one at a time."""
+MAX_CHUNK_ELEMENTS = 2**27
+"""Largest chunk (inner chunk or shard) in elements. Readers refuse metadata past it (a read
+allocates a whole chunk, so a hostile ``chunk_shape`` must not size one), so no layout
+makes one larger; TensorStore itself reads and writes larger ones."""
 
 
 SAMPLE_BYTES = 2**20
@@ -51,7 +62,8 @@ class Compression:
             inner chunk per row, so keep it small.
         block_rows: rows per shard of large leaves, which is also the unit in which
             rows are buffered in RAM and written. ``None`` picks a power of two that
-            puts about 32 MiB of raw data in a shard (256-4096 rows).
+            puts about 32 MiB of raw data in a shard (256-4096 rows; fewer, down to one,
+            for rows too wide for 256 in a shard).
         large_row_bytes: leaves with at least this many bytes per row are sharded;
             smaller ones are stored in plain chunks of one block.
 
@@ -157,7 +169,24 @@ def row_nbytes(leaf: LeafSpec, batch_shape: tuple[int, ...]) -> int:
 def choose_block_rows(
     compression: Compression, leaves: tuple[LeafSpec, ...], batch_shape: tuple[int, ...]
 ) -> int:
-    """Rows per write block: the shard height of every large leaf."""
+    """Rows per write block: the shard height of every large leaf.
+
+    Raises:
+        UnsupportedDataError: a leaf whose rows cannot be laid out in chunks at that block
+            height (checked for every leaf before any array is created).
+    """
+    block = _usual_block_rows(compression, leaves, batch_shape)
+    if compression.block_rows is None and _too_wide(compression, leaves, batch_shape, block):
+        block = _wide_block_rows(compression, leaves, batch_shape)
+    for leaf in leaves:
+        leaf_layout(leaf, batch_shape=batch_shape, block_rows=block, compression=compression)
+    return block
+
+
+def _usual_block_rows(
+    compression: Compression, leaves: tuple[LeafSpec, ...], batch_shape: tuple[int, ...]
+) -> int:
+    """The block height of every store whose chunks fit (the format of existing stores)."""
     rows = batch_shape[0]
     chunk = compression.chunk_rows
     if compression.block_rows is not None:
@@ -172,6 +201,45 @@ def choose_block_rows(
         block = _round_up(block, chunk)
     # A block never needs to be taller than the array itself.
     return max(chunk, min(block, _round_up(rows, chunk)))
+
+
+def _too_wide(
+    compression: Compression,
+    leaves: tuple[LeafSpec, ...],
+    batch_shape: tuple[int, ...],
+    block_rows: int,
+) -> bool:
+    """Whether rows are too wide for the usual blocks: one row of a leaf is more than a
+    block's target bytes, or a chunk of whole rows would pass :data:`MAX_CHUNK_ELEMENTS`."""
+    if max(row_nbytes(leaf, batch_shape) for leaf in leaves) > _TARGET_SHARD_BYTES:
+        return True
+    return not all(
+        _fits(
+            _whole_rows(
+                leaf, batch_shape=batch_shape, block_rows=block_rows, compression=compression
+            )
+        )
+        for leaf in leaves
+    )
+
+
+def _wide_block_rows(
+    compression: Compression, leaves: tuple[LeafSpec, ...], batch_shape: tuple[int, ...]
+) -> int:
+    """The block height of rows too wide for blocks of 256 rows: about 32 MiB of the widest
+    leaf, down to a single row, since a block is also what waits in RAM (several per store)
+    and what a shared writer reserves."""
+    rows = batch_shape[0]
+    chunk = compression.chunk_rows
+    widest = max(row_nbytes(leaf, batch_shape) for leaf in leaves)
+    block = _MAX_BLOCK_ROWS
+    while block > 1 and block * widest > _TARGET_SHARD_BYTES:
+        block //= 2
+    while block > chunk and block * _MIN_BLOCKS > rows:
+        block //= 2
+    if block >= chunk:
+        block = _round_up(block, chunk)
+    return min(block, _round_up(rows, chunk))
 
 
 def ragged_chunk_length(leaf: LeafSpec, compression: Compression) -> int:
@@ -205,25 +273,95 @@ def _chunking(
     block_rows: int,
     compression: Compression,
 ) -> LeafLayout:
+    layout = _whole_rows(
+        leaf, batch_shape=batch_shape, block_rows=block_rows, compression=compression
+    )
+    if _fits(layout):
+        return layout
+    return _cut_rows(leaf, layout, block_rows)
+
+
+def _whole_rows(
+    leaf: LeafSpec,
+    *,
+    batch_shape: tuple[int, ...],
+    block_rows: int,
+    compression: Compression,
+) -> LeafLayout:
+    """The layout whose chunks hold whole rows (that of every store whose chunks fit)."""
     rows = batch_shape[0]
+    # Blocks shorter than chunk_rows (rows of tens of MiB): an inner chunk per block.
+    chunk_rows = min(compression.chunk_rows, block_rows)
     if leaf.ragged:
         # Rows padded along their varying dimension: one chunk column to start with, more as
         # longer rows come (the array grows wider); shards of a block of rows, one chunk wide.
         length = ragged_chunk_length(leaf, compression)
+        part = _at_least_one((length, *leaf.shape))
         return LeafLayout(
             shape=(rows, length, *leaf.shape),
-            chunks=(compression.chunk_rows, length, *leaf.shape),
-            shards=(block_rows, length, *leaf.shape),
+            chunks=(chunk_rows, *part),
+            shards=(block_rows, *part),
         )
     tail = (*batch_shape[1:], *leaf.shape)
     shape = (rows, *tail)
+    part = _at_least_one(tail)
     nbytes = row_nbytes(leaf, batch_shape)
     if nbytes >= compression.large_row_bytes:
-        return LeafLayout(
-            shape=shape,
-            chunks=(compression.chunk_rows, *tail),
-            shards=(block_rows, *tail),
-        )
+        return LeafLayout(shape=shape, chunks=(chunk_rows, *part), shards=(block_rows, *part))
     # Small leaves: a chunk per block, so that writers of different blocks never write
     # one object (the writer reads them from its RAM mirror, see core.store).
-    return LeafLayout(shape=shape, chunks=(block_rows, *tail), shards=None)
+    return LeafLayout(shape=shape, chunks=(block_rows, *part), shards=None)
+
+
+def _at_least_one(extents: tuple[int, ...]) -> tuple[int, ...]:
+    """Chunk extents along dimensions of ``extents`` (Zarr chunks are never empty, even
+    along a dimension of length 0)."""
+    return tuple(max(1, n) for n in extents)
+
+
+def _fits(layout: LeafLayout) -> bool:
+    return all(
+        math.prod(shape) <= MAX_CHUNK_ELEMENTS
+        for shape in (layout.chunks, layout.shards)
+        if shape is not None
+    )
+
+
+def _cut_rows(leaf: LeafSpec, layout: LeafLayout, block_rows: int) -> LeafLayout:
+    """``layout`` with its blocks cut along the rows' own dimensions until a block's part
+    fits in one chunk; inner chunks of one row each, so that reading a row decodes nothing
+    of the rows around it.
+
+    Raises:
+        UnsupportedDataError: a block taller than a chunk's elements (no cut can fit it).
+    """
+    room = MAX_CHUNK_ELEMENTS // block_rows
+    if room < 1:
+        name = ".".join(leaf.key) or "tensor"
+        raise UnsupportedDataError(
+            f"key {name!r}: a block of {block_rows:,} rows cannot be stored, as a chunk holds "
+            f"at most {MAX_CHUNK_ELEMENTS:,} elements (2**27) and a block's rows of one key "
+            "share a chunk; pass Compression(block_rows=None), the default, or a block_rows "
+            f"of at most {MAX_CHUNK_ELEMENTS:,}",
+        )
+    part = _cut(layout.chunks[1:], room)
+    if layout.shards is None:
+        return dataclasses.replace(layout, chunks=(block_rows, *part))
+    return dataclasses.replace(layout, chunks=(1, *part), shards=(block_rows, *part))
+
+
+def _cut(extents: tuple[int, ...], room: int) -> tuple[int, ...]:
+    """The largest part of ``extents`` with at most ``room`` elements that keeps the last
+    dimensions whole (contiguous in C order), cutting the first one that does not fit into
+    equal pieces."""
+    part = list(extents)
+    inner = 1
+    for i in reversed(range(len(part))):
+        if inner * part[i] <= room:
+            inner *= part[i]
+            continue
+        pieces = -(-part[i] // (room // inner))
+        part[i] = -(-part[i] // pieces)
+        part[:i] = [1] * i
+        break
+    return tuple(part)

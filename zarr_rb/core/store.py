@@ -362,8 +362,19 @@ class Store:
         samples: Mapping[Key, torch.Tensor] | None = None,
     ) -> None:
         """Create the arrays of ``leaves``. ``samples``: the first rows written of some of
-        them; a large leaf among those that the codec does not shrink is stored raw."""
+        them; a large leaf among those that the codec does not shrink is stored raw.
+
+        Raises:
+            UnsupportedDataError: a leaf that cannot be laid out in chunks; raised before
+                any array is created.
+        """
         self.check_hold()
+        layouts = [
+            leaf_layout(
+                leaf, batch_shape=batch_shape, block_rows=block_rows, compression=self.compression
+            )
+            for leaf in leaves
+        ]
         groups = sorted(
             {
                 "/".join(leaf.path.split("/")[:i])
@@ -373,10 +384,7 @@ class Store:
         )
         for group in groups:
             self.engine.create_group(group)
-        for leaf in leaves:
-            layout = leaf_layout(
-                leaf, batch_shape=batch_shape, block_rows=block_rows, compression=self.compression
-            )
+        for leaf, layout in zip(leaves, layouts, strict=True):
             compression = self.compression
             sample = None if samples is None else samples.get(leaf.key)
             large = layout.shards is not None and not leaf.ragged

@@ -20,7 +20,7 @@ import tensorstore as ts
 from zarr_rb._io import announce, load_json
 from zarr_rb._progress import progress_bar
 from zarr_rb.core.format import describe_runs
-from zarr_rb.core.layout import Compression, LeafLayout
+from zarr_rb.core.layout import MAX_CHUNK_ELEMENTS, Compression, LeafLayout
 from zarr_rb.engine.cache import EncodedCache
 from zarr_rb.errors import ChunkCorruptedError, FencedError, StoreCorruptedError
 from zarr_rb.locations.base import (
@@ -36,9 +36,6 @@ WRITER_KEY = "zarr_rb_writer"
 """Root attribute naming the writer that claimed the store (object stores)."""
 
 
-MAX_CHUNK_ELEMENTS = 2**27
-"""Largest chunk (or shard) accepted from an array's metadata, in elements: a read
-allocates a whole chunk, so a hostile ``chunk_shape`` must not size one."""
 MAX_CACHED_OBJECT_BYTES = 4 * 2**20
 """Arrays whose stored objects (shards) are at most this large on average are read from
 the cache of encoded objects; larger ones by byte ranges, an inner chunk at a time."""
