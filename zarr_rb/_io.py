@@ -50,12 +50,16 @@ def fsync(path: Path) -> None:
 
 
 def errno_of(err: BaseException) -> int | None:
-    """The OS error number of a failed write (TensorStore reports it in its message)."""
+    """The OS error number of a failed write (TensorStore reports it in its message:
+    ``[os_error_code='28']`` in recent releases, ``OS error 28`` in older ones)."""
     number = getattr(err, "errno", None)
     if isinstance(number, int):
         return number
-    found = re.search(r"OS error (\d+)", str(err))
-    return int(found.group(1)) if found else None
+    found = _OS_ERROR_CODE.search(str(err))
+    return int(found.group(1) or found.group(2)) if found else None
+
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'|OS error (\d+)")
 
 
 MAX_JSON_DEPTH = 64
