@@ -14,8 +14,8 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,7 @@ class LocalLocation(Location):
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
         """A critical section among every process (and thread) working on this store."""
-        fd = os.open(self.root / CAS_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.root / CAS_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -245,7 +245,7 @@ def write_atomically(path: Path, payload: bytes, *, publish: bool = False) -> No
     Write a temporary file, fsync it, rename it over ``path``, fsync the directory.
     ``publish`` marks the rename as a commit point for observers.
     """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _new_temporary(path)
     try:
         with os.fdopen(fd, "wb") as fh:
             announce("write", Path(tmp))
@@ -259,6 +259,21 @@ def write_atomically(path: Path, payload: bytes, *, publish: bool = False) -> No
             os.unlink(tmp)
         raise
     fsync(path.parent)
+
+
+def _new_temporary(path: Path) -> tuple[int, str]:
+    """A new file next to ``path``, open for writing, with a name no other writer picks.
+
+    Its mode is what the umask leaves of 0o666, as for the chunks TensorStore writes
+    (``mkstemp`` would make it 0o600: once renamed into place, a commit record or group
+    metadata that other users of a shared filesystem could not read).
+    """
+    while True:
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
+        except FileExistsError:
+            continue
 
 
 def walk_files(root: Path) -> Iterator[Path]:

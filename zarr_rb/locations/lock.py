@@ -254,7 +254,9 @@ class _HeldError(Exception):
 def _take(path: Path, operation: int) -> int:
     """Open ``path`` and lock it (``LOCK_EX`` or ``LOCK_SH``) without waiting: the file
     descriptor, or :class:`_HeldError` with what its holder wrote in it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    # 0o666 less the umask, as every file of the store: writers of other users (a group
+    # sharing the store) open it too.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         flock(fd, operation | fcntl.LOCK_NB, path)
     except BlockingIOError:
