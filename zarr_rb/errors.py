@@ -27,6 +27,7 @@ __all__ = [
     "NotAnImageError",
     "NotSupportedError",
     "ReadOnlyError",
+    "ReadOnlyFilesystemError",
     "RowIndexError",
     "RowsNotCommittedError",
     "SchemaMismatchError",
@@ -191,3 +192,8 @@ class NotAnImageError(ZarrRBError, ValueError):
 
 class MissingDependencyError(ZarrRBError, ImportError):
     """An optional dependency is not installed; the message says which extra installs it."""
+
+
+class ReadOnlyFilesystemError(ReadOnlyError):
+    """A writer was opened on a store whose filesystem is mounted read-only: it can be read
+    (``read_only=True``) but not written there."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -24,7 +25,7 @@ import tensorstore as ts
 
 from zarr_rb._fork import starting_tensorstore
 from zarr_rb._io import announce, fsync
-from zarr_rb.errors import NotAStoreError
+from zarr_rb.errors import NotAStoreError, ReadOnlyFilesystemError
 from zarr_rb.locations.base import (
     CAS_LOCK_FILE,
     NOT_DATA,
@@ -205,15 +206,34 @@ class LocalLocation(Location):
     def create_root(self) -> None:
         """Create the store's directory, durably (its entry in its parent included)."""
         missing = [p for p in (self.root, *self.root.parents) if not p.exists()]
-        self.root.mkdir(parents=True, exist_ok=True)
+        with self._writable():
+            self.root.mkdir(parents=True, exist_ok=True)
         for directory in [self.root, *(p.parent for p in missing)]:
             fsync(directory)
 
     def acquire_writer(self) -> WriterHold:
-        return WriterLock.acquire(self.root, shared_writers=self.live_writers)
+        with self._writable():
+            return WriterLock.acquire(self.root, shared_writers=self.live_writers)
 
     def join_writers(self, writer: str) -> WriterHold:
-        return SharedLock.acquire(self.root, writer)
+        with self._writable():
+            return SharedLock.acquire(self.root, writer)
+
+    @contextlib.contextmanager
+    def _writable(self) -> Iterator[None]:
+        """Where a writer first writes (the store's directory, its lock file), a read-only
+        filesystem is a :class:`ReadOnlyFilesystemError`, before anything is written."""
+        try:
+            yield
+        except OSError as err:
+            if err.errno != errno.EROFS:
+                raise
+            raise ReadOnlyFilesystemError(
+                errno.EROFS,
+                f"store {str(self.root)!r} is on a read-only filesystem: it cannot be "
+                "written there. Open it with read_only=True to read it, or choose a path on "
+                "a writable filesystem",
+            ) from None
 
     def writer_alive(self, writer: str) -> bool:
         return shared_writer_alive(self.root, writer)
