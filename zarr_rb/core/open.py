@@ -17,6 +17,7 @@ from typing import Any, Literal
 from zarr_rb.core.format import (
     ATTRS_KEY,
     DATA_GROUP,
+    LENGTHS_GROUP,
     STATE_GROUP,
     Commit,
     Ring,
@@ -36,7 +37,7 @@ from zarr_rb.errors import (
     StoreNotFoundError,
 )
 from zarr_rb.locations import LocalLocation, StoreURL, is_remote, open_location
-from zarr_rb.locations.base import Location, WriterHold
+from zarr_rb.locations.base import NOT_DATA, ROOT_METADATA, Location, WriterHold
 
 Mode = Literal["r", "r+", "a", "w", "w-"]
 MODES: tuple[Mode, ...] = ("r", "r+", "a", "w", "w-")
@@ -328,8 +329,18 @@ def _create(
     store.publish_meta()
     with store.writing("creating the data group"):
         if previous is not None:
-            engine.remove_tree(DATA_GROUP)
-            engine.remove_tree(STATE_GROUP)
+            # A fresh store holds its root record and no group: the old rows, the lengths
+            # of its ragged rows, its saved state and whatever else it held all go (the
+            # writers' lock files stay).
+            for group in (DATA_GROUP, LENGTHS_GROUP, STATE_GROUP):
+                engine.remove_tree(group)
+            left = engine.location.list()
+            for name in sorted({key.partition("/")[0] for key in left}):
+                if name == ROOT_METADATA or name in NOT_DATA:
+                    continue
+                if name in left:  # an object, not a group
+                    engine.location.delete(name)
+                engine.remove_tree(name)
         engine.create_group(DATA_GROUP)
     return store
 
