@@ -31,7 +31,14 @@ from zarr_rb import _rows
 from zarr_rb._io import load_json
 from zarr_rb._lazy import LazyColumn
 from zarr_rb._rows import Entry, PyValues, RaggedRows, as_written
-from zarr_rb.core.format import Kind, LeafSpec, Schema, parse_key, stored_dtype
+from zarr_rb.core.format import (
+    Kind,
+    LeafSpec,
+    Schema,
+    check_new_keys,
+    parse_key,
+    stored_dtype,
+)
 from zarr_rb.errors import (
     SchemaMismatchError,
     StoreCorruptedError,
@@ -336,6 +343,8 @@ def infer_schema(
     kind = kind_of(data)
     lead = ndim if batched else ndim - 1
     leaves_of_data = flatten(data)
+    if kind != "tensor":  # a bare tensor's one array has the format's own name
+        check_new_keys(leaves_of_data)
     if kind in ("tensor", "pytree"):
         first = next(iter(leaves_of_data.values()))
         assert isinstance(first, torch.Tensor)
@@ -465,6 +474,7 @@ def _new_specs(
             f"{where}: the pytree written has leaves {sorted(entries)}, the store holds "
             f"{sorted(held)}; every write must have the structure of the first one",
         )
+    check_new_keys([key for key in entries if key not in held], held=held, where=where)
     new = []
     for key, entry in entries.items():
         if key in held:

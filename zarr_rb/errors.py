@@ -17,6 +17,7 @@ __all__ = [
     "FencedError",
     "FormatVersionError",
     "InvalidLocationError",
+    "KeyNameError",
     "LockedError",
     "LocksUnsupportedError",
     "MissingDependencyError",
@@ -197,3 +198,17 @@ class MissingDependencyError(ZarrRBError, ImportError):
 class ReadOnlyFilesystemError(ReadOnlyError):
     """A writer was opened on a store whose filesystem is mounted read-only: it can be read
     (``read_only=True``) but not written there."""
+
+
+class KeyNameError(UnsupportedDataError, ValueError):
+    """A key whose name cannot name a Zarr node: Zarr, TensorStore or a filesystem reserves
+    it, or it would share a node with another key of the store. The message says which
+    rule and how to rename the entry.
+
+    Attributes:
+        key: the refused key, as a tuple of names.
+    """
+
+    def __init__(self, message: str, *, key: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.key = key
