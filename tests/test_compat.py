@@ -36,6 +36,7 @@ INSTANCES = {
     TensorDictPrioritizedReplayBuffer: lambda: TensorDictPrioritizedReplayBuffer(
         alpha=0.7, beta=0.5
     ),
+    writers.Writer: writers.RoundRobinWriter,
     writers.RoundRobinWriter: writers.RoundRobinWriter,
     writers.TensorDictMaxValueWriter: lambda: writers.TensorDictMaxValueWriter(rank_key="r"),
     samplers.PrioritizedSampler: lambda: samplers.PrioritizedSampler(10, 0.7, 0.5),

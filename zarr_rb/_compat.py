@@ -87,6 +87,7 @@ USED: dict[type, tuple[str, ...]] = {
         "_prioritized_sampler",
         "_prioritized_sampler_write_count",
     ),
+    _writers.Writer: ("_compilable",),
     _writers.RoundRobinWriter: (
         "_cursor",
         "_write_count",
@@ -110,6 +111,7 @@ USED: dict[type, tuple[str, ...]] = {
         "_eps",
         "_max_priority",
         "_max_priority_within_buffer",
+        "_device",
     ),
     _samplers.SamplerWithoutReplacement: (
         "_get_sample_list",
@@ -117,7 +119,13 @@ USED: dict[type, tuple[str, ...]] = {
         "_remaining_batches",
         "_ran_out",
     ),
-    _samplers.SliceSampler: ("_get_stop_and_length", "_fetch_traj", "_traj_key_auto", "_cache"),
+    _samplers.SliceSampler: (
+        "_get_stop_and_length",
+        "_fetch_traj",
+        "_traj_key_auto",
+        "_cache",
+        "_gpu_device",
+    ),
 }
 """Private names read, written or called, by the TorchRL class that defines them."""
 

@@ -37,6 +37,7 @@ __all__ = [
     "StoreExistsError",
     "StoreNotFoundError",
     "StoreWriteError",
+    "TorchRLVersionError",
     "UnknownKeyError",
     "UnstackableError",
     "UnsupportedDataError",
@@ -76,6 +77,33 @@ class StoreCorruptedError(ZarrRBError, ValueError):
 
 class FormatVersionError(ZarrRBError, ValueError):
     """The store was written with a format this version of zarr_rb cannot read."""
+
+
+class TorchRLVersionError(ZarrRBError, ValueError):
+    """The saved buffer names a TorchRL class, or a constructor argument of one, that the
+    installed TorchRL does not have: another TorchRL release saved it.
+
+    Attributes:
+        component: the TorchRL class (``"SliceSampler"``).
+        argument: the constructor argument (``None``: the class itself is missing).
+        saved_version: the TorchRL release that saved the buffer (``None``: not recorded).
+        installed_version: the installed TorchRL release.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        component: str,
+        argument: str | None,
+        saved_version: str | None,
+        installed_version: str,
+    ) -> None:
+        super().__init__(message)
+        self.component = component
+        self.argument = argument
+        self.saved_version = saved_version
+        self.installed_version = installed_version
 
 
 class SchemaMismatchError(ZarrRBError, ValueError):

@@ -10,7 +10,14 @@ from zarr_rb import _compat as compat
 from zarr_rb._holes import guard_sampler
 from zarr_rb.engine import Engine
 from zarr_rb.errors import StoreCorruptedError
-from zarr_rb.state._buffer import buffer_settings, build_buffer, load_generator, save_generator
+from zarr_rb.state._arguments import versions
+from zarr_rb.state._buffer import (
+    buffer_arguments,
+    buffer_settings,
+    build_buffer,
+    load_generator,
+    save_generator,
+)
 from zarr_rb.state._components import adapter_for, adapter_named
 from zarr_rb.state._node import StateNode
 from zarr_rb.state._objects import (
@@ -35,10 +42,11 @@ def _components(rb: Any) -> dict[str, Any]:
 
 def check_savable(rb: Any) -> None:
     """Raise :class:`~zarr_rb.errors.UnsupportedDataError` now if ``rb`` could not be saved
-    (a buffer class or a component without an adapter), before anything is written."""
+    (a buffer class or a component without an adapter, an argument that cannot be read
+    back), before anything is written."""
     buffer_settings(rb)
     for role, obj in _components(rb).items():
-        adapter_for(obj, role=role)
+        adapter_for(obj, role=role).config(obj)
 
 
 def save_buffer(rb: Any, engine: Engine, group: str) -> int:
@@ -48,14 +56,17 @@ def save_buffer(rb: Any, engine: Engine, group: str) -> int:
     writer fails without touching the store.
     """
     config, objects = buffer_settings(rb)
-    components = {role: (obj, adapter_for(obj, role=role)) for role, obj in _components(rb).items()}
-    attrs: dict[str, Any] = {"buffer": config}
+    components = {}
+    for role, obj in _components(rb).items():
+        adapter = adapter_for(obj, role=role)
+        components[role] = (obj, adapter, adapter.config(obj))
+    attrs: dict[str, Any] = {"buffer": config, "versions": versions()}
     engine.create_group(group.rpartition("/")[0])
     root = StateNode(engine, group, attrs)
-    for role, (obj, adapter) in components.items():
+    for role, (obj, adapter, component_config) in components.items():
         node = root.child(role)
         node.attrs["class"] = adapter.name
-        node.attrs["config"] = adapter.config(obj)
+        node.attrs["config"] = component_config
         adapter.save(obj, node)
     save_generator(rb, root.child("generator"))
     save_transforms(compat.get(rb, "_transform"), root.child("transforms"))
@@ -101,6 +112,10 @@ def load_buffer(
     Args:
         code_objects: a custom ``collate_fn``, ``sample_unit`` or ``checkpointer`` to use
             instead of unpickling the saved one.
+
+    Raises:
+        TorchRLVersionError: the save names a TorchRL class or argument that the installed
+            TorchRL does not have.
     """
     attrs = engine.read_group_attributes(group).get("zarr_rb_state")
     if not isinstance(attrs, dict):
@@ -109,13 +124,14 @@ def load_buffer(
             "holds no buffer state; open the data with ZarrStorage(path=...) and save again"
         )
     root = StateNode(engine, group, attrs)
+    saved_version = attrs.get("versions", {}).get("torchrl")
     limit = max(storage.max_size, _MAX_SETTING)
     components = {}
     for role in attrs.get("children", {}):
         if role not in ("sampler", "writer", "prioritized_sampler"):
             continue
         node = root.child(role)
-        adapter = adapter_named(node.attrs["class"], role=role)
+        adapter = adapter_named(node.attrs["class"], role=role, saved_version=saved_version)
         config = node.attrs["config"]
         capacity = config.get("max_capacity", 1)
         if not isinstance(capacity, int) or not 0 < capacity <= storage.max_size:
@@ -124,7 +140,7 @@ def load_buffer(
                 f"max_size {storage.max_size}"
             )
         _check_sizes(config, limit=limit, what=role)
-        components[role] = (adapter, node, adapter.build(config))
+        components[role] = (adapter, node, adapter.build(config, saved_version=saved_version))
     transform = load_transforms(
         root.child("transforms"), transform=transform, allow_pickle=allow_pickle
     )
@@ -132,7 +148,7 @@ def load_buffer(
         root.child("objects"), given=code_objects or {}, allow_pickle=allow_pickle
     )
     _check_sizes(attrs["buffer"], limit=limit, what="buffer")
-    if attrs["buffer"]["batch_size"] == 0:
+    if buffer_arguments(attrs["buffer"]).get("batch_size") == 0:
         raise ValueError("buffer batch_size 0")
     built = {role: obj for role, (_, _, obj) in components.items()}
     rb = build_buffer(
@@ -143,6 +159,7 @@ def load_buffer(
         prioritized_sampler=built.get("prioritized_sampler"),
         transform=transform,
         objects=objects,
+        saved_version=saved_version,
     )
     restore_storage()
     current = _components(rb)

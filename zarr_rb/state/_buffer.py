@@ -1,10 +1,10 @@
-"""The replay buffer itself: its class and constructor settings, how to rebuild it around
+"""The replay buffer itself: its class and constructor arguments, how to rebuild it around
 its components, and its generator.
 
-Every setting a TorchRL 0.14 buffer takes in its constructor is kept: as JSON when it is a
-value (batch size, ``pin_memory``, ``prefetch``, ``sync``, a ``Sequence`` sample unit,
-TorchRL's checkpointers...), as a code object (:mod:`zarr_rb.state._objects`) when it is
-code (a custom ``collate_fn``).
+Every argument the installed TorchRL's buffer classes take is kept (see
+:mod:`zarr_rb.state._arguments`): as JSON when it is a value (batch size, ``pin_memory``,
+``prefetch``, ``sync``, ``shared``, a ``Sequence`` sample unit...), apart when it is a
+component, a generator or code (a custom ``collate_fn``, :mod:`zarr_rb.state._objects`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,19 @@ from torchrl.data import (
     TensorDictReplayBuffer,
 )
 from torchrl.data.replay_buffers import checkpointers as _checkpointers
+from torchrl.data.replay_buffers import replay_buffers as _buffers
 from torchrl.data.replay_buffers import sample_units as _units
 
 from zarr_rb import _compat as compat
 from zarr_rb.errors import UnsupportedDataError
+from zarr_rb.state._arguments import (
+    Argument,
+    constructor_arguments,
+    constructor_kwargs,
+    missing_class,
+    private,
+    read_arguments,
+)
 from zarr_rb.state._components import key_from_json, key_to_json
 from zarr_rb.state._node import StateNode
 
@@ -36,7 +45,6 @@ BUFFER_CLASSES: dict[str, type] = {
     )
 }
 _PRIORITIZED = (PrioritizedReplayBuffer, TensorDictPrioritizedReplayBuffer)
-_SEQUENCE_FIELDS = ("length", "episode_boundary", "burn_in", "bootstrap", "dilation")
 _TED_CHECKPOINTERS = {
     cls.__name__: (cls, hooks)
     for cls, hooks in (
@@ -47,11 +55,31 @@ _TED_CHECKPOINTERS = {
 }
 
 
+_ARGUMENTS = {
+    "batch_size": private("_batch_size"),
+    "dim_extend": private("_dim_extend"),
+    "pin_memory": Argument(read=lambda rb: bool(compat.get(rb, "_pin_memory"))),
+    "prefetch": Argument(read=lambda rb: int(compat.get(rb, "_prefetch_cap")) or None),
+    "consume_after_n_samples": private("_consume_after_n_samples"),
+    "sync": Argument(read=lambda rb: bool(compat.get(rb, "_sync"))),
+    "sample_unit": Argument(
+        read=lambda rb: _sample_unit_config(compat.get(rb, "_sample_unit"))[0],
+        decode=lambda value: value,  # rebuilt with the custom one, if any (build_buffer)
+    ),
+}
+"""How the buffer arguments TorchRL keeps privately, or transforms, are read back."""
+
+_LEGACY_SETTINGS = ("class", "checkpointer", "prioritized_sampler_write_count")
+"""Keys of the settings of stores saved before the arguments were kept apart that are no
+constructor arguments."""
+
+
 def buffer_settings(rb: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The settings of ``rb`` as JSON, and its non-default code objects (``None``: default).
 
     Raises:
-        UnsupportedDataError: ``rb`` is not one of the buffer classes zarr_rb rebuilds.
+        UnsupportedDataError: ``rb`` is not one of the buffer classes zarr_rb rebuilds, or
+            an argument of it cannot be saved.
     """
     cls = type(rb)
     if BUFFER_CLASSES.get(cls.__name__) is not cls:
@@ -59,24 +87,13 @@ def buffer_settings(rb: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         raise UnsupportedDataError(
             f"cannot save a {cls.__module__}.{cls.__qualname__}; zarr_rb saves {supported}",
         )
-    prefetch = compat.get(rb, "_prefetch_cap")
-    config: dict[str, Any] = {
-        "class": cls.__name__,
-        "batch_size": compat.get(rb, "_batch_size"),
-        "dim_extend": compat.get(rb, "_dim_extend"),
-        "pin_memory": bool(compat.get(rb, "_pin_memory")),
-        "prefetch": int(prefetch) if prefetch else None,
-        "consume_after_n_samples": compat.get(rb, "_consume_after_n_samples"),
-    }
-    if isinstance(rb, TensorDictReplayBuffer):
-        config["priority_key"] = key_to_json(rb.priority_key)
+    config: dict[str, Any] = {"class": cls.__name__, "arguments": read_arguments(rb, _ARGUMENTS)}
     if isinstance(rb, _PRIORITIZED):
-        config["sync"] = bool(compat.get(rb, "_sync"))
         config["prioritized_sampler_write_count"] = int(
             compat.get(rb, "_prioritized_sampler_write_count")
         )
     unit = compat.get(rb, "_sample_unit")
-    config["sample_unit"], custom_unit = _sample_unit_config(unit)
+    custom_unit = _sample_unit_config(unit)[1]
     checkpointer = rb.storage.checkpointer
     config["checkpointer"], custom_checkpointer = _checkpointer_config(checkpointer)
     collate = compat.get(rb, "_collate_fn")
@@ -91,6 +108,17 @@ def buffer_settings(rb: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return config, objects
 
 
+def buffer_arguments(config: dict[str, Any]) -> dict[str, Any]:
+    """The saved constructor arguments of a buffer's settings (older stores kept them among
+    the other settings)."""
+    if "arguments" in config:
+        arguments: dict[str, Any] = config["arguments"]
+        return arguments
+    cls = BUFFER_CLASSES.get(config.get("class", ""))
+    known = constructor_arguments(cls) if cls is not None else ()
+    return {k: v for k, v in config.items() if k not in _LEGACY_SETTINGS and k in known}
+
+
 def _sample_unit_config(unit: Any) -> tuple[Any, bool]:
     """JSON for a sample unit, and whether it is custom code (saved as a code object)."""
     if unit is None:
@@ -98,13 +126,11 @@ def _sample_unit_config(unit: Any) -> tuple[Any, bool]:
     if type(unit) is _units.Transition:
         return {"class": "Transition"}, False
     if type(unit) is _units.Sequence:
-        config = {name: getattr(unit, name) for name in _SEQUENCE_FIELDS}
-        config["done_key"] = key_to_json(unit.done_key)
-        return {"class": "Sequence", "config": config}, False
+        return {"class": "Sequence", "config": read_arguments(unit, {})}, False
     return {"class": "custom"}, True
 
 
-def _sample_unit(config: Any, custom: Any) -> Any:
+def _sample_unit(config: Any, custom: Any, *, saved_version: str | None) -> Any:
     if config is None:
         return None
     if config["class"] == "custom":
@@ -113,10 +139,8 @@ def _sample_unit(config: Any, custom: Any) -> Any:
         return _units.Transition()
     if config["class"] != "Sequence":
         raise ValueError(f"unknown sample unit {config['class']!r}")
-    settings = config["config"]
     return _units.Sequence(
-        **{name: settings[name] for name in _SEQUENCE_FIELDS},
-        done_key=key_from_json(settings["done_key"]),
+        **constructor_kwargs(_units.Sequence, config["config"], {}, saved_version=saved_version)
     )
 
 
@@ -162,26 +186,29 @@ def build_buffer(
     prioritized_sampler: Any,
     transform: Any,
     objects: dict[str, Any],
+    saved_version: str | None,
 ) -> Any:
     """The buffer of ``config`` around its rebuilt components (their state is loaded
     after)."""
-    cls = BUFFER_CLASSES.get(config.get("class", ""))
+    name = config.get("class", "")
+    cls = BUFFER_CLASSES.get(name)
     if cls is None:
+        if isinstance(name, str) and not hasattr(_buffers, name):
+            raise missing_class(name, role="buffer", saved_version=saved_version)
         raise UnsupportedDataError(
-            f"the saved buffer is a {config.get('class')!r}, which zarr_rb cannot rebuild",
+            f"the saved buffer is a {name!r}, which zarr_rb cannot rebuild",
         )
-    kwargs: dict[str, Any] = {
-        "storage": storage,
-        "batch_size": config["batch_size"],
-        "transform": transform,
-        "dim_extend": config["dim_extend"],
-        "pin_memory": config.get("pin_memory", False),
-        "prefetch": config.get("prefetch"),
-        "collate_fn": objects.get("collate_fn"),
-        "sample_unit": _sample_unit(config.get("sample_unit"), objects.get("sample_unit")),
-    }
-    if issubclass(cls, TensorDictReplayBuffer):
-        kwargs["priority_key"] = key_from_json(config["priority_key"])
+    kwargs = constructor_kwargs(
+        cls, buffer_arguments(config), _ARGUMENTS, saved_version=saved_version
+    )
+    kwargs.update(
+        storage=storage,
+        transform=transform,
+        collate_fn=objects.get("collate_fn"),
+        sample_unit=_sample_unit(
+            kwargs.get("sample_unit"), objects.get("sample_unit"), saved_version=saved_version
+        ),
+    )
     if issubclass(cls, _PRIORITIZED):
         # These classes build their own PrioritizedSampler from these settings; the saved
         # one (with the same settings and its state) takes its place below.
@@ -190,17 +217,14 @@ def build_buffer(
             alpha=compat.get(prioritized, "_alpha"),
             beta=compat.get(prioritized, "_beta"),
             eps=compat.get(prioritized, "_eps"),
-            sync=config.get("sync", True),
         )
         if cls is TensorDictPrioritizedReplayBuffer:
             kwargs["reduction"] = prioritized.reduction
         else:
             kwargs["dtype"] = prioritized.dtype
         rb = cls(**kwargs)
-        if config.get("sync", True):
-            compat.put(rb, "_sampler", sampler)
-        else:
-            compat.put(rb, "_sampler", sampler)
+        compat.put(rb, "_sampler", sampler)
+        if not kwargs.get("sync", True):
             compat.put(rb, "_prioritized_sampler", prioritized_sampler)
             compat.put(
                 rb, "_prioritized_sampler_write_count", config["prioritized_sampler_write_count"]
@@ -208,9 +232,6 @@ def build_buffer(
         compat.put(rb, "_writer", writer)
         writer.register_storage(storage)
     else:
-        consume = config.get("consume_after_n_samples")
-        if consume is not None:
-            kwargs["consume_after_n_samples"] = consume
         rb = cls(sampler=sampler, writer=writer, **kwargs)
     checkpointer = _checkpointer(config.get("checkpointer"), objects.get("checkpointer"))
     if checkpointer is not None:

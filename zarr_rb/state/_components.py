@@ -1,5 +1,6 @@
-"""One small adapter per TorchRL sampler and writer: its constructor settings as JSON,
-its state as arrays, and how to rebuild it.
+"""One small adapter per TorchRL sampler and writer: its constructor arguments as JSON
+(those of the installed TorchRL's signature, see :mod:`zarr_rb.state._arguments`), its state
+as arrays, and how to rebuild it.
 
 Adapters are looked up by exact class: a subclass may add state its parent's adapter
 would silently drop, so an unknown class is an error that names it.
@@ -8,7 +9,7 @@ would silently drop, so an unknown class is an error that names it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -16,7 +17,15 @@ from torchrl.data.replay_buffers import samplers as S  # noqa: N812
 from torchrl.data.replay_buffers import writers as W  # noqa: N812
 
 from zarr_rb import _compat as compat
+from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.errors import UnsupportedDataError
+from zarr_rb.state._arguments import (
+    Argument,
+    constructor_kwargs,
+    missing_class,
+    private,
+    read_arguments,
+)
 from zarr_rb.state._node import StateNode
 
 Config = dict[str, Any]
@@ -34,17 +43,38 @@ def key_from_json(value: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Adapter:
-    """How to save, rebuild and restore one component class."""
+    """How to save, rebuild and restore one component class.
+
+    Its settings are its constructor arguments (see :mod:`zarr_rb.state._arguments`);
+    ``arguments`` says how to read back and pass again those it does not keep under their
+    own name.
+    """
 
     cls: type
-    config: Callable[[Any], Config]
-    build: Callable[[Config], Any]
     save: Callable[[Any, StateNode], None]
     load: Callable[[Any, StateNode], None]
+    arguments: Mapping[str, Argument] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.cls.__name__
+
+    def config(self, obj: Any) -> Config:
+        """The constructor arguments ``obj`` was built with, as JSON."""
+        return read_arguments(obj, self.arguments)
+
+    def build(self, config: Config, *, saved_version: str | None) -> Any:
+        """A new component built with the saved constructor arguments ``config``."""
+        if saved_version is None:  # older adapters kept a few settings that are no arguments
+            config = {k: v for k, v in config.items() if k not in _NOT_ARGUMENTS.get(self.name, ())}
+        return self.cls(
+            **constructor_kwargs(self.cls, config, self.arguments, saved_version=saved_version)
+        )
+
+
+_NOT_ARGUMENTS = {"SliceSamplerWithoutReplacement": ("cache_values",)}
+"""Settings that stores saved before their TorchRL version was recorded hold, though the
+constructor does not take them."""
 
 
 def _nothing(obj: Any, node: StateNode) -> None:
@@ -52,10 +82,6 @@ def _nothing(obj: Any, node: StateNode) -> None:
 
 
 # --- samplers --------------------------------------------------------------------------------
-
-
-def _without_replacement_config(obj: Any) -> Config:
-    return {"drop_last": bool(obj.drop_last), "shuffle": bool(obj.shuffle)}
 
 
 def _without_replacement_save(obj: Any, node: StateNode) -> None:
@@ -74,33 +100,6 @@ def _without_replacement_load(obj: Any, node: StateNode) -> None:
         "_sample_list",
         node.get_tensor("sample_list") if node.attrs["has_sample_list"] else None,
     )
-
-
-_SLICE_FIELDS = (
-    "num_slices",
-    "slice_len",
-    "cache_values",
-    "strict_length",
-)
-_SLICE_KEYS = ("end_key", "traj_key", "truncated_key", "init_key")
-
-
-def _slice_config(obj: Any) -> Config:
-    config: Config = {name: getattr(obj, name) for name in _SLICE_FIELDS}
-    config.update({name: key_to_json(getattr(obj, name, None)) for name in _SLICE_KEYS})
-    config["span"] = list(obj.span)
-    if getattr(obj, "end_keys", None) is not None:
-        config["end_keys"] = [key_to_json(k) for k in obj.end_keys]
-    return config
-
-
-def _slice_kwargs(config: Config) -> dict[str, Any]:
-    kwargs = {name: config[name] for name in _SLICE_FIELDS}
-    kwargs.update({name: key_from_json(config[name]) for name in _SLICE_KEYS})
-    if config.get("end_keys") is not None:
-        kwargs["end_keys"] = [key_from_json(k) for k in config["end_keys"]]
-        kwargs["end_key"] = None
-    return kwargs
 
 
 def _slice_save(obj: Any, node: StateNode) -> None:
@@ -130,35 +129,6 @@ def _slice_load(obj: Any, node: StateNode) -> None:
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
-
-
-def _prioritized_config(obj: Any) -> Config:
-    return {
-        "max_capacity": int(compat.get(obj, "_max_capacity")),
-        "alpha": float(compat.get(obj, "_alpha")),
-        "beta": float(compat.get(obj, "_beta")),
-        "eps": float(compat.get(obj, "_eps")),
-        "dtype": str(obj.dtype).removeprefix("torch."),
-        "reduction": obj.reduction,
-        "max_priority_within_buffer": bool(compat.get(obj, "_max_priority_within_buffer")),
-    }
-
-
-_PRIORITIZED_FIELDS = (
-    "max_capacity",
-    "alpha",
-    "beta",
-    "eps",
-    "dtype",
-    "reduction",
-    "max_priority_within_buffer",
-)
-
-
-def _prioritized_kwargs(config: Config) -> dict[str, Any]:
-    kwargs = {name: config[name] for name in _PRIORITIZED_FIELDS}
-    kwargs["dtype"] = getattr(torch, config["dtype"])
-    return kwargs
 
 
 def _prioritized_save(obj: Any, node: StateNode) -> None:
@@ -198,30 +168,6 @@ def _prioritized_load(obj: Any, node: StateNode) -> None:
     if isinstance(where, list):
         where = torch.tensor(where)
     compat.put(obj, "_max_priority", (value, where))
-
-
-def _prompt_group_config(obj: Any) -> Config:
-    """TorchRL's GRPO sampler: groups of rows sharing a prompt (its group index is a cache,
-    rebuilt from the rows; the recency clock is its state)."""
-    return {
-        "num_groups": obj.num_groups,
-        "samples_per_group": obj.samples_per_group,
-        "group_key": key_to_json(obj.group_key),
-        "strategy": obj.strategy,
-        "reward_key": key_to_json(obj.reward_key),
-        "cache_groups": bool(obj.cache_groups),
-    }
-
-
-def _prompt_group_build(config: Config) -> Any:
-    return S.PromptGroupSampler(
-        num_groups=config["num_groups"],
-        samples_per_group=config["samples_per_group"],
-        group_key=key_from_json(config["group_key"]),
-        strategy=config["strategy"],
-        reward_key=key_from_json(config["reward_key"]),
-        cache_groups=config["cache_groups"],
-    )
 
 
 def _both(*fns: Callable[[Any, StateNode], None]) -> Callable[[Any, StateNode], None]:
@@ -296,98 +242,69 @@ def _max_value_load(obj: Any, node: StateNode) -> None:
     compat.put(obj, "_current_top_values", list(zip(ranks, indices, strict=True)))
 
 
-def _max_value_config(obj: Any) -> Config:
-    return {
-        "rank_key": key_to_json(compat.get(obj, "_rank_key")),
-        "reduction": compat.get(obj, "_reduction"),
-    }
+_SLICE = {
+    # TorchRL keeps whether it uses a GPU, and the device apart.
+    "use_gpu": Argument(
+        read=lambda obj: str(compat.get(obj, "_gpu_device")) if obj.use_gpu else False
+    ),
+}
+_PRIORITIZED = {
+    **{name: private(f"_{name}") for name in ("max_capacity", "alpha", "beta", "eps")},
+    "max_priority_within_buffer": private("_max_priority_within_buffer"),
+    "dtype": Argument(
+        read=lambda obj: str(obj.dtype).removeprefix("torch."),
+        decode=lambda value: TORCH_DTYPES[value],
+    ),
+    "device": private("_device"),
+}
+_WRITER = {
+    "compilable": private("_compilable"),
+    "track_generations": private("_track_generations"),
+    "rank_key": private("_rank_key"),
+    "reduction": private("_reduction"),
+}
+
+
+def _adapters(module: Any, *specs: tuple[Any, ...]) -> list[Adapter]:
+    """Adapters of the classes ``module`` of the installed TorchRL has (a store that names
+    another is refused when it is loaded, naming the class and both TorchRL versions)."""
+    adapters = []
+    for name, save, load, *arguments in specs:
+        cls = getattr(module, name, None)
+        if cls is not None:
+            adapters.append(Adapter(cls, save, load, *arguments))
+    return adapters
 
 
 ADAPTERS: dict[str, Adapter] = {
     adapter.name: adapter
     for adapter in (
-        Adapter(S.RandomSampler, lambda o: {}, lambda c: S.RandomSampler(), _nothing, _nothing),
-        Adapter(
-            S.ConsumingSampler,
-            lambda o: {"max_sample_count": int(o.max_sample_count)},
-            lambda c: S.ConsumingSampler(max_sample_count=c["max_sample_count"]),
-            _state_dict_save,
-            _state_dict_load,
-        ),
-        Adapter(
-            S.SamplerWithoutReplacement,
-            _without_replacement_config,
-            lambda c: S.SamplerWithoutReplacement(**c),
-            _without_replacement_save,
-            _without_replacement_load,
-        ),
-        Adapter(
-            S.SliceSampler,
-            _slice_config,
-            lambda c: S.SliceSampler(**_slice_kwargs(c), span=tuple(c["span"])),
-            _slice_save,
-            _slice_load,
-        ),
-        Adapter(
-            S.SliceSamplerWithoutReplacement,
-            lambda o: {**_slice_config(o), **_without_replacement_config(o)},
-            lambda c: S.SliceSamplerWithoutReplacement(
-                **{k: v for k, v in _slice_kwargs(c).items() if k != "cache_values"},
-                drop_last=c["drop_last"],
-                shuffle=c["shuffle"],
+        *_adapters(
+            S,
+            ("RandomSampler", _nothing, _nothing),
+            ("ConsumingSampler", _state_dict_save, _state_dict_load),
+            ("SamplerWithoutReplacement", _without_replacement_save, _without_replacement_load),
+            ("SliceSampler", _slice_save, _slice_load, _SLICE),
+            (
+                "SliceSamplerWithoutReplacement",
+                _both(_slice_save, _without_replacement_save),
+                _both(_slice_load, _without_replacement_load),
+                _SLICE,
             ),
-            _both(_slice_save, _without_replacement_save),
-            _both(_slice_load, _without_replacement_load),
-        ),
-        Adapter(
-            S.PrioritizedSampler,
-            _prioritized_config,
-            lambda c: S.PrioritizedSampler(**_prioritized_kwargs(c)),
-            _prioritized_save,
-            _prioritized_load,
-        ),
-        Adapter(
-            S.PrioritizedSliceSampler,
-            lambda o: {**_slice_config(o), **_prioritized_config(o)},
-            lambda c: S.PrioritizedSliceSampler(
-                **_prioritized_kwargs(c),
-                **_slice_kwargs(c),
-                span=tuple(c["span"]),
+            ("PrioritizedSampler", _prioritized_save, _prioritized_load, _PRIORITIZED),
+            (
+                "PrioritizedSliceSampler",
+                _both(_slice_save, _prioritized_save),
+                _both(_slice_load, _prioritized_load),
+                {**_SLICE, **_PRIORITIZED},
             ),
-            _both(_slice_save, _prioritized_save),
-            _both(_slice_load, _prioritized_load),
+            ("PromptGroupSampler", _state_dict_save, _state_dict_load),
         ),
-        Adapter(
-            S.PromptGroupSampler,
-            _prompt_group_config,
-            _prompt_group_build,
-            _state_dict_save,
-            _state_dict_load,
-        ),
-        Adapter(
-            W.RoundRobinWriter,
-            lambda o: {"track_generations": bool(o._track_generations)},
-            lambda c: W.RoundRobinWriter(track_generations=bool(c.get("track_generations", False))),
-            _round_robin_save,
-            _round_robin_load,
-        ),
-        Adapter(
-            W.TensorDictRoundRobinWriter,
-            lambda o: {"track_generations": bool(o._track_generations)},
-            lambda c: W.TensorDictRoundRobinWriter(
-                track_generations=bool(c.get("track_generations", False))
-            ),
-            _round_robin_save,
-            _round_robin_load,
-        ),
-        Adapter(
-            W.TensorDictMaxValueWriter,
-            _max_value_config,
-            lambda c: W.TensorDictMaxValueWriter(
-                rank_key=key_from_json(c["rank_key"]), reduction=c["reduction"]
-            ),
-            _max_value_save,
-            _max_value_load,
+        *_adapters(
+            W,
+            ("RoundRobinWriter", _round_robin_save, _round_robin_load, _WRITER),
+            ("TensorDictRoundRobinWriter", _round_robin_save, _round_robin_load, _WRITER),
+            ("TensorDictMaxValueWriter", _max_value_save, _max_value_load, _WRITER),
         ),
     )
 }
@@ -404,10 +321,12 @@ def adapter_for(obj: Any, *, role: str) -> Adapter:
     return adapter
 
 
-def adapter_named(name: str, *, role: str) -> Adapter:
+def adapter_named(name: str, *, role: str, saved_version: str | None) -> Adapter:
     adapter = ADAPTERS.get(name)
-    if adapter is None:
-        raise UnsupportedDataError(
-            f"the saved {role} is a {name!r}, which this version of zarr_rb cannot rebuild",
-        )
-    return adapter
+    if adapter is not None:
+        return adapter
+    if not any(isinstance(getattr(m, name, None), type) for m in (S, W)):
+        raise missing_class(name, role=role, saved_version=saved_version)
+    raise UnsupportedDataError(
+        f"the saved {role} is a {name!r}, which this version of zarr_rb cannot rebuild",
+    )
