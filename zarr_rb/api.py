@@ -230,8 +230,8 @@ def _load_into_memory(
             stored,
             saved,
             storage=memory,
-            restore_storage=lambda: fill_memory(
-                memory, stored, length=saved.length, progress=progress
+            restore_storage=lambda read: fill_memory(
+                memory, stored, length=read.length, progress=progress
             ),
             allow_pickle=allow_pickle,
             transform=transform,
@@ -252,12 +252,18 @@ def _built(
     code_objects: dict[str, Any],
 ) -> Any:
     """The saved buffer rebuilt around ``storage``; damaged state is a typed error."""
+
+    def refreshed() -> Saved:
+        stored.refresh()  # a newer save replaced the one read: its commit, and its record
+        return _saved_of(stored)
+
     try:
         return load_buffer(
             stored._store.engine,
-            saved.group,
+            saved,
             storage=storage,
             restore_storage=restore_storage,
+            refresh=refreshed,
             transform=transform,
             code_objects=code_objects,
             allow_pickle=allow_pickle,
@@ -298,7 +304,7 @@ def _load_on_store(
             storage,
             saved,
             storage=storage,
-            restore_storage=lambda: storage.restore(length=saved.length, cursor=saved.cursor),
+            restore_storage=lambda read: storage.restore(length=read.length, cursor=read.cursor),
             allow_pickle=allow_pickle,
             transform=transform,
             code_objects=code_objects,

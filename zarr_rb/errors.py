@@ -33,6 +33,7 @@ __all__ = [
     "RowsNotCommittedError",
     "SchemaMismatchError",
     "ServerBusyError",
+    "StateChangedError",
     "StoreCorruptedError",
     "StoreExistsError",
     "StoreNotFoundError",
@@ -104,6 +105,11 @@ class TorchRLVersionError(ZarrRBError, ValueError):
         self.argument = argument
         self.saved_version = saved_version
         self.installed_version = installed_version
+
+
+class StateChangedError(ZarrRBError, RuntimeError):
+    """The saved buffer state was replaced by newer saves every time a load read it (a
+    writer saving faster than the store can be read)."""
 
 
 class SchemaMismatchError(ZarrRBError, ValueError):

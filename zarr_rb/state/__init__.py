@@ -3,13 +3,14 @@ state slots."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from zarr_rb import _compat as compat
 from zarr_rb._holes import guard_sampler
+from zarr_rb.core.format import Saved
 from zarr_rb.engine import Engine
-from zarr_rb.errors import StoreCorruptedError
 from zarr_rb.state._arguments import versions
 from zarr_rb.state._buffer import (
     buffer_arguments,
@@ -27,8 +28,15 @@ from zarr_rb.state._objects import (
     save_code_objects,
     save_transforms,
 )
+from zarr_rb.state._read import LOAD_ATTEMPTS, read_one_save
 
-__all__ = ["PickleNotAllowedError", "check_savable", "load_buffer", "save_buffer"]
+__all__ = [
+    "LOAD_ATTEMPTS",
+    "PickleNotAllowedError",
+    "check_savable",
+    "load_buffer",
+    "save_buffer",
+]
 
 
 def _components(rb: Any) -> dict[str, Any]:
@@ -60,7 +68,9 @@ def save_buffer(rb: Any, engine: Engine, group: str) -> int:
     for role, obj in _components(rb).items():
         adapter = adapter_for(obj, role=role)
         components[role] = (obj, adapter, adapter.config(obj))
-    attrs: dict[str, Any] = {"buffer": config, "versions": versions()}
+    # The save's identity: a load compares it before and after reading the slot, which a
+    # save two saves later rewrites.
+    attrs: dict[str, Any] = {"buffer": config, "versions": versions(), "save": uuid.uuid4().hex}
     engine.create_group(group.rpartition("/")[0])
     root = StateNode(engine, group, attrs)
     for role, (obj, adapter, component_config) in components.items():
@@ -94,36 +104,37 @@ def _check_sizes(config: Any, *, limit: int, what: str) -> None:
 
 def load_buffer(
     engine: Engine,
-    group: str,
+    saved: Saved,
     *,
     storage: Any,
-    restore_storage: Callable[[], None],
+    restore_storage: Callable[[Saved], None],
+    refresh: Callable[[], Saved],
     transform: Any = None,
     code_objects: dict[str, Any] | None = None,
     allow_pickle: bool = False,
 ) -> Any:
-    """Rebuild the buffer saved in ``group`` around ``storage``.
+    """Rebuild the buffer of save ``saved`` (or of a newer one) around ``storage``.
 
-    ``storage`` must look empty while the buffer is built (TorchRL's prioritized buffers
-    would otherwise give every stored row a default priority, only for the saved ones to
-    replace them); ``restore_storage`` then brings back its length and cursor, before the
-    saved component state is loaded.
+    The saved state is read whole before anything is built from it, and read again if a
+    newer save replaced it meanwhile (see :mod:`zarr_rb.state._read`). ``storage`` must
+    look empty while the buffer is built (TorchRL's prioritized buffers would otherwise
+    give every stored row a default priority, only for the saved ones to replace them);
+    ``restore_storage`` then brings back the length and cursor of the save that was read,
+    before the saved component state is loaded.
 
     Args:
+        refresh: move the storage to the store's latest commit and return its save record
+            (when a newer save replaced ``saved``).
         code_objects: a custom ``collate_fn``, ``sample_unit`` or ``checkpointer`` to use
             instead of unpickling the saved one.
 
     Raises:
+        StateChangedError: newer saves replaced the state each time it was read.
         TorchRLVersionError: the save names a TorchRL class or argument that the installed
             TorchRL does not have.
     """
-    attrs = engine.read_group_attributes(group).get("zarr_rb_state")
-    if not isinstance(attrs, dict):
-        raise StoreCorruptedError(
-            f"store {engine.url!r}: the save record names group {group!r}, which "
-            "holds no buffer state; open the data with ZarrStorage(path=...) and save again"
-        )
-    root = StateNode(engine, group, attrs)
+    saved, root = read_one_save(engine, saved, refresh=refresh)
+    attrs = root.attrs
     saved_version = attrs.get("versions", {}).get("torchrl")
     limit = max(storage.max_size, _MAX_SETTING)
     components = {}
@@ -161,7 +172,7 @@ def load_buffer(
         objects=objects,
         saved_version=saved_version,
     )
-    restore_storage()
+    restore_storage(saved)
     current = _components(rb)
     for role, (adapter, node, _) in components.items():
         adapter.load(current[role], node)

@@ -34,6 +34,8 @@ class StateNode:
         self.bytes_written = 0
         """Bytes written by this node and its children (counted on the root node)."""
         self._pending: list[Any] = []
+        self._read: dict[str, torch.Tensor] = {}
+        """Tensors read ahead by :meth:`read_all` (kept on the root node), by path."""
 
     def child(self, name: str) -> StateNode:
         attrs = self.attrs.setdefault("children", {}).setdefault(name, {})
@@ -57,7 +59,21 @@ class StateNode:
             future.result()
         self._root._pending.clear()
 
+    def read_all(self) -> None:
+        """Read every tensor under this node now: a load reads one save whole, then checks
+        that it was not replaced meanwhile, before anything is built from it."""
+        for name in self.attrs.get("tensors", {}):
+            self._root._read[f"{self.path}/{name}"] = self._read_tensor(name)
+        for name in self.attrs.get("children", {}):
+            self.child(name).read_all()
+
     def get_tensor(self, name: str) -> torch.Tensor:
+        read = self._root._read.get(f"{self.path}/{name}")
+        if read is not None:
+            return read.clone()
+        return self._read_tensor(name)
+
+    def _read_tensor(self, name: str) -> torch.Tensor:
         spec = self.attrs.get("tensors", {}).get(name)
         if spec is None:
             raise KeyError(f"no tensor {name!r} in {self.path!r}")
