@@ -73,8 +73,12 @@ def constructor_arguments(cls: type) -> tuple[str, ...]:
         for parameter in list(inspect.signature(init).parameters.values())[1:]:
             if parameter.kind is inspect.Parameter.VAR_KEYWORD:
                 forwards = True
-            elif parameter.kind is not inspect.Parameter.VAR_POSITIONAL and (
-                parameter.name not in names
+            elif (
+                parameter.kind is not inspect.Parameter.VAR_POSITIONAL
+                and parameter.name not in names
+                # Ray adds ``_ray_trace_ctx`` to the signature of a class it makes an actor
+                # of (TorchRL's Ray buffers do so with its buffer classes): not TorchRL's.
+                and not parameter.name.startswith("_ray_")
             ):
                 names.append(parameter.name)
         if not forwards:
