@@ -60,12 +60,14 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
         path = Path(path).absolute()
         storage.flush()
         if isinstance(storage.path, Path) and storage.path in (path, path.parent):
+            storage._store.create_on_disk()  # a dump into a store not written yet makes it
             if path != storage.path:
                 path.mkdir(exist_ok=True)
             pointer = {
                 "store": os.path.relpath(storage.path, path),
                 "length": len(storage),
                 "cursor": storage.cursor,
+                "epoch": storage._store.committed.epoch,
             }
             (path / POINTER).write_text(json.dumps(pointer))
             return
@@ -80,6 +82,13 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
             pointer = json.loads(pointer_file.read_text())
             source = (path / pointer["store"]).resolve()
             length, cursor = int(pointer["length"]), int(pointer["cursor"])
+            if isinstance(storage.path, Path) and source == storage.path.resolve():
+                # Rows dumped in place: still the dumped ones only while nothing wrote over
+                # them (a dump elsewhere is a snapshot, which nothing touches).
+                storage.flush()
+                storage._store.check_loadable(
+                    length=length, cursor=cursor, epoch=int(pointer.get("epoch", 0)), exact=True
+                )
         elif _is_store(path):
             source = path
             from zarr_rb.storage import ZarrStorage as _ZarrStorage

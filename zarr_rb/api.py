@@ -202,13 +202,23 @@ def load(
 
 
 def _saved_of(storage: ZarrStorage) -> Saved:
+    """The store's last save, checked to still hold its rows (see
+    :meth:`~zarr_rb.core.store.Store.check_loadable`)."""
     saved = storage._store.meta.saved
     if saved is None:
         storage.close()
         raise NoSavedBufferError(
-            f"store {storage.url!r} holds data but no saved buffer; open the data with "
+            f"store {storage.url!r} holds no saved buffer (none was saved there, or the "
+            "buffer was emptied since its last save); open the data with "
             "ZarrStorage(path=...), or save a buffer there with zarr_rb.save(rb, path)",
         )
+    try:
+        storage._store.check_loadable(
+            length=saved.length, cursor=saved.cursor, epoch=saved.epoch, exact=False
+        )
+    except BaseException:
+        storage.close()
+        raise
     return saved
 
 
@@ -291,8 +301,8 @@ def _load_on_store(
 ) -> Any:
     storage = ZarrStorage(
         path=path,
+        mode="r" if read_only else "r+",
         device=device,
-        read_only=read_only,
         storage_options=storage_options,
         ram_bytes=ram_bytes,
     )

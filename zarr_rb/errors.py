@@ -18,6 +18,7 @@ __all__ = [
     "FormatVersionError",
     "InvalidLocationError",
     "KeyNameError",
+    "LiveBufferError",
     "LockedError",
     "LocksUnsupportedError",
     "MissingDependencyError",
@@ -31,6 +32,7 @@ __all__ = [
     "ReadOnlyFilesystemError",
     "RowIndexError",
     "RowsNotCommittedError",
+    "SaveOverwrittenError",
     "SchemaMismatchError",
     "ServerBusyError",
     "StateChangedError",
@@ -227,6 +229,17 @@ class NotAnImageError(ZarrRBError, ValueError):
 
 class MissingDependencyError(ZarrRBError, ImportError):
     """An optional dependency is not installed; the message says which extra installs it."""
+
+
+class SaveOverwrittenError(ZarrRBError, LookupError):
+    """The rows a save (or an in-place ``rb.dumps``) covered were written over since: the
+    ring wrapped past them, rows were rewritten, or the buffer was emptied. Loading it would
+    pair the saved state with other rows."""
+
+
+class LiveBufferError(ZarrRBError, RuntimeError):
+    """A load in the process that has the buffer open for writing would move that live
+    buffer back to an older state, dropping rows it committed since."""
 
 
 class ReadOnlyFilesystemError(ReadOnlyError):

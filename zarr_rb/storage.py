@@ -557,13 +557,14 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         self.__dict__["writes_begun"] += 1
         schema = store.schema
         assert schema is not None
+        next_cursor = None
         if set_cursor:
             _compat.set_last_cursor(self, cursor)
             _compat.grow_length(self, data, cursor)
-        store.write(rows, leaves)
-        last_row = _compat.last_cursor_index(self)
-        if set_cursor and last_row is not None:
-            store.cursor = (last_row + 1) % schema.rows
+            last_row = _compat.last_cursor_index(self)
+            if last_row is not None:
+                next_cursor = (last_row + 1) % schema.rows
+        store.write(rows, leaves, cursor=next_cursor)
         _compat.bump_revision(self)
 
     def _rows_to_write(self, cursor: Any, data: Any) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:
@@ -654,6 +655,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             picked = torch.from_numpy(last)
             values = {key: value[picked] for key, value in values.items()}
         self._store.write(unique, {key: value.detach().to("cpu") for key, value in values.items()})
+        # The revision stays (see above), but a gather kept from before must not be served.
+        self.__dict__.pop("_last_gather", None)
 
     @_io_boundary
     def _empty(self) -> None:
@@ -663,9 +666,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 f"{self._where} is shared by several writers: emptying it would drop the rows "
                 "of the others; start a new store instead (mode='w' once no writer has it)",
             )
-        self._store.discard()
-        self._len = 0
-        self._store.flush()
+        self._store.empty()
         _compat.bump_revision(self)
 
     @_io_boundary

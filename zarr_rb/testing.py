@@ -674,3 +674,12 @@ def kill_at_each_operation_of_a_save(
             _fail(f"kill point {n}: writer exited with {child.exitcode}, not SIGKILL")
         path = run_dir / "rb.zarr" if store is None else store_at(f"kill-{n}")
         yield n, operations, check_crashed_store(path, run_dir / "log", workload, storage_options)
+
+
+def simulate_crash(storage: Any) -> None:
+    """Drop ``storage`` as a process SIGKILLed at this instant would: the rows it holds in
+    RAM are lost, nothing is flushed or committed, and its writer lock is released. The
+    store on disk is left exactly as the crash would leave it (the process goes on, so the
+    files it wrote are all there, as the OS keeps them after a process dies)."""
+    storage._finalizer.detach()
+    storage._store.abandon()

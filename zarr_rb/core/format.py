@@ -404,6 +404,10 @@ class Commit:
     holes: tuple[tuple[int, int], ...] = ()
     ring: Ring | None = None
     """The blocks of a store written by several writers (``None``: one writer)."""
+    epoch: int = 0
+    """Grows whenever rows that an earlier commit declared readable are written over (the
+    ring wrapping, rows rewritten, the buffer emptied): the rows a save covered are the
+    ones it saved for as long as the epoch it recorded stays (one writer)."""
 
     def to_json(self) -> dict[str, Any]:
         record: dict[str, Any] = {
@@ -412,6 +416,8 @@ class Commit:
             "cursor": self.cursor,
             "holes": [list(h) for h in self.holes],
         }
+        if self.epoch:
+            record["epoch"] = self.epoch
         if self.ring is not None:
             record["ring"] = self.ring.to_json()
         return record
@@ -445,13 +451,18 @@ class Saved:
     slot: int
     length: int
     cursor: int
+    epoch: int = 0
+    """The commit epoch the save was made at (see :attr:`Commit.epoch`)."""
 
     @property
     def group(self) -> str:
         return f"{STATE_GROUP}/{self.slot}"
 
     def to_json(self) -> dict[str, Any]:
-        return {"slot": self.slot, "length": self.length, "cursor": self.cursor}
+        record: dict[str, Any] = {"slot": self.slot, "length": self.length, "cursor": self.cursor}
+        if self.epoch:
+            record["epoch"] = self.epoch
+        return record
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -559,6 +570,7 @@ def parse_commit(value: object, *, rows: int) -> Commit:
         cursor=_parse_int(value.get("cursor", 0), "commit cursor", hi=max(rows - 1, 0)),
         holes=tuple(holes),
         ring=parse_ring(value.get("ring"), rows=rows),
+        epoch=_parse_int(value.get("epoch", 0), "commit epoch"),
     )
 
 
@@ -601,6 +613,7 @@ def parse_saved(value: object, *, max_size: int) -> Saved | None:
         slot=_parse_int(value.get("slot"), "saved slot", hi=1),
         length=_parse_int(value.get("length"), "saved length", hi=max_size),
         cursor=_parse_int(value.get("cursor"), "saved cursor", hi=max_size),
+        epoch=_parse_int(value.get("epoch", 0), "saved epoch"),
     )
 
 

@@ -35,6 +35,7 @@ from zarr_rb._io import errno_of
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy, to_numpy
 from zarr_rb.core.format import (
     ATTRS_KEY,
+    DATA_GROUP,
     FORMAT_VERSION,
     Commit,
     LeafSpec,
@@ -53,9 +54,11 @@ from zarr_rb.core.write_cache import Block, Key, WriteBuffer
 from zarr_rb.engine import Engine, RowArray
 from zarr_rb.engine.tensorstore import is_run
 from zarr_rb.errors import (
+    LiveBufferError,
     NotSupportedError,
     ReadOnlyError,
     RowsNotCommittedError,
+    SaveOverwrittenError,
     StoreCorruptedError,
     StoreWriteError,
     ZarrRBError,
@@ -112,14 +115,20 @@ class Store:
         read_only: bool,
         compression: Compression,
         lock: WriterHold | None = None,
+        create: Callable[[], WriterHold] | None = None,
     ) -> None:
+        """``create``: the store is not on disk yet; its first write calls this for its
+        directory and writer lock, then publishes its first record."""
         self.engine = engine
+        self._create = create
         self._mutex = threading.RLock()
         self._lock = lock
         self.meta = meta
         self.read_only = read_only
         self.compression = compression
         self.committed = meta.commit
+        self._epoch_at_open = meta.commit.epoch
+        """Rows written over before this epoch were written over by another process."""
         self.length = meta.commit.length * self._elements_per_row(meta.schema)
         self.cursor = meta.commit.cursor
         self._arrays: dict[Key, RowArray] = {}
@@ -283,6 +292,7 @@ class Store:
         it writes, see :meth:`_create_arrays`)."""
         self._check_writable()
         block_rows = choose_block_rows(self.compression, schema.leaves, schema.batch_shape)
+        self.create_on_disk()
         if self.sharing is not None:
             self.sharing.set_schema(schema, block_rows)
             return
@@ -439,15 +449,21 @@ class Store:
             raise ValueError(f"store {self.url!r} is closed")
 
     @_serialized
-    def write(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
+    def write(
+        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, cursor: int | None = None
+    ) -> None:
         """Write ``values[key][i]`` to row ``rows[i]`` (``rows`` sorted and unique).
 
         ``values`` holds every leaf (a row write) or some of them (the other leaves of those
-        rows keep their values).
+        rows keep their values). ``cursor``: the row the next sequential write goes to once
+        this one is done (a writer's extend); set before anything is committed, so that
+        every commit made during the write records where its rows end.
         """
         self._check_writable()
         assert self._buffer is not None
         self.version += 1
+        if cursor is not None:
+            self.cursor = cursor
         if self.sharing is not None:
             blocks = self.sharing.hold_rows(rows)
             try:
@@ -455,14 +471,15 @@ class Store:
             finally:
                 self.sharing.publish(rows, release=blocks)
             return
+        values, zeros = self._zeros_where_unwritten(rows, values)
         self._update_mirror(rows, values)
         if values.keys() == self._leaves.keys():
-            writes = self._stage_rows(rows, values)
+            writes = self._stage_rows(rows, values, sequential=cursor is not None)
         else:
             # Rows waiting in RAM take the new values there; the others are written now.
             in_ram = self._buffer.patch(rows, values)
             elsewhere = np.flatnonzero(~in_ram)
-            writes = []
+            writes = zeros
             if elsewhere.size:
                 picked = torch.from_numpy(elsewhere)
                 writes.append((rows[elsewhere], {k: v[picked] for k, v in values.items()}))
@@ -496,6 +513,38 @@ class Store:
             shape = (rows.size, *self.element_shape(leaf))
             out[key] = torch.zeros(shape, dtype=TORCH_DTYPES[leaf.dtype])
         return out
+
+    def _zeros_where_unwritten(
+        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
+    ) -> tuple[Mapping[Key, torch.Tensor], list[Write]]:
+        """A write that leaves keys out: cells of those keys that were never written (rows
+        past the committed ones) get zeros, as in TorchRL's storages, whose unwritten cells
+        read as zeros; cells that hold data keep it.
+
+        Returns the values to write (whole rows when every left-out cell was empty) and,
+        otherwise, writes of zeros into the empty cells alone.
+        """
+        missing = [key for key in self._leaves if key not in values]
+        if not missing or not rows.size:
+            return values, []
+        assert self._buffer is not None
+        assert self._ledger is not None
+        hit, _ = self._buffer.staged_rows(rows)
+        # Past the committed rows: cells never written. (Inside them, a cell that cannot be
+        # read was lost to a crash or a failed write: it stays unreadable, not zero.)
+        fresh = rows >= self.committed.length
+        empty = {key: ~(self._ledger.readable(rows, key) | hit) & fresh for key in missing}
+        if all(cells.all() for cells in empty.values()):
+            return self._whole_rows(rows, values), []
+        zeros: list[Write] = []
+        for key, cells in empty.items():
+            if cells.any():
+                leaf = self._leaf(key)
+                shape = (int(cells.sum()), *self.element_shape(leaf))
+                zeros.append(
+                    (rows[cells], {key: torch.zeros(shape, dtype=TORCH_DTYPES[leaf.dtype])})
+                )
+        return values, zeros
 
     @property
     def _rows_reached(self) -> int:
@@ -544,8 +593,17 @@ class Store:
             self._keep_for_retry(writes)
             raise
 
-    def _stage_rows(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> list[Write]:
-        """Stage whole rows in RAM by block; returns what must be written now."""
+    def _stage_rows(
+        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, sequential: bool
+    ) -> list[Write]:
+        """Stage whole rows in RAM by block; returns what must be written now.
+
+        ``sequential``: the rows are a writer's extend, ending just before :attr:`cursor`.
+        Of its blocks, only the one it ends in may then stay in RAM: a block it went past
+        (partly on disk already, after a flush in its middle) is written now, so that the
+        rows a commit publishes always run up to the cursor it records, with no row of the
+        extend left behind in RAM.
+        """
         assert self._buffer is not None
         if self._too_long_to_stage(values):
             # Written now, after the rows of their blocks that wait in RAM (older values).
@@ -555,6 +613,12 @@ class Store:
                 self._write_or_keep([_block_rows(self._buffer.pop(b.index)) for b in older])
             return [(rows, values)]
         direct, full = self._buffer.stage(rows, values)
+        if sequential and rows.size:
+            block_rows = self._buffer.block_rows
+            last = (self.cursor - 1) % self._buffer.rows // block_rows
+            staged = {block.index for block in self._buffer}
+            passed = set(np.unique(rows // block_rows).tolist()) & staged - {last}
+            full = sorted(set(full) | passed)
         blocks = [self._buffer.pop(index) for index in full]
         if len(self._buffer) > _MAX_STAGED_BLOCKS:
             # Too many partially filled blocks: write the oldest ones as they are.
@@ -602,7 +666,7 @@ class Store:
         if withdrawal is not None:
             # Withdraw the rows about to change before touching a byte of them; the length
             # stays, so readers see holes rather than a shrinking buffer.
-            self._publish_mask(withdrawal, length=self.committed.length)
+            self._publish_mask(withdrawal, length=self.committed.length, rewrite=True)
         was_intact = self._ledger.start_write(touched)
         with self.writing("writing rows"):
             futures = []
@@ -668,7 +732,9 @@ class Store:
         if withdrawn and self.sharing is not None:
             self.sharing.withdraw(rows)
         elif withdrawn:
-            self._publish_mask(self._ledger.published & ~rows, length=self.committed.length)
+            self._publish_mask(
+                self._ledger.published & ~rows, length=self.committed.length, rewrite=True
+            )
         return withdrawn
 
     @_serialized
@@ -721,15 +787,41 @@ class Store:
         readable[self.length_rows :] = False
         self._publish_mask(readable)
 
-    def _publish_mask(self, readable: np.ndarray, *, length: int | None = None) -> None:
+    def _committable_cursor(self) -> int:
+        """The cursor a commit records: this writer's, unless rows it wrote since the last
+        commit still wait in RAM; then the first of them in ring order, so that a writer
+        reopened after a crash appends right after the rows the commit publishes (or, in a
+        full ring, overwrites the oldest of them), never over rows it published."""
+        assert self._buffer is not None
+        start, rows = self.committed.cursor, self._buffer.rows
+        span = (self.cursor - start) % rows
+        first = span
+        for block in self._buffer:
+            offsets = np.flatnonzero(block.dirty[: block.length])
+            distance = (block.index * self._buffer.block_rows + offsets - start) % rows
+            inside = distance[distance < first]
+            if inside.size:
+                first = int(inside.min())
+        return (start + first) % rows
+
+    def _publish_mask(
+        self, readable: np.ndarray, *, length: int | None = None, rewrite: bool = False
+    ) -> None:
+        """Publish a commit declaring the ``readable`` rows; ``rewrite``: rows the last
+        commit declared readable are about to be written over (the epoch moves)."""
         assert self._ledger is not None
         commit = commit_from_mask(
-            readable, generation=self.committed.generation + 1, cursor=self.cursor, length=length
+            readable,
+            generation=self.committed.generation + 1,
+            cursor=self._committable_cursor(),
+            length=length,
         )
+        commit = dataclasses.replace(commit, epoch=self.committed.epoch + rewrite)
         if (
             commit.length == self.committed.length
             and commit.holes == self.committed.holes
             and commit.cursor == self.committed.cursor
+            and commit.epoch == self.committed.epoch
             and self.schema == self._schema_on_disk
         ):
             return
@@ -737,9 +829,84 @@ class Store:
         self._ledger.published_as(readable)
 
     @_serialized
+    def empty(self) -> None:
+        """Drop every row, as TorchRL's ``rb.empty()`` does, and commit: nothing is
+        readable, the cursor is back at 0, the epoch moves and the last save is dropped
+        (its rows are gone)."""
+        self._check_writable()
+        self.discard()
+        self.length = 0
+        self.cursor = 0
+        if self.meta.saved is not None:
+            # The rows of the last save are gone: so is the save.
+            self.meta = dataclasses.replace(self.meta, saved=None)
+        if self._ledger is None:
+            commit = dataclasses.replace(
+                self.committed,
+                generation=self.committed.generation + 1,
+                length=0,
+                cursor=0,
+                holes=(),
+                epoch=self.committed.epoch + 1,
+            )
+            self._publish(commit)
+            return
+        self._publish_mask(self._ledger.mask(), rewrite=True)
+
+    @_serialized
+    def check_loadable(self, *, length: int, cursor: int, epoch: int, exact: bool) -> None:
+        """Check that a save (or an in-place dump) made at ``length`` (elements), ``cursor``
+        and ``epoch`` can be loaded on this store. ``exact``: its rows must be the ones it
+        covered (TorchRL's ``rb.loads``); otherwise only rows this process wrote over count
+        (``zarr_rb.load`` resumes a run whose rows moved on, see the README).
+
+        Raises:
+            SaveOverwrittenError: rows the save covered were written over since.
+            LiveBufferError: a storage of this process writes this store and went on since
+                the save: loading would move it back and drop the rows it committed since.
+        """
+        where = f"store {self.url!r}"
+        live = not self.read_only and self.users > 1
+        if live:
+            self.flush()  # the live buffer's rows in RAM are committed, so that they count
+        rows = -(-length // self._elements_per_row(self.schema))
+        if self.committed.length < rows:
+            raise SaveOverwrittenError(
+                f"{where}: the rows its last save (or dump) covered, {rows} of them, are no "
+                f"longer in the store, which holds {self.committed.length} (the buffer was "
+                "emptied since). Open the rows as they are with ZarrStorage(path=...), or "
+                "keep saves that training cannot touch: zarr_rb.save(rb, other_path) writes "
+                "an independent snapshot",
+            )
+        since = epoch if exact else max(epoch, self._epoch_at_open)
+        if self.sharing is None and since < self.committed.epoch:
+            # Rows of the save written over in this process. (A process that reopens a store
+            # after a crash resumes from the save with the rows as they are now, as the
+            # README says: what it gets back are the rows that were committed.)
+            raise SaveOverwrittenError(
+                f"{where}: the rows its last save covered (length {length}) were written over "
+                "since (the ring wrapped past them, rows were rewritten, or the buffer was "
+                "emptied), so the saved state no longer matches them. Open the rows as they "
+                "are with ZarrStorage(path=...), or keep saves that training cannot touch: "
+                "zarr_rb.save(rb, other_path) writes an independent snapshot",
+            )
+        if live and (self.length, self.cursor) != (length, cursor):
+            raise LiveBufferError(
+                f"{where} is open for writing in this process by a buffer that went on since "
+                f"the save (saved at length {length}, cursor {cursor}; now length "
+                f"{self.length}, cursor {self.cursor}): loading the save would move that "
+                "buffer back and drop the rows it committed since. Save it again "
+                "(zarr_rb.save(rb)) to load its current state, close it first "
+                "(rb.storage.close()), or read the save with zarr_rb.load(path, "
+                "read_only=True)",
+            )
+
+    @_serialized
     def publish_saved(self, saved: Saved) -> None:
-        """Flush, then publish the data commit together with a new save record."""
+        """Flush, then publish the data commit together with a new save record (made at
+        the commit's epoch)."""
         self.flush()
+        saved = dataclasses.replace(saved, epoch=self.committed.epoch)
         if self.sharing is not None:
             self.sharing.update(lambda meta: dataclasses.replace(meta, saved=saved))
             return
@@ -750,7 +917,26 @@ class Store:
         """Publish the store's settings and schema with the current commit."""
         self._publish(self.committed)
 
+    @_serialized
+    def create_on_disk(self) -> None:
+        """Make a store that so far exists in this process only: its directory, writer
+        lock, first record and data group (its first write does)."""
+        create = self._create
+        if create is None:
+            return
+        lock = self._lock = create()
+        self._create = None
+        try:
+            self._publish(self.committed)
+            with self.writing("creating the data group"):
+                self.engine.create_group(DATA_GROUP)
+        except BaseException:
+            lock.release()
+            self._lock, self._create = None, create  # the next write tries again
+            raise
+
     def _publish(self, commit: Commit, *, saved: Saved | None = None) -> None:
+        self.create_on_disk()
         meta = dataclasses.replace(self.meta, commit=commit)
         if saved is not None:
             meta = dataclasses.replace(meta, saved=saved)
@@ -1046,6 +1232,7 @@ class Store:
         if self.sharing is not None or self.read_only:
             return
         check_shareable(self)
+        self.create_on_disk()
         self.flush()
         writer = new_writer_id()
         if self._lock is not None:
@@ -1093,6 +1280,21 @@ class Store:
             removed = removed or location.exists()
             location.delete_prefix("")
         return removed
+
+    @_serialized
+    def abandon(self) -> None:
+        """Drop the store as a process killed at this instant would: the rows in RAM are
+        lost, nothing is flushed or committed, the writer's lock is released (as the kernel
+        releases a dead process's locks). For crash tests."""
+        if self.closed:
+            return
+        self.closed = True
+        self.users = 0
+        self._arrays.clear()
+        if self._lock is not None:
+            self._lock.release()  # a shared writer's blocks are then taken for a dead one's
+        for callback in self._on_close:
+            callback(self)
 
     def _gone(self) -> bool:
         """Whether there is nothing to flush into: a reader, or a store deleted from under

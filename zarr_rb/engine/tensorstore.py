@@ -22,7 +22,12 @@ from zarr_rb._progress import progress_bar
 from zarr_rb.core.format import describe_runs
 from zarr_rb.core.layout import MAX_CHUNK_ELEMENTS, Compression, LeafLayout
 from zarr_rb.engine.cache import EncodedCache
-from zarr_rb.errors import ChunkCorruptedError, FencedError, StoreCorruptedError
+from zarr_rb.errors import (
+    ChunkCorruptedError,
+    FencedError,
+    StoreCorruptedError,
+    StoreNotFoundError,
+)
 from zarr_rb.locations.base import (
     ROOT_METADATA,
     Generation,
@@ -157,6 +162,13 @@ class Engine:
             FencedError: the record changed since this writer last read or wrote it.
         """
         if not self.try_write_root_attributes(attributes):
+            if self.location.read(ROOT_METADATA) is None:
+                raise StoreNotFoundError(
+                    f"store {self.url!r} was deleted while this writer had it open (by "
+                    "another program, or with the temporary directory it lived in); nothing "
+                    "was published. Give the storage a path that outlives it, or write the "
+                    "rows again into a new store",
+                )
             raise FencedError(
                 f"store {self.url!r}: its commit record was changed by another writer since "
                 "this one last committed; nothing was published. Reopen the store to write "

@@ -1,0 +1,410 @@
+"""Model-based test of the ring across crashes: a TorchRL buffer on a ZarrStorage and its twin
+on a LazyTensorStorage take the same extends, overwrites, flushes, saves, loads, dumps,
+empties and reopens; a crash drops the ZarrStorage as a SIGKILL would, and the store it
+reopens must be a state the buffer went through since its last durable point.
+
+Every element of every row is a function of the version of the write that put it there
+(:func:`rows_of`), so a row torn between two writes, a stale row or a row from another
+position shows. After a crash, the reopened buffer must hold, for some number ``p`` of the
+extended rows since the last flush (the ones committed):
+
+* the length and writer cursor the twin had after those ``p`` rows;
+* in every row of ``[0, len)``, the version the twin had there after those ``p`` rows, or a
+  version an overwrite (``rb[i] = ...``) put there since (an overwrite may or may not have
+  been committed), never anything else. Rows being rewritten at the crash may be holes
+  (withdrawn from the readable range) as the store's commit protocol allows, and nowhere
+  else.
+
+The twin then becomes the reopened state, and the buffers go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_identical
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+import zarr_rb
+from zarr_rb import Compression, ZarrStorage
+from zarr_rb.errors import (
+    LiveBufferError,
+    NoSavedBufferError,
+    RowsNotCommittedError,
+    SaveOverwrittenError,
+)
+from zarr_rb.testing import simulate_crash
+
+ROWS = 20
+"""Rows (along the first dimension) of the ring."""
+
+
+def rows_of(versions: torch.Tensor, envs: int) -> TensorDict:
+    """Rows whose every element derives from the version of the write that made it: ``[n]``
+    batches, or ``[envs, n]`` for a store of ``ndim=2`` (TorchRL extends along dim 1)."""
+    v = versions.to(torch.int64)
+    if envs > 1:
+        v = v[None, :] * envs + torch.arange(envs)[:, None]  # [envs, n]
+    obs = (v[..., None, None, None] * 7 + torch.arange(4 * 16 * 16).view(4, 16, 16)) % 251
+    return TensorDict(
+        {
+            "step": v,
+            "obs": obs.to(torch.uint8),  # 1 KiB per element: a large, sharded leaf
+            "next": {"reward": (v * 0.5).to(torch.float32)[..., None]},
+        },
+        batch_size=v.shape,
+    )
+
+
+@dataclasses.dataclass
+class Durable:
+    """The twin's state at a point the store must keep: its rows' versions, length (rows)
+    and writer cursor."""
+
+    versions: list[int | None]
+    length: int
+    cursor: int
+
+
+class CrashMachine(RuleBasedStateMachine):
+    @initialize(
+        block_rows=st.sampled_from([2, 4, 8]),
+        envs=st.sampled_from([1, 1, 3]),
+    )
+    def setup(self, block_rows: int, envs: int) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="zarr_rb-crash-model-"))
+        self.path = self.dir / "rb.zarr"
+        self.compression = Compression(block_rows=block_rows, chunk_rows=2)
+        self.envs = envs
+        self.ndim = 1 if envs == 1 else 2
+        self.zarr = self._buffer(
+            ZarrStorage(ROWS * envs, self.path, ndim=self.ndim, compression=self.compression)
+        )
+        self.twin = self._buffer(LazyTensorStorage(ROWS * envs, ndim=self.ndim))
+        self.version = 0
+        self.versions: list[int | None] = [None] * ROWS  # the twin's rows
+        self.durable = Durable([None] * ROWS, 0, 0)
+        self.extended: list[tuple[int, int]] = []  # (row, version) extended since durable
+        self.overwritten: dict[int, list[int]] = {}  # row -> versions overwritten since
+        self.saved: Durable | None = None
+        self.dumped: Durable | None = None
+        self.rewritten_since_save = False  # rows that held data written over since
+        self.saved_gone = False  # the buffer was emptied since its save
+        self.rewritten_since_dump = False
+
+    def teardown(self) -> None:
+        if hasattr(self, "zarr"):
+            self.zarr.storage.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _reopened(self) -> ZarrStorage:
+        # With its capacity: a store closed before its first write was never made.
+        return ZarrStorage(ROWS * self.envs, self.path, ndim=self.ndim)
+
+    def _buffer(self, storage: Any) -> TensorDictReplayBuffer:
+        return TensorDictReplayBuffer(storage=storage, batch_size=4)
+
+    @property
+    def length(self) -> int:
+        return len(self.twin) // self.envs
+
+    @property
+    def cursor(self) -> int:
+        return int(self.twin._writer._cursor)
+
+    def _mark_durable(self) -> None:
+        self.durable = Durable(list(self.versions), self.length, self.cursor)
+        self.extended = []
+        self.overwritten = {}
+
+    def _state(self) -> Durable:
+        return Durable(list(self.versions), self.length, self.cursor)
+
+    def _rewritten(self) -> None:
+        self.rewritten_since_save = self.rewritten_since_dump = True
+
+    # --- writes ------------------------------------------------------------------------
+
+    @rule(n=st.integers(1, ROWS + 4))
+    def extend(self, n: int) -> None:
+        if self.envs > 1:
+            n = max(n, 2)  # TorchRL's index of a one-step extend of [envs, 1] fails to broadcast
+        versions = torch.arange(self.version + 1, self.version + 1 + n)
+        self.version += n
+        start = self.cursor
+        for rb in (self.zarr, self.twin):
+            rb.extend(rows_of(versions, self.envs))
+        for i, version in enumerate(versions.tolist()):
+            row = (start + i) % ROWS
+            if self.versions[row] is not None:
+                self._rewritten()
+            self.versions[row] = version
+            self.extended.append((row, version))
+
+    @precondition(lambda self: self.length > 0)
+    @rule(data=st.data())
+    def overwrite(self, data: st.DataObject) -> None:
+        rows = data.draw(
+            st.lists(st.integers(0, self.length - 1), min_size=1, max_size=4, unique=True)
+        )
+        versions = torch.arange(self.version + 1, self.version + 1 + len(rows))
+        self.version += len(rows)
+        batch = rows_of(versions, self.envs)
+        for rb in (self.zarr, self.twin):
+            if self.envs > 1:
+                rb[:, torch.tensor(rows)] = batch
+            else:
+                rb[torch.tensor(rows)] = batch
+        for row, version in zip(rows, versions.tolist(), strict=True):
+            self.versions[row] = version
+            self.overwritten.setdefault(row, []).append(version)
+        self._rewritten()
+
+    @rule()
+    def flush(self) -> None:
+        self.zarr.storage.flush()
+        self._mark_durable()
+
+    @rule()
+    def empty(self) -> None:
+        for rb in (self.zarr, self.twin):
+            rb.empty()
+        self.versions = [None] * ROWS
+        self._mark_durable()
+        self._rewritten()
+        self.saved_gone = True
+
+    @rule()
+    def reopen(self) -> None:
+        """A clean close and reopen: nothing moves, the writer goes on where it was."""
+        self.zarr.storage.close()
+        self.zarr = self._buffer(self._reopened())
+        assert int(self.zarr._writer._cursor) == self.cursor
+        self._mark_durable()
+
+    # --- save, load, dumps, loads ------------------------------------------------------
+
+    @rule()
+    def save(self) -> None:
+        zarr_rb.save(self.zarr)
+        self._mark_durable()
+        self.saved = self._state()
+        self.rewritten_since_save = False
+        self.saved_gone = False
+
+    @precondition(lambda self: self.saved is not None)
+    @rule()
+    def load_beside_the_live_buffer(self) -> None:
+        """``zarr_rb.load`` in the process that has the buffer open never changes it: it
+        gives a buffer at the save when nothing moved since, a typed error otherwise."""
+        if self.saved_gone:
+            with pytest.raises(NoSavedBufferError):
+                zarr_rb.load(self.path)
+        elif (self.length, self.cursor) != (self.saved.length, self.saved.cursor):
+            with pytest.raises((LiveBufferError, SaveOverwrittenError)):
+                zarr_rb.load(self.path)
+        else:
+            try:
+                loaded = zarr_rb.load(self.path)
+            except SaveOverwrittenError:
+                assert self.rewritten_since_save
+            else:
+                assert len(loaded) == len(self.twin)
+                self._check_same(loaded)
+                loaded.storage.close()
+        self._check_same(self.zarr)
+
+    @rule()
+    def dumps(self) -> None:
+        self.zarr.dumps(self.path)
+        self._mark_durable()
+        self.dumped = self._state()
+        self.rewritten_since_dump = False
+
+    @precondition(lambda self: self.dumped is not None)
+    @rule()
+    def loads(self) -> None:
+        """``rb.loads`` of the store's own dump: the dumped rows, as TorchRL's storages give
+        them, or a typed error once they were written over."""
+        dumped = self.dumped
+        assert dumped is not None
+        try:
+            self.zarr.loads(self.path)
+        except SaveOverwrittenError:
+            assert self.rewritten_since_dump
+            self._check_same(self.zarr)  # left as it was
+            return
+        assert len(self.zarr) == dumped.length * self.envs
+        assert int(self.zarr._writer._cursor) == dumped.cursor
+        stored = self._stored_versions(dumped.length, holes_allowed=set())
+        self._adopt(stored, dumped.length, dumped.cursor)
+        assert self.versions == dumped.versions
+
+    # --- crashes -------------------------------------------------------------------------
+
+    @rule(load=st.booleans())
+    def crash(self, load: bool) -> None:
+        """The writer dies without flushing; the store reopens at its last commit (or is
+        loaded from its last save)."""
+        simulate_crash(self.zarr.storage)
+        if load and self.saved is not None:
+            self._load_after_crash()
+            return
+        self.zarr = self._buffer(self._reopened())
+        self._check_reopened()
+
+    def _load_after_crash(self) -> None:
+        """``zarr_rb.load`` after a crash restores the save's length and writer cursor;
+        rows not written since the save are the saved ones."""
+        saved = self.saved
+        assert saved is not None
+        if self.saved_gone:
+            with pytest.raises(NoSavedBufferError):
+                zarr_rb.load(self.path)
+            self.zarr = self._buffer(self._reopened())
+            self._check_reopened()
+            return
+        self.zarr = zarr_rb.load(self.path)
+        assert len(self.zarr) == saved.length * self.envs
+        assert int(self.zarr._writer._cursor) == saved.cursor
+        # Rows written over since the save come back as they were committed (or as holes,
+        # while being rewritten); the others as saved.
+        rewritten = {row for row in range(ROWS) if self.versions[row] != saved.versions[row]}
+        stored = self._stored_versions(saved.length, holes_allowed=rewritten)
+        for row in range(saved.length):
+            if row not in rewritten or stored[row] is None:
+                assert stored[row] == saved.versions[row] or row in rewritten, row
+            else:
+                assert stored[row] >= (saved.versions[row] or 0), row
+        self._adopt(stored, saved.length, saved.cursor)
+
+    def _check_reopened(self) -> None:
+        durable = self.durable
+        length = len(self.zarr) // self.envs
+        cursor = int(self.zarr._writer._cursor)
+        # Candidates: how many of the rows extended since the durable point were committed.
+        fits = []
+        for p in range(len(self.extended) + 1):
+            versions = list(durable.versions)
+            for row, version in self.extended[:p]:
+                versions[row] = version
+            if (durable.cursor + p) % ROWS != cursor:
+                continue
+            if (
+                min(
+                    ROWS, max(durable.length, max((r + 1 for r, _ in self.extended[:p]), default=0))
+                )
+                != length
+            ):
+                continue
+            fits.append(versions)
+        assert fits, (
+            f"reopened at length {length}, cursor {cursor}: no number of the "
+            f"{len(self.extended)} rows extended since the last flush (at length "
+            f"{durable.length}, cursor {durable.cursor}) gives that"
+        )
+        rewritten = {row for row, _ in self.extended} | set(self.overwritten)
+        stored = self._stored_versions(length, holes_allowed=rewritten)
+        failures = []
+        for versions in fits:
+            bad = [
+                row
+                for row in range(length)
+                if stored[row] is not None
+                and stored[row] != versions[row]
+                and stored[row] not in self.overwritten.get(row, [])
+            ]
+            if not bad:
+                break
+            failures.append(bad)
+        else:
+            raise AssertionError(f"rows {failures} hold versions the buffer never committed")
+        self._adopt(stored, length, cursor)
+
+    def _stored_versions(self, length: int, *, holes_allowed: set[int]) -> list[int | None]:
+        """The version of each row of the reopened store (``None``: a hole), checked whole."""
+        storage = self.zarr.storage
+        holes = set(storage._store.unreadable_rows().tolist())
+        assert holes <= holes_allowed, (
+            f"holes {sorted(holes - holes_allowed)} in rows never rewritten"
+        )
+        out: list[int | None] = [None] * ROWS
+        readable = [row for row in range(length) if row not in holes]
+        if readable:
+            got = storage.get(torch.tensor(readable))
+            for i, row in enumerate(readable):
+                step = got["step"][i].reshape(-1)
+                version = int(step[0]) // self.envs
+                assert_identical(
+                    got[i].exclude("index"),
+                    rows_of(torch.tensor([version]), self.envs)[
+                        (slice(None), 0) if self.envs > 1 else 0
+                    ],
+                )
+                out[row] = version
+        for row in holes:
+            with pytest.raises(RowsNotCommittedError):
+                storage.get(torch.tensor([row]))
+        return out
+
+    def _adopt(self, versions: list[int | None], length: int, cursor: int) -> None:
+        """The twin becomes the reopened state."""
+        self.twin = self._buffer(LazyTensorStorage(ROWS * self.envs, ndim=self.ndim))
+        if length:
+            # Holes read as zeros on the twin: never compared (samplers skip them).
+            full = torch.tensor([versions[row] or 0 for row in range(length)])
+            self.twin.extend(rows_of(full, self.envs))
+            self.twin._writer._cursor = cursor
+        self.versions = [versions[row] if row < length else None for row in range(ROWS)]
+        self._mark_durable()
+
+    # --- checks --------------------------------------------------------------------------
+
+    def _check_same(self, rb: TensorDictReplayBuffer) -> None:
+        assert len(rb) == len(self.twin)
+        holes = set(rb.storage._store.unreadable_rows().tolist())
+        rows = [row for row in range(self.length) if row not in holes]
+        if rows:
+            index = torch.tensor(rows)
+            assert_identical(
+                rb.storage.get(index).exclude("index"),
+                self.twin.storage.get(index).exclude("index"),
+            )
+
+    @invariant()
+    def same_rows(self) -> None:
+        if hasattr(self, "zarr"):
+            self._check_same(self.zarr)
+            assert int(self.zarr._writer._cursor) == self.cursor
+
+
+CrashMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestCrashMachine = CrashMachine.TestCase
+
+
+@pytest.mark.slow
+def test_crash_machine_long(request):
+    """The same machine, many more sequences."""
+    runner = CrashMachine.TestCase("runTest")
+    runner.settings = settings(
+        max_examples=400,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    runner.runTest()
