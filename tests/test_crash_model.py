@@ -15,16 +15,20 @@ extended rows since the last flush (the ones committed):
   (withdrawn from the readable range) as the store's commit protocol allows, and nowhere
   else.
 
-The twin then becomes the reopened state, and the buffers go on.
+The twin then becomes the reopened state, and the buffers go on. Stores have ``ndim=1`` or
+``2``, blocks of 2 to 8 rows or the automatic layout, and sometimes rows too wide for a block
+of the default layout and for one chunk (the layout's limits lowered to a test's scale).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -37,6 +41,8 @@ from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import Compression, ZarrStorage
+from zarr_rb.core import layout
+from zarr_rb.engine import tensorstore as tensorstore_engine
 from zarr_rb.errors import (
     LiveBufferError,
     NoSavedBufferError,
@@ -78,13 +84,22 @@ class Durable:
 
 class CrashMachine(RuleBasedStateMachine):
     @initialize(
-        block_rows=st.sampled_from([2, 4, 8]),
+        block_rows=st.sampled_from([2, 4, 8, None]),
         envs=st.sampled_from([1, 1, 3]),
+        wide_rows=st.booleans(),
     )
-    def setup(self, block_rows: int, envs: int) -> None:
+    def setup(self, block_rows: int | None, envs: int, wide_rows: bool) -> None:
+        self.limits = contextlib.ExitStack()
+        if wide_rows:
+            # Rows too wide for a block of the default layout and for one chunk, at a scale
+            # a test can run: blocks of 1 row, each row cut into several chunks.
+            self.limits.enter_context(mock.patch.object(layout, "_TARGET_SHARD_BYTES", 2048))
+            for module in (layout, tensorstore_engine):
+                self.limits.enter_context(mock.patch.object(module, "MAX_CHUNK_ELEMENTS", 512))
+            block_rows = None
         self.dir = Path(tempfile.mkdtemp(prefix="zarr_rb-crash-model-"))
         self.path = self.dir / "rb.zarr"
-        self.compression = Compression(block_rows=block_rows, chunk_rows=2)
+        self.compression = Compression(block_rows=block_rows, chunk_rows=2 if block_rows else 1)
         self.envs = envs
         self.ndim = 1 if envs == 1 else 2
         self.zarr = self._buffer(
@@ -106,6 +121,8 @@ class CrashMachine(RuleBasedStateMachine):
         if hasattr(self, "zarr"):
             self.zarr.storage.close()
             shutil.rmtree(self.dir, ignore_errors=True)
+        if hasattr(self, "limits"):
+            self.limits.close()
 
     def _reopened(self) -> ZarrStorage:
         # With its capacity: a store closed before its first write was never made.
@@ -275,6 +292,7 @@ class CrashMachine(RuleBasedStateMachine):
             self._check_reopened()
             return
         self.zarr = zarr_rb.load(self.path)
+        self.rewritten_since_dump = True  # moved back to the save: the dump's rows may be gone
         assert len(self.zarr) == saved.length * self.envs
         assert int(self.zarr._writer._cursor) == saved.cursor
         # Rows written over since the save come back as they were committed (or as holes,

@@ -7,12 +7,18 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 from zarr_rb import Compression, ZarrStorage
+from zarr_rb._io import observe_io
 from zarr_rb.testing import simulate_crash
+
+
+class Crash(BaseException):
+    """The process dies here."""
 
 
 def steps(start: int, stop: int) -> TensorDict:
@@ -70,4 +76,46 @@ def test_a_crash_in_a_wrapped_ring_reopens_at_its_oldest_row(tmp_path):
     rb.extend(steps(100, 110))
     assert torch.equal(rb[:]["step"][16:26], torch.arange(100, 110))
     assert torch.equal(rb[:]["step"][:16], torch.arange(40, 56))
+    rb.storage.close()
+
+
+@pytest.mark.parametrize(
+    ("committed", "extended"),
+    [(24, 16), (32, 8)],  # the ring's first wrap; a full ring
+    ids=["first-wrap", "full-ring"],
+)
+def test_a_crash_while_rows_are_rewritten_reopens_before_them(tmp_path, committed, extended):
+    """Rows are withdrawn by a commit before they are rewritten: a crash right then leaves
+    them withdrawn, and the reopened writer must write them (or the rows never written)
+    first, not committed rows after them."""
+    path = tmp_path / "rb.zarr"
+    compression = Compression(block_rows=8)
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(32, path, compression=compression))
+    rb.extend(steps(0, committed))
+    rb.storage.flush()
+    published = []
+
+    def crash_at_the_first_row_write_after_a_commit(kind: str, where: object) -> None:
+        if kind == "publish":
+            published.append(where)
+        elif kind == "write" and published and "data" in str(where):
+            raise Crash
+
+    with observe_io(crash_at_the_first_row_write_after_a_commit), pytest.raises(Crash):
+        rb.extend(steps(committed, committed + extended))
+    simulate_crash(rb.storage)
+    storage = ZarrStorage(path=path, compression=compression)
+    unreadable = set(storage._store.unreadable_rows().tolist())
+    rb = TensorDictReplayBuffer(storage=storage)
+    expected_cursor = committed % 32
+    assert storage.cursor == expected_cursor
+    rb.extend(steps(100, 108))
+    rewritten = {(expected_cursor + i) % 32 for i in range(8)}
+    rows = [row for row in range(len(rb)) if row in rewritten or row not in unreadable]
+    stored = dict(zip(rows, rb.storage.get(torch.tensor(rows))["step"].tolist(), strict=True))
+    for row in rows:
+        if row in rewritten:
+            assert stored[row] == 100 + (row - expected_cursor) % 32
+        else:
+            assert stored[row] == row  # committed rows never written over
     rb.storage.close()

@@ -60,7 +60,6 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
         path = Path(path).absolute()
         storage.flush()
         if isinstance(storage.path, Path) and storage.path in (path, path.parent):
-            storage._store.create_on_disk()  # a dump into a store not written yet makes it
             if path != storage.path:
                 path.mkdir(exist_ok=True)
             pointer = {

@@ -865,7 +865,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
     def restore(self, *, length: int, cursor: int) -> None:
         """Set length and cursor (e.g. to those of a save) and commit them."""
         self._len = length
-        self._store.cursor = cursor
+        self._store.move_cursor(cursor)
         if self.initialized and length:
             _compat.set_last_cursor(self, (cursor - 1) % self._store.rows)
         self._store.flush()

@@ -154,14 +154,9 @@ def open_store(
             )
     elif mode == "w-":
         raise _exists_error(where)
-    if document is None and not shared:
-        # As TorchRL's storages: nothing on disk until the first write (a directory made
-        # now may be gone by then, as TorchRL's scripts pass a temporary one).
-        assert max_size is not None
-        store = _created_when_written(engine, max_size, ndim or 1, compression)
-    elif shared:
-        if document is None:
-            location.create_root()
+    if document is None:
+        location.create_root()
+    if shared:
         store = _open_shared(engine, max_size=max_size, ndim=ndim, compression=compression)
     else:
         store = _open_single(engine, mode, max_size=max_size, ndim=ndim, compression=compression)
@@ -352,41 +347,6 @@ def _create(
                 engine.remove_tree(name)
         engine.create_group(DATA_GROUP)
     return store
-
-
-def _created_when_written(
-    engine: Engine, max_size: int, ndim: int, compression: Compression | None
-) -> Store:
-    """A new store that exists in this process only: its directory, lock and records are
-    made by its first write (see :meth:`Store.create_on_disk`)."""
-    compression = compression or Compression()
-    meta = StoreMeta(
-        max_size=max_size,
-        ndim=ndim,
-        schema=None,
-        commit=Commit(),
-        compression=compression.to_json(),
-    )
-
-    def hold() -> WriterHold:
-        """The new store's directory and writer lock, with no store there yet."""
-        location = engine.location
-        location.check_usable()
-        location.create_root()
-        lock = location.acquire_writer()
-        try:
-            if read_root(engine, adopt=True) is not None:
-                raise StoreExistsError(
-                    f"store {engine.url!r} was created by another program after this "
-                    "ZarrStorage was made and before its first write; open it again to "
-                    "append to that store, or choose another path",
-                )
-        except BaseException:
-            lock.release()
-            raise
-        return lock
-
-    return Store(engine, meta, read_only=False, compression=compression, create=hold)
 
 
 def _exists_error(where: str) -> StoreExistsError:

@@ -35,7 +35,6 @@ from zarr_rb._io import errno_of
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy, to_numpy
 from zarr_rb.core.format import (
     ATTRS_KEY,
-    DATA_GROUP,
     FORMAT_VERSION,
     Commit,
     LeafSpec,
@@ -115,18 +114,17 @@ class Store:
         read_only: bool,
         compression: Compression,
         lock: WriterHold | None = None,
-        create: Callable[[], WriterHold] | None = None,
     ) -> None:
-        """``create``: the store is not on disk yet; its first write calls this for its
-        directory and writer lock, then publishes its first record."""
         self.engine = engine
-        self._create = create
         self._mutex = threading.RLock()
         self._lock = lock
         self.meta = meta
         self.read_only = read_only
         self.compression = compression
         self.committed = meta.commit
+        self._written_from = meta.commit.cursor
+        """Where the rows written since the last commit (or since the cursor was moved)
+        start: the commit records how far from there they are committed."""
         self._epoch_at_open = meta.commit.epoch
         """Rows written over before this epoch were written over by another process."""
         self.length = meta.commit.length * self._elements_per_row(meta.schema)
@@ -292,7 +290,6 @@ class Store:
         it writes, see :meth:`_create_arrays`)."""
         self._check_writable()
         block_rows = choose_block_rows(self.compression, schema.leaves, schema.batch_shape)
-        self.create_on_disk()
         if self.sharing is not None:
             self.sharing.set_schema(schema, block_rows)
             return
@@ -787,21 +784,30 @@ class Store:
         readable[self.length_rows :] = False
         self._publish_mask(readable)
 
-    def _committable_cursor(self) -> int:
-        """The cursor a commit records: this writer's, unless rows it wrote since the last
-        commit still wait in RAM; then the first of them in ring order, so that a writer
-        reopened after a crash appends right after the rows the commit publishes (or, in a
-        full ring, overwrites the oldest of them), never over rows it published."""
+    def _committable_cursor(self, readable: np.ndarray) -> int:
+        """The cursor a commit that declares the ``readable`` rows records: this writer's,
+        unless rows it wrote since the last commit still wait in RAM or are not readable in
+        it (withdrawn while they are rewritten); then the first of them in ring order, so
+        that a writer reopened after a crash appends right after the rows the commit
+        publishes (or, in a full ring, rewrites the oldest or withdrawn ones first), never
+        over rows it published."""
         assert self._buffer is not None
-        start, rows = self.committed.cursor, self._buffer.rows
+        start, rows = self._written_from, self._buffer.rows
         span = (self.cursor - start) % rows
         first = span
+        if span:
+            ring = (start + np.arange(span)) % rows
+            inside = ring < readable.size
+            unreadable = ~inside
+            unreadable[inside] = ~readable[ring[inside]]
+            if unreadable.any():
+                first = int(np.argmax(unreadable))
         for block in self._buffer:
             offsets = np.flatnonzero(block.dirty[: block.length])
             distance = (block.index * self._buffer.block_rows + offsets - start) % rows
-            inside = distance[distance < first]
-            if inside.size:
-                first = int(inside.min())
+            waiting = distance[distance < first]
+            if waiting.size:
+                first = int(waiting.min())
         return (start + first) % rows
 
     def _publish_mask(
@@ -813,7 +819,7 @@ class Store:
         commit = commit_from_mask(
             readable,
             generation=self.committed.generation + 1,
-            cursor=self._committable_cursor(),
+            cursor=self._committable_cursor(readable),
             length=length,
         )
         commit = dataclasses.replace(commit, epoch=self.committed.epoch + rewrite)
@@ -828,6 +834,11 @@ class Store:
         self._publish(commit)
         self._ledger.published_as(readable)
 
+    def move_cursor(self, cursor: int) -> None:
+        """Put the next sequential write at ``cursor`` (a buffer emptied or loaded), not
+        after rows written (the next commit records it as it is)."""
+        self.cursor = self._written_from = cursor
+
     @_serialized
     def empty(self) -> None:
         """Drop every row, as TorchRL's ``rb.empty()`` does, and commit: nothing is
@@ -836,7 +847,7 @@ class Store:
         self._check_writable()
         self.discard()
         self.length = 0
-        self.cursor = 0
+        self.move_cursor(0)
         if self.meta.saved is not None:
             # The rows of the last save are gone: so is the save.
             self.meta = dataclasses.replace(self.meta, saved=None)
@@ -917,26 +928,7 @@ class Store:
         """Publish the store's settings and schema with the current commit."""
         self._publish(self.committed)
 
-    @_serialized
-    def create_on_disk(self) -> None:
-        """Make a store that so far exists in this process only: its directory, writer
-        lock, first record and data group (its first write does)."""
-        create = self._create
-        if create is None:
-            return
-        lock = self._lock = create()
-        self._create = None
-        try:
-            self._publish(self.committed)
-            with self.writing("creating the data group"):
-                self.engine.create_group(DATA_GROUP)
-        except BaseException:
-            lock.release()
-            self._lock, self._create = None, create  # the next write tries again
-            raise
-
     def _publish(self, commit: Commit, *, saved: Saved | None = None) -> None:
-        self.create_on_disk()
         meta = dataclasses.replace(self.meta, commit=commit)
         if saved is not None:
             meta = dataclasses.replace(meta, saved=saved)
@@ -945,6 +937,7 @@ class Store:
             self.engine.write_root_attributes({ATTRS_KEY: meta.to_json()})
         self.meta = meta
         self.committed = commit
+        self._written_from = commit.cursor if self.sharing is None else self.cursor
         self._schema_on_disk = meta.schema
 
     # --- reading ---------------------------------------------------------------------------
@@ -1232,7 +1225,6 @@ class Store:
         if self.sharing is not None or self.read_only:
             return
         check_shareable(self)
-        self.create_on_disk()
         self.flush()
         writer = new_writer_id()
         if self._lock is not None:
