@@ -409,6 +409,8 @@ class CrashMachine(RuleBasedStateMachine):
 CrashMachine.TestCase.settings = settings(
     max_examples=100,
     stateful_step_count=30,
+    derandomize=True,  # the same sequences on every run; -m slow draws new ones
+    database=None,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

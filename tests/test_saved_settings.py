@@ -394,7 +394,8 @@ def _signature(cls: type) -> dict[str, inspect.Parameter]:
             continue
         parameters = list(inspect.signature(klass.__init__).parameters.values())[1:]
         for p in parameters:
-            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            # Ray adds _ray_trace_ctx to classes it makes actors of (once test_ray ran).
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and not p.name.startswith("_ray_"):
                 out.setdefault(p.name, p)
         if all(p.kind is not p.VAR_KEYWORD for p in parameters):
             break

@@ -795,13 +795,17 @@ class Store:
         start, rows = self._written_from, self._buffer.rows
         span = (self.cursor - start) % rows
         first = span
-        if span:
-            ring = (start + np.arange(span)) % rows
-            inside = ring < readable.size
-            unreadable = ~inside
-            unreadable[inside] = ~readable[ring[inside]]
-            if unreadable.any():
-                first = int(np.argmax(unreadable))
+        # The span in ring order: one or two runs of rows (never a mask over all of them).
+        runs = [(start, min(start + span, rows))]
+        if start + span > rows:
+            runs.append((0, start + span - rows))
+        offset = 0
+        for lo, hi in runs:
+            found = _first_unset(readable, lo, hi)
+            if found is not None:
+                first = offset + found - lo
+                break
+            offset += hi - lo
         for block in self._buffer:
             offsets = np.flatnonzero(block.dirty[: block.length])
             distance = (block.index * self._buffer.block_rows + offsets - start) % rows
@@ -1305,6 +1309,18 @@ class Store:
         """The directory of a local store, the URL of any other."""
         location = self.engine.location
         return location.root if isinstance(location, LocalLocation) else location.url
+
+
+def _first_unset(mask: np.ndarray, start: int, stop: int) -> int | None:
+    """The first row of ``[start, stop)`` that ``mask`` leaves unset (rows past the mask are
+    unset), or ``None``."""
+    end = min(stop, mask.size)
+    if start < end:
+        unset = np.flatnonzero(~mask[start:end])
+        if unset.size:
+            return start + int(unset[0])
+    past = max(start, mask.size)
+    return past if past < stop else None
 
 
 def _runs(mask: np.ndarray, step: int) -> Iterator[tuple[int, int]]:
