@@ -159,8 +159,14 @@ class CrashMachine(RuleBasedStateMachine):
         versions = torch.arange(self.version + 1, self.version + 1 + n)
         self.version += n
         start = self.cursor
-        for rb in (self.zarr, self.twin):
-            rb.extend(rows_of(versions, self.envs))
+        self.zarr.extend(rows_of(versions, self.envs))
+        # An extend longer than the ring repeats indices, and LazyTensorStorage writes them
+        # with one index_put_, which leaves repeated indices undefined: a row can then mix
+        # two of the extend's rows (seen: `step` of one, `obs` of the other). The twin takes
+        # such an extend in two halves, each shorter than the ring.
+        halves = [versions] if n <= ROWS else [versions[: n // 2], versions[n // 2 :]]
+        for half in halves:
+            self.twin.extend(rows_of(half, self.envs))
         for i, version in enumerate(versions.tolist()):
             row = (start + i) % ROWS
             if self.versions[row] is not None:
