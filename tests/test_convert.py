@@ -362,7 +362,9 @@ def test_import_needs_zarr_storage(prioritized_dump: Path) -> None:
 
 
 def test_import_read_only(tmp_path: Path, prioritized_dump: Path) -> None:
-    zarr_buffer("prioritized", tmp_path / "rb.zarr").storage.close()
+    made = zarr_buffer("prioritized", tmp_path / "rb.zarr")
+    zarr_rb.save(made)  # a store is made at its first write: a save of the empty buffer
+    made.storage.close()
     storage = ZarrStorage(path=tmp_path / "rb.zarr", read_only=True)
     with pytest.raises(ReadOnlyError, match=r"rb\.zarr"):
         import_torchrl(prioritized_dump, BUILDERS["prioritized"](storage))

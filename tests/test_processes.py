@@ -12,7 +12,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from torchrl.data import ReplayBuffer
 
+import zarr_rb
 from zarr_rb import RowsNotCommittedError, ZarrStorage
 
 CAPACITY = 96
@@ -65,7 +67,10 @@ def shared_store(request, store_path):
 
 def test_reader_sees_only_committed_rows_while_writer_extends(shared_store):
     path, options, env = shared_store
-    ZarrStorage(CAPACITY, path, storage_options=options).close()  # create the store first
+    # The store first (a store is made at its first write: a save of the empty buffer).
+    empty = ReplayBuffer(storage=ZarrStorage(CAPACITY, path, storage_options=options))
+    zarr_rb.save(empty)
+    empty.storage.close()
     writer = subprocess.Popen([sys.executable, "-c", WRITER, path], env=env)
     reader = ZarrStorage(path=path, read_only=True, storage_options=options)
     g = torch.Generator().manual_seed(0)

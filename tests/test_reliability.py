@@ -96,9 +96,11 @@ def test_storages_of_one_process_share_the_writer(store_path):
 
 HOLDER = textwrap.dedent(
     """
-    import sys, time
+    import sys, time, torch
+    from tensordict import TensorDict
     from zarr_rb import ZarrStorage
     storage = ZarrStorage(10, sys.argv[1])
+    storage.set(torch.arange(1), TensorDict({"x": torch.zeros(1)}, [1]))  # makes the store
     print("holding", flush=True)
     time.sleep(600)
     """

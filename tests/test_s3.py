@@ -732,15 +732,20 @@ def test_a_takeover_fences_a_writer_that_passed_its_lease_check(s3_url, s3_optio
 def test_a_closed_writer_leaves_an_expired_lease_which_is_no_data(s3_url, s3_options):
     import json
 
-    storage = ZarrStorage(CAPACITY, s3_url, storage_options=s3_options)
-    storage.close()
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(CAPACITY, s3_url, storage_options=s3_options))
+    rb.extend(batch(0, 4))  # the store is made, and its lease taken, at the first write
+    rb.storage.close()
     location = open_location(s3_url, s3_options)
     record = json.loads(location.read(".zarr_rb.lease") or b"{}")
     assert record["expires"] < time.time()  # released by a conditional PUT, not a delete
     only_lease = open_location(s3_url.replace(".zarr", "-lease-only.zarr"), s3_options)
     only_lease.write(".zarr_rb.lease", json.dumps(record).encode())
     assert not only_lease.exists()
-    ZarrStorage(10, only_lease.url, storage_options=s3_options).close()  # a new store
+    new = TensorDictReplayBuffer(
+        storage=ZarrStorage(10, only_lease.url, storage_options=s3_options)
+    )
+    new.extend(batch(0, 4))  # a new store, made over the expired lease
+    new.storage.close()
 
 
 def test_a_server_side_snapshot_copies_the_root_record_last(s3_url, s3_options):

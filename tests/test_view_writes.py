@@ -29,3 +29,24 @@ def test_a_gather_after_a_write_through_the_view_reads_the_new_rows(tmp_path):
         assert torch.equal(results[0][key], results[1][key])
     assert results[0]["step"][0].tolist() == [9, 10, 11]
     zarr.close()
+
+
+def test_a_patch_of_a_key_the_store_lacks_is_refused_before_anything_is_written(tmp_path):
+    """``write_leaves`` (behind the lazy columns of ``storage[:]`` and ``update_if_present``)
+    changes entries the rows have, as TorchRL's storages do: a key the store lacks is an
+    ``UnknownKeyError`` naming it, and the store stays as it was."""
+    import numpy as np
+    import pytest
+
+    from zarr_rb.errors import UnknownKeyError
+
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(10, tmp_path / "rb.zarr"))
+    rb.extend(steps([1, 2, 3], 1)[0])
+    with pytest.raises(UnknownKeyError, match=r"'done'.*'step'"):
+        rb.storage.write_leaves(
+            np.array([0]), {("done",): torch.ones(1, dtype=torch.bool), ("step",): torch.zeros(1)}
+        )
+    rb.storage.close()
+    with ZarrStorage(path=tmp_path / "rb.zarr", read_only=True) as reopened:
+        assert reopened[:]["step"].tolist() == [1, 2, 3]
+        assert "done" not in list(reopened[:].keys())

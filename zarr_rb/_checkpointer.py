@@ -58,6 +58,7 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
             super().dumps(storage, Path(path))
             return
         path = Path(path).absolute()
+        storage._store.ensure_on_disk()  # a dump is a write: it makes a new store
         storage.flush()
         if isinstance(storage.path, Path) and storage.path in (path, path.parent):
             if path != storage.path:

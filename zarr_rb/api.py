@@ -88,6 +88,7 @@ def save(
         _save_into(rb, storage._store, saved)
         return storage.path
     target.check_usable()
+    storage._store.ensure_on_disk()  # a buffer never written: a snapshot of its empty store
     storage.flush()
     storage._store.engine.snapshot_to(target, progress=progress)
     snapshot = open_store(
@@ -114,6 +115,7 @@ def _save_into(rb: Any, store: Store, saved: Saved) -> None:
     # Alternate between two slots: the previous save stays intact until the new root
     # record, which names the new slot, is published.
     slot = 0 if previous is None else 1 - previous.slot
+    store.ensure_on_disk()  # a save is a write: it makes a new store
     store.check_hold()  # the slot may be a newer writer's last save
     with store.writing("saving the buffer state"):
         save_buffer(rb, store.engine, f"{STATE_GROUP}/{slot}")

@@ -43,6 +43,7 @@ from zarr_rb.errors import (
     NotSupportedError,
     ReadOnlyError,
     StoreNotFoundError,
+    UnknownKeyError,
 )
 from zarr_rb.locations import LocalLocation
 
@@ -460,6 +461,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         another process, it opens the store there, as one more writer (a writer's storage
         sent to a new process makes its store shared first) or as a reader."""
         store = self._store
+        if not store.read_only:
+            store.ensure_on_disk()  # another process opens it by its path
         if not store.read_only and store.sharing is None and _shared.spawning():
             store.become_shared()
         self.flush()
@@ -640,7 +643,15 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         schema = self._store.schema
         kinds = {} if schema is None else {leaf.key: leaf.value for leaf in schema.leaves}
         for key in values:
-            if kinds.get(key, "tensor") != "tensor":
+            if key not in kinds:
+                held = ", ".join(repr(k if len(k) > 1 else k[0]) for k in kinds) or "no key"
+                raise UnknownKeyError(
+                    f"{where}: no entry {key if len(key) > 1 else key[0]!r} to patch (it "
+                    f"holds {held}); a patch of some keys (rb.update_if_present, a write into "
+                    "storage[:]) changes entries the rows have, as TorchRL's storages do: "
+                    "extend with rows that have the new entry to add it",
+                )
+            if kinds[key] != "tensor":
                 what = _ENTRY_KINDS.get(kinds[key], f"{kinds[key]} values")
                 raise NotSupportedError(
                     f"{where}: entry {key!r} holds {what}, which a patch of some keys "

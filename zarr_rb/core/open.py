@@ -154,9 +154,11 @@ def open_store(
             )
     elif mode == "w-":
         raise _exists_error(where)
-    if document is None:
+    if document is None and not shared:
+        location.check_creatable()
+        store = _new_store(engine, max_size=max_size, ndim=ndim, compression=compression)
+    elif shared:
         location.create_root()
-    if shared:
         store = _open_shared(engine, max_size=max_size, ndim=ndim, compression=compression)
     else:
         store = _open_single(engine, mode, max_size=max_size, ndim=ndim, compression=compression)
@@ -164,6 +166,53 @@ def open_store(
         _WRITERS[key] = store
         store.on_close(_forget)
     return store
+
+
+def _new_store(
+    engine: Engine,
+    *,
+    max_size: int | None,
+    ndim: int | None,
+    compression: Compression | None,
+) -> Store:
+    """A new store, made on disk at its first write (see :meth:`Store.ensure_on_disk`)."""
+    assert max_size is not None
+    compression = compression or Compression()
+    meta = StoreMeta(
+        max_size=max_size,
+        ndim=ndim or 1,
+        schema=None,
+        commit=Commit(),
+        compression=compression.to_json(),
+    )
+    return Store(
+        engine,
+        meta,
+        read_only=False,
+        compression=compression,
+        create=lambda: _make_place(engine),
+    )
+
+
+def _make_place(engine: Engine) -> WriterHold:
+    """The directory of a new store and its writer lock, at its first write; nothing may
+    have been made there since the store was opened."""
+    location = engine.location
+    location.create_root()
+    lock = location.acquire_writer()
+    try:
+        if read_root(engine, adopt=True) is not None:
+            raise StoreExistsError(
+                f"store {location.url!r} was made by another writer after this storage was "
+                "opened and before its first write: nothing was written. Open it again to add "
+                "to it (ZarrStorage(path=...)), or choose another path",
+            )
+        if lock.needs_claim:
+            engine.claim(lock.holder)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def _open_single(

@@ -35,6 +35,7 @@ from zarr_rb._io import errno_of
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy, to_numpy
 from zarr_rb.core.format import (
     ATTRS_KEY,
+    DATA_GROUP,
     FORMAT_VERSION,
     Commit,
     LeafSpec,
@@ -114,10 +115,14 @@ class Store:
         read_only: bool,
         compression: Compression,
         lock: WriterHold | None = None,
+        create: Callable[[], WriterHold] | None = None,
     ) -> None:
         self.engine = engine
         self._mutex = threading.RLock()
         self._lock = lock
+        self._create = create
+        """A new store, not yet on disk: makes its place there and takes its writer lock
+        (see :meth:`ensure_on_disk`)."""
         self.meta = meta
         self.read_only = read_only
         self.compression = compression
@@ -290,6 +295,7 @@ class Store:
         it writes, see :meth:`_create_arrays`)."""
         self._check_writable()
         block_rows = choose_block_rows(self.compression, schema.leaves, schema.batch_shape)
+        self.ensure_on_disk()
         if self.sharing is not None:
             self.sharing.set_schema(schema, block_rows)
             return
@@ -852,6 +858,8 @@ class Store:
         self.discard()
         self.length = 0
         self.move_cursor(0)
+        if not self.on_disk:
+            return  # nothing was ever written
         if self.meta.saved is not None:
             # The rows of the last save are gone: so is the save.
             self.meta = dataclasses.replace(self.meta, saved=None)
@@ -916,6 +924,42 @@ class Store:
                 "read_only=True)",
             )
 
+    @property
+    def on_disk(self) -> bool:
+        """Whether the store was made on disk (a new one is, at its first write)."""
+        return self._create is None
+
+    @_serialized
+    def ensure_on_disk(self) -> None:
+        """Make a new store on disk: its directory, its writer lock, its root record and
+        data group. As TorchRL's storages, which make their files at the first write, a
+        new store is made when something is first written into it (rows, a save), so
+        that a storage built and never written leaves nothing behind, and a storage built
+        in a directory deleted before its first write (TorchRL's scripts build theirs in
+        a ``TemporaryDirectory`` that they leave at once) still works.
+
+        Raises:
+            LockedError: another writer holds the new store's lock.
+            StoreExistsError: another writer made a store there since this one was opened.
+        """
+        create = self._create
+        if create is None:
+            return
+        self._lock = create()
+        self._create = None
+        try:
+            self.publish_meta()
+            with self.writing("creating the data group"):
+                self.engine.create_group(DATA_GROUP)
+        except BaseException:
+            # Nothing was published (the root record is written whole or not at all) or the
+            # store exists, empty: either way, a later write starts again from here.
+            if self.engine.location.read(ROOT_METADATA) is None:
+                self._lock.release()
+                self._lock = None
+                self._create = create
+            raise
+
     @_serialized
     def publish_saved(self, saved: Saved) -> None:
         """Flush, then publish the data commit together with a new save record (made at
@@ -933,6 +977,7 @@ class Store:
         self._publish(self.committed)
 
     def _publish(self, commit: Commit, *, saved: Saved | None = None) -> None:
+        self.ensure_on_disk()
         meta = dataclasses.replace(self.meta, commit=commit)
         if saved is not None:
             meta = dataclasses.replace(meta, saved=saved)
@@ -1229,6 +1274,7 @@ class Store:
         if self.sharing is not None or self.read_only:
             return
         check_shareable(self)
+        self.ensure_on_disk()
         self.flush()
         writer = new_writer_id()
         if self._lock is not None:

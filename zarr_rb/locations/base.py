@@ -200,6 +200,11 @@ class Location(abc.ABC):
         missing bucket, refused credentials, an unreachable endpoint) or something else is
         in its place (a file where its directory goes)."""
 
+    def check_creatable(self) -> None:
+        """Raise a typed error now if a new store could not be made here (a read-only
+        filesystem); nothing is made before the store's first write."""
+        return  # an object store: check_usable has reached its bucket
+
     @abc.abstractmethod
     def create_root(self) -> None:
         """Make the store's root exist (a directory; nothing on an object store)."""

@@ -203,6 +203,17 @@ class LocalLocation(Location):
             p.name not in NOT_DATA and not is_temporary(p.name) for p in self.root.iterdir()
         )
 
+    def check_creatable(self) -> None:
+        existing = next(p for p in (self.root, *self.root.parents) if p.exists())
+        if not existing.is_dir():
+            raise NotAStoreError(
+                f"store {str(self.root)!r} cannot be made: {str(existing)!r} is a file, not a "
+                "directory; choose a path under a directory",
+            )
+        if os.statvfs(existing).f_flag & os.ST_RDONLY:
+            with self._writable():
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(existing))
+
     def create_root(self) -> None:
         """Create the store's directory, durably (its entry in its parent included)."""
         missing = [p for p in (self.root, *self.root.parents) if not p.exists()]
