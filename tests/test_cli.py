@@ -17,7 +17,11 @@ import torch
 from conftest import PongRun, assert_identical
 from PIL import Image, ImageSequence
 from tensordict import TensorDict
-from torchrl.data import TensorDictPrioritizedReplayBuffer
+from torchrl.data import (
+    LazyMemmapStorage,
+    TensorDictPrioritizedReplayBuffer,
+    TensorDictReplayBuffer,
+)
 
 import zarr_rb
 from zarr_rb import ZarrStorage
@@ -169,3 +173,118 @@ def test_snapshot_export_and_import(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["snapshot", str(source), str(tmp_path / "copy.zarr")]) == 2  # exists
     assert "exists" in capsys.readouterr().err
     assert main(["verify", str(tmp_path / "back.zarr")]) == 0
+
+
+# --- tables fit 80 columns; messages say what happened and what to do --------------------
+
+LONG_KEYS = {
+    ("observation", "pixels_of_the_wrist_camera_stacked"): torch.zeros(4, 3, 8, 8),
+    ("observation", "proprioception", "joint_positions_and_velocities"): torch.zeros(4, 14),
+    ("next", "observation", "pixels_of_the_wrist_camera_stacked"): torch.zeros(4, 3, 8, 8),
+    ("next", "done"): torch.zeros(4, 1, dtype=torch.bool),
+    ("a_single_key_name_longer_than_any_column_of_an_eighty_column_terminal",): torch.zeros(4),
+}
+
+
+def small_store(path: Path, data: dict[tuple[str, ...], torch.Tensor] | None = None) -> Path:
+    data = data or {("next", "done"): torch.tensor([[False], [True], [False], [True]])}
+    storage = ZarrStorage(8, path)
+    storage.set(torch.arange(4), TensorDict(dict(data), [4]))
+    storage.close()
+    return path
+
+
+def key_column(table: list[str]) -> list[str]:
+    """The keys of an info table, their wrapped lines joined (a row starts where the dtype
+    column is filled)."""
+    at = table[0].index("dtype")
+    keys: list[str] = []
+    for line in table[1:]:
+        key, rest = line[:at].strip(), line[at:].strip()
+        if rest:
+            keys.append(key)
+        else:
+            keys[-1] += key
+    return keys
+
+
+def test_info_fits_80_columns_and_shows_every_long_key_whole(tmp_path: Path) -> None:
+    path = small_store(tmp_path / "long.zarr", LONG_KEYS)
+    out = subprocess.run(
+        [sys.executable, "-m", "zarr_rb", "info", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, out.stdout
+    assert "…" not in out.stdout
+    start = next(i for i, line in enumerate(lines) if line.startswith("key "))
+    table = lines[start : next(i for i in range(start, len(lines)) if lines[i].startswith("("))]
+    assert sorted(key_column(table)) == sorted(".".join(k) for k in LONG_KEYS)
+    wide = run("info", str(path))  # 160 columns: one line per key
+    assert all(".".join(k) in wide.stdout for k in LONG_KEYS)
+
+
+def test_info_on_a_folder_of_stores_names_them_and_the_command_to_run(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    stores = [small_store(runs / "a.zarr"), small_store(runs / "seed1" / "b.zarr")]
+    out = run("info", str(runs))
+    assert out.returncode == 2
+    assert f"zarr-rb info: {str(runs)!r} is a folder of 2 zarr_rb store(s)" in out.stderr
+    assert all(str(store) in out.stderr for store in stores)
+    assert "delete" not in out.stderr
+    suggested = out.stderr.rsplit("e.g. ", 1)[1].split()
+    assert suggested == ["zarr-rb", "info", str(stores[0])]
+    assert run(*suggested[1:]).returncode == 0
+    episodes = run("episodes", str(runs), "--limit", "4")  # the same for every command
+    assert episodes.returncode == 2
+    assert f"e.g. zarr-rb episodes {stores[0]} --limit 4" in episodes.stderr
+    inside = run("info", str(stores[0] / "data"))
+    assert inside.returncode == 2
+    assert f"inside the zarr_rb store {str(stores[0])!r}" in inside.stderr
+    assert inside.stderr.strip().endswith(f"name the store: zarr-rb info {stores[0]}")
+
+
+def test_info_on_a_torchrl_dump_says_to_import_it(tmp_path: Path) -> None:
+    rb = TensorDictReplayBuffer(storage=LazyMemmapStorage(8))
+    rb.extend(TensorDict({"obs": torch.arange(4.0)}, [4]))
+    rb.dumps(tmp_path / "dump")
+    out = run("info", str(tmp_path / "dump"))
+    assert out.returncode == 2
+    assert "is a TorchRL dump (written by rb.dumps), not a zarr_rb store" in out.stderr
+    command = out.stderr.split("first, ", 1)[1].split(", then", 1)[0].split()
+    assert command == ["zarr-rb", "import", str(tmp_path / "dump"), f"{tmp_path / 'dump'}.zarr"]
+    assert run(*command[1:]).returncode == 0  # the command it gives works
+    assert "rows      4 of 8" in run("info", command[-1]).stdout
+
+
+def test_show_and_plot_refuse_a_file_type_they_do_not_write(tmp_path: Path) -> None:
+    path = small_store(tmp_path / "s.zarr")
+    movie = tmp_path / "x.mp4"
+    out = run("show", str(path), "--episode", "0", "-o", str(movie))
+    assert out.returncode == 2
+    assert "'.mp4'" in out.stderr
+    assert ".gif (an animated GIF) or .png (a PNG strip)" in out.stderr
+    assert not movie.exists()
+    out = run("plot", str(path), "-o", str(tmp_path / "x.jpg"))
+    assert out.returncode == 2
+    assert "plots are written as .png" in out.stderr
+    assert not (tmp_path / "x.jpg").exists()
+
+
+def test_a_missing_optional_library_names_how_to_install_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    frames = {("pixels",): torch.zeros(4, 8, 8, dtype=torch.uint8), **LONG_KEYS}
+    path = small_store(tmp_path / "s.zarr", frames)
+    for name in ("PIL", "PIL.Image"):
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import PIL.Image` fail
+    assert main(["show", str(path), "--episode", "0", "-o", str(tmp_path / "x.gif")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zarr-rb show: ")
+    assert err.count("zarr-rb show") == 1
+    assert "pip install -e '.[analysis]' in a checkout of zarr_rb" in err
+    assert "zarr-rb[" not in err

@@ -130,5 +130,5 @@ def test_demo_missing_dependency_message(
 ) -> None:
     monkeypatch.setitem(sys.modules, "gymnasium", None)  # makes `import gymnasium` fail
     assert _run(tmp_path / "x.zarr", "--env", "cartpole", "--steps", "10") == 1
-    assert "pip install 'zarr-rb[demo]'" in capsys.readouterr().err
+    assert "pip install -e '.[demo]' in a checkout of zarr_rb" in capsys.readouterr().err
     assert not (tmp_path / "x.zarr").exists()

@@ -108,5 +108,5 @@ def test_torchrls_ray_replay_buffer_on_a_zarr_storage(cluster, store_path):
 
 def test_without_ray_the_helpers_say_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
-    with pytest.raises(ImportError, match=r"pip install 'zarr-rb\[ray\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[ray\]' in a checkout"):
         zarr_rb.ray.writer_actor("runs/x.zarr")

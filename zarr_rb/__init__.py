@@ -5,45 +5,99 @@ Examples:
     >>> from zarr_rb import ZarrStorage
     >>> rb = TensorDictReplayBuffer(storage=ZarrStorage(1_000_000, "runs/pong.zarr"))
     >>> view = zarr_rb.open("runs/pong.zarr")   # read-only, for analysis
+
+The public names are imported on first use (PEP 562): ``import zarr_rb`` and the
+``zarr-rb`` command start without importing torch or TorchRL, which take seconds.
 """
 
 from __future__ import annotations
 
-from zarr_rb._lazy import LazyColumn
-from zarr_rb.analysis import ReplayDataset, View, open
-from zarr_rb.api import load, save
-from zarr_rb.convert import export_torchrl, import_torchrl
-from zarr_rb.core.format import FORMAT_VERSION
-from zarr_rb.core.layout import Compression
-from zarr_rb.errors import (
-    ChunkCorruptedError,
-    EpisodeIndexError,
-    FormatVersionError,
-    LockedError,
-    MissingDependencyError,
-    NoEpisodeFlagsError,
-    NoSavedBufferError,
-    NotAnImageError,
-    NotAStoreError,
-    NotSupportedError,
-    ReadOnlyError,
-    RowIndexError,
-    RowsNotCommittedError,
-    SchemaMismatchError,
-    StoreCorruptedError,
-    StoreExistsError,
-    StoreNotFoundError,
-    StoreWriteError,
-    UnknownKeyError,
-    UnstackableError,
-    UnsupportedDataError,
-    ZarrRBError,
-)
-from zarr_rb.state import PickleNotAllowedError
-from zarr_rb.storage import ZarrStorage
-from zarr_rb.verify import DamagedChunk, VerifyReport, verify
+import importlib
+import importlib.util
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zarr_rb._lazy import LazyColumn
+    from zarr_rb.analysis import ReplayDataset, View, open
+    from zarr_rb.api import load, save
+    from zarr_rb.convert import export_torchrl, import_torchrl
+    from zarr_rb.core.format import FORMAT_VERSION
+    from zarr_rb.core.layout import Compression
+    from zarr_rb.errors import (
+        ChunkCorruptedError,
+        EpisodeIndexError,
+        FormatVersionError,
+        LockedError,
+        MissingDependencyError,
+        NoEpisodeFlagsError,
+        NoSavedBufferError,
+        NotAnImageError,
+        NotAStoreError,
+        NotSupportedError,
+        ReadOnlyError,
+        RowIndexError,
+        RowsNotCommittedError,
+        SchemaMismatchError,
+        StoreCorruptedError,
+        StoreExistsError,
+        StoreNotFoundError,
+        StoreWriteError,
+        UnknownKeyError,
+        UnstackableError,
+        UnsupportedDataError,
+        ZarrRBError,
+    )
+    from zarr_rb.state import PickleNotAllowedError
+    from zarr_rb.storage import ZarrStorage
+    from zarr_rb.verify import DamagedChunk, VerifyReport, verify
 
 __version__ = "0.1.0"
+
+_ERRORS = (
+    "ChunkCorruptedError",
+    "EpisodeIndexError",
+    "FormatVersionError",
+    "LockedError",
+    "MissingDependencyError",
+    "NoEpisodeFlagsError",
+    "NoSavedBufferError",
+    "NotAStoreError",
+    "NotAnImageError",
+    "NotSupportedError",
+    "ReadOnlyError",
+    "RowIndexError",
+    "RowsNotCommittedError",
+    "SchemaMismatchError",
+    "StoreCorruptedError",
+    "StoreExistsError",
+    "StoreNotFoundError",
+    "StoreWriteError",
+    "UnknownKeyError",
+    "UnstackableError",
+    "UnsupportedDataError",
+    "ZarrRBError",
+)
+_HOMES: dict[str, str] = {
+    **dict.fromkeys(_ERRORS, "zarr_rb.errors"),
+    "FORMAT_VERSION": "zarr_rb.core.format",
+    "Compression": "zarr_rb.core.layout",
+    "DamagedChunk": "zarr_rb.verify",
+    "LazyColumn": "zarr_rb._lazy",
+    "PickleNotAllowedError": "zarr_rb.state",
+    "ReplayDataset": "zarr_rb.analysis",
+    "VerifyReport": "zarr_rb.verify",
+    "View": "zarr_rb.analysis",
+    "ZarrStorage": "zarr_rb.storage",
+    "export_torchrl": "zarr_rb.convert",
+    "import_torchrl": "zarr_rb.convert",
+    "load": "zarr_rb.api",
+    "open": "zarr_rb.analysis",
+    "save": "zarr_rb.api",
+    "verify": "zarr_rb.verify",
+}
+"""The module each public name comes from."""
 
 __all__ = [
     "FORMAT_VERSION",
@@ -85,3 +139,33 @@ __all__ = [
     "save",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is not None:
+        value = getattr(importlib.import_module(home), name)
+        globals()[name] = value
+        return value
+    # ``import zarr_rb`` used to import every submodule on the way; ``zarr_rb.errors`` and
+    # the like keep working after it alone.
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """The package module: ``zarr_rb.verify`` stays the function when the submodule of the
+    same name is imported (the import system then sets the package attribute to it)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _HOMES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -17,5 +17,6 @@ def require(module: str, *, extra: str, what: str) -> Any:
     except ImportError as err:
         missing = err.name or module
         raise MissingDependencyError(
-            f"{what} needs {missing!r}, which is not installed: pip install 'zarr-rb[{extra}]'"
+            f"{what} needs {missing!r}, which is not installed: install zarr_rb's {extra!r} "
+            f"extra, pip install -e '.[{extra}]' in a checkout of zarr_rb (it is not on PyPI)"
         ) from None

@@ -8,9 +8,14 @@ error of the store (the message says what and how to fix it); 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import os
+import shlex
 import sys
-from collections.abc import Callable, Sequence
+import textwrap
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from zarr_rb._progress import format_bytes
@@ -26,7 +31,9 @@ _PATH_HELP = "the store: a directory or an s3://bucket/path URL"
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     try:
         return int(args.run(args))
     except KeyboardInterrupt:
@@ -130,7 +137,36 @@ def _key(text: str | None) -> tuple[str, ...] | None:
     return None if text is None else parse_dotted(text)
 
 
+def _is_local(path: str) -> bool:
+    # zarr_rb.locations.is_remote, whose module imports TensorStore; file:// URLs take the
+    # route of remote ones (through a View).
+    return "://" not in path
+
+
+def _suggest(args: argparse.Namespace, old: str) -> Callable[[str], str]:
+    """The command line run, with ``old`` (one of its paths) replaced by another."""
+
+    def command(new: str) -> str:
+        argv = list(args.argv)
+        if old not in argv:
+            return shlex.join(["zarr-rb", args.command, new])
+        argv[argv.index(old)] = new
+        return shlex.join(["zarr-rb", *argv])
+
+    return command
+
+
+def _check_store(args: argparse.Namespace, path: str) -> None:
+    """Refuse a local ``path`` that holds no store, saying what it holds and what to do
+    (a folder of stores, a TorchRL dump, ...), before anything heavy is imported."""
+    if _is_local(path):
+        from zarr_rb.analysis._files import check_store
+
+        check_store(Path(path), command=_suggest(args, path))
+
+
 def _open(args: argparse.Namespace) -> Any:
+    _check_store(args, args.path)
     from zarr_rb.analysis import open as open_view
 
     return open_view(
@@ -147,68 +183,129 @@ def _console() -> Any:
 # --- commands --------------------------------------------------------------------------
 
 
-def _info(args: argparse.Namespace) -> int:
-    from rich.table import Table
+@contextlib.contextmanager
+def _source(args: argparse.Namespace) -> Iterator[Any]:
+    """What ``info``, ``episodes`` and ``plot`` read the store from: a local store as files
+    (neither torch nor TensorStore is imported), any other through a View."""
+    if _is_local(args.path):
+        from zarr_rb.analysis._files import LocalFiles
 
+        yield LocalFiles(args.path, command=_suggest(args, args.path))
+        return
+    from zarr_rb.analysis import open as open_view
+    from zarr_rb.analysis.report import ViewSource
+
+    with open_view(args.path) as view:
+        yield ViewSource(view)
+
+
+def _store_episodes(args: argparse.Namespace) -> tuple[str, Any]:
+    from zarr_rb.analysis.report import store_episodes
+
+    with _source(args) as source:
+        keys = {"episode_key": _key(args.episode_key), "reward_key": _key(args.reward_key)}
+        return source.url, store_episodes(source, **keys)
+
+
+def _info(args: argparse.Namespace) -> int:
     from zarr_rb.analysis.report import describe
 
-    with _open(args) as view:
-        report = describe(view)
-    console = _console()
-    console.print(
-        f"[bold]{report.url}[/bold]  (zarr_rb format {report.format_version})", soft_wrap=True
-    )
+    with _source(args) as source:
+        keys = {"episode_key": _key(args.episode_key), "reward_key": _key(args.reward_key)}
+        report = describe(source, **keys)
+    _print_report(report, _console())
+    return 0
+
+
+def _print_report(report: Any, console: Any) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    console.print(Text(f"{report.url}  (zarr_rb format {report.format_version})", style="bold"))
     rows = " x ".join(str(n) for n in report.shape)
-    console.print(
-        f"rows      {rows} of {report.capacity} (cursor {report.cursor}, commit "
-        f"{report.generation})"
-    )
     holes = ", ".join(f"{a}-{b - 1}" for a, b in report.holes) if report.holes else "none"
-    console.print(f"holes     {holes}")
-    console.print(f"episodes  {report.episodes}")
-    console.print(f"saved     {report.saved}")
     writers = [
         f"{w.get('kind')}: pid {w.get('pid')} on {w.get('host')} since {w.get('since')}"
         for w in report.writers
     ]
-    console.print(f"writers   {'; '.join(writers) or 'none (no process holds the store)'}")
-    table = Table(title=f"keys (store compression {report.codec})", title_justify="left")
-    columns = (
-        "key",
-        "dtype",
-        "shape",
-        "kind",
-        "rows per object",
-        "codec",
-        "stored",
-        "raw",
-        "ratio",
-    )
-    for name in columns:
-        table.add_column(name, justify="right" if name in ("stored", "raw", "ratio") else "left")
-    for key in report.keys:
-        ratio = f"{key.ratio:.1f}x" if key.raw_bytes else "-"
-        raw = format_bytes(key.raw_bytes) if key.raw_bytes else "-"
-        table.add_row(
-            key.key,
+    where = f"cursor {report.cursor}, commit {report.generation}"
+    lines = {
+        "rows": f"{rows} of {report.capacity} ({where})",
+        "holes": holes,
+        "episodes": report.episodes,
+        "saved": report.saved,
+        "writers": "; ".join(writers) or "none (no process holds the store)",
+    }
+    indent = " " * 10
+    for label, value in lines.items():
+        text = textwrap.fill(
+            value,
+            width=max(40, console.width),
+            initial_indent=label.ljust(len(indent)),
+            subsequent_indent=indent,
+            break_on_hyphens=False,
+        )
+        console.print(Text(text))
+    stored = format_bytes(sum(key.stored_bytes for key in report.keys))
+    keys = f"{len(report.keys)} keys, {stored} stored"
+    console.print(f"\n{keys} (store compression {report.codec}):")
+    headers = ("key", "dtype", "shape", "shard", "chunk", "codec", "stored", "ratio")
+    cells = [
+        (
             key.dtype,
             key.shape,
-            key.kind,
-            key.chunking,
+            "-" if key.shard_rows is None else str(key.shard_rows),
+            "?" if key.chunk_rows is None else str(key.chunk_rows),
             key.codec,
             format_bytes(key.stored_bytes),
-            raw,
-            ratio,
+            f"{key.ratio:.1f}x" if key.raw_bytes and key.stored_bytes else "-",
         )
+        for key in report.keys
+    ]
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(headers[1:])]
+    # The key column takes what the others leave of the console (2 spaces between
+    # columns); longer keys wrap after a dot.
+    key_width = max(_MIN_KEY_WIDTH, console.width - sum(widths) - 2 * len(widths))
+    key_width = min(key_width, max([3, *(len(key.key) for key in report.keys)]))
+    table = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold underline")
+    table.add_column("key", width=key_width, overflow="fold")
+    for name, width in zip(headers[1:], widths, strict=True):
+        right = name in ("shard", "chunk", "stored", "ratio")
+        table.add_column(name, justify="right" if right else "left", no_wrap=True, min_width=width)
+    for key, row in zip(report.keys, cells, strict=True):
+        table.add_row(_wrap_key(key.key, key_width), *row)
     console.print(table)
-    return 0
+    notes = "shard, chunk: rows per stored object and per compressed chunk"
+    if any(key.kind == "ragged" for key in report.keys):
+        notes += "; *: a dimension whose length varies from row to row"
+    notes = textwrap.fill(f"({notes}; ratio: raw bytes / stored bytes)", max(40, console.width))
+    console.print(Text(notes, style="dim"))
+
+
+_MIN_KEY_WIDTH = 12
+
+
+def _wrap_key(key: str, width: int) -> str:
+    """``key`` in lines of at most ``width`` characters, broken after dots where it can."""
+    parts = [part + "." for part in key.split(".")]
+    parts[-1] = parts[-1][:-1]
+    lines = [""]
+    for part in parts:
+        if lines[-1] and len(lines[-1]) + len(part) > width:
+            lines.append("")
+        while len(lines[-1]) + len(part) > width:
+            room = width - len(lines[-1])
+            lines[-1] += part[:room]
+            part = part[room:]
+            lines.append("")
+        lines[-1] += part
+    return "\n".join(line for line in lines if line)
 
 
 def _episodes(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    with _open(args) as view:
-        episodes = view._episode_index()
+    url, episodes = _store_episodes(args)
     columns = episodes.columns()
     n = len(episodes)
     if args.csv:
@@ -229,34 +326,42 @@ def _episodes(args: argparse.Namespace) -> int:
             continue
         table.add_row(*(_cell(c[i]) for c in columns.values()))
     console = _console()
-    console.print(f"{n} episodes of {view.url}", soft_wrap=True)
+    console.print(f"{n} episodes of {url}", soft_wrap=True)
     console.print(table)
     return 0
 
 
 def _show(args: argparse.Namespace) -> int:
-    from zarr_rb.analysis.pictures import episode_frames, write_frames
+    from zarr_rb.analysis.pictures import (
+        FRAME_SUFFIXES,
+        check_suffix,
+        episode_frames,
+        write_frames,
+    )
 
+    check_suffix(args.output, FRAME_SUFFIXES, what="frames")
+    if args.stride < 1:
+        raise ValueError(f"expected --stride >= 1, got {args.stride}")
     key = None if args.key is None else _key(args.key)
     with _open(args) as view:
         frames = episode_frames(view, args.episode, key)
-    if args.stride < 1:
-        raise ValueError(f"expected --stride >= 1, got {args.stride}")
     written = write_frames(frames[:: args.stride], args.output, fps=args.fps)
     print(f"wrote {args.output}: {written} frames of episode {args.episode}")
     return 0
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from zarr_rb.analysis.pictures import plot_episodes
+    from zarr_rb.analysis.pictures import PLOT_SUFFIXES, check_suffix, plot_episodes
 
-    with _open(args) as view:
-        count = plot_episodes(view, args.output)
+    check_suffix(args.output, PLOT_SUFFIXES, what="plots")
+    url, episodes = _store_episodes(args)
+    count = plot_episodes(episodes, args.output, title=os.path.basename(url.rstrip("/")))
     print(f"wrote {args.output}: {count} episodes")
     return 0
 
 
 def _snapshot(args: argparse.Namespace) -> int:
+    _check_store(args, args.source)
     from zarr_rb.locations import open_location
     from zarr_rb.storage import ZarrStorage
 
@@ -292,6 +397,7 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    _check_store(args, args.source)
     from zarr_rb.convert import export_torchrl
 
     path = export_torchrl(args.source, args.dest, allow_pickle=args.allow_pickle)
@@ -300,6 +406,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    _check_store(args, args.path)
     from zarr_rb.verify import verify
 
     report = verify(args.path, repair=args.repair)

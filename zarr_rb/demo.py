@@ -14,7 +14,7 @@ how many bytes the compressed store takes on disk compared to the raw tensors.
 Without ``--overwrite`` an existing store at ``--path`` is reopened and the new transitions are
 appended after the rows it already holds.
 
-The environment dependencies are optional: ``pip install 'zarr-rb[demo]'``.
+The environment dependencies are optional: ``pip install -e '.[demo]'`` in a checkout.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ DEFAULT_STEPS: dict[str, int] = {"pong": 100_000, "cartpole": 100_000}
 #: A reopened store keeps the capacity it was created with.
 DEFAULT_MAX_SIZE = 1_000_000
 
-_INSTALL_HINT = "pip install 'zarr-rb[demo]'"
+_INSTALL_HINT = "pip install -e '.[demo]' in a checkout of zarr_rb (it is not on PyPI)"
 
 TRAJ_KEY = ("collector", "traj_ids")
 

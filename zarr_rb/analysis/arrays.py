@@ -1,6 +1,7 @@
-"""A store's keys as dask arrays and as an xarray ``Dataset`` (optional: ``pip install
-'zarr-rb[analysis]'``), lazy, one dask chunk per block of rows (a shard, or a plain chunk
-for small keys), so that each task reads whole objects of the store once."""
+"""A store's keys as dask arrays and as an xarray ``Dataset`` (optional: the ``analysis``
+extra, ``pip install -e '.[analysis]'`` in a checkout of zarr_rb), lazy, one dask chunk per
+block of rows (a shard, or a plain chunk for small keys), so that each task reads whole
+objects of the store once."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ mark an episode per run of one id, as ``SliceSampler(traj_key=...)`` reads them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -183,7 +184,10 @@ def find_episodes(
     n_envs = envs or 1
 
     def per_env(key: Key) -> np.ndarray:
-        return read(key).reshape(length, n_envs, -1)
+        values = read(key)
+        # Not reshape(..., -1): a store of no rows has no size to infer it from.
+        per_row = math.prod(values.shape[1 if envs is None else 2 :])
+        return values.reshape(length, n_envs, per_row)
 
     ends: np.ndarray | None = None
     for key in keys.ends:

@@ -1,6 +1,6 @@
 """Pictures of a store: an episode's frames as an animated GIF or a PNG strip (Pillow), and
-its episodes' returns and lengths as a plot (matplotlib). Optional: ``pip install
-'zarr-rb[analysis]'``."""
+its episodes' returns and lengths as a plot (matplotlib). Optional: the ``analysis`` extra
+(``pip install -e '.[analysis]'`` in a checkout of zarr_rb)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,30 @@ from zarr_rb.analysis._keys import KeyLike, public_key
 from zarr_rb.errors import NotAnImageError
 
 if TYPE_CHECKING:
+    from zarr_rb.analysis.episodes import Episodes
     from zarr_rb.analysis.view import View
 
 STRIP_FRAMES = 12
 """Frames in a PNG strip (evenly spaced over the episode)."""
+FRAME_SUFFIXES = {".gif": "an animated GIF", ".png": "a PNG strip"}
+"""What :func:`write_frames` writes, by the suffix of the file's name."""
+PLOT_SUFFIXES = {".png": "a PNG"}
+"""What :func:`plot_episodes` writes, by the suffix of the file's name."""
+
+
+def check_suffix(path: str | os.PathLike[str], suffixes: dict[str, str], *, what: str) -> str:
+    """The suffix of ``path`` (lower case), if it is one of ``suffixes``; else a
+    ``ValueError`` naming those that are."""
+    suffix = os.path.splitext(str(path))[1].lower()
+    if suffix not in suffixes:
+        written = " or ".join(f"{name} ({suffixes[name]})" for name in suffixes)
+        got = f"the suffix {suffix!r}" if suffix else "no suffix"
+        instead = os.path.splitext(str(path))[0] + next(iter(suffixes))
+        raise ValueError(
+            f"cannot write {str(path)!r}, whose name has {got}: {what} are written as "
+            f"{written}; name the file so, e.g. {instead!r}"
+        )
+    return suffix
 
 
 def image_keys(view: View) -> list[KeyLike]:
@@ -74,13 +94,18 @@ def _image_key(view: View, key: KeyLike | None) -> KeyLike:
 
 
 def write_frames(frames: np.ndarray, path: str | os.PathLike[str], *, fps: float = 15) -> int:
-    """Write ``frames`` as an animated GIF (``.gif``) or, for any other suffix, a PNG strip of
-    up to :data:`STRIP_FRAMES` of them. Returns the number of frames written."""
-    image = require("PIL.Image", extra="analysis", what="zarr-rb show")
+    """Write ``frames`` as an animated GIF (``.gif``) or a PNG strip of up to
+    :data:`STRIP_FRAMES` of them (``.png``). Returns the number of frames written.
+
+    Raises:
+        ValueError: ``path`` has another suffix (nothing is written), or no frame is given.
+    """
+    suffix = check_suffix(path, FRAME_SUFFIXES, what="frames")
+    image = require("PIL.Image", extra="analysis", what="writing frames as a GIF or PNG")
     if not len(frames):
         raise ValueError("no frame to write: the episode has no row")
     mode = "RGB" if frames.ndim == 4 else "L"
-    if str(path).lower().endswith(".gif"):
+    if suffix == ".gif":
         pictures = [image.fromarray(frame, mode) for frame in frames]
         pictures[0].save(
             path,
@@ -96,14 +121,14 @@ def write_frames(frames: np.ndarray, path: str | os.PathLike[str], *, fps: float
     return int(picked.size)
 
 
-def plot_episodes(view: View, path: str | os.PathLike[str]) -> int:
-    """Plot the returns and lengths of ``view``'s episodes, oldest first, into a PNG.
-    Returns the number of episodes plotted."""
-    matplotlib = require("matplotlib", extra="analysis", what="zarr-rb plot")
+def plot_episodes(episodes: Episodes, path: str | os.PathLike[str], *, title: str) -> int:
+    """Plot the returns and lengths of ``episodes`` (of the store named ``title``), oldest
+    first, into a PNG. Returns the number of episodes plotted."""
+    check_suffix(path, PLOT_SUFFIXES, what="plots")
+    matplotlib = require("matplotlib", extra="analysis", what="plotting episodes")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    episodes = view._episode_index()
     number = np.arange(len(episodes))
     done = episodes.complete
     figure, (returns, lengths) = plt.subplots(2, 1, sharex=True, figsize=(8, 5))
@@ -117,7 +142,7 @@ def plot_episodes(view: View, path: str | os.PathLike[str]) -> int:
         axes.grid(alpha=0.3)
     returns.legend(loc="best", fontsize="small")
     lengths.set_xlabel("episode (oldest first)")
-    returns.set_title(f"{len(episodes)} episodes of {os.path.basename(str(view.url))}")
+    returns.set_title(f"{len(episodes)} episodes of {title}")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

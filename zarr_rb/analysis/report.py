@@ -1,28 +1,91 @@
 """What ``zarr-rb info`` says about a store: its rows, keys (with their chunking and how
 well each compresses), holes, episodes, saved buffer state and who writes it now. All of
-it read from metadata, object listings and small leaves: never from a row of images."""
+it read from the root record, JSON documents, object listings and small leaves: never from
+a row of images.
+
+A local store is read as files (:class:`~zarr_rb.analysis._files.LocalFiles`: neither
+TensorStore nor torch is imported); any other through a :class:`View`
+(:class:`ViewSource`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
-from zarr_rb.analysis._keys import dotted, public_key
-from zarr_rb.analysis.view import View
-from zarr_rb.core.format import FORMAT_VERSION, STATE_GROUP
-from zarr_rb.core.layout import leaf_layout
-from zarr_rb.errors import NoEpisodeFlagsError
+import numpy as np
+
+from zarr_rb._io import load_json
+from zarr_rb.analysis._keys import Key, dotted, public_key
+from zarr_rb.analysis.episodes import Episodes, find_episodes, find_keys
+from zarr_rb.core.format import FORMAT_VERSION, STATE_GROUP, StoreMeta, mask_to_ranges
+from zarr_rb.errors import NoEpisodeFlagsError, StoreCorruptedError
+
+if TYPE_CHECKING:
+    from zarr_rb.analysis.view import View
+
+_KINDS = {"tensor": "tensor", "ragged": "ragged"}
+
+
+class Source(Protocol):
+    """Where a report reads a store from."""
+
+    url: str
+    meta: StoreMeta
+
+    def read(self, key: str) -> bytes | None:
+        """The object at ``key`` (``None`` if there is none)."""
+
+    def sizes(self, prefix: str) -> Mapping[str, int]:
+        """Bytes of each object under ``prefix``."""
+
+    def holders(self) -> list[dict[str, Any]]:
+        """The writers holding the store now."""
+
+    def column(self, key: Key) -> np.ndarray:
+        """The committed rows of a small leaf, holes as zeros."""
+
+
+class ViewSource:
+    """A store opened as a :class:`View` (any location; imports torch)."""
+
+    def __init__(self, view: View) -> None:
+        store = view.storage._store
+        self._view = view
+        self._location = store.engine.location
+        self.url = view.url
+        self.meta = dataclasses.replace(store.meta, commit=store.committed)
+
+    def read(self, key: str) -> bytes | None:
+        value: bytes | None = self._location.read(key)
+        return value
+
+    def sizes(self, prefix: str) -> Mapping[str, int]:
+        sizes: Mapping[str, int] = self._location.list(prefix)
+        return sizes
+
+    def holders(self) -> list[dict[str, Any]]:
+        holders: list[dict[str, Any]] = self._location.holders()
+        return holders
+
+    def column(self, key: Key) -> np.ndarray:
+        return self._view.numpy(public_key(key))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KeyReport:
     key: str
     dtype: str
+    """The element dtype, or for Python values their type (``str``, ``int``, ...)."""
     shape: str
+    """The element shape, ``*`` along the dimension whose length varies from row to row."""
     kind: str
-    chunking: str
+    shard_rows: int | None
+    """Rows per stored object (``None``: an object is a chunk)."""
+    chunk_rows: int | None
+    """Rows per compressed chunk (``None``: unreadable metadata)."""
     codec: str
     stored_bytes: int
     raw_bytes: int
@@ -48,101 +111,153 @@ class StoreReport:
     writers: list[dict[str, Any]]
 
 
-def describe(view: View) -> StoreReport:
-    store = view.storage._store
-    schema = store.schema
-    compression = store.compression
-    codec = "none" if compression.codec == "none" else f"{compression.codec} {compression.level}"
-    location = store.engine.location
+def describe(
+    source: Source, *, episode_key: Key | None = None, reward_key: Key | None = None
+) -> StoreReport:
+    """The report of the store ``source`` reads (episodes marked by ``episode_key``, their
+    returns summed from ``reward_key``; ``None``: found as :func:`zarr_rb.open` does)."""
+    meta = source.meta
+    schema = meta.schema
+    commit = meta.commit
+    rows = commit.length if schema is not None else 0
+    per_row = 1 if schema is None else schema.elements_per_row
+    valid = commit.readable_mask(rows)
+    compression = meta.compression or {}
+    codec = compression.get("codec", "zstd")
+    codec = codec if codec == "none" else f"{codec} {compression.get('level', 1)}"
     keys = []
-    columns = view.schema
-    for leaf in view._leaves():
-        assert schema is not None
-        layout = leaf_layout(
-            leaf,
-            batch_shape=schema.batch_shape,
-            block_rows=store.meta.block_rows or 1,
-            compression=compression,
-        )
-        if layout.shards is None:
-            chunking = f"chunk {layout.chunks[0]}"
-        else:
-            chunking = f"shard {layout.shards[0]}, chunk {layout.chunks[0]}"
+    for leaf in () if schema is None else schema.leaves:
+        if leaf.value == "lengths":
+            continue
         paths = [leaf.path, *([leaf.lengths_leaf().path] if leaf.ragged else [])]
-        stored = sum(max(0, n) for path in paths for n in location.list(path + "/").values())
-        column = columns[public_key(leaf.key)]
+        stored = sum(max(0, n) for path in paths for n in source.sizes(path + "/").values())
+        document = _json(source.read(f"{leaf.path}/zarr.json"))
+        shard_rows, chunk_rows = _chunking(document)
+        kind = _KINDS.get(leaf.value, "values")
+        shape = ("*" if leaf.ragged else None, *leaf.shape)
         keys.append(
             KeyReport(
                 key=dotted(leaf.key),
-                dtype=str(column.dtype).removeprefix("torch."),
-                shape="[" + ", ".join("*" if n is None else str(n) for n in column.shape) + "]",
-                kind=column.kind,
-                chunking=chunking,
-                codec=_codec(location.read(f"{leaf.path}/zarr.json")),
+                dtype=leaf.dtype if kind != "values" else leaf.value,
+                shape="[" + ", ".join(str(n) for n in shape if n is not None) + "]",
+                kind=kind,
+                shard_rows=shard_rows,
+                chunk_rows=chunk_rows,
+                codec=_codec(document),
                 stored_bytes=stored,
-                raw_bytes=len(view) * leaf.element_nbytes if not leaf.ragged else 0,
+                raw_bytes=rows * per_row * leaf.element_nbytes if not leaf.ragged else 0,
             )
         )
+    episodes = _episodes_line(source, valid, episode_key=episode_key, reward_key=reward_key)
     return StoreReport(
-        url=view.url,
+        url=source.url,
         format_version=FORMAT_VERSION,
-        shape=list(view.shape),
-        capacity=view.capacity,
-        cursor=view.cursor,
-        generation=store.committed.generation,
-        holes=view.holes,
+        shape=[rows, *(() if schema is None else schema.batch_shape[1:])],
+        capacity=meta.max_size if schema is None else schema.rows,
+        cursor=commit.cursor,
+        generation=commit.generation,
+        holes=list(mask_to_ranges(~valid)),
         codec=codec,
         keys=keys,
-        episodes=_episodes_line(view),
-        saved=_saved_line(view),
-        writers=location.holders(),
+        episodes=episodes,
+        saved=_saved_line(source),
+        writers=source.holders(),
     )
 
 
-def _codec(document: bytes | None) -> str:
+def _json(document: bytes | None) -> dict[str, Any]:
+    try:
+        value = load_json(document or b"{}")
+    except (ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _chunking(document: dict[str, Any]) -> tuple[int | None, int | None]:
+    """Rows per shard (``None`` without sharding) and per chunk, from an array's
+    ``zarr.json``."""
+    try:
+        rows = int(document["chunk_grid"]["configuration"]["chunk_shape"][0])
+        for codec in document.get("codecs", []):
+            if codec.get("name") == "sharding_indexed":
+                return rows, int(codec["configuration"]["chunk_shape"][0])
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        return None, None
+    return None, rows
+
+
+def _codec(document: dict[str, Any]) -> str:
     """The compressor an array's ``zarr.json`` names (inside its sharding codec, if any):
     a large leaf the codec did not shrink is stored raw (``none``)."""
     try:
-        codecs = json.loads(document or b"{}").get("codecs", [])
+        codecs = document.get("codecs", [])
         for codec in codecs:
             if codec.get("name") == "sharding_indexed":
                 codecs = codec["configuration"]["codecs"]
         names = [codec.get("name") for codec in codecs]
-    except (ValueError, AttributeError, KeyError, TypeError):
+    except (AttributeError, KeyError, TypeError):
+        return "?"
+    if not names:
         return "?"
     if "zstd" in names:
         return "zstd"
     return "lz4" if "blosc" in names else "none"
 
 
-def _episodes_line(view: View) -> str:
-    if not len(view):
+def store_episodes(
+    source: Source, *, episode_key: Key | None = None, reward_key: Key | None = None
+) -> Episodes:
+    """The episodes of the store ``source`` reads, found as :attr:`View.episodes` finds
+    them (from small leaves only)."""
+    meta = source.meta
+    schema = meta.schema
+    dtypes = {} if schema is None else {leaf.key: leaf.dtype for leaf in schema.leaves}
+    keys = find_keys(dtypes, key=episode_key, reward_key=reward_key)
+    rows = 0 if schema is None else meta.commit.length
+    return find_episodes(
+        source.column,
+        keys,
+        length=rows,
+        capacity=meta.max_size if schema is None else schema.rows,
+        cursor=meta.commit.cursor,
+        valid=meta.commit.readable_mask(rows),
+        envs=schema.batch_shape[1] if schema is not None and meta.ndim == 2 else None,
+    )
+
+
+def _episodes_line(
+    source: Source, valid: np.ndarray, *, episode_key: Key | None, reward_key: Key | None
+) -> str:
+    if not valid.size:
         return "none (no rows)"
     try:
-        episodes = view._episode_index()
+        episodes = store_episodes(source, episode_key=episode_key, reward_key=reward_key)
     except NoEpisodeFlagsError as err:
         return f"not found: {err}"
     complete = int(episodes.complete.sum())
-    keys = ", ".join(dotted(k) for k in (episodes.keys.traj, *episodes.keys.ends) if k)
-    line = f"{len(episodes)} ({complete} complete), from {keys}"
+    names = ", ".join(dotted(k) for k in (episodes.keys.traj, *episodes.keys.ends) if k)
+    line = f"{len(episodes)} ({complete} complete), from {names}"
     if complete and episodes.keys.reward is not None:
         mean = float(episodes.returns[episodes.complete].mean())
         line += f"; mean return of complete episodes {mean:.3g}"
     return line
 
 
-def _saved_line(view: View) -> str:
-    store = view.storage._store
-    saved = store.meta.saved
+def _saved_line(source: Source) -> str:
+    saved = source.meta.saved
     if saved is None:
         return "none (zarr_rb.save writes the buffer's sampler, writer and generator state)"
+    group = f"{STATE_GROUP}/{saved.slot}"
+    document = source.read(f"{group}/zarr.json")
+    if document is None:
+        return f"unreadable: no group {group!r}"
     try:
-        attrs = store.engine.read_group_attributes(f"{STATE_GROUP}/{saved.slot}")
-    except (FileNotFoundError, ValueError) as err:
-        return f"unreadable: {err}"
-    state = attrs.get("zarr_rb_state", {})
-    buffer = state.get("buffer", {})
-    children = state.get("children", {})
+        attrs = load_json(document).get("attributes", {})
+        state = attrs.get("zarr_rb_state", {})
+        buffer = state.get("buffer", {})
+        children = state.get("children", {})
+    except (ValueError, RecursionError, AttributeError, StoreCorruptedError) as err:
+        return f"unreadable: {group}/zarr.json: {err}"
     parts = [f"{buffer.get('class', '?')} of {saved.length} rows (cursor {saved.cursor})"]
     for role in ("sampler", "writer"):
         if isinstance(children.get(role), dict):

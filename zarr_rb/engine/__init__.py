@@ -1,5 +1,23 @@
-"""Array I/O through TensorStore on a location (see :mod:`zarr_rb.engine.tensorstore`)."""
+"""Array I/O through TensorStore on a location (see :mod:`zarr_rb.engine.tensorstore`).
 
-from zarr_rb.engine.tensorstore import Engine, RowArray
+``Engine`` and ``RowArray`` are imported on first use (PEP 562): importing TensorStore
+takes about a second, and :mod:`zarr_rb.engine.forked` (zarr-python) needs none of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from zarr_rb.engine.tensorstore import Engine, RowArray
 
 __all__ = ["Engine", "RowArray"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module("zarr_rb.engine.tensorstore"), name)
+    globals()[name] = value
+    return value
