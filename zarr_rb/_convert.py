@@ -447,12 +447,27 @@ def _fixed_rows(
         )
     shape = tuple(tensor.shape)
     if shape != (*index_shape, *row_shape):
-        raise SchemaMismatchError(
-            f"{where}: entry {key!r} has shape {shape}, expected "
-            f"{(*index_shape, *row_shape)} (index shape {index_shape} + stored shape "
-            f"{row_shape}). Rows of different lengths must be declared when the store is "
-            f"created: ZarrStorage(..., ragged=[{as_written(key)!r}])",
+        expected = (*index_shape, *row_shape)
+        lead = len(index_shape) + len(trailing)
+        if shape[:lead] != (*index_shape, *trailing):
+            raise SchemaMismatchError(
+                f"{where}: entry {key!r} has shape {shape}, expected {expected} (index shape "
+                f"{index_shape} + stored shape {row_shape})",
+            )
+        # The rows' own shape differs from the one the key's first write stored.
+        got, held, name = list(shape[lead:]), list(leaf.shape), as_written(key)
+        message = (
+            f"{where}: shape mismatch: rows of {name!r} have shape {got}, the store holds rows "
+            f"of shape {held}, set by the first write of that key (entry {key!r} has shape "
+            f"{shape}, expected {expected}). Either write rows of shape {held} (the same "
+            "frame stack, image size, ... as before), or write these to a new store"
         )
+        if len(got) == len(held) and got[1:] == held[1:]:
+            message += (
+                f"; if rows of {name!r} are sequences whose length varies from row to row, "
+                f"create the store with ZarrStorage(..., ragged=[{name!r}])"
+            )
+        raise SchemaMismatchError(message)
     return _plain(tensor).detach().to("cpu").reshape(math.prod(index_shape), *row_shape)
 
 
