@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from s3_server import S3Server
 from tensordict import TensorDict, lazy_stack
 from torchrl.data import TensorDictReplayBuffer
 
@@ -202,3 +203,31 @@ def test_info_reads_the_writers_as_the_lock_files_tell_them(tmp_path: Path) -> N
         for storage in shared:
             storage.close()
     assert same() == []
+
+
+def test_info_of_an_s3_store_equals_its_report_read_as_files(
+    s3_server: S3Server, s3_url: str, s3_options: dict[str, str], tmp_path: Path
+) -> None:
+    """A store on S3 is read through a View: its report is that of the same store on disk."""
+    local = tmp_path / "s.zarr"
+    for path, options in ((local, None), (s3_url, s3_options)):
+        rb = TensorDictReplayBuffer(storage=ZarrStorage(16, path, storage_options=options))
+        rb.extend(TensorDict({"next": {"done": torch.arange(10).unsqueeze(-1) % 3 == 2}}, [10]))
+        rb.storage.close()
+    env = {**os.environ, **s3_server.env(), "COLUMNS": "120"}
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-m", "zarr_rb", "info", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        for path in (local, s3_url)
+    ]
+    for out in outputs:
+        assert out.returncode == 0, out.stderr
+    assert "4 (3 complete), from next.done" in outputs[1].stdout
+    # Past the first line (the URL), only the sizes of objects may differ.
+    first, second = (out.stdout.splitlines()[1:] for out in outputs)
+    assert [line.split("zstd")[0] for line in first] == [line.split("zstd")[0] for line in second]
