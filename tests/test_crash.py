@@ -25,9 +25,11 @@ def random_kills(tmp_path, context, seeds) -> None:
     for seed in seeds:
         where = tmp_path / f"seed-{seed}"
         where.mkdir()
-        check = kill_randomly(where, seed, WORKLOAD, context)
+        # Killed after its first save returned (waited for), but for one seed in ten:
+        # load must then restore a save.
+        check = kill_randomly(where, seed, WORKLOAD, context, after_a_save=True)
         saved += check.saved is not None
-    assert saved >= len(seeds) // 2  # most kills land after a save, in steady state
+    assert saved >= len(seeds) // 2
 
 
 def test_random_kills(tmp_path, context):

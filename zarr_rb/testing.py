@@ -592,11 +592,18 @@ def kill_randomly(
     context: Any,
     *,
     max_delay: float = 1.0,
+    after_a_save: bool = False,
     store: str | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> CrashCheck:
     """Start a crash writer, SIGKILL it at a random moment (seeded), check its store (at
-    ``store``, a URL, or in ``where``)."""
+    ``store``, a URL, or in ``where``).
+
+    The kill comes a random delay after the writer is ready, or, with ``after_a_save``,
+    after its first save returned (waited for, however slow the machine: then ``load``
+    must find a save). One kill in ten (seeded) comes early, while the store is being
+    made.
+    """
     rng = np.random.default_rng(seed)
     path: Path | str = where / "rb.zarr" if store is None else store
     log_path = where / "writer.log"
@@ -607,18 +614,36 @@ def kill_randomly(
     )
     child.start()
     early = rng.random() < 0.1  # sometimes while the store is being created
-    deadline = time.monotonic() + 30
-    while not early and time.monotonic() < deadline and child.is_alive():
-        if log_path.exists() and log_path.read_text().startswith("ready"):
-            break
-        time.sleep(0.005)
+    event = "saved" if after_a_save else "ready"
+    if not early:
+        _wait_for_line(log_path, event, child)
     time.sleep(float(rng.uniform(0, 0.3 if early else max_delay)))
     if child.is_alive():
         os.kill(child.pid, signal.SIGKILL)
     child.join()
     if child.exitcode != -signal.SIGKILL:
         _fail(f"the writer exited with code {child.exitcode} before it was killed")
-    return check_crashed_store(path, log_path, workload, storage_options)
+    check = check_crashed_store(path, log_path, workload, storage_options)
+    if after_a_save and not early and check.saved is None:
+        _fail("the writer was killed after a save returned, and load found no save")
+    return check
+
+
+def _wait_for_line(log_path: Path, word: str, child: Any, seconds: float = 300) -> None:
+    """Wait until the writer logged a line starting with ``word`` (it died: fail). The
+    bound is only there so that a writer stuck for good fails the test instead of
+    hanging it."""
+    deadline = time.monotonic() + seconds
+    while not (log_path.exists() and _logged(log_path.read_text(), word)):
+        if not child.is_alive():
+            _fail(f"the writer died (exit code {child.exitcode}) before it logged {word!r}")
+        if time.monotonic() > deadline:
+            _fail(f"the writer logged no {word!r} line within {seconds:.0f} s")
+        time.sleep(0.005)
+
+
+def _logged(text: str, word: str) -> bool:
+    return any(line.split(" ", 1)[0] == word for line in text.splitlines())
 
 
 def kill_at_each_operation_of_a_save(
