@@ -18,6 +18,7 @@ from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import ZarrStorage
+from zarr_rb.errors import NotAStoreError, StoreExistsError
 
 
 def rows(start: int, n: int) -> TensorDict:
@@ -136,3 +137,60 @@ def test_two_writers_opened_on_one_new_path(tmp_path: Path) -> None:
         child.wait(timeout=60)
     with ZarrStorage(path=path, read_only=True) as reopened:
         assert torch.equal(reopened[:]["step"], torch.arange(10))
+
+
+WRITE_AND_CLOSE = """
+import sys, torch
+from tensordict import TensorDict
+from torchrl.data import TensorDictReplayBuffer
+from zarr_rb import ZarrStorage
+
+rb = TensorDictReplayBuffer(storage=ZarrStorage(100, sys.argv[1]))
+rb.extend(TensorDict({"step": torch.arange(100, 110)}, [10]))
+rb.storage.close()
+"""
+
+
+def another_process_makes_the_store(path: Path) -> None:
+    subprocess.run([sys.executable, "-c", WRITE_AND_CLOSE, str(path)], check=True)
+
+
+def test_a_storage_that_never_wrote_deletes_nothing_when_it_cleans_up(tmp_path: Path) -> None:
+    """auto_cleanup (and cleanup()) delete the store this storage made, never one that
+    another process made at the path since."""
+    path = tmp_path / "rb.zarr"
+    idle = ZarrStorage(100, path, auto_cleanup=True)
+    another_process_makes_the_store(path)
+    idle.close()
+    also_idle = ZarrStorage(100, tmp_path / "other.zarr")
+    another_process_makes_the_store(tmp_path / "other.zarr")
+    also_idle.cleanup()
+    for where in (path, tmp_path / "other.zarr"):
+        with ZarrStorage(path=where, read_only=True) as reopened:
+            assert reopened[:]["step"].tolist() == list(range(100, 110))
+
+
+def test_a_store_made_meanwhile_is_opened_again_as_the_error_says(tmp_path: Path) -> None:
+    path = tmp_path / "rb.zarr"
+    late = TensorDictReplayBuffer(storage=ZarrStorage(100, path))
+    another_process_makes_the_store(path)
+    with pytest.raises(StoreExistsError, match=r"storage\.close\(\)"):
+        late.extend(rows(0, 4))
+    late.storage.close()
+    again = TensorDictReplayBuffer(storage=ZarrStorage(path=path))  # as the message says
+    assert len(again) == 10
+    again.extend(rows(0, 4))
+    assert again[:]["step"].tolist() == [*range(100, 110), 0, 1, 2, 3]
+    again.storage.close()
+
+
+def test_files_put_in_the_directory_before_the_first_write_are_not_taken(tmp_path: Path) -> None:
+    path = tmp_path / "rb.zarr"
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(100, path))
+    path.mkdir()
+    (path / "notes.txt").write_text("mine")
+    with pytest.raises(NotAStoreError, match="nothing was written"):
+        rb.extend(rows(0, 4))
+    rb.storage.close()
+    assert (path / "notes.txt").read_text() == "mine"
+    assert not (path / "zarr.json").exists()

@@ -135,6 +135,38 @@ def test_full_filesystem_is_enospc_keeps_the_commit_and_recovers(tmpfs, tmp_path
 # --- file modes -----------------------------------------------------------------------------
 
 
+def fill(path: Path) -> int | None:
+    """Write zeros into ``path`` until the filesystem refuses more: the errno it gave."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as err:
+        return err.errno
+    finally:
+        os.close(fd)
+
+
+def test_a_full_disk_at_the_first_write_is_a_typed_error_and_the_write_works_once_freed(tmpfs):
+    """The first write makes the store (its directory, its lock file): on a disk with no
+    room left it fails with ENOSPC, holds nothing (no lock of this very process is left
+    behind) and succeeds once space is freed."""
+    disk = tmpfs("64k")
+    filler = disk / "filler"
+    assert fill(filler) == errno.ENOSPC
+    rb = ReplayBuffer(storage=ZarrStorage(100, disk / "rb.zarr"))
+    rows = TensorDict({"step": torch.arange(4)}, [4])
+    with pytest.raises(StoreWriteError) as info:
+        rb.extend(rows)
+    assert info.value.errno == errno.ENOSPC
+    assert "nothing was written" in str(info.value)
+    filler.unlink()
+    rb.extend(rows)
+    rb.storage.close()
+    with ZarrStorage(path=disk / "rb.zarr", read_only=True) as reopened:
+        assert reopened[:]["step"].tolist() == [0, 1, 2, 3]
+
+
 def wrong_modes(root: Path, umask: int) -> list[str]:
     """Every file and directory under ``root`` whose mode is not what ``umask`` gives."""
     wrong = []

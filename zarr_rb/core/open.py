@@ -185,27 +185,38 @@ def _new_store(
         commit=Commit(),
         compression=compression.to_json(),
     )
-    return Store(
+    store = Store(
         engine,
         meta,
         read_only=False,
         compression=compression,
-        create=lambda: _make_place(engine),
+        create=lambda: _make_place(store),
     )
+    return store
 
 
-def _make_place(engine: Engine) -> WriterHold:
+def _make_place(store: Store) -> WriterHold:
     """The directory of a new store and its writer lock, at its first write; nothing may
     have been made there since the store was opened."""
+    engine = store.engine
     location = engine.location
     location.create_root()
     lock = location.acquire_writer()
     try:
         if read_root(engine, adopt=True) is not None:
+            # This process's storages on the path must see that store, not this one.
+            _forget(store)
             raise StoreExistsError(
                 f"store {location.url!r} was made by another writer after this storage was "
-                "opened and before its first write: nothing was written. Open it again to add "
-                "to it (ZarrStorage(path=...)), or choose another path",
+                "opened and before its first write: nothing was written. Close this storage "
+                "(storage.close()) and open the store again to add to it "
+                "(ZarrStorage(path=...)), or choose another path",
+            )
+        if location.exists():
+            raise NotAStoreError(
+                f"store {location.url!r}: files that are not a zarr_rb store were put there "
+                "after this storage was opened and before its first write; nothing was "
+                "written. Choose a new or empty directory",
             )
         if lock.needs_claim:
             engine.claim(lock.holder)

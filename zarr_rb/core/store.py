@@ -945,7 +945,17 @@ class Store:
         create = self._create
         if create is None:
             return
-        self._lock = create()
+        try:
+            self._lock = create()
+        except OSError as err:
+            if isinstance(err, ZarrRBError):
+                raise
+            reason = str(err).split(" [source locations=")[0]
+            raise StoreWriteError(
+                errno_of(err),
+                f"store {self.url!r} could not be made ({reason}); nothing was written. Free "
+                "space or fix the disk, then write again",
+            ) from None
         self._create = None
         try:
             self.publish_meta()
@@ -1319,6 +1329,8 @@ class Store:
                 callback(self)
         removed = False
         for location in self._remove:
+            if location is self.engine.location and not self.on_disk:
+                continue  # never made by this store: what is there is another writer's
             removed = removed or location.exists()
             location.delete_prefix("")
         return removed
@@ -1341,7 +1353,9 @@ class Store:
     def _gone(self) -> bool:
         """Whether there is nothing to flush into: a reader, or a store deleted from under
         it (by another program)."""
-        return self.read_only or self.engine.location.read(ROOT_METADATA) is None
+        if self.read_only or not self.on_disk:
+            return True
+        return self.engine.location.read(ROOT_METADATA) is None
 
     def on_close(self, callback: Callable[[Store], None]) -> None:
         self._on_close.append(callback)

@@ -71,9 +71,14 @@ class WriterLock:
                 holder=holder,
             ) from None
         holder = _me()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode("utf-8"), 0)
-        return cls(path, fd, holder)
+        lock = cls(path, fd, holder)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode("utf-8"), 0)
+        except BaseException:
+            lock.release()  # a full disk: the next attempt must find the lock free
+            raise
+        return lock
 
     @property
     def held(self) -> bool:
