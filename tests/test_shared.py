@@ -40,8 +40,15 @@ from zarr_rb.errors import (
     SchemaMismatchError,
     StoreNotFoundError,
 )
+from zarr_rb.testing import forkserver_context
 
-SPAWN = mp.get_context("spawn")
+SPAWN = forkserver_context()
+"""Children get the storage as spawned ones do (pickled as a handle, since a child is being
+started), from a server that has torch and TorchRL imported: each starts in milliseconds,
+not the seconds an interpreter takes to import them."""
+FRESH = mp.get_context("spawn")
+"""Children in fresh interpreters, as TorchRL's collectors start them (for one test: each
+takes seconds to import torch)."""
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -78,7 +85,7 @@ def test_spawned_children_extend_one_buffer_and_the_parent_sees_every_row(store_
     rb = TensorDictReplayBuffer(storage=ZarrStorage(4000, store_path), batch_size=16)
     rb.extend(stamped(9, 0, 10))  # written before it is shared, by a single writer
     children = [
-        SPAWN.Process(target=extend_buffer, args=(rb, writer, 10, 50)) for writer in range(3)
+        FRESH.Process(target=extend_buffer, args=(rb, writer, 10, 50)) for writer in range(3)
     ]
     for child in children:
         child.start()
