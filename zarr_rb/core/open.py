@@ -178,13 +178,7 @@ def _new_store(
     """A new store, made on disk at its first write (see :meth:`Store.ensure_on_disk`)."""
     assert max_size is not None
     compression = compression or Compression()
-    meta = StoreMeta(
-        max_size=max_size,
-        ndim=ndim or 1,
-        schema=None,
-        commit=Commit(),
-        compression=compression.to_json(),
-    )
+    meta = _empty(max_size, ndim, compression, Commit())
     store = Store(
         engine,
         meta,
@@ -262,14 +256,7 @@ def _open_shared(
         document = read_root(engine, adopt=True)
         if document is None:
             assert max_size is not None
-            compression = compression or Compression()
-            meta = StoreMeta(
-                max_size=max_size,
-                ndim=ndim or 1,
-                schema=None,
-                commit=Commit(ring=Ring()),
-                compression=compression.to_json(),
-            )
+            meta = _empty(max_size, ndim, compression or Compression(), Commit(ring=Ring()))
             # Create-only: of writers creating it at once, one record wins; all join it.
             engine.try_write_root_attributes({ATTRS_KEY: meta.to_json()})
             engine.create_group(DATA_GROUP)
@@ -379,13 +366,7 @@ def _create(
 ) -> Store:
     """A new, empty store (``previous``: the root record of the store it replaces)."""
     compression = compression or Compression()
-    meta = StoreMeta(
-        max_size=max_size,
-        ndim=ndim,
-        schema=None,
-        commit=Commit(generation=generation),
-        compression=compression.to_json(),
-    )
+    meta = _empty(max_size, ndim, compression, Commit(generation=generation))
     store = Store(engine, meta, read_only=False, compression=compression, lock=lock)
     # The root record first: once it exists, the directory is a store (an empty one when
     # starting over), and a crash before or after it leaves something that reopens. Only
@@ -407,6 +388,17 @@ def _create(
                 engine.remove_tree(name)
         engine.create_group(DATA_GROUP)
     return store
+
+
+def _empty(max_size: int, ndim: int | None, compression: Compression, commit: Commit) -> StoreMeta:
+    """The record of a store that holds nothing yet."""
+    return StoreMeta(
+        max_size=max_size,
+        ndim=ndim or 1,
+        schema=None,
+        commit=commit,
+        compression=compression.to_json(),
+    )
 
 
 def _exists_error(where: str) -> StoreExistsError:
