@@ -145,14 +145,15 @@ from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 from zarr_rb import ZarrStorage
 
-rb = TensorDictReplayBuffer(storage=ZarrStorage(100, sys.argv[1]))
-rb.extend(TensorDict({"step": torch.arange(100, 110)}, [10]))
-rb.storage.close()
+for path in sys.argv[1:]:
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(100, path))
+    rb.extend(TensorDict({"step": torch.arange(100, 110)}, [10]))
+    rb.storage.close()
 """
 
 
-def another_process_makes_the_store(path: Path) -> None:
-    subprocess.run([sys.executable, "-c", WRITE_AND_CLOSE, str(path)], check=True)
+def another_process_makes_the_stores(*paths: Path) -> None:
+    subprocess.run([sys.executable, "-c", WRITE_AND_CLOSE, *map(str, paths)], check=True)
 
 
 def test_a_storage_that_never_wrote_deletes_nothing_when_it_cleans_up(tmp_path: Path) -> None:
@@ -160,10 +161,9 @@ def test_a_storage_that_never_wrote_deletes_nothing_when_it_cleans_up(tmp_path: 
     another process made at the path since."""
     path = tmp_path / "rb.zarr"
     idle = ZarrStorage(100, path, auto_cleanup=True)
-    another_process_makes_the_store(path)
-    idle.close()
     also_idle = ZarrStorage(100, tmp_path / "other.zarr")
-    another_process_makes_the_store(tmp_path / "other.zarr")
+    another_process_makes_the_stores(path, tmp_path / "other.zarr")
+    idle.close()
     also_idle.cleanup()
     for where in (path, tmp_path / "other.zarr"):
         with ZarrStorage(path=where, read_only=True) as reopened:
@@ -173,7 +173,7 @@ def test_a_storage_that_never_wrote_deletes_nothing_when_it_cleans_up(tmp_path: 
 def test_a_store_made_meanwhile_is_opened_again_as_the_error_says(tmp_path: Path) -> None:
     path = tmp_path / "rb.zarr"
     late = TensorDictReplayBuffer(storage=ZarrStorage(100, path))
-    another_process_makes_the_store(path)
+    another_process_makes_the_stores(path)
     with pytest.raises(StoreExistsError, match=r"storage\.close\(\)"):
         late.extend(rows(0, 4))
     late.storage.close()
