@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -52,10 +54,17 @@ def _expected_schema(obs_dtype: torch.dtype, obs_shape: tuple[int, ...]) -> dict
     }
 
 
-def test_demo_cartpole(tmp_path: Path) -> None:
+def test_demo_cartpole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "cartpole.zarr"
     assert _run(path, "--env", "cartpole", "--steps", "300") == 0
     assert path.is_dir()
+    # It ends with the commands to try next, and they run.
+    lines = [line.split(maxsplit=1) for line in capsys.readouterr().out.splitlines()]
+    info = next(rest for head, *rest in lines if head == "next")[0]
+    assert shlex.split(info)[1:] == ["info", str(path)]
+    done = subprocess.run(shlex.split(info), capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "300" in done.stdout
     n, schema = _reopen(path)
     assert n == 300
     assert schema == _expected_schema(torch.float32, (4,))

@@ -20,6 +20,7 @@ The environment dependencies are optional: ``pip install -e '.[demo]'`` in a che
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -527,7 +528,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not ok:
         print(f"error: reopened store has {rows_reopened} rows, expected {rows}", file=sys.stderr)
         return 1
+    _print_next_steps(path, pong=args.env == "pong")
     return 0
+
+
+def _print_next_steps(path: Path, *, pong: bool) -> None:
+    """The commands to try next on the store (the command line next to this Python: a
+    virtual environment's, which is not on PATH unless it is activated)."""
+    beside = Path(sys.executable).parent / "zarr-rb"
+    cli = str(beside) if beside.exists() else "zarr-rb"
+    where = shlex.quote(str(path))
+    print(f"next    {cli} info {where}")
+    print(f"        {cli} episodes {where}")
+    if pong:
+        print(f"        {cli} show {where} --episode 0 --stride 2 -o episode0.gif")
+    print(f"        {cli} plot {where} -o returns.png")
+    print("        (a second run of the demo appends to the store; --overwrite starts over)")
 
 
 if __name__ == "__main__":
