@@ -386,6 +386,8 @@ def check_crashed_store(
     if len(reader) != commit["length"]:
         _fail(f"reopened length {len(reader)} != committed length {commit['length']}")
     holes = sum(b - a for a, b in commit["holes"])
+    if holes:
+        _fail(f"holes {commit['holes']} in [0, {commit['length']}): every row must be readable")
     length = len(reader)
     if length:
         readable = np.ones(length, bool)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb.core.format import STATE_GROUP, LeafSpec, describe_runs, mask_to_ranges
+from zarr_rb.core.format import STATE_GROUP, LeafSpec, describe_runs
 from zarr_rb.core.open import open_store
 from zarr_rb.core.store import Store
 from zarr_rb.errors import StoreCorruptedError
@@ -120,13 +120,15 @@ def verify(
             if store.schema is not None
             else np.zeros(0, bool)
         )
+        positions = np.flatnonzero(readable)
+        # The rows of the arrays that hold them (blocks the writer moved to other slots).
+        physical = store.committed.physical(positions)
         for leaf in store.schema.leaves if store.schema is not None else ():
             arrays += 1
-            ranges = mask_to_ranges(readable)
             if leaf.ragged:
-                damaged.extend(_check_ragged(store, leaf, ranges))
+                damaged.extend(_check_ragged(store, leaf, positions, physical))
             else:
-                damaged.extend(_check_array(store, leaf.path, ranges, leaf.key))
+                damaged.extend(_check_array(store, leaf.path, _ranges(physical), leaf.key))
         state_arrays, unreadable = _state_arrays(store)
         damaged.extend(unreadable)
         for array_path, size in state_arrays:
@@ -138,7 +140,7 @@ def verify(
             for chunk in damaged:
                 if chunk.array.startswith(f"{STATE_GROUP}/"):
                     continue
-                lost[chunk.rows[0] : chunk.rows[1]] = True
+                lost[_positions_in(store, *chunk.rows)] = True
             withdrawn = store.withdraw(lost)
         return VerifyReport(
             path=store.path,
@@ -183,40 +185,67 @@ def _check_array(
     return damaged
 
 
+def _ranges(rows: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """Rows of an array (unique) as half-open ranges."""
+    if not rows.size:
+        return ()
+    rows = np.sort(rows)  # runs found between sorted rows: no mask over the array's rows
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = rows[np.concatenate(([0], breaks))]
+    stops = rows[np.concatenate((breaks - 1, [rows.size - 1]))] + 1
+    return tuple((int(a), int(b)) for a, b in zip(starts, stops, strict=True))
+
+
+def _positions_in(store: Store, start: int, stop: int) -> np.ndarray:
+    """The positions that rows ``[start, stop)`` of the data arrays hold in the last
+    commit (rows of slots no block is in hold none)."""
+    rows = np.arange(start, stop)
+    slots = store.committed.slots
+    if slots is None:
+        return rows
+    block_of = np.full(slots.capacity, -1, dtype=np.int64)
+    block_of[slots.slots] = np.arange(slots.blocks)
+    blocks = block_of[rows // slots.block_rows]
+    held = blocks >= 0
+    positions: np.ndarray = blocks[held] * slots.block_rows + rows[held] % slots.block_rows
+    return positions[positions < store.committed.length]
+
+
 def _check_ragged(
-    store: Store, leaf: LeafSpec, ranges: tuple[tuple[int, int], ...]
+    store: Store, leaf: LeafSpec, positions: np.ndarray, physical: np.ndarray
 ) -> list[DamagedChunk]:
     """The damaged chunks of a ragged leaf: each inner chunk of rows is read up to the
-    longest of its rows (chunks past that were never needed, and may not exist)."""
+    longest of its rows (chunks past that were never needed, and may not exist).
+    ``positions`` are read; ``physical``, the rows of the arrays that hold them."""
     try:
         array = store.array(leaf.key)
     except (StoreCorruptedError, ValueError) as err:
         return [DamagedChunk(leaf.path, (0, 0), f"cannot open the array: {err}")]
-    rows = np.concatenate([np.arange(a, b) for a, b in ranges] or [np.zeros(0, np.int64)])
     try:
-        sizes = store._read_disk({leaf.lengths_key: rows})[leaf.lengths_key].numpy()
+        sizes = store._read_disk({leaf.lengths_key: positions})[leaf.lengths_key].numpy()
     except (StoreCorruptedError, ValueError):
         return []  # the lengths leaf is damaged: reported with it
+    rows = physical
+    ranges = _ranges(physical)
     impossible = (sizes < 0) | (sizes > array.width)
     if impossible.any():  # intact chunks, values no row can have
-        mask = np.zeros(store.committed.length, dtype=bool)
-        mask[rows[impossible]] = True
         return [
             DamagedChunk(
                 leaf.lengths_leaf().path,
-                (int(a), int(b)),
+                (a, b),
                 f"rows claim lengths outside 0..{array.width}, the width of {leaf.path}",
             )
-            for a, b in mask_to_ranges(mask)
+            for a, b in _ranges(rows[impossible])
         ]
-    lengths = np.zeros(store.committed.length, dtype=np.int64)
-    lengths[rows] = sizes
+    order = np.argsort(rows)
+    rows, sizes = rows[order], sizes[order]
     step = array.read_chunk_rows
     damaged: list[DamagedChunk] = []
     for start, stop in ranges:
         for first in range(start - start % step, stop, step):
             a, b = max(first, start), min(first + step, stop)
-            span = -(-int(lengths[a:b].max()) // array.chunk_length)
+            inside = sizes[np.searchsorted(rows, a) : np.searchsorted(rows, b)]
+            span = -(-int(inside.max()) // array.chunk_length)
             if span:
                 damaged.extend(
                     DamagedChunk(leaf.path, (lo, hi), reason)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from zarr_rb.core.ring import SlotMap, parse_slot_map
 from zarr_rb.errors import (
     FormatVersionError,
     KeyNameError,
@@ -33,9 +34,12 @@ from zarr_rb.errors import (
     UnsupportedDataError,
 )
 
-FORMAT_VERSION = 2
-"""Format 2 added leaves of non-tensor values and rows of different lengths; stores of
-format 1 (tensor leaves only) open unchanged."""
+FORMAT_VERSION = 3
+"""Format 2 added leaves of non-tensor values and rows of different lengths; format 3 the
+slot map of the copy-on-write ring (``commit.slots``, see :mod:`zarr_rb.core.ring`). Stores
+of formats 1 and 2 open unchanged; a store takes format 3 when it is first written over."""
+FORMAT_NON_TENSOR = 2
+"""The format that brought leaves of non-tensor values (a store taking one needs it)."""
 ATTRS_KEY = "zarr_rb"
 DATA_GROUP = "data"
 LENGTHS_GROUP = "lengths"
@@ -408,6 +412,13 @@ class Commit:
     """Grows whenever rows that an earlier commit declared readable are written over (the
     ring wrapping, rows rewritten, the buffer emptied): the rows a save covered are the
     ones it saved for as long as the epoch it recorded stays (one writer)."""
+    slots: SlotMap | None = None
+    """Which slot of the data arrays holds each block of positions (``None``: block ``b``
+    in slot ``b``, as in every store never written over)."""
+
+    def physical(self, rows: np.ndarray) -> np.ndarray:
+        """The rows of the data arrays that hold positions ``rows`` in this commit."""
+        return rows if self.slots is None else self.slots.physical(rows)
 
     def to_json(self) -> dict[str, Any]:
         record: dict[str, Any] = {
@@ -420,6 +431,8 @@ class Commit:
             record["epoch"] = self.epoch
         if self.ring is not None:
             record["ring"] = self.ring.to_json()
+        if self.slots is not None:
+            record["slots"] = self.slots.to_json()
         return record
 
     def readable(self, rows: np.ndarray) -> np.ndarray:
@@ -571,6 +584,7 @@ def parse_commit(value: object, *, rows: int) -> Commit:
         holes=tuple(holes),
         ring=parse_ring(value.get("ring"), rows=rows),
         epoch=_parse_int(value.get("epoch", 0), "commit epoch"),
+        slots=parse_slot_map(value.get("slots"), rows=rows),
     )
 
 
@@ -771,6 +785,12 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
             (schema is None) == (block_rows is None), "block_rows set with the schema", block_rows
         )
         commit = parse_commit(value.get("commit"), rows=rows)
+        if commit.slots is not None:
+            _expect(
+                fmt >= 3 and commit.slots.block_rows == block_rows,
+                f"a slot map (format 3) of blocks of {block_rows} rows",
+                commit.slots.to_json(),
+            )
         saved = parse_saved(value.get("saved"), max_size=max_size)
         compression = parse_compression(value.get("compression"))
     except StoreCorruptedError as err:

@@ -51,6 +51,8 @@ def reread_commit(store: Store) -> Commit:
             # than it, as on a local store.)
             store.engine.cache.new_epoch()
     store.committed = meta.commit
+    if store.read_only and store.schema is not None:
+        store.use_slots(meta.commit)  # the blocks a writer copied since are read there
     if store._ledger is not None:
         store._ledger.published_as(meta.commit.readable_mask(meta.commit.length))
     return meta.commit

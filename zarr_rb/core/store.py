@@ -36,6 +36,7 @@ from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy, to_numpy
 from zarr_rb.core.format import (
     ATTRS_KEY,
     DATA_GROUP,
+    FORMAT_NON_TENSOR,
     FORMAT_VERSION,
     Commit,
     LeafSpec,
@@ -49,6 +50,7 @@ from zarr_rb.core.format import (
 from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.reader import read_committed, reread_commit
+from zarr_rb.core.ring import SPARE_FACTOR, SlotMap
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.write_cache import Block, Key, WriteBuffer
 from zarr_rb.engine import Engine, RowArray
@@ -164,6 +166,12 @@ class Store:
         self.closed = False
         self.sharing: Sharing | None = None
         """The shared-writer protocol, when this store has several writers."""
+        self._slots: SlotMap | None = None
+        """Where each block of positions is on disk: the writer's map, which the next
+        commit publishes (a reader's: the last commit's). Set with the schema."""
+        self._rewrote_published = False
+        """Rows the last commit declared readable were written over (in other slots) since:
+        the next commit moves the epoch."""
         if meta.schema is not None:
             self._attach_schema(meta.schema, meta.block_rows or 1)
 
@@ -195,10 +203,20 @@ class Store:
         return (*self.schema.batch_shape[1:], *leaf.shape)
 
     def _array_shape(self, leaf: LeafSpec) -> tuple[int | None, ...]:
-        """The shape a leaf's array must have (``None``: a ragged array's width, any)."""
+        """The shape a leaf's array must have (``None``: any length along that dimension:
+        the rows, at least the capacity's and more once slots were added for copies; a
+        ragged array's width)."""
         if leaf.ragged:
-            return (self.rows, None, *leaf.shape)
-        return (self.rows, *self.element_shape(leaf))
+            return (None, None, *leaf.shape)
+        return (None, *self.element_shape(leaf))
+
+    @property
+    def _physical_rows(self) -> int:
+        """Rows the data arrays must have: those of every slot of the map."""
+        slots = self._slots
+        if slots is None or slots.is_identity:
+            return self.rows
+        return slots.capacity * slots.block_rows
 
     def with_lengths(self, keys: Iterable[Key]) -> list[Key]:
         """``keys`` and the lengths leaves of the ragged ones among them."""
@@ -214,6 +232,7 @@ class Store:
 
     def _attach_schema(self, schema: Schema, block_rows: int) -> None:
         self._leaves = leaves_by_key(schema.leaves)
+        self.use_slots(self.committed)
         if self.meta.commit.ring is not None:
             self._wait_for_arrays(schema)
         # Row masks are sized from the schema: check it against an array on disk first.
@@ -244,6 +263,21 @@ class Store:
             if time.monotonic() > deadline:
                 return  # reported by the checks that follow
             time.sleep(0.01)
+
+    def use_slots(self, commit: Commit) -> None:
+        """Read (and write) through the slot map of ``commit``: the one the store opened
+        at, or a newer one a reader picked up."""
+        assert self.schema is not None
+        if commit.slots is not None:
+            self._slots = commit.slots.copy()
+        else:
+            self._slots = SlotMap.identity(self.rows, self.meta.block_rows or 1)
+
+    def _committed_slots(self) -> SlotMap:
+        assert self.schema is not None
+        if self.committed.slots is not None:
+            return self.committed.slots
+        return SlotMap.identity(self.rows, self.meta.block_rows or 1)
 
     def keep_in_ram(self, nbytes: int) -> None:
         """Let the writer mirror every fixed-shape leaf in RAM (frames too, not only the
@@ -333,14 +367,15 @@ class Store:
         assert self._buffer is not None
         assert self._ledger is not None
         block_rows = self.meta.block_rows or 1
+        physical_shape = (self._physical_rows, *schema.batch_shape[1:])
         with self.writing("creating the arrays of new keys"):
-            self._create_arrays(leaves, schema.batch_shape, block_rows, samples=samples)
+            self._create_arrays(leaves, physical_shape, block_rows, samples=samples)
         grown = schema.with_leaves(leaves)
         # A store of format 1 that takes leaves format 1 cannot read becomes format 2, so
         # that an older zarr_rb refuses it (FormatVersionError) instead of misreading it.
         fmt = self.meta.format
         if any(leaf.value != "tensor" for leaf in leaves):
-            fmt = max(fmt, FORMAT_VERSION)
+            fmt = max(fmt, FORMAT_NON_TENSOR)
         self.meta = dataclasses.replace(self.meta, schema=grown, format=fmt)
         self._leaves = leaves_by_key(grown.leaves)
         for leaf in leaves:
@@ -352,10 +387,15 @@ class Store:
         # readers), so that those rows stay whole with the new keys; rows waiting in RAM get
         # zeros there too (add_key).
         on_disk = self._ledger.intact | self._ledger.published
+        assert self._slots is not None
+        committed = self._committed_slots()
         with self.writing("writing zeros into new keys"):
             futures = []
             for start, stop in _runs(on_disk, block_rows):
-                rows = np.arange(start, stop)
+                # In the block's slot, and in its committed one (when the writer moved it
+                # since): readers of the last commit read it there.
+                positions = np.arange(start, stop)
+                rows = np.union1d(self._slots.physical(positions), committed.physical(positions))
                 for leaf in leaves:
                     if leaf.ragged:
                         continue  # its rows are empty (their lengths are zeros): nothing to read
@@ -427,15 +467,20 @@ class Store:
                 raise StoreCorruptedError(
                     f"store {self.url!r}: cannot open array {leaf.path!r} ({err})"
                 ) from None
-            shape_ok = len(array.shape) == len(expected) and all(
-                want is None or want == got
-                for want, got in zip(expected, array.shape, strict=False)
+            shape_ok = (
+                len(array.shape) == len(expected)
+                and array.shape[0] >= self._physical_rows
+                and all(
+                    want is None or want == got
+                    for want, got in zip(expected[1:], array.shape[1:], strict=False)
+                )
             )
             if not shape_ok or array.dtype != np.dtype(leaf.stored_dtype):
+                want = (self._physical_rows, *expected[1:])
                 raise StoreCorruptedError(
                     f"store {self.url!r}: array {leaf.path!r} has shape "
-                    f"{array.shape} and dtype {array.dtype}, expected {expected} and "
-                    f"{leaf.stored_dtype}",
+                    f"{array.shape} and dtype {array.dtype}, expected {want} (at least as "
+                    f"many rows) and {leaf.stored_dtype}",
                 )
             self._arrays[key] = array
         return array
@@ -656,25 +701,112 @@ class Store:
                 self._retries.append((rows, values))
 
     def _write_to_disk(self, writes: Sequence[Write], *, withdraw: bool = True) -> None:
-        """Write rows; rows the last commit declared readable are withdrawn first, by a
-        commit (``withdraw=False``: the caller did, as shared writers do when they take a
-        block)."""
+        """Write rows. A block whose rows hold data (committed, or written since) is
+        written by copy-on-write: into a free slot, with the rows of the block this write
+        leaves alone; the next commit switches the block to it, and until then the block's
+        old slot stays as it was (a crash or a failed write leaves it whole). Rows never
+        written go straight into their block's slot.
+
+        ``withdraw=False``: a shared writer's rows, written in place into blocks it holds
+        (the caller withdrew them from the readable range when it took them).
+        """
         assert self._ledger is not None
+        assert self._slots is not None
         self.check_hold()
         self._ledger.grow(max((int(rows.max()) + 1 for rows, _ in writes if rows.size), default=0))
         touched = self._ledger.mask()
         for rows, _ in writes:
             touched[rows] = True
-        withdrawal = self._ledger.withdrawal_for(touched) if withdraw else None
-        if withdrawal is not None:
-            # Withdraw the rows about to change before touching a byte of them; the length
-            # stays, so readers see holes rather than a shrinking buffer.
-            self._publish_mask(withdrawal, length=self.committed.length, rewrite=True)
-        was_intact = self._ledger.start_write(touched)
+        keys = {key for _, values in writes for key in values}
+        if not withdraw:
+            was_intact = self._ledger.start_write(touched)
+            self._write_rows(writes)
+            self._ledger.finish_write(touched, was_intact, keys)
+            return
+        was_intact = self._ledger.intact & touched
+        moved, before, copies = self._copy_on_write(writes, touched)
+        try:
+            self._write_rows([*copies, *writes])
+        except BaseException:
+            self._slots.assign(moved, before)  # the blocks' rows are where they were
+            raise
+        self._ledger.finish_write(touched, was_intact, keys)
+
+    def _copy_on_write(
+        self, writes: Sequence[Write], touched: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, list[Write]]:
+        """Move the blocks whose rows ``writes`` writes over to free slots.
+
+        Returns the blocks moved, the slots they were in, and the writes that copy the
+        rows of those blocks that ``writes`` leaves alone (of each key: the rows holding
+        data of it) into their new slots.
+        """
+        ledger = self._ledger
+        assert ledger is not None
+        assert self._slots is not None
+        none = np.empty(0, dtype=np.int64)
+        if (ledger.published & touched).any():
+            self._rewrote_published = True
+        block_rows = self._slots.block_rows
+        live = (ledger.intact | ledger.published) & touched
+        blocks = np.unique(np.flatnonzero(live) // block_rows)
+        if not blocks.size:
+            return none, none, []
+        fresh = self._free_slots(blocks.size)
+        positions = (blocks[:, None] * block_rows + np.arange(block_rows)).ravel()
+        positions = positions[positions < ledger.extent]
+        copies: list[Write] = []
+        for group in self._plain_then_ragged(list(self._leaves)):
+            requests = {}
+            for key in group:
+                written = [rows for rows, values in writes if key in values]
+                keep = ledger.readable(positions, key)
+                if written:
+                    keep &= ~np.isin(positions, np.concatenate(written))
+                if keep.any():
+                    requests[key] = positions[keep]
+            lengths = {
+                key: self._read_disk({self._leaf(key).lengths_key: rows})[
+                    self._leaf(key).lengths_key
+                ].numpy()
+                for key, rows in requests.items()
+                if self._leaf(key).ragged
+            }
+            for key, values in self._read_disk(requests, lengths).items():
+                copies.append((requests[key], {key: values}))
+        before = self._slots.slots[blocks].copy()
+        self._slots.assign(blocks, fresh)
+        return blocks, before, copies
+
+    def _free_slots(self, count: int) -> np.ndarray:
+        """``count`` slots that neither the last commit nor the writer's map refers to;
+        the arrays grow (their metadata only) when there are not enough."""
+        slots = self._slots
+        assert slots is not None
+        committed = self._committed_slots()
+        used = np.zeros(slots.capacity, dtype=bool)
+        used[slots.slots] = True
+        used[committed.slots[committed.slots < slots.capacity]] = True
+        free = np.flatnonzero(~used)
+        if free.size >= count:
+            return free[:count]
+        capacity = max(SPARE_FACTOR * slots.blocks, slots.capacity + count - free.size)
+        with self.writing("adding slots to the arrays"):
+            for key in self._leaves:
+                self.array(key).grow_rows(capacity * slots.block_rows)
+        self._slots = slots.with_capacity(capacity)
+        # Readers that do not know slot maps must not open the store once it has one.
+        self.meta = dataclasses.replace(self.meta, format=max(self.meta.format, FORMAT_VERSION))
+        return self._free_slots(count)
+
+    def _write_rows(self, writes: Sequence[Write]) -> None:
+        """Write rows to the slots the writer's map gives their blocks."""
+        assert self._slots is not None
         with self.writing("writing rows"):
             futures = []
             try:
                 for rows, values in writes:
+                    physical = self._slots.physical(rows)
                     for key, tensor in values.items():
                         array = self.array(key)
                         if array.ragged:
@@ -682,7 +814,7 @@ class Store:
                             if not tensor.shape[1]:
                                 continue  # empty rows: nothing to write
                             array.grow(tensor.shape[1])
-                        futures.append(array.write_rows(rows, to_numpy(tensor)))
+                        futures.append(array.write_rows(physical, to_numpy(tensor)))
             finally:
                 errors = []
                 for future in futures:
@@ -692,8 +824,6 @@ class Store:
                         errors.append(err)
             if errors:
                 raise errors[0]
-        keys = {key for _, values in writes for key in values}
-        self._ledger.finish_write(touched, was_intact, keys)
 
     def check_hold(self) -> None:
         """Nothing is written by a writer that lost its hold (a lease taken over).
@@ -788,7 +918,7 @@ class Store:
         ledger = self._ledger
         readable = ledger.intact & ~(self._staged_mask(ledger.extent) & ~ledger.published)
         readable[self.length_rows :] = False
-        self._publish_mask(readable)
+        self._publish_mask(readable, rewrite=self._rewrote_published)
 
     def _committable_cursor(self, readable: np.ndarray) -> int:
         """The cursor a commit that declares the ``readable`` rows records: this writer's,
@@ -832,17 +962,21 @@ class Store:
             cursor=self._committable_cursor(readable),
             length=length,
         )
-        commit = dataclasses.replace(commit, epoch=self.committed.epoch + rewrite)
+        commit = dataclasses.replace(
+            commit, epoch=self.committed.epoch + rewrite, slots=self._slots_record()
+        )
         if (
             commit.length == self.committed.length
             and commit.holes == self.committed.holes
             and commit.cursor == self.committed.cursor
             and commit.epoch == self.committed.epoch
+            and commit.slots == self.committed.slots
             and self.schema == self._schema_on_disk
         ):
             return
         self._publish(commit)
         self._ledger.published_as(readable)
+        self._rewrote_published = False
 
     def move_cursor(self, cursor: int) -> None:
         """Put the next sequential write at ``cursor`` (a buffer emptied or loaded), not
@@ -985,6 +1119,12 @@ class Store:
     def publish_meta(self) -> None:
         """Publish the store's settings and schema with the current commit."""
         self._publish(self.committed)
+
+    def _slots_record(self) -> SlotMap | None:
+        """The writer's map as a commit records it (``None``: the identity)."""
+        if self._slots is None or self._slots.is_identity:
+            return None
+        return self._slots.copy()
 
     def _publish(self, commit: Commit, *, saved: Saved | None = None) -> None:
         self.ensure_on_disk()
@@ -1169,10 +1309,14 @@ class Store:
         up to its length only, and rows come back padded with zeros to the longest.
         """
         futures: dict[Key, list[tuple[np.ndarray, int | None, Any]]] = {}
-        for key, rows in requests.items():
-            if not rows.size:
+        assert self._slots is not None
+        for key, positions in requests.items():
+            if not positions.size:
                 continue
             array = self.array(key)
+            rows = self._slots.physical(positions)
+            if int(rows.max()) >= array.shape[0]:
+                array.refresh()  # the writer added slots since it was opened
             if not array.ragged:
                 futures[key] = [(np.arange(rows.size), None, array.read_rows(rows))]
                 continue
@@ -1198,7 +1342,7 @@ class Store:
                 try:
                     out[key] = from_numpy(parts[0][2].result(), dtype)
                 except ValueError as err:
-                    raise self.array(key).damage_error(rows, err) from None
+                    raise self.array(key).damage_error(self._slots.physical(rows), err) from None
                 continue
             assert lengths is not None
             sizes = lengths[key]
@@ -1208,7 +1352,8 @@ class Store:
                 try:
                     part = future.result()
                 except ValueError as err:
-                    raise self.array(key).damage_error(rows[picked], err, width) from None
+                    physical = self._slots.physical(rows[picked])
+                    raise self.array(key).damage_error(physical, err, width) from None
                 span = min(widest, part.shape[1])
                 padded[picked, :span] = part[:, :span]
             if widest:

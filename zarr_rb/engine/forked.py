@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,14 +27,20 @@ class ForkedReader:
     """Rows of some fixed-shape leaves of the local store at ``root``, read with zarr-python."""
 
     def __init__(self, root: Path, leaves: Sequence[LeafSpec]) -> None:
-        import zarr
         from zarr.storage import LocalStore
 
         self._root = root
         self._where = f"store {str(root)!r}"
-        store = LocalStore(root, read_only=True)
-        self._arrays = {
-            leaf.key: zarr.open_array(store=store, path=leaf.path, mode="r") for leaf in leaves
+        self._leaves = list(leaves)
+        self._store = LocalStore(root, read_only=True)
+        self._arrays = self._open()
+
+    def _open(self) -> dict[tuple[str, ...], Any]:
+        import zarr
+
+        return {
+            leaf.key: zarr.open_array(store=self._store, path=leaf.path, mode="r")
+            for leaf in self._leaves
         }
 
     def _commit(self) -> Commit:
@@ -58,7 +65,15 @@ class ForkedReader:
                     f"in commit {commit.generation} (length {commit.length}, holes "
                     f"{list(commit.holes)})",
                 )
-            out = {key: np.asarray(a.oindex[unique])[inverse] for key, a in self._arrays.items()}
+            # Positions live in the slots the commit's map gives their blocks.
+            physical = commit.physical(unique)
+            if physical.size and any(
+                int(physical.max()) >= a.shape[0] for a in self._arrays.values()
+            ):
+                self._arrays = self._open()  # the writer added slots since they were opened
+            out = {
+                key: np.asarray(a.oindex[physical])[inverse] for key, a in self._arrays.items()
+            }
             if self._commit().generation == commit.generation:
                 return out
             time.sleep(0.001 * (attempt + 1))

@@ -739,6 +739,19 @@ class RowArray:
             return self._region(slice(int(rows[0]), int(rows[0]) + rows.size), width).write(values)
         return self._region(rows, width).write(values)
 
+    def grow_rows(self, rows: int) -> None:
+        """Give the array at least ``rows`` rows (slots for copies of blocks): only its
+        metadata changes, no chunk is rewritten."""
+        if rows <= self.shape[0]:
+            return
+        metadata = join(self.path, ROOT_METADATA)
+        announce("write", self._location.path_of(metadata))
+        self._location.written([metadata])
+        shape = list(self.shape)
+        shape[0] = rows
+        self._array = self._array.resize(exclusive_max=shape, resize_metadata_only=True).result()
+        self._refresh_reader()
+
     def grow(self, width: int) -> None:
         """Make a ragged array at least ``width`` wide (doubling, in whole chunks): only its
         metadata changes, no chunk is rewritten."""
