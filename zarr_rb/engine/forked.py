@@ -71,9 +71,7 @@ class ForkedReader:
                 int(physical.max()) >= a.shape[0] for a in self._arrays.values()
             ):
                 self._arrays = self._open()  # the writer added slots since they were opened
-            out = {
-                key: np.asarray(a.oindex[physical])[inverse] for key, a in self._arrays.items()
-            }
+            out = {key: np.asarray(a.oindex[physical])[inverse] for key, a in self._arrays.items()}
             if self._commit().generation == commit.generation:
                 return out
             time.sleep(0.001 * (attempt + 1))
