@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from zarr_rb._lazy import LazyColumn
     from zarr_rb.analysis import ReplayDataset, View, open
-    from zarr_rb.api import load, save
+    from zarr_rb.api import Version, drop_version, load, save, versions
     from zarr_rb.convert import export_torchrl, import_torchrl
     from zarr_rb.core.format import FORMAT_VERSION
     from zarr_rb.core.layout import Compression
@@ -47,6 +47,8 @@ if TYPE_CHECKING:
         UnknownKeyError,
         UnstackableError,
         UnsupportedDataError,
+        VersionExistsError,
+        VersionNotFoundError,
         ZarrRBError,
     )
     from zarr_rb.state import PickleNotAllowedError
@@ -77,6 +79,8 @@ _ERRORS = (
     "UnknownKeyError",
     "UnstackableError",
     "UnsupportedDataError",
+    "VersionExistsError",
+    "VersionNotFoundError",
     "ZarrRBError",
 )
 _HOMES: dict[str, str] = {
@@ -92,10 +96,13 @@ _HOMES: dict[str, str] = {
     "ZarrStorage": "zarr_rb.storage",
     "export_torchrl": "zarr_rb.convert",
     "import_torchrl": "zarr_rb.convert",
+    "Version": "zarr_rb.api",
+    "drop_version": "zarr_rb.api",
     "load": "zarr_rb.api",
     "open": "zarr_rb.analysis",
     "save": "zarr_rb.api",
     "verify": "zarr_rb.verify",
+    "versions": "zarr_rb.api",
 }
 """The module each public name comes from."""
 
@@ -128,16 +135,21 @@ __all__ = [
     "UnstackableError",
     "UnsupportedDataError",
     "VerifyReport",
+    "Version",
+    "VersionExistsError",
+    "VersionNotFoundError",
     "View",
     "ZarrRBError",
     "ZarrStorage",
     "__version__",
+    "drop_version",
     "export_torchrl",
     "import_torchrl",
     "load",
     "open",
     "save",
     "verify",
+    "versions",
 ]
 
 

@@ -18,36 +18,46 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from zarr_rb import _compat
 from zarr_rb._transfer import fill_memory, memory_storage, save_foreign
-from zarr_rb.core.format import STATE_GROUP, Saved
+from zarr_rb.core.format import TAG, Saved
 from zarr_rb.core.open import open_store
 from zarr_rb.core.store import Store
 from zarr_rb.errors import (
     NoSavedBufferError,
     ReadOnlyError,
     StoreCorruptedError,
+    VersionExistsError,
+    VersionNotFoundError,
     ZarrRBError,
 )
 from zarr_rb.locations import StoreURL, is_remote, open_location
 from zarr_rb.state import load_buffer, save_buffer
 from zarr_rb.storage import ZarrStorage
 
-__all__ = ["load", "save"]
+__all__ = ["Version", "drop_version", "load", "save", "versions"]
 
 
 def save(
     rb: Any,
     path: StoreURL | None = None,
     *,
+    tag: str | None = None,
     progress: bool = True,
     storage_options: Mapping[str, Any] | None = None,
 ) -> Path | str:
     """Save a replay buffer (data and state) into a Zarr store.
+
+    A save in place keeps the rows it covered, whatever training writes since:
+    ``load`` gives back exactly the saved buffer, rows included, until the next save
+    replaces it. A save with a ``tag`` is kept besides, until
+    :func:`drop_version`; the rows of every kept save stay on disk (only the blocks
+    written over since take room of their own).
 
     Args:
         rb: a ``ReplayBuffer``, ``TensorDictReplayBuffer``, ``PrioritizedReplayBuffer`` or
@@ -58,6 +68,8 @@ def save(
             the state are written, nothing else. Another path receives an independent
             snapshot, which later training on ``rb`` does not change: hard links on one
             filesystem, a server-side copy on one S3 endpoint, a copy elsewhere.
+        tag: keep this save as a version of that name (letters, digits, ``.``, ``_``,
+            ``-``; at most 100), loaded with ``load(path, version=tag)``.
         progress: show a progress bar while a snapshot copies.
         storage_options: for an object-store ``path`` (see :class:`ZarrStorage`); by
             default those of ``rb``'s own store when it is on an object store too.
@@ -68,7 +80,14 @@ def save(
     Raises:
         UnsupportedDataError: a component has no state adapter (nothing is written).
         ReadOnlyError: the buffer's storage was opened read-only.
+        VersionExistsError: the store keeps a version named ``tag`` (nothing is written).
+        ValueError: ``tag`` is not a valid name.
     """
+    if tag is not None and (not isinstance(tag, str) or TAG.fullmatch(tag) is None):
+        raise ValueError(
+            f"expected a version tag of letters, digits, '.', '_' and '-' (at most 100, "
+            f"starting with a letter or digit), got {tag!r}"
+        )
     if not isinstance(rb.storage, ZarrStorage):
         if path is None:
             raise ValueError(
@@ -85,7 +104,7 @@ def save(
         storage_options = storage.storage_options
     target = source if path is None else open_location(path, storage_options)
     if target.identity() == source.identity():
-        _save_into(rb, storage._store, saved)
+        _save_into(rb, storage._store, saved, tag=tag)
         return storage.path
     target.check_usable()
     storage._store.ensure_on_disk()  # a buffer never written: a snapshot of its empty store
@@ -99,7 +118,7 @@ def save(
         compression=storage._store.compression,
     )
     try:
-        _save_into(rb, snapshot, saved)
+        _save_into(rb, snapshot, saved, tag=tag)
     finally:
         snapshot.close()
     return snapshot.path
@@ -110,16 +129,21 @@ def save_state(rb: Any, storage: ZarrStorage) -> None:
     _save_into(rb, storage._store, Saved(slot=0, length=len(storage), cursor=storage.cursor))
 
 
-def _save_into(rb: Any, store: Store, saved: Saved) -> None:
-    previous = store.meta.saved
-    # Alternate between two slots: the previous save stays intact until the new root
-    # record, which names the new slot, is published.
-    slot = 0 if previous is None else 1 - previous.slot
+def _save_into(rb: Any, store: Store, saved: Saved, *, tag: str | None = None) -> None:
+    if tag is not None and tag in store.meta.versions:
+        raise VersionExistsError(
+            f"store {store.url!r} keeps a version tagged {tag!r} already (save "
+            f"{store.meta.versions[tag].slot}); pick another tag, or drop it first with "
+            f"zarr_rb.drop_version(path, {tag!r})",
+        )
+    # A group of its own: the previous save stays intact until the new root record, which
+    # names the new group, is published.
+    saved = dataclasses.replace(saved, slot=store.next_save_slot())
     store.ensure_on_disk()  # a save is a write: it makes a new store
-    store.check_hold()  # the slot may be a newer writer's last save
+    store.check_hold()  # the group may be a newer writer's save
     with store.writing("saving the buffer state"):
-        save_buffer(rb, store.engine, f"{STATE_GROUP}/{slot}")
-    store.publish_saved(Saved(slot=slot, length=saved.length, cursor=saved.cursor))
+        save_buffer(rb, store.engine, saved.group)
+    store.publish_saved(saved, tag=tag)
 
 
 def load(
@@ -136,12 +160,16 @@ def load(
     storage: Literal["zarr", "memory"] = "zarr",
     progress: bool = True,
     ram_bytes: int = 0,
+    version: str | int | None = None,
 ) -> Any:
     """Rebuild a replay buffer saved with :func:`save`, without reading any row.
 
-    The buffer comes back as it was at the last save: same class, storage, sampler,
-    writer (and their state), every constructor setting (batch size, ``pin_memory``,
-    ``prefetch``, ``sync``, sample unit, checkpointer, ...), generator state and transforms.
+    The buffer comes back as it was at the last save (or at ``version``): same class,
+    storage, sampler, writer (and their state), every constructor setting (batch size,
+    ``pin_memory``, ``prefetch``, ``sync``, sample unit, checkpointer, ...), generator
+    state, transforms, and the rows the save covered (the store keeps them, whatever was
+    written since). Loaded for writing, the buffer goes on from the save: the rows
+    committed after it are dropped.
 
     In the process that saved it, the buffer may still be open: the loaded one shares its
     store (see :class:`~zarr_rb.ZarrStorage`), at the saved length and cursor.
@@ -166,9 +194,12 @@ def load(
         progress: show a progress bar while rows are copied into memory.
         ram_bytes: RAM the loaded storage may take to keep a copy of its rows, frames
             included, for sampling at RAM speed (see :class:`ZarrStorage`).
+        version: a kept save: its tag, or its number (see :func:`versions`); ``None``:
+            the last save.
 
     Raises:
         NoSavedBufferError: the store holds data but no saved buffer.
+        VersionNotFoundError: the store keeps no such version.
         zarr_rb.state.PickleNotAllowedError: code needs ``allow_pickle`` or the argument of
             the same name.
     """
@@ -181,6 +212,8 @@ def load(
         "sample_unit": sample_unit,
         "checkpointer": checkpointer,
     }
+    if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
+        raise TypeError(f"expected version to be a tag or a save's number, got {version!r}")
     if storage == "memory":
         return _load_into_memory(
             path,
@@ -190,6 +223,7 @@ def load(
             code_objects=code_objects,
             device=device,
             progress=progress,
+            version=version,
         )
     return _load_on_store(
         path,
@@ -200,28 +234,50 @@ def load(
         device=device,
         read_only=read_only,
         ram_bytes=ram_bytes,
+        version=version,
     )
 
 
-def _saved_of(storage: ZarrStorage) -> Saved:
-    """The store's last save, checked to still hold its rows (see
+def _saved_of(storage: ZarrStorage, version: str | int | None = None) -> Saved:
+    """The store's last save (or ``version``), checked to still hold its rows (see
     :meth:`~zarr_rb.core.store.Store.check_loadable`)."""
-    saved = storage._store.meta.saved
-    if saved is None:
-        storage.close()
-        raise NoSavedBufferError(
-            f"store {storage.url!r} holds no saved buffer (none was saved there, or the "
-            "buffer was emptied since its last save); open the data with "
-            "ZarrStorage(path=...), or save a buffer there with zarr_rb.save(rb, path)",
-        )
     try:
+        saved = _find_save(storage._store, version)
         storage._store.check_loadable(
-            length=saved.length, cursor=saved.cursor, epoch=saved.epoch, exact=False
+            length=saved.length,
+            cursor=saved.cursor,
+            epoch=saved.epoch,
+            exact=False,
+            kept=saved.commit() if saved.pinned else None,  # its map and holes
         )
     except BaseException:
         storage.close()
         raise
     return saved
+
+
+def _find_save(store: Store, version: str | int | None) -> Saved:
+    meta = store.meta
+    if version is None:
+        if meta.saved is None:
+            raise NoSavedBufferError(
+                f"store {store.url!r} holds no saved buffer (none was saved there, or the "
+                "buffer was emptied since its last save); open the data with "
+                "ZarrStorage(path=...), or save a buffer there with zarr_rb.save(rb, path)",
+            )
+        return meta.saved
+    if isinstance(version, str):
+        found = meta.versions.get(version)
+    else:
+        saves = [meta.saved, *meta.versions.values()]
+        found = next((s for s in saves if s is not None and s.slot == version), None)
+    if found is None:
+        kept = ", ".join(_describe(v) for v in _versions_of(store)) or "none"
+        raise VersionNotFoundError(
+            f"store {store.url!r} keeps no version {version!r} (never saved, dropped, or "
+            f"replaced by a later save); it keeps: {kept}. zarr_rb.versions(path) lists them",
+        )
+    return found
 
 
 def _load_into_memory(
@@ -233,18 +289,23 @@ def _load_into_memory(
     code_objects: dict[str, Any],
     device: str,
     progress: bool,
+    version: str | int | None,
 ) -> Any:
     stored = ZarrStorage(path=path, read_only=True, storage_options=storage_options)
+
+    def restore(read: Saved) -> None:
+        stored._store.use_save(read)  # the save's rows, whatever was written since
+        fill_memory(memory, stored, length=read.length, progress=progress)
+
     try:
-        saved = _saved_of(stored)
+        saved = _saved_of(stored, version)
         memory = memory_storage(stored, device)
         return _built(
             stored,
             saved,
             storage=memory,
-            restore_storage=lambda read: fill_memory(
-                memory, stored, length=read.length, progress=progress
-            ),
+            restore_storage=restore,
+            version=version,
             allow_pickle=allow_pickle,
             transform=transform,
             code_objects=code_objects,
@@ -262,12 +323,13 @@ def _built(
     allow_pickle: bool,
     transform: Any,
     code_objects: dict[str, Any],
+    version: str | int | None = None,
 ) -> Any:
     """The saved buffer rebuilt around ``storage``; damaged state is a typed error."""
 
     def refreshed() -> Saved:
         stored.refresh()  # a newer save replaced the one read: its commit, and its record
-        return _saved_of(stored)
+        return _saved_of(stored, version)
 
     try:
         return load_buffer(
@@ -300,6 +362,7 @@ def _load_on_store(
     device: str,
     read_only: bool,
     ram_bytes: int,
+    version: str | int | None,
 ) -> Any:
     storage = ZarrStorage(
         path=path,
@@ -308,7 +371,7 @@ def _load_on_store(
         storage_options=storage_options,
         ram_bytes=ram_bytes,
     )
-    saved = _saved_of(storage)
+    saved = _saved_of(storage, version)
     committed_length = len(storage)
     _compat.set_length(storage, 0)
     try:
@@ -316,7 +379,10 @@ def _load_on_store(
             storage,
             saved,
             storage=storage,
-            restore_storage=lambda read: storage.restore(length=read.length, cursor=read.cursor),
+            restore_storage=lambda read: storage.restore(
+                length=read.length, cursor=read.cursor, save=read
+            ),
+            version=version,
             allow_pickle=allow_pickle,
             transform=transform,
             code_objects=code_objects,
@@ -339,3 +405,76 @@ _INVALID_STATE = (
     RecursionError,
     AssertionError,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Version:
+    """A save a store keeps (see :func:`versions`)."""
+
+    number: int
+    """The save's number (``load(path, version=number)``)."""
+    tag: str | None
+    """Its tag (``load(path, version=tag)``); ``None``: the last save, untagged."""
+    length: int
+    cursor: int
+    time: float
+    """When it was saved (seconds since the epoch; 0 for saves made before it was kept)."""
+    last: bool
+    """Whether it is the store's last save (what ``load(path)`` loads)."""
+
+
+def versions(path: StoreURL, *, storage_options: Mapping[str, Any] | None = None) -> list[Version]:
+    """The saves a store keeps, oldest first: its last save and its tagged ones."""
+    store = open_store(
+        path, mode="r", max_size=None, ndim=None, compression=None, storage_options=storage_options
+    )
+    try:
+        return _versions_of(store)
+    finally:
+        store.close()
+
+
+def drop_version(
+    path: StoreURL, tag: str, *, storage_options: Mapping[str, Any] | None = None
+) -> None:
+    """Stop keeping the version ``tag``: its rows and state are deleted, unless the last
+    save is that version too.
+
+    Raises:
+        VersionNotFoundError: the store keeps no version of that tag.
+        LockedError: another process writes the store.
+    """
+    store = open_store(
+        path, mode="r+", max_size=None, ndim=None, compression=None, storage_options=storage_options
+    )
+    try:
+        if tag not in store.meta.versions:
+            _find_save(store, tag)  # raises, listing what is kept
+        store.drop_version(tag)
+    finally:
+        store.close()
+
+
+def _versions_of(store: Store) -> list[Version]:
+    meta = store.meta
+    tags = {saved.slot: tag for tag, saved in meta.versions.items()}
+    saves = {saved.slot: saved for saved in meta.versions.values()}
+    if meta.saved is not None:
+        saves[meta.saved.slot] = meta.saved
+    last = None if meta.saved is None else meta.saved.slot
+    return [
+        Version(
+            number=slot,
+            tag=tags.get(slot),
+            length=saved.length,
+            cursor=saved.cursor,
+            time=saved.time,
+            last=slot == last,
+        )
+        for slot, saved in sorted(saves.items())
+    ]
+
+
+def _describe(version: Version) -> str:
+    name = f"{version.number}" + (f" ({version.tag!r})" if version.tag else "")
+    return name + (" (the last save)" if version.last else "")

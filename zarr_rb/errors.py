@@ -44,6 +44,8 @@ __all__ = [
     "UnknownKeyError",
     "UnstackableError",
     "UnsupportedDataError",
+    "VersionExistsError",
+    "VersionNotFoundError",
     "ZarrRBError",
 ]
 
@@ -235,6 +237,16 @@ class SaveOverwrittenError(ZarrRBError, LookupError):
     """The rows a save (or an in-place ``rb.dumps``) covered were written over since: the
     ring wrapped past them, rows were rewritten, or the buffer was emptied. Loading it would
     pair the saved state with other rows."""
+
+
+class VersionNotFoundError(ZarrRBError, LookupError):
+    """A version asked for (a tag, or the number of a save) that the store does not keep:
+    never saved, dropped, or replaced by a later save. The message lists the versions it
+    keeps."""
+
+
+class VersionExistsError(ZarrRBError, FileExistsError):
+    """A save tagged with a name that a kept version of the store has already."""
 
 
 class LiveBufferError(ZarrRBError, RuntimeError):

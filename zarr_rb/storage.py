@@ -32,7 +32,7 @@ from zarr_rb._lazy import LazyColumn
 from zarr_rb._views import Gather, LeafSource, RowsOnlySource
 from zarr_rb._writes import guard_writer
 from zarr_rb.core.dtypes import TORCH_DTYPES
-from zarr_rb.core.format import LeafSpec, Schema
+from zarr_rb.core.format import LeafSpec, Saved, Schema
 from zarr_rb.core.layout import Compression
 from zarr_rb.core.metadata import capacity_of
 from zarr_rb.core.open import Mode, one_path, open_store, resolve_mode
@@ -873,8 +873,11 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         names this very store)."""
         _torchrl_state.load_state_dict(self, state_dict)
 
-    def restore(self, *, length: int, cursor: int) -> None:
-        """Set length and cursor (e.g. to those of a save) and commit them."""
+    def restore(self, *, length: int, cursor: int, save: Saved | None = None) -> None:
+        """Set length and cursor (e.g. to those of a save) and commit them; with ``save``
+        (one that kept its rows), the rows are the save's too."""
+        if save is not None:
+            self._store.use_save(save)
         self._len = length
         self._store.move_cursor(cursor)
         if self.initialized and length:

@@ -231,10 +231,19 @@ class View:
     def __getitem__(self, index: Any) -> Any:
         """A key: its column (lazy: ``view["obs"][17]`` reads one row). Rows (an int, a
         slice, an index tensor or a mask): a TensorDict of them; ints and slices stay lazy,
-        index tensors read the rows of this view's keys."""
+        index tensors and masks read the rows of this view's keys, together."""
         if _index.is_key(index):
             key = self._key(index)
             return self._lazy()[key or (TENSOR_KEY,)]
+        if self.ndim == 1 and isinstance(index, (torch.Tensor, np.ndarray, list)):
+            # Every key read together, from one commit (key by key, each could come from
+            # another commit of a writer at work).
+            try:
+                picked = np.arange(self.rows)[np.asarray(index)]
+            except IndexError:
+                return self._lazy()[index]  # which says what is out of range
+            if picked.ndim == 1:
+                return self.read_rows(picked)
         return self._lazy()[index]
 
     def read_rows(self, rows: np.ndarray, envs: np.ndarray | None = None) -> TensorDict:

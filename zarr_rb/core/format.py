@@ -453,12 +453,17 @@ class Commit:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Saved:
-    """The last :func:`zarr_rb.save`: where its buffer state lives and the rows it covered.
+    """A :func:`zarr_rb.save`: where its buffer state lives and the rows it covered.
 
-    Buffer state (sampler, writer, transforms, generator) is written to one of two
-    slots, ``state/0`` and ``state/1``, alternately; publishing this record in the root
-    attributes is what makes a save take effect, so a crash mid-save leaves the
-    previous save intact.
+    Each save writes its buffer state (sampler, writer, transforms, generator) into a
+    group of its own, ``state/<slot>``, written once (``slot`` counts the saves of the
+    store; stores saved before format 3 alternated between ``state/0`` and ``state/1``).
+    Publishing the record that names it is what makes a save take effect, so a crash
+    mid-save leaves the previous save intact.
+
+    A save of format 3 (``pinned``) also keeps the rows it covered: the slot map and the
+    holes of the commit it was made at. Nothing written since changes them, for as long as
+    a record names the save (the store's last save, or a kept version).
     """
 
     slot: int
@@ -466,15 +471,38 @@ class Saved:
     cursor: int
     epoch: int = 0
     """The commit epoch the save was made at (see :attr:`Commit.epoch`)."""
+    pinned: bool = False
+    slots: SlotMap | None = None
+    """The slot map of the rows it covered (``None``: block ``b`` in slot ``b``)."""
+    holes: tuple[tuple[int, int], ...] = ()
+    time: float = 0.0
+    """When it was saved (seconds since the epoch)."""
 
     @property
     def group(self) -> str:
         return f"{STATE_GROUP}/{self.slot}"
 
+    def commit(self, elements_per_row: int = 1) -> Commit:
+        """The rows the save covered, as a commit declares them (``length`` counts
+        elements: ``elements_per_row`` of them per row of a store of ``ndim > 1``)."""
+        return Commit(
+            length=-(-self.length // elements_per_row),
+            cursor=self.cursor,
+            holes=self.holes,
+            epoch=self.epoch,
+            slots=self.slots,
+        )
+
     def to_json(self) -> dict[str, Any]:
         record: dict[str, Any] = {"slot": self.slot, "length": self.length, "cursor": self.cursor}
         if self.epoch:
             record["epoch"] = self.epoch
+        if self.pinned:
+            record["pinned"] = True
+            record["holes"] = [list(hole) for hole in self.holes]
+            record["time"] = self.time
+            if self.slots is not None:
+                record["slots"] = self.slots.to_json()
         return record
 
 
@@ -493,6 +521,13 @@ class StoreMeta:
     compression: Mapping[str, Any] | None = None
     """The ``Compression`` settings the store was created with (``None`` in stores written
     before they were recorded)."""
+    versions: Mapping[str, Saved] = dataclasses.field(default_factory=dict)
+    """Saves kept by name (``zarr_rb.save(rb, tag=...)``), besides the last one."""
+
+    def pinned(self) -> list[Saved]:
+        """The saves whose rows the store keeps: the last one and the tagged ones."""
+        saves = [self.saved, *self.versions.values()]
+        return [saved for saved in saves if saved is not None and saved.pinned]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -504,6 +539,7 @@ class StoreMeta:
             "commit": self.commit.to_json(),
             "saved": None if self.saved is None else self.saved.to_json(),
             "compression": None if self.compression is None else dict(self.compression),
+            "versions": {tag: saved.to_json() for tag, saved in self.versions.items()},
         }
 
 
@@ -618,17 +654,54 @@ def parse_ring(value: object, *, rows: int) -> Ring | None:
     )
 
 
-def parse_saved(value: object, *, max_size: int) -> Saved | None:
+def parse_saved(value: object, *, max_size: int, rows: int) -> Saved | None:
     if value is None:
         return None
     _expect(isinstance(value, Mapping), "'saved' to be an object or null", value)
     assert isinstance(value, Mapping)
+    pinned = value.get("pinned", False)
+    _expect(isinstance(pinned, bool), "'pinned' to be a boolean", pinned)
+    length = _parse_int(value.get("length"), "saved length", hi=max_size)
+    holes = []
+    holes_raw = value.get("holes", [])
+    _expect(isinstance(holes_raw, list) and len(holes_raw) <= rows, "saved holes", holes_raw)
+    assert isinstance(holes_raw, list)
+    for hole in holes_raw:
+        bounds = _parse_int_list(hole, "saved hole", max_len=2)
+        _expect(len(bounds) == 2 and 0 <= bounds[0] < bounds[1] <= rows, "a hole", hole)
+        holes.append((bounds[0], bounds[1]))
+    time = value.get("time", 0.0)
+    _expect(isinstance(time, (int, float)) and not isinstance(time, bool), "a time", time)
+    assert isinstance(time, (int, float))
     return Saved(
-        slot=_parse_int(value.get("slot"), "saved slot", hi=1),
-        length=_parse_int(value.get("length"), "saved length", hi=max_size),
+        slot=_parse_int(value.get("slot"), "saved slot"),
+        length=length,
         cursor=_parse_int(value.get("cursor"), "saved cursor", hi=max_size),
         epoch=_parse_int(value.get("epoch", 0), "saved epoch"),
+        pinned=pinned,
+        slots=parse_slot_map(value.get("slots"), rows=rows),
+        holes=tuple(holes),
+        time=float(time),
     )
+
+
+TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+"""What a version's tag may be: a name that reads well in a message and a file name."""
+
+
+def parse_versions(value: object, *, max_size: int, rows: int) -> dict[str, Saved]:
+    if value is None:
+        return {}
+    _expect(isinstance(value, Mapping) and len(value) <= 10_000, "'versions' object", value)
+    assert isinstance(value, Mapping)
+    out = {}
+    for tag, saved in value.items():
+        _expect(isinstance(tag, str) and TAG.fullmatch(tag) is not None, "a version tag", tag)
+        parsed = parse_saved(saved, max_size=max_size, rows=rows)
+        _expect(parsed is not None, f"version {tag!r} to be a save", saved)
+        assert parsed is not None
+        out[tag] = parsed
+    return out
 
 
 _CODECS = ("zstd", "lz4", "none")
@@ -791,7 +864,8 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
                 f"a slot map (format 3) of blocks of {block_rows} rows",
                 commit.slots.to_json(),
             )
-        saved = parse_saved(value.get("saved"), max_size=max_size)
+        saved = parse_saved(value.get("saved"), max_size=max_size, rows=rows)
+        versions = parse_versions(value.get("versions"), max_size=max_size, rows=rows)
         compression = parse_compression(value.get("compression"))
     except StoreCorruptedError as err:
         raise StoreCorruptedError(f"{where}: {err}") from None
@@ -802,6 +876,7 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
         commit=commit,
         block_rows=block_rows,
         saved=saved,
+        versions=versions,
         format=fmt,
         compression=compression,
     )

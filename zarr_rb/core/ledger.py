@@ -124,6 +124,12 @@ class Ledger:
             for cells in self._cells.values():
                 cells &= ~complete
 
+    def rebase(self, readable: np.ndarray) -> None:
+        """The rows held are now those of another commit (a save being loaded):
+        ``readable``, whole, and nothing written key by key."""
+        self.intact = self.fit(readable).copy()
+        self._cells.clear()
+
     def withdraw(self, rows: np.ndarray) -> None:
         """Rows known to be damaged: not intact until rewritten whole."""
         rows = self.fit(rows)

@@ -12,7 +12,7 @@ import torch
 
 from zarr_rb.core.format import Commit, Schema, leaves_by_key, parse_store_meta, preview_rows
 from zarr_rb.core.metadata import check_is_store, read_root
-from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
+from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError, VersionNotFoundError
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store
@@ -41,8 +41,18 @@ def reread_commit(store: Store) -> Commit:
         assert meta.schema is not None
         store._leaves = leaves_by_key(meta.schema.leaves)  # keys added by the writer
     store.meta = dataclasses.replace(
-        store.meta, schema=meta.schema, commit=meta.commit, saved=meta.saved
+        store.meta, schema=meta.schema, commit=meta.commit, saved=meta.saved, versions=meta.versions
     )
+    pinned = store.pinned
+    if pinned is not None and pinned not in (meta.saved, *meta.versions.values()):
+        # Its rows may be reused from now on: what was read from them cannot be trusted.
+        raise VersionNotFoundError(
+            f"{where}: the save it reads (number {pinned.slot}, length {pinned.length}) was "
+            "replaced by a newer save or dropped while it was read, and the store no longer "
+            "keeps its rows. Load the store again (zarr_rb.load(path, read_only=True)) for "
+            "its last save, or keep a save with zarr_rb.save(rb, tag=...) to read it while "
+            "training goes on",
+        )
     if meta.commit.generation != store.committed.generation:
         store.version += 1
         if store.engine.cache is not None:
@@ -51,6 +61,8 @@ def reread_commit(store: Store) -> Commit:
             # than it, as on a local store.)
             store.engine.cache.new_epoch()
     store.committed = meta.commit
+    if pinned is not None:
+        return meta.commit  # it reads the save's rows, which nothing changes
     if store.read_only and store.schema is not None:
         store.use_slots(meta.commit)  # the blocks a writer copied since are read there
     if store._ledger is not None:
@@ -81,6 +93,10 @@ def read_committed(
         except ValueError as err:  # damaged, or a shard replaced while it was read
             out, last_error = None, err
         unchanged = reread_commit(store).generation == commit.generation
+        if store.pinned is not None and out is not None:
+            # A save's rows are never written while a record names it (re-read above:
+            # it raises if none does any longer): a writer moving on changes nothing.
+            return out
         if unchanged and out is not None:
             return out
         if unchanged and isinstance(last_error, StoreCorruptedError):

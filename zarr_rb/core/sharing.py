@@ -498,7 +498,9 @@ class Sharing:
             cursor=meta.commit.cursor if cursor is None else cursor,
             length=meta.commit.length,
         )
-        return dataclasses.replace(meta, commit=dataclasses.replace(commit, ring=ring))
+        # The slot map stays: shared writers write blocks in place, where it puts them.
+        commit = dataclasses.replace(commit, ring=ring, slots=meta.commit.slots)
+        return dataclasses.replace(meta, commit=commit)
 
     # --- reads -----------------------------------------------------------------------------
 
@@ -537,6 +539,7 @@ def _shared_fields(meta: StoreMeta) -> dict[str, Any]:
         "schema": meta.schema,
         "block_rows": meta.block_rows,
         "saved": meta.saved,
+        "versions": meta.versions,
         "commit": meta.commit,
         "format": meta.format,
     }

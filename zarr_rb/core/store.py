@@ -38,6 +38,7 @@ from zarr_rb.core.format import (
     DATA_GROUP,
     FORMAT_NON_TENSOR,
     FORMAT_VERSION,
+    STATE_GROUP,
     Commit,
     LeafSpec,
     Saved,
@@ -172,6 +173,8 @@ class Store:
         self._rewrote_published = False
         """Rows the last commit declared readable were written over (in other slots) since:
         the next commit moves the epoch."""
+        self.pinned: Saved | None = None
+        """A reader's save whose rows it reads (a loaded save), until :meth:`refresh`."""
         if meta.schema is not None:
             self._attach_schema(meta.schema, meta.block_rows or 1)
 
@@ -274,10 +277,17 @@ class Store:
             self._slots = SlotMap.identity(self.rows, self.meta.block_rows or 1)
 
     def _committed_slots(self) -> SlotMap:
+        return self._slots_of(self.committed)
+
+    def _slots_of(self, commit: Commit) -> SlotMap:
         assert self.schema is not None
-        if self.committed.slots is not None:
-            return self.committed.slots
+        if commit.slots is not None:
+            return commit.slots
         return SlotMap.identity(self.rows, self.meta.block_rows or 1)
+
+    def _pinned_slots(self) -> list[SlotMap]:
+        """The maps of the saves whose rows the store keeps (their slots are not free)."""
+        return [self._slots_of(saved.commit()) for saved in self.meta.pinned()]
 
     def keep_in_ram(self, nbytes: int) -> None:
         """Let the writer mirror every fixed-shape leaf in RAM (frames too, not only the
@@ -533,7 +543,11 @@ class Store:
                 writes.append((rows[elsewhere], {k: v[picked] for k, v in values.items()}))
         if writes:
             self._write_or_keep(writes)
-            self._commit()
+            if values.keys() == self._leaves.keys():
+                # (Writes of some keys wait for the next commit: a writer that writes a
+                # buffer column by column, as TorchRL's checkpointers do, moves each block
+                # once, not once per key.)
+                self._commit()
 
     @_serialized
     def append(self, values: Mapping[Key, torch.Tensor], count: int) -> np.ndarray:
@@ -724,7 +738,10 @@ class Store:
             self._ledger.finish_write(touched, was_intact, keys)
             return
         was_intact = self._ledger.intact & touched
-        moved, before, copies = self._copy_on_write(writes, touched)
+        moved, before, copies, in_place = self._copy_on_write(writes, touched)
+        # Rows rewritten in slots no record refers to (moved since the last commit): not
+        # whole while the write runs (a failed write leaves them to be written again).
+        self._ledger.start_write(in_place)
         try:
             self._write_rows([*copies, *writes])
         except BaseException:
@@ -734,12 +751,13 @@ class Store:
 
     def _copy_on_write(
         self, writes: Sequence[Write], touched: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, list[Write]]:
-        """Move the blocks whose rows ``writes`` writes over to free slots.
+    ) -> tuple[np.ndarray, np.ndarray, list[Write], np.ndarray]:
+        """Move the blocks whose rows ``writes`` writes over to free slots, but those that
+        are in a slot no record refers to already (moved since the last commit).
 
-        Returns the blocks moved, the slots they were in, and the writes that copy the
-        rows of those blocks that ``writes`` leaves alone (of each key: the rows holding
-        data of it) into their new slots.
+        Returns the blocks moved, the slots they were in, the writes that copy the rows of
+        those blocks that ``writes`` leaves alone (of each key: the rows holding data of
+        it) into their new slots, and the rows (a mask) written over where they are.
         """
         ledger = self._ledger
         assert ledger is not None
@@ -750,13 +768,30 @@ class Store:
         block_rows = self._slots.block_rows
         live = (ledger.intact | ledger.published) & touched
         blocks = np.unique(np.flatnonzero(live) // block_rows)
+        slots = self._slots.slots[blocks]
+        recorded = [self._committed_slots(), *self._pinned_slots()]
+        private = ~np.isin(slots, np.concatenate([m.slots for m in recorded]))
+        in_place = ledger.mask()
+        for block in blocks[private].tolist():
+            in_place[block * block_rows : (block + 1) * block_rows] = True
+        in_place &= live
+        blocks = blocks[~private]
         if not blocks.size:
-            return none, none, []
+            return none, none, [], in_place
         fresh = self._free_slots(blocks.size)
+        before = self._slots.slots[blocks].copy()
         positions = (blocks[:, None] * block_rows + np.arange(block_rows)).ravel()
         positions = positions[positions < ledger.extent]
         copies: list[Write] = []
-        for group in self._plain_then_ragged(list(self._leaves)):
+        # Arrays whose shards are the blocks: the block's objects are copied as stored, and
+        # the write goes over them (it rewrites the inner chunks it touches, as in place).
+        whole = [key for key in self._leaves if self.array(key).chunk_rows == block_rows]
+        with self.writing("copying blocks to other slots"):
+            for key in whole:
+                for source, target in zip(before.tolist(), fresh.tolist(), strict=True):
+                    self.array(key).copy_chunk(source, target)
+        others = [key for key in self._leaves if key not in whole]
+        for group in self._plain_then_ragged(others):
             requests = {}
             for key in group:
                 written = [rows for rows, values in writes if key in values]
@@ -774,29 +809,32 @@ class Store:
             }
             for key, values in self._read_disk(requests, lengths).items():
                 copies.append((requests[key], {key: values}))
-        before = self._slots.slots[blocks].copy()
         self._slots.assign(blocks, fresh)
-        return blocks, before, copies
+        return blocks, before, copies, in_place
 
     def _free_slots(self, count: int) -> np.ndarray:
         """``count`` slots that neither the last commit nor the writer's map refers to;
         the arrays grow (their metadata only) when there are not enough."""
         slots = self._slots
         assert slots is not None
-        committed = self._committed_slots()
         used = np.zeros(slots.capacity, dtype=bool)
-        used[slots.slots] = True
-        used[committed.slots[committed.slots < slots.capacity]] = True
+        for kept in (slots, self._committed_slots(), *self._pinned_slots()):
+            used[kept.slots[kept.slots < slots.capacity]] = True
         free = np.flatnonzero(~used)
         if free.size >= count:
             return free[:count]
-        capacity = max(SPARE_FACTOR * slots.blocks, slots.capacity + count - free.size)
+        # Metadata only (chunks are made as they are written): room for a whole ring more,
+        # so that kept saves do not make every write grow the arrays.
+        capacity = max(SPARE_FACTOR * slots.blocks, slots.capacity + max(count, slots.blocks))
+        if self.meta.format < FORMAT_VERSION:
+            # Readers that know no slot map refuse the store (FormatVersionError) from
+            # before its arrays grow, rather than take them for damaged.
+            self.meta = dataclasses.replace(self.meta, format=FORMAT_VERSION)
+            self._publish(self.committed)
         with self.writing("adding slots to the arrays"):
             for key in self._leaves:
                 self.array(key).grow_rows(capacity * slots.block_rows)
         self._slots = slots.with_capacity(capacity)
-        # Readers that do not know slot maps must not open the store once it has one.
-        self.meta = dataclasses.replace(self.meta, format=max(self.meta.format, FORMAT_VERSION))
         return self._free_slots(count)
 
     def _write_rows(self, writes: Sequence[Write]) -> None:
@@ -1011,11 +1049,56 @@ class Store:
         self._publish_mask(self._ledger.mask(), rewrite=True)
 
     @_serialized
-    def check_loadable(self, *, length: int, cursor: int, epoch: int, exact: bool) -> None:
+    def use_save(self, saved: Saved) -> None:
+        """Serve the rows a pinned save kept (a save being loaded). A writer's next commit
+        publishes them, which drops the rows committed since the save, as loading a save
+        means; a reader reads them until :meth:`refresh` moves it to the last commit."""
+        if not saved.pinned or self.schema is None:
+            return
+        assert self._ledger is not None
+        assert self._slots is not None
+        commit = saved.commit(self._elements_per_row(self.schema))
+        readable = commit.readable_mask(commit.length)
+        # Rows withdrawn since the save (a repair found them damaged) in blocks still in the
+        # slots the save has: the damage is the save's too.
+        kept, head = self._slots_of(commit), self._committed_slots()
+        for start, stop in self.committed.holes:
+            lost = np.arange(start, min(stop, commit.length))
+            blocks = lost // kept.block_rows
+            shared = kept.slots[blocks] == head.slots[blocks]
+            readable[lost[shared]] = False
+        if self.read_only:
+            self.pinned = saved
+            self.use_slots(commit)
+            self._ledger.published_as(readable)
+            self.version += 1
+            return
+        self._check_writable()
+        self.discard()
+        kept = self._slots_of(commit)
+        self._slots = SlotMap(
+            kept.slots.copy(),
+            block_rows=kept.block_rows,
+            capacity=max(kept.capacity, self._slots.capacity),
+        )
+        self._ledger.rebase(readable)
+        # The rows committed since the save are dropped: the epoch moves (unless they are
+        # the save's rows, as when a save is loaded right after it was made).
+        self._rewrote_published = (commit.length, commit.holes, commit.slots) != (
+            self.committed.length,
+            self.committed.holes,
+            self.committed.slots,
+        )
+
+    @_serialized
+    def check_loadable(
+        self, *, length: int, cursor: int, epoch: int, exact: bool, kept: Commit | None = None
+    ) -> None:
         """Check that a save (or an in-place dump) made at ``length`` (elements), ``cursor``
         and ``epoch`` can be loaded on this store. ``exact``: its rows must be the ones it
         covered (TorchRL's ``rb.loads``); otherwise only rows this process wrote over count
-        (``zarr_rb.load`` resumes a run whose rows moved on, see the README).
+        (``zarr_rb.load`` resumes a run whose rows moved on, see the README). ``kept``: the
+        rows of a save the store kept (a save of format 3), whatever was written since.
 
         Raises:
             SaveOverwrittenError: rows the save covered were written over since.
@@ -1027,7 +1110,9 @@ class Store:
         if live:
             self.flush()  # the live buffer's rows in RAM are committed, so that they count
         rows = -(-length // self._elements_per_row(self.schema))
-        if self.committed.length < rows:
+        # A kept save's rows are there: nothing written since changed them.
+        pinned = kept is not None
+        if not pinned and self.committed.length < rows:
             raise SaveOverwrittenError(
                 f"{where}: the rows its last save (or dump) covered, {rows} of them, are no "
                 f"longer in the store, which holds {self.committed.length} (the buffer was "
@@ -1036,7 +1121,7 @@ class Store:
                 "an independent snapshot",
             )
         since = epoch if exact else max(epoch, self._epoch_at_open)
-        if self.sharing is None and since < self.committed.epoch:
+        if not pinned and self.sharing is None and since < self.committed.epoch:
             # Rows of the save written over in this process. (A process that reopens a store
             # after a crash resumes from the save with the rows as they are now, as the
             # README says: what it gets back are the rows that were committed.)
@@ -1047,7 +1132,10 @@ class Store:
                 "are with ZarrStorage(path=...), or keep saves that training cannot touch: "
                 "zarr_rb.save(rb, other_path) writes an independent snapshot",
             )
-        if live and (self.length, self.cursor) != (length, cursor):
+        moved = kept is not None and (
+            kept.slots != self.committed.slots or kept.holes != self.committed.holes
+        )
+        if live and ((self.length, self.cursor) != (length, cursor) or moved):
             raise LiveBufferError(
                 f"{where} is open for writing in this process by a buffer that went on since "
                 f"the save (saved at length {length}, cursor {cursor}; now length "
@@ -1104,16 +1192,55 @@ class Store:
                 self._create = create
             raise
 
+    def next_save_slot(self) -> int:
+        """The number of the next save: the lowest that no save the record names has. Its
+        state group is then the one of the save before the last (untagged saves alternate
+        between two groups, and the state writer rewrites only the chunks that changed),
+        never a kept version's, whose state no save rewrites while it is kept."""
+        saves = [self.meta.saved, *self.meta.versions.values()]
+        named = {saved.slot for saved in saves if saved is not None}
+        return next(slot for slot in range(len(named) + 1) if slot not in named)
+
     @_serialized
-    def publish_saved(self, saved: Saved) -> None:
-        """Flush, then publish the data commit together with a new save record (made at
-        the commit's epoch)."""
+    def publish_saved(self, saved: Saved, *, tag: str | None = None) -> None:
+        """Flush, then publish the data commit together with a new save record, made at
+        that commit: its epoch and, pinned, its rows (a shared writer's saves pin none:
+        its rows are written in place). ``tag``: keep it as a version of that name too.
+        State groups no record names any longer are deleted."""
         self.flush()
-        saved = dataclasses.replace(saved, epoch=self.committed.epoch)
+        commit = self.committed
+        saved = dataclasses.replace(saved, epoch=commit.epoch, time=time.time())
         if self.sharing is not None:
             self.sharing.update(lambda meta: dataclasses.replace(meta, saved=saved))
             return
-        self._publish(self.committed, saved=saved)
+        saved = dataclasses.replace(saved, pinned=True, slots=commit.slots, holes=commit.holes)
+        if tag is not None:
+            versions = {**self.meta.versions, tag: saved}
+            self.meta = dataclasses.replace(self.meta, versions=versions)
+        self._publish(commit, saved=saved)
+        self._drop_unnamed_states()
+
+    @_serialized
+    def drop_version(self, tag: str) -> None:
+        """Stop keeping the version ``tag`` (its rows and state, unless the last save
+        names them too)."""
+        self._check_writable()
+        versions = dict(self.meta.versions)
+        del versions[tag]
+        self.meta = dataclasses.replace(self.meta, versions=versions)
+        self._publish(self.committed)
+        self._drop_unnamed_states()
+
+    def _drop_unnamed_states(self) -> None:
+        """Delete the state groups of saves that no record names (dropped versions, a save
+        a crash interrupted before it was published), but the one the next save writes."""
+        saves = (self.meta.saved, *self.meta.versions.values())
+        named = {saved.group for saved in saves if saved is not None}
+        named.add(f"{STATE_GROUP}/{self.next_save_slot()}")
+        groups = {"/".join(key.split("/")[:2]) for key in self.engine.location.list(STATE_GROUP)}
+        for group in sorted(groups - named):
+            if group.count("/") == 1 and group.split("/")[1].isdigit():
+                self.engine.location.delete_prefix(group)
 
     @_serialized
     def publish_meta(self) -> None:
@@ -1413,6 +1540,7 @@ class Store:
         if self.sharing is not None:
             self.sharing.refresh()
             return self.committed
+        self.pinned = None  # to the last commit, from a save it was reading
         commit = reread_commit(self)
         self.length = commit.length * self._elements_per_row(self.schema)
         self.cursor = commit.cursor

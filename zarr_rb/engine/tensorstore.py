@@ -739,6 +739,28 @@ class RowArray:
             return self._region(slice(int(rows[0]), int(rows[0]) + rows.size), width).write(values)
         return self._region(rows, width).write(values)
 
+    def copy_chunk(self, source: int, target: int) -> None:
+        """Copy write chunk (shard) ``source`` along the rows, every part of it, onto chunk
+        ``target``, as stored (no decoding): the rows of one block into another slot, to
+        be written over there. A part ``source`` lacks is removed from ``target``. Through
+        the array's own key-value store, as its writes: made durable by the next commit."""
+        kvstore = self._array.kvstore
+        assert kvstore is not None
+        prefix = len(self.path) + 1
+        copied = []
+        for tail in self._tail_positions(None):
+            old, new = self.chunk_key(source, tail), self.chunk_key(target, tail)
+            announce("write", self._location.path_of(new))
+            found = kvstore.read(old[prefix:]).result()
+            if found.state == "value":
+                kvstore.write(new[prefix:], found.value).result()
+                copied.append(new)
+            else:  # (a stale part a crash brings back is never read: no row reaches it)
+                kvstore.delete_range(ts.KvStore.KeyRange(new[prefix:], new[prefix:] + "\x00"))
+        self._location.written(copied)
+        if self._cache is not None:
+            self._cache.invalidate([self.chunk_key(target, t) for t in self._tail_positions(None)])
+
     def grow_rows(self, rows: int) -> None:
         """Give the array at least ``rows`` rows (slots for copies of blocks): only its
         metadata changes, no chunk is rewritten."""

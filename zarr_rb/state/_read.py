@@ -43,10 +43,10 @@ def read_one_save(
             root = StateNode(engine, saved.group, _state_attrs(engine, saved.group))
             root.read_all()
         except _TORN:
-            if _saved_now(engine) == saved:
+            if _named(engine, saved):
                 raise  # nothing replaced it: the state itself is damaged
         else:
-            if _saved_now(engine) == saved and _identity(engine, saved) == _save_of(root.attrs):
+            if _named(engine, saved) and _identity(engine, saved) == _save_of(root.attrs):
                 return saved, root
         saved = refresh()
     raise StateChangedError(
@@ -79,14 +79,15 @@ def _identity(engine: Engine, saved: Saved) -> Any:
         return None
 
 
-def _saved_now(engine: Engine) -> Saved:
-    """The save record the store's root record names now."""
+def _named(engine: Engine, saved: Saved) -> bool:
+    """Whether the store's root record names ``saved`` now (as its last save or as a
+    kept version): its state group is then the one it wrote."""
     where = f"store {engine.url!r}"
     document = read_root(engine)
     if document is None:
         raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
     check_is_store(document, where)
-    saved = parse_store_meta(document["attributes"], where=where).saved
-    if saved is None:
+    meta = parse_store_meta(document["attributes"], where=where)
+    if meta.saved is None and not meta.versions:
         raise NoSavedBufferError(f"{where}: its saved buffer was removed while it was loaded")
-    return saved
+    return saved in (meta.saved, *meta.versions.values())

@@ -1,0 +1,186 @@
+"""A save keeps the rows it covered: ``load`` gives back exactly the saved buffer, rows
+included, whatever training wrote since, and tagged saves are kept as versions that a
+reader opens while the writer goes on. Each case runs the same pattern on a
+LazyTensorStorage twin and compares."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+import zarr_rb
+from zarr_rb import Compression, VersionExistsError, VersionNotFoundError, ZarrStorage
+from zarr_rb.testing import simulate_crash
+
+CAPACITY = 32
+LAYOUT = Compression(block_rows=8)
+
+
+def steps(start: int, stop: int) -> TensorDict:
+    step = torch.arange(start, stop)
+    return TensorDict(
+        {"step": step, "obs": (step[:, None, None] * 3 + torch.arange(16).view(4, 4)) % 251},
+        [stop - start],
+    )
+
+
+def buffers(path: Path) -> tuple[TensorDictReplayBuffer, TensorDictReplayBuffer]:
+    zarr = TensorDictReplayBuffer(storage=ZarrStorage(CAPACITY, path, compression=LAYOUT))
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
+    return zarr, twin
+
+
+def extend(rbs: tuple[TensorDictReplayBuffer, ...], start: int, stop: int) -> None:
+    for begin in range(start, stop, 5):  # across blocks, as a collector does
+        for rb in rbs:
+            rb.extend(steps(begin, min(begin + 5, stop)))
+
+
+def rows(rb: TensorDictReplayBuffer) -> TensorDict:
+    return rb.storage.get(torch.arange(len(rb))).exclude("index")
+
+
+def test_load_gives_back_the_saved_rows_after_the_ring_turned_over(tmp_path):
+    path = tmp_path / "rb.zarr"
+    rb, twin = buffers(path)
+    extend((rb, twin), 0, 45)
+    zarr_rb.save(rb)
+    saved = rows(twin).clone()
+    saved_cursor = int(twin._writer._cursor)
+    extend((rb, twin), 45, 120)  # every row written over, twice
+    rb[torch.tensor([3])] = steps(-1, 0)
+    rb.storage.close()
+
+    loaded = zarr_rb.load(path)
+    assert len(loaded) == CAPACITY
+    assert int(loaded._writer._cursor) == saved_cursor
+    assert (rows(loaded) == saved).all()
+    # It goes on from the save, as the twin restored to it would.
+    extend((loaded,), 200, 210)
+    expected = saved.clone()
+    for i, step in enumerate(range(200, 210)):
+        expected[(saved_cursor + i) % CAPACITY] = steps(step, step + 1)[0]
+    assert (rows(loaded) == expected).all()
+    loaded.storage.close()
+    reopened = ZarrStorage(path=path)
+    assert (reopened.get(torch.arange(CAPACITY)).exclude("index") == expected).all()
+    reopened.close()
+
+
+def test_a_crash_after_a_save_loads_the_saved_rows(tmp_path):
+    path = tmp_path / "rb.zarr"
+    rb, twin = buffers(path)
+    extend((rb, twin), 0, 40)
+    zarr_rb.save(rb)
+    saved = rows(twin).clone()
+    extend((rb, twin), 40, 90)
+    rb.storage.flush()
+    simulate_crash(rb.storage)
+    loaded = zarr_rb.load(path)
+    assert (rows(loaded) == saved).all()
+    loaded.storage.close()
+
+
+def test_tagged_versions_are_read_while_the_writer_goes_on(tmp_path):
+    path = tmp_path / "rb.zarr"
+    rb, twin = buffers(path)
+    kept = {}
+    for tag, stop in (("first", 20), ("second", 50), ("third", 75)):
+        extend((rb, twin), stop - 20 if stop > 20 else 0, stop)
+        zarr_rb.save(rb, tag=tag)
+        kept[tag] = (rows(twin).clone(), len(twin), int(twin._writer._cursor))
+    readers = {tag: zarr_rb.load(path, version=tag, read_only=True) for tag in kept}
+    extend((rb, twin), 75, 150)  # the writer goes on, over every row, and commits
+    rb.storage.flush()
+    for tag, reader in readers.items():
+        want, length, _cursor = kept[tag]
+        assert len(reader) == length
+        assert (rows(reader) == want).all(), tag
+        assert torch.isin(reader.sample(8)["step"], want["step"]).all()
+        reader.storage.close()
+    listed = zarr_rb.versions(path)
+    assert [v.tag for v in listed] == ["first", "second", "third"]
+    assert [v.last for v in listed] == [False, False, True]
+    assert [v.length for v in listed] == [kept[t][1] for t in ("first", "second", "third")]
+    # By number too, and for writing: back to the first version.
+    rb.storage.close()
+    loaded = zarr_rb.load(path, version=listed[0].number)
+    assert (rows(loaded) == kept["first"][0]).all()
+    loaded.storage.close()
+
+
+def test_a_reader_of_a_save_that_is_replaced_raises_instead_of_reading_other_rows(tmp_path):
+    path = tmp_path / "rb.zarr"
+    rb, _ = buffers(path)
+    extend((rb,), 0, 40)
+    zarr_rb.save(rb)
+    reader = zarr_rb.load(path, read_only=True)
+    extend((rb,), 40, 120)
+    zarr_rb.save(rb)  # the save the reader reads is replaced: its rows may be reused
+    extend((rb,), 120, 200)
+    rb.storage.flush()
+    with pytest.raises(VersionNotFoundError, match="replaced by a newer save"):
+        reader.storage.get(torch.arange(8))
+    reader.storage.refresh()  # to the last commit
+    assert len(reader) == CAPACITY
+    assert reader.storage.get(torch.arange(CAPACITY))["step"].min() >= 168
+    reader.storage.close()
+    rb.storage.close()
+
+
+def test_bad_versions_are_typed_errors_naming_them(tmp_path):
+    path = tmp_path / "rb.zarr"
+    rb, _ = buffers(path)
+    extend((rb,), 0, 10)
+    zarr_rb.save(rb, tag="warmup")
+    with pytest.raises(VersionExistsError, match="'warmup'"):
+        zarr_rb.save(rb, tag="warmup")
+    with pytest.raises(ValueError, match="version tag"):
+        zarr_rb.save(rb, tag="no spaces")
+    rb.storage.close()
+    with pytest.raises(VersionNotFoundError, match=r"'nope'.*0 \('warmup'\)"):
+        zarr_rb.load(path, version="nope")
+    with pytest.raises(VersionNotFoundError, match="no version 7"):
+        zarr_rb.load(path, version=7)
+    with pytest.raises(VersionNotFoundError, match="'nope'"):
+        zarr_rb.drop_version(path, "nope")
+    with pytest.raises(TypeError, match="version"):
+        zarr_rb.load(path, version=1.5)  # type: ignore[arg-type]
+
+
+def test_kept_versions_hold_their_rows_and_nothing_more(tmp_path):
+    """Ten versions of a ring that turns over once: the disk holds the rows each version
+    kept, in the blocks written between them, not ten copies; the slots of dropped versions
+    are written again, and only the state groups of kept saves remain (and the one the next
+    save writes, whose unchanged chunks it leaves)."""
+    path = tmp_path / "rb.zarr"
+    rb, _ = buffers(path)
+    extend((rb,), 0, CAPACITY)
+    for i in range(10):  # 10 versions, the ring turning over once across them
+        start = CAPACITY + i * 4
+        extend((rb,), start, start + 4)
+        zarr_rb.save(rb, tag=f"v{i}")
+    rb.storage.flush()
+
+    def shards() -> int:
+        return len(list((path / "data" / "obs" / "c").iterdir()))
+
+    def states() -> list[str]:
+        return sorted(p.name for p in (path / "state").iterdir() if p.is_dir())
+
+    blocks = CAPACITY // 8
+    # Each version moved at most two blocks (4 rows, in one block or across two).
+    held = shards()
+    assert held <= blocks + 2 * 10
+    assert states() == [str(i) for i in range(10)]
+    for i in range(9):
+        zarr_rb.drop_version(path, f"v{i}")
+    assert states() == ["0", "9"]  # the last save's, and the one the next save rewrites
+    extend((rb,), 100, 100 + 2 * CAPACITY)  # into the slots the dropped versions held
+    rb.storage.flush()
+    assert shards() <= held
+    rb.storage.close()
