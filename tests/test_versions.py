@@ -184,3 +184,47 @@ def test_kept_versions_hold_their_rows_and_nothing_more(tmp_path):
     rb.storage.flush()
     assert shards() <= held
     rb.storage.close()
+
+
+def test_writing_on_from_a_version_leaves_the_other_versions_whole(tmp_path):
+    """A version shorter than the ring, loaded for writing: the rows past its length are
+    another version's, and its writes go elsewhere."""
+    path = tmp_path / "rb.zarr"
+    rb, twin = buffers(path)
+    extend((rb, twin), 0, 20)
+    zarr_rb.save(rb, tag="short")
+    extend((rb, twin), 20, 32)
+    zarr_rb.save(rb, tag="full")
+    full = rows(twin).clone()
+    rb.storage.close()
+    loaded = zarr_rb.load(path, version="short")
+    extend((loaded,), 100, 112)  # into rows 20-31, which "full" keeps
+    loaded.storage.flush()
+    assert rows(loaded)["step"].tolist() == [*range(20), *range(100, 112)]
+    loaded.storage.close()
+    again = zarr_rb.load(path, version="full", read_only=True)
+    assert (rows(again) == full).all()
+    again.storage.close()
+
+
+def test_tags_that_cannot_be_kept_are_refused_before_anything_is_written(tmp_path):
+    shared = TensorDictReplayBuffer(storage=ZarrStorage(16, tmp_path / "shared.zarr", shared=True))
+    shared.extend(steps(0, 4))
+    with pytest.raises(zarr_rb.NotSupportedError, match="several writers"):
+        zarr_rb.save(shared, tag="a")
+    shared.storage.close()
+    assert zarr_rb.versions(tmp_path / "shared.zarr") == []
+    memory = TensorDictReplayBuffer(storage=LazyTensorStorage(16))
+    memory.extend(steps(0, 4))
+    with pytest.raises(zarr_rb.NotSupportedError, match="LazyTensorStorage"):
+        zarr_rb.save(memory, tmp_path / "new.zarr", tag="a")
+    assert not (tmp_path / "new.zarr").exists()
+    with pytest.raises(TypeError, match="version tag"):
+        zarr_rb.save(memory, tmp_path / "new.zarr", tag=7)  # type: ignore[arg-type]
+    path = tmp_path / "rb.zarr"
+    rb, _ = buffers(path)
+    extend((rb,), 0, 4)
+    zarr_rb.save(rb, tag="a")
+    rb.storage.close()
+    with pytest.raises(TypeError, match="tag of a version"):
+        zarr_rb.drop_version(path, 0)  # type: ignore[arg-type]

@@ -30,6 +30,7 @@ from zarr_rb.core.open import open_store
 from zarr_rb.core.store import Store
 from zarr_rb.errors import (
     NoSavedBufferError,
+    NotSupportedError,
     ReadOnlyError,
     StoreCorruptedError,
     VersionExistsError,
@@ -83,12 +84,20 @@ def save(
         VersionExistsError: the store keeps a version named ``tag`` (nothing is written).
         ValueError: ``tag`` is not a valid name.
     """
-    if tag is not None and (not isinstance(tag, str) or TAG.fullmatch(tag) is None):
+    if tag is not None and not isinstance(tag, str):
+        raise TypeError(f"expected a version tag (a string), got {tag!r}")
+    if tag is not None and TAG.fullmatch(tag) is None:
         raise ValueError(
             f"expected a version tag of letters, digits, '.', '_' and '-' (at most 100, "
             f"starting with a letter or digit), got {tag!r}"
         )
     if not isinstance(rb.storage, ZarrStorage):
+        if tag is not None:
+            raise NotSupportedError(
+                f"zarr_rb.save(..., tag={tag!r}) of a buffer on {type(rb.storage).__name__}: "
+                "a new store keeps its first save as its last one; save without a tag, then "
+                "load it (zarr_rb.load(path)) and save it with the tag",
+            )
         if path is None:
             raise ValueError(
                 f"zarr_rb.save of a buffer on {type(rb.storage).__name__} needs the path of "
@@ -130,6 +139,12 @@ def save_state(rb: Any, storage: ZarrStorage) -> None:
 
 
 def _save_into(rb: Any, store: Store, saved: Saved, *, tag: str | None = None) -> None:
+    if tag is not None and store.sharing is not None:
+        raise NotSupportedError(
+            f"store {store.url!r} is written by several writers, whose saves keep no rows "
+            f"(each writes its blocks in place): it keeps no versions; save without a tag, "
+            "or snapshot it (zarr_rb.save(rb, other_path, tag=...))",
+        )
     if tag is not None and tag in store.meta.versions:
         raise VersionExistsError(
             f"store {store.url!r} keeps a version tagged {tag!r} already (save "
@@ -448,6 +463,8 @@ def drop_version(
         path, mode="r+", max_size=None, ndim=None, compression=None, storage_options=storage_options
     )
     try:
+        if not isinstance(tag, str):
+            raise TypeError(f"expected the tag of a version (a string), got {tag!r}")
         if tag not in store.meta.versions:
             _find_save(store, tag)  # raises, listing what is kept
         store.drop_version(tag)

@@ -767,15 +767,20 @@ class Store:
             self._rewrote_published = True
         block_rows = self._slots.block_rows
         live = (ledger.intact | ledger.published) & touched
-        blocks = np.unique(np.flatnonzero(live) // block_rows)
-        slots = self._slots.slots[blocks]
-        recorded = [self._committed_slots(), *self._pinned_slots()]
-        private = ~np.isin(slots, np.concatenate([m.slots for m in recorded]))
+        touched_blocks = np.unique(np.flatnonzero(touched) // block_rows)
+        slots = self._slots.slots[touched_blocks]
+        # A slot a kept save refers to is never written (its rows past this writer's length
+        # are that save's); one the last commit refers to, where the write goes over rows
+        # that hold data. A slot no record refers to is written in place.
+        pinned = np.isin(slots, np.concatenate([none, *(m.slots for m in self._pinned_slots())]))
+        committed = np.isin(slots, self._committed_slots().slots)
+        has_live = np.isin(touched_blocks, np.flatnonzero(live) // block_rows)
+        move = pinned | (committed & has_live)
         in_place = ledger.mask()
-        for block in blocks[private].tolist():
+        for block in touched_blocks[has_live & ~pinned & ~committed].tolist():
             in_place[block * block_rows : (block + 1) * block_rows] = True
         in_place &= live
-        blocks = blocks[~private]
+        blocks = touched_blocks[move]
         if not blocks.size:
             return none, none, [], in_place
         fresh = self._free_slots(blocks.size)
