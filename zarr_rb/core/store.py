@@ -529,6 +529,9 @@ class Store:
             finally:
                 self.sharing.publish(rows, release=blocks)
             return
+        if self._retries:
+            # Failed writes waiting to be written again must not land over these newer rows.
+            self._retries = _without_cells(self._retries, rows, values.keys())
         values, zeros = self._zeros_where_unwritten(rows, values)
         self._update_mirror(rows, values)
         if values.keys() == self._leaves.keys():
@@ -1723,6 +1726,22 @@ def _whole_chunks(tensor: torch.Tensor, array: RowArray) -> torch.Tensor:
     padded = tensor.new_zeros((tensor.shape[0], whole, *tensor.shape[2:]))
     padded[:, :width] = tensor
     return padded
+
+
+def _without_cells(writes: Sequence[Write], rows: np.ndarray, keys: Iterable[Key]) -> list[Write]:
+    """``writes`` without the cells of ``keys`` in ``rows`` (a newer write holds them)."""
+    keys = set(keys)
+    out: list[Write] = []
+    for written, values in writes:
+        kept = ~np.isin(written, rows)
+        index = torch.from_numpy(np.flatnonzero(kept))
+        covered = {key: value[index] for key, value in values.items() if key in keys}
+        others = {key: value for key, value in values.items() if key not in keys}
+        if covered and kept.any():
+            out.append((written[kept], covered))
+        if others:
+            out.append((written, others))
+    return out
 
 
 def _block_rows(block: Block) -> Write:
