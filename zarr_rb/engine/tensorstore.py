@@ -764,15 +764,8 @@ class RowArray:
     def grow_rows(self, rows: int) -> None:
         """Give the array at least ``rows`` rows (slots for copies of blocks): only its
         metadata changes, no chunk is rewritten."""
-        if rows <= self.shape[0]:
-            return
-        metadata = join(self.path, ROOT_METADATA)
-        announce("write", self._location.path_of(metadata))
-        self._location.written([metadata])
-        shape = list(self.shape)
-        shape[0] = rows
-        self._array = self._array.resize(exclusive_max=shape, resize_metadata_only=True).result()
-        self._refresh_reader()
+        if rows > self.shape[0]:
+            self._resize(0, rows)
 
     def grow(self, width: int) -> None:
         """Make a ragged array at least ``width`` wide (doubling, in whole chunks): only its
@@ -780,12 +773,15 @@ class RowArray:
         if width <= self.width:
             return
         wider = max(width, 2 * self.width)
-        wider = -(-wider // self.chunk_length) * self.chunk_length
+        self._resize(1, -(-wider // self.chunk_length) * self.chunk_length)
+
+    def _resize(self, dimension: int, size: int) -> None:
+        """Give ``dimension`` the length ``size``, by its metadata alone."""
         metadata = join(self.path, ROOT_METADATA)
         announce("write", self._location.path_of(metadata))
         self._location.written([metadata])
         shape = list(self.shape)
-        shape[1] = wider
+        shape[dimension] = size
         self._array = self._array.resize(exclusive_max=shape, resize_metadata_only=True).result()
         self._refresh_reader()
 
