@@ -1,11 +1,12 @@
 """Model-based test of the many-writer protocol: random interleavings of several shared
-writers of one store (in one process, each its own writer) against a model of what each
-must see.
+writers of one store (in one process, each its own writer) against TorchRL's own
+``LazyTensorStorage`` given the same writes in the order they were committed.
 
-The model is what TorchRL's buffer guarantees a consumer when nothing is evicted: every
-row an extend wrote is in the buffer once, whole, for every writer, as soon as the extend
-returns. A small ring evicts too: then every row still there is whole, is one of the rows
-written, and a writer's rows that remain are its newest (the oldest blocks go first).
+After every step, every writer sees exactly the twin's rows: ``len`` equal, every position
+of ``[0, len)`` readable and holding the same whole row (no hole, no torn row), and the
+index an extend returns names where its rows went. Writers extend, write given positions,
+leave and join, and crash (dropped as a killed process would be: nothing flushed, its
+lock released) in the middle of an extend, before or after its rows are written.
 """
 
 from __future__ import annotations
@@ -14,20 +15,21 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from shared_workers import WRITER_STRIDE, stamped, torn
+from shared_workers import stamped, torn
+from torchrl.data import LazyTensorStorage
 
 from zarr_rb import Compression, ZarrStorage
+from zarr_rb.core.store import Store
 
 WRITERS = 3
 
 
 class SharedWriters(RuleBasedStateMachine):
-    @initialize(rows=st.sampled_from([48, 4096]), block_rows=st.sampled_from([2, 4, 8]))
+    @initialize(rows=st.sampled_from([12, 48, 4096]), block_rows=st.sampled_from([2, 4, 8]))
     def setup(self, rows: int, block_rows: int) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="zarr_rb-shared-model-"))
         self.url = str(self.dir / "buffer.zarr")
@@ -37,63 +39,99 @@ class SharedWriters(RuleBasedStateMachine):
             ZarrStorage(rows, self.url, shared=True, compression=compression)
             for _ in range(WRITERS)
         ]
-        self.written = [0] * WRITERS
-        self.lengths = [0] * WRITERS
-        self.evicts = False
+        self.twin = LazyTensorStorage(rows)
+        self.cursor = 0
+        self.stamp = 1  # stamp 0: a row of zeros, as positions never written read
+
+    def _rows(self, writer: int, count: int):
+        data = stamped(writer, self.stamp, count)
+        self.stamp += count
+        return data
+
+    def _twin_extend(self, data) -> torch.Tensor:
+        index = (self.cursor + torch.arange(data.shape[0])) % self.rows
+        self.twin.set(index, data)
+        self.cursor = (self.cursor + data.shape[0]) % self.rows
+        return index
 
     @rule(writer=st.integers(0, WRITERS - 1), count=st.integers(1, 13))
     def extend(self, writer: int, count: int) -> None:
+        count = min(count, self.rows)
+        data = self._rows(writer, count)
         index = torch.arange(count)
-        self.writers[writer].set(index, stamped(writer, self.written[writer], count))
-        self.written[writer] += count
-        if sum(self.written) > self.rows - WRITERS * 8:  # blocks held may hold tails
-            self.evicts = True
-        # Where they went, as rb.extend returns it: they read back from any writer.
-        reader = self.writers[(writer + 1) % WRITERS]
-        got = reader.get(index)["stamp"]
-        first = self.written[writer] - count
-        assert torch.equal(got, writer * WRITER_STRIDE + torch.arange(first, first + count))
+        self.writers[writer].set(index, data)
+        expected = self._twin_extend(data)
+        assert torch.equal(index, expected)  # the index extend returns: where they went
+
+    @rule(writer=st.integers(0, WRITERS - 1), picks=st.lists(st.integers(0, 4095), max_size=5))
+    def write_given_rows(self, writer: int, picks: list[int]) -> None:
+        # Some past the length too (the length stays, as in TorchRL).
+        reach = min(self.rows, len(self.twin) + 3)
+        index = torch.tensor(sorted({p % reach for p in picks}), dtype=torch.long)
+        if not index.numel():
+            return
+        data = self._rows(writer, index.numel())
+        self.writers[writer].set(index, data, set_cursor=False)
+        self.twin.set(index, data, set_cursor=False)
 
     @rule(writer=st.integers(0, WRITERS - 1))
     def reopen(self, writer: int) -> None:
-        """A writer leaves (its block is given back) and a new one joins."""
+        """A writer leaves (its open slot is given back) and a new one joins."""
         self.writers[writer].close()
         self.writers[writer] = ZarrStorage(path=self.url, mode="r+", shared=True)
 
+    @rule(
+        writer=st.integers(0, WRITERS - 1),
+        count=st.integers(1, 13),
+        after_write=st.booleans(),
+    )
+    def crash_in_extend(self, writer: int, count: int, after_write: bool) -> None:
+        """A writer killed in the middle of an extend: before its rows are written, or
+        after, before their commit. Its rows are lost; nobody else's."""
+        count = min(count, self.rows)
+        storage = self.writers[writer]
+        store = storage._store
+        original = Store._write_rows
+
+        def killed(self_: Store, writes, *, physical: bool = False) -> None:
+            if self_ is store and after_write:
+                original(self_, writes, physical=physical)
+            if self_ is store:
+                raise _KilledError
+
+        Store._write_rows = killed  # type: ignore[method-assign]
+        try:
+            storage.set(torch.arange(count), self._rows(writer, count))
+        except _KilledError:
+            pass
+        finally:
+            Store._write_rows = original  # type: ignore[method-assign]
+        store.abandon()
+        self.writers[writer] = ZarrStorage(path=self.url, mode="r+", shared=True)
+
     @invariant()
-    def every_writer_sees_every_row_whole(self) -> None:
+    def every_writer_sees_the_twins_rows(self) -> None:
         if not hasattr(self, "writers"):
             return
-        seen = None
-        for i, storage in enumerate(self.writers):
-            n = len(storage)
-            assert n >= self.lengths[i]  # the length never shrinks
-            self.lengths[i] = n
-            if not storage.initialized:
+        length = len(self.twin)
+        for storage in self.writers:
+            assert len(storage) == length
+            if not length:
                 continue
-            rows = np.setdiff1d(np.arange(n), storage._store.unreadable_rows())
-            data = storage.get(torch.from_numpy(rows))
-            assert torn(data) == 0
-            stamps = data["stamp"]
-            assert stamps.unique().numel() == stamps.numel()
-            mine = sorted(stamps.tolist())
-            assert seen is None or mine == seen  # every writer sees the same rows
-            seen = mine
-        if seen is None:
-            return
-        stamps = torch.tensor(seen, dtype=torch.long)
-        for writer in range(WRITERS):
-            kept = (stamps[stamps // WRITER_STRIDE == writer] % WRITER_STRIDE).sort().values
-            if not self.evicts:
-                assert torch.equal(kept, torch.arange(self.written[writer]))
-            elif kept.numel():  # its newest rows, or rows of its newest blocks
-                assert int(kept.max()) == self.written[writer] - 1
+            data = storage.get(torch.arange(length))
+            assert torn(data[data["stamp"] != 0]) == 0
+            assert torch.equal(data["stamp"], self.twin.get(torch.arange(length))["stamp"])
+            assert not storage._store.unreadable_rows().size  # no hole
 
     def teardown(self) -> None:
         for storage in getattr(self, "writers", []):
             storage.close()
         if hasattr(self, "dir"):
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _KilledError(Exception):
+    pass
 
 
 TestSharedWriters = SharedWriters.TestCase

@@ -200,7 +200,13 @@ def _positions_in(store: Store, start: int, stop: int) -> np.ndarray:
     """The positions that rows ``[start, stop)`` of the data arrays hold in the last
     commit (rows of slots no block is in hold none)."""
     rows = np.arange(start, stop)
-    slots = store.committed.slots
+    commit = store.committed
+    if commit.runs is not None:
+        # A shared store: the positions whose runs lead into those rows.
+        every = np.arange(commit.length)
+        found: np.ndarray = every[np.isin(commit.runs.physical(every), rows)]
+        return found
+    slots = commit.slots
     if slots is None:
         return rows
     block_of = np.full(slots.capacity, -1, dtype=np.int64)

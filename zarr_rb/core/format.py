@@ -27,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 from zarr_rb.core.ring import SlotMap, parse_slot_map
+from zarr_rb.core.runs import RunMap, parse_run_map
 from zarr_rb.errors import (
     FormatVersionError,
     KeyNameError,
@@ -364,32 +365,46 @@ class Schema:
         }
 
 
+RECENT_TAKES = 64
+"""Slots taken last that a shared record names (readers check their reads against them)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Ring:
-    """How the writers of a shared store take turns: by whole blocks, in ring order.
+    """How the writers of a shared store share the slots of its arrays (format 3).
 
-    ``taken`` counts the blocks handed out since the store became shared; the next one is
-    block ``taken % blocks`` (a block still held by a live writer is stepped over), so the
-    ring order of blocks is this count alone. ``held`` maps each block being written to
-    the writer holding it. ``rewrites`` counts writes to given rows (``storage[i] = ...``)
-    that held blocks outside the ring order: readers that saw it move re-read.
+    Each writer appends into a slot of its own, ``open``; the commit that publishes its
+    rows maps their positions to them (:attr:`Commit.runs`). A slot is free when no run,
+    no open slot and no kept save refers to it. ``capacity`` is the slots the arrays have.
+    ``takes`` counts the slots taken so far, ``recent`` names the last of them: a reader
+    that read rows of one of them under an older record reads again.
+
+    ``legacy``: the record of a store shared under format 2 (blocks taken in ring order),
+    converted to runs by the first writer that joins it.
     """
 
-    taken: int = 0
-    held: tuple[tuple[int, str], ...] = ()
-    rewrites: int = 0
+    capacity: int = 0
+    open: tuple[tuple[str, int], ...] = ()
+    takes: int = 0
+    recent: tuple[int, ...] = ()
+    legacy: bool = False
 
-    def holder(self, block: int) -> str | None:
-        return dict(self.held).get(block)
+    def slots_of(self, writer: str) -> list[int]:
+        return [slot for who, slot in self.open if who == writer]
 
-    def blocks_of(self, writer: str) -> list[int]:
-        return [block for block, who in self.held if who == writer]
+    def taken_since(self, before: Ring) -> set[int] | None:
+        """Slots taken since ``before`` (``None``: more than the record names)."""
+        count = self.takes - before.takes
+        if count > len(self.recent) or self.legacy or before.legacy:
+            return None
+        return set(self.recent[len(self.recent) - count :]) if count else set()
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "taken": self.taken,
-            "held": [[block, who] for block, who in self.held],
-            "rewrites": self.rewrites,
+            "capacity": self.capacity,
+            "open": [[who, slot] for who, slot in self.open],
+            "takes": self.takes,
+            "recent": list(self.recent),
         }
 
 
@@ -415,9 +430,13 @@ class Commit:
     slots: SlotMap | None = None
     """Which slot of the data arrays holds each block of positions (``None``: block ``b``
     in slot ``b``, as in every store never written over)."""
+    runs: RunMap | None = None
+    """A shared store's map of positions to rows of the data arrays (format 3)."""
 
     def physical(self, rows: np.ndarray) -> np.ndarray:
         """The rows of the data arrays that hold positions ``rows`` in this commit."""
+        if self.runs is not None:
+            return self.runs.physical(rows)
         return rows if self.slots is None else self.slots.physical(rows)
 
     def to_json(self) -> dict[str, Any]:
@@ -433,7 +452,27 @@ class Commit:
             record["ring"] = self.ring.to_json()
         if self.slots is not None:
             record["slots"] = self.slots.to_json()
+        if self.runs is not None:
+            record["runs"] = self.runs.to_json()
         return record
+
+    def reads_alike(self, later: Commit, rows: np.ndarray, block_rows: int) -> bool:
+        """Whether positions ``rows``, read through this commit of a shared store, read
+        as the ``later`` commit has them: each in the same row of the arrays, none in a
+        slot taken meanwhile (and written again since)."""
+        if self.ring is None or later.ring is None or self.length > later.length:
+            return False
+        taken = later.ring.taken_since(self.ring)
+        if taken is None:
+            return False
+        unique = np.unique(rows)
+        physical = self.physical(unique)
+        if not np.array_equal(physical, later.physical(unique)):
+            return False
+        if not taken:
+            return True
+        slots = np.unique(physical[physical >= 0] // block_rows)
+        return not np.isin(slots, np.fromiter(taken, dtype=np.int64)).any()
 
     def readable(self, rows: np.ndarray) -> np.ndarray:
         """Whether each of ``rows`` is readable in this commit (no mask over every row)."""
@@ -621,6 +660,7 @@ def parse_commit(value: object, *, rows: int) -> Commit:
         ring=parse_ring(value.get("ring"), rows=rows),
         epoch=_parse_int(value.get("epoch", 0), "commit epoch"),
         slots=parse_slot_map(value.get("slots"), rows=rows),
+        runs=parse_run_map(value.get("runs"), rows=rows),
     )
 
 
@@ -632,25 +672,30 @@ def parse_ring(value: object, *, rows: int) -> Ring | None:
         return None
     _expect(isinstance(value, Mapping), "'ring' to be an object or null", value)
     assert isinstance(value, Mapping)
-    held_raw = value.get("held", [])
-    _expect(isinstance(held_raw, list) and len(held_raw) <= rows, "ring held list", held_raw)
-    assert isinstance(held_raw, list)
-    held = []
-    for entry in held_raw:
+    if "open" not in value:
+        return Ring(legacy=True)  # format 2: blocks held in ring order, converted on join
+    open_raw = value.get("open")
+    _expect(isinstance(open_raw, list) and len(open_raw) <= rows, "ring open list", open_raw)
+    assert isinstance(open_raw, list)
+    capacity = _parse_int(value.get("capacity"), "ring capacity", hi=64 * rows + 2**20)
+    opened = []
+    for entry in open_raw:
         _expect(
             isinstance(entry, list)
             and len(entry) == 2
-            and isinstance(entry[1], str)
-            and _WRITER_ID.fullmatch(entry[1]) is not None,
-            "a held block [block, writer id]",
+            and isinstance(entry[0], str)
+            and _WRITER_ID.fullmatch(entry[0]) is not None,
+            "an open slot [writer id, slot]",
             entry,
         )
-        held.append((_parse_int(entry[0], "held block", hi=max(rows - 1, 0)), entry[1]))
-    _expect(len({block for block, _ in held}) == len(held), "each block held once", held_raw)
+        opened.append((entry[0], _parse_int(entry[1], "open slot", hi=max(capacity - 1, 0))))
+    _expect(len({slot for _, slot in opened}) == len(opened), "each slot open once", open_raw)
+    recent = _parse_int_list(value.get("recent", []), "ring recent", max_len=RECENT_TAKES)
     return Ring(
-        taken=_parse_int(value.get("taken"), "ring taken"),
-        held=tuple(held),
-        rewrites=_parse_int(value.get("rewrites", 0), "ring rewrites"),
+        capacity=capacity,
+        open=tuple(opened),
+        takes=_parse_int(value.get("takes", 0), "ring takes"),
+        recent=tuple(recent),
     )
 
 
@@ -863,6 +908,21 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
                 fmt >= 3 and commit.slots.block_rows == block_rows,
                 f"a slot map (format 3) of blocks of {block_rows} rows",
                 commit.slots.to_json(),
+            )
+        if commit.runs is not None:
+            ring = commit.ring
+            _expect(
+                fmt >= 3 and ring is not None and commit.slots is None,
+                "runs (format 3) in the record of a shared store",
+                value.get("commit"),
+            )
+            assert ring is not None
+            bound = ring.capacity * (block_rows or 1)
+            _expect(
+                not len(commit.runs)
+                or int((commit.runs.firsts + commit.runs.counts).max()) <= bound,
+                f"runs inside the {ring.capacity} slots of the arrays",
+                commit.runs.to_json(),
             )
         saved = parse_saved(value.get("saved"), max_size=max_size, rows=rows)
         versions = parse_versions(value.get("versions"), max_size=max_size, rows=rows)

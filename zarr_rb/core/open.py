@@ -340,13 +340,18 @@ def _open_locked(
             engine.remove_temporaries()
             if lock.needs_claim:
                 engine.claim(lock.holder)
-            return Store(
+            store = Store(
                 engine,
                 meta,
                 read_only=False,
                 compression=_compression_of(meta, compression, where),
                 lock=lock,
             )
+            if meta.commit.runs is not None:
+                # Written by shared writers: its rows stay where the runs put them, and
+                # this writer commits as they do (alone, under its own lock).
+                Sharing.start(store, new_writer_id())
+            return store
         old = parse_store_meta(document["attributes"], where=where)
         max_size = old.max_size if max_size is None else max_size
         ndim = old.ndim if ndim is None else ndim

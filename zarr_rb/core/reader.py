@@ -92,7 +92,12 @@ def read_committed(
                 out = {key: _spread(value, published) for key, value in out.items()}
         except ValueError as err:  # damaged, or a shard replaced while it was read
             out, last_error = None, err
-        unchanged = reread_commit(store).generation == commit.generation
+        now = reread_commit(store)
+        # Shared writers commit at every extend: rows that no commit since moved, in
+        # slots no writer took since, were read whole all the same.
+        unchanged = now.generation == commit.generation or commit.reads_alike(
+            now, rows[published], store.meta.block_rows or 1
+        )
         if store.pinned is not None and out is not None:
             # A save's rows are never written while a record names it (re-read above:
             # it raises if none does any longer): a writer moving on changes nothing.

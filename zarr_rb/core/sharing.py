@@ -1,32 +1,33 @@
-"""Many writers on one store: blocks taken in ring order, commits merged by compare-and-swap.
+"""Many writers on one store: rows placed at commit time, through row runs (format 3).
 
 A shared store (``ZarrStorage(..., shared=True)``, or a storage handed to another process)
 is written by any number of writers, in any number of processes and machines, each
 holding the store through :meth:`~zarr_rb.locations.Location.join_writers` (a lock file
 of its own on a local disk, a lease on an object store).
 
-* **Blocks.** Rows are written by whole blocks (the shard height of large leaves and the
-  chunk height of small ones, so no object on disk holds rows of two blocks). A writer
-  appends into a block it *holds*; when it is full, the writer takes the next one in ring
-  order (:class:`~zarr_rb.core.format.Ring`): no two writers ever write one block, and
-  the ring evicts the oldest block first, as TorchRL's round-robin writer evicts the
-  oldest rows. Taking a block withdraws the rows it held in the same commit, before any
-  byte of it is rewritten.
-* **Merged commits.** Every change of the commit record is an edit of the record as it
-  is now: read it, apply the edit (these rows are readable, this block is held, that one
-  released), write it back with a compare-and-swap on the generation read, and on a
-  conflict read it again and re-apply. Writers never overwrite each other's rows or
-  commits; readers see committed rows only.
-* **Visibility.** Each extend publishes its rows before it returns, so ``len(rb)`` and
-  ``rb.sample()`` in every other process include them (they re-read the record when
-  asked for the length).
-* **Dead writers.** A writer that dies loses the rows it had not published; the blocks
-  it held are released by the next writer that finds it gone (at once on a local disk,
-  where the kernel drops a dead process's locks; once its lease expired on an object
-  store). No one else's rows are touched.
-* **Reads** are checked like a reader's (a seqlock): after reading rows of other
-  writers, the record is read again, and the read retried if any of their blocks was
-  taken meanwhile.
+* **Slots of its own.** A writer appends rows into a slot (``block_rows`` rows of the data
+  arrays) that it took from the free ones by compare-and-swap of the commit record, and
+  that no other writer writes (``commit.ring.open``). No row a record refers to is ever
+  written again.
+* **Positions at commit time.** An extend writes its rows there, then one
+  compare-and-swap of the record maps positions ``[cursor, cursor + n)`` to them
+  (``commit.runs``, :mod:`zarr_rb.core.runs`), moves the cursor and the length; on a
+  conflict the record is read again and the same rows mapped at the new cursor, never
+  written again. ``extend`` returns the positions they got: ``len`` counts committed
+  rows, exactly, and nothing reserved can be left empty by a dead or slow writer. Writes to
+  given positions (``storage[i] = ...``) go the same way: new rows, and the commit maps
+  ``i`` to them; of two writers writing one position, the later commit wins.
+* **Free slots** are those that no run, no open slot and no kept save refers to; the
+  arrays grow (their metadata) when none is left.
+* **Dead writers** lose the rows they had not committed. Their open slots are dropped by
+  the next writer that finds them gone (at once on a local disk, where the kernel drops a
+  dead process's locks; once its lease expired on an object store); their committed rows
+  stay.
+* **Reads** are checked like a reader's (a seqlock): after reading rows through one
+  record, the record is read again, and the read retried only if a slot it read was taken
+  since (``commit.ring.recent``).
+
+See ``docs/design/ring.md``, "Step 2".
 """
 
 from __future__ import annotations
@@ -35,24 +36,24 @@ import dataclasses
 import random
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from zarr_rb.core.format import (
     ATTRS_KEY,
-    Commit,
+    FORMAT_VERSION,
+    RECENT_TAKES,
     Ring,
     Schema,
     StoreMeta,
-    commit_from_mask,
     parse_store_meta,
 )
 from zarr_rb.core.metadata import check_is_store, read_root
+from zarr_rb.core.runs import RunMap
 from zarr_rb.errors import (
     FencedError,
-    LockedError,
     NotSupportedError,
     RowsNotCommittedError,
     SchemaMismatchError,
@@ -67,53 +68,50 @@ _R = TypeVar("_R")
 Edit = Callable[[StoreMeta], StoreMeta | None]
 """A change of the commit record, applied to the record as it is now (``None``: none)."""
 
-BUSY_BLOCK_SECONDS = 60.0
-"""How long a write of given rows waits for another writer to release their block."""
 BUSY_SERVER_SECONDS = 60.0
 """How long a commit is retried while an object store answers with server errors."""
-SWEEP_SECONDS = 2.0
-"""How often a writer looks for blocks held by writers that are gone."""
 _READ_RETRIES = 50
+SPARE_SLOTS = 64
+"""Slots a shared store's arrays have beyond twice its blocks: open slots of writers, and
+slots whose rows are not all overwritten yet (their metadata only: no chunk is made)."""
 
 
 def new_writer_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
+def initial_capacity(blocks: int) -> int:
+    """Slots the arrays of a shared store of ``blocks`` blocks are made with."""
+    return 2 * blocks + SPARE_SLOTS
+
+
 class Sharing:
-    """The shared-writer side of one open store: its blocks, its merged commits."""
+    """The shared-writer side of one open store: its open slot, its commits."""
 
     def __init__(self, store: Store, writer: str) -> None:
         self.store = store
         self.writer = writer
-        self.current: int | None = None
-        """The block this writer appends into."""
+        self.slot: int | None = None
+        """The slot this writer appends into."""
         self.filled = 0
-        """Rows of :attr:`current` written."""
-        self._finished: list[int] = []
-        """Blocks filled since the last publish, released by the next one."""
+        """Rows of :attr:`slot` written (committed or not)."""
+        self._full: list[int] = []
+        """Slots filled since the last commit: no longer open once it is published."""
         self._alive: dict[str, bool] = {writer: True}
-        self._swept = time.monotonic()
+        self._mine: np.ndarray | None = None
+        """Positions this writer is committing (their mirrors are its own to update)."""
 
     @classmethod
     def start(cls, store: Store, writer: str) -> Sharing:
         """Write ``store`` as one of its shared writers, named ``writer`` (its hold is
-        taken already); a store of one writer becomes shared."""
+        taken already); a store of one writer, or shared under format 2, takes runs."""
         check_shareable(store)
         sharing = store.sharing = cls(store, writer)
         if store._ledger is not None:
-            store._ledger.grow(store.rows)  # other writers' blocks lie anywhere in the ring
-        block_rows = store.meta.block_rows
-
-        def convert(meta: StoreMeta) -> StoreMeta | None:
-            if meta.commit.ring is not None:
-                return None
-            # The single writer's next block comes first: the ring order goes on from it.
-            taken = -(-meta.commit.cursor // block_rows) if block_rows and meta.commit.length else 0
-            commit = dataclasses.replace(meta.commit, ring=Ring(taken=taken))
-            return dataclasses.replace(meta, commit=commit)
-
-        sharing.update(convert)
+            store._ledger.grow(store.rows)  # other writers' rows lie anywhere in the ring
+        meta = sharing.update(_to_runs)
+        if meta.commit.ring is not None and store.schema is not None:
+            store.ensure_capacity(meta.commit.ring.capacity)
         return sharing
 
     def set_schema(self, schema: Schema, block_rows: int) -> None:
@@ -129,7 +127,13 @@ class Sharing:
 
         def claim(meta: StoreMeta) -> StoreMeta | None:
             if meta.schema is None:
-                return dataclasses.replace(meta, schema=schema, block_rows=block_rows)
+                blocks = -(-schema.rows // block_rows)
+                ring = meta.commit.ring or Ring()
+                ring = dataclasses.replace(ring, capacity=initial_capacity(blocks), legacy=False)
+                commit = dataclasses.replace(meta.commit, ring=ring, runs=RunMap.empty())
+                return dataclasses.replace(
+                    meta, schema=schema, block_rows=block_rows, commit=commit, format=FORMAT_VERSION
+                )
             if meta.schema != schema:
                 raise SchemaMismatchError(
                     f"{where}: another writer created it with keys "
@@ -201,8 +205,7 @@ class Sharing:
             self.adopt(self._parse(document))
 
     def adopt(self, meta: StoreMeta) -> None:
-        """Show the rows of ``meta``'s commit: those of every writer, and this writer's own
-        rows of the blocks it holds."""
+        """Show the rows of ``meta``'s commit (those of every writer)."""
         store = self.store
         if meta.commit.ring is None:
             raise StoreCorruptedError(
@@ -220,63 +223,34 @@ class Sharing:
         if store.schema is None:
             return
         store.length = meta.commit.length * store.schema.elements_per_row
-        if meta.commit.generation == before.generation:
+        if meta.commit.generation == before.generation and not new_schema:
             return
         store.version += 1
+        old = store.position_map()
+        store.use_slots(meta.commit)
+        new = store.position_map()
         ledger = store._ledger
         assert ledger is not None
-        published = meta.commit.readable_mask(store.rows)
-        mine = self._mask_of(self.ring.blocks_of(self.writer))
-        changed = (published != ledger.published) | self._retaken(before, meta.commit)
-        changed &= ~mine
-        ledger.published_as(published)
-        ledger.intact = np.where(mine, ledger.intact, published)
+        readable = meta.commit.readable_mask(store.rows)
+        ledger.published_as(readable)
+        ledger.intact = readable.copy()
         if store.engine.cache is not None:
             # Before the changed rows are read again: objects cached before now may hold
             # what those rows held before other writers rewrote them.
             store.engine.cache.new_epoch()
-        if changed.any():
-            store.mirror_changed(changed)
+        if isinstance(old, RunMap) and isinstance(new, RunMap) and store._mirror:
+            changed = np.zeros(store.rows, dtype=bool)
+            changed[new.moved_since(old)] = True
+            if self._mine is not None:
+                changed[self._mine] = False  # this writer's own: it mirrors them itself
+            if changed.any():
+                store.mirror_changed(changed)
 
-    def _retaken(self, before: Commit, after: Commit) -> np.ndarray:
-        """Rows of blocks taken (or rewritten) between two records."""
-        blocks = self._retaken_blocks(before, after)
-        if blocks is None:
-            return np.ones(self.store.rows, dtype=bool)
-        return self._mask_of(sorted(blocks))
-
-    def _retaken_blocks(self, before: Commit, after: Commit) -> set[int] | None:
-        """Blocks taken (or rewritten) between two records (``None``: any of them)."""
-        old, new = before.ring, after.ring
-        if old is None or new is None or new.rewrites != old.rewrites:
-            return None
-        if new.taken - old.taken >= self.blocks:
-            return None
-        return {position % self.blocks for position in range(old.taken, new.taken)}
-
-    # --- blocks ----------------------------------------------------------------------------
+    # --- slots -----------------------------------------------------------------------------
 
     @property
     def block_rows(self) -> int:
         return self.store.meta.block_rows or 1
-
-    @property
-    def blocks(self) -> int:
-        return -(-self.store.rows // self.block_rows)
-
-    def _rows_of(self, block: int) -> slice:
-        start = block * self.block_rows
-        return slice(start, min(start + self.block_rows, self.store.rows))
-
-    def _size_of(self, block: int) -> int:
-        piece = self._rows_of(block)
-        return int(piece.stop - piece.start)
-
-    def _mask_of(self, blocks: list[int]) -> np.ndarray:
-        mask = np.zeros(self.store.rows, dtype=bool)
-        for block in blocks:
-            mask[self._rows_of(block)] = True
-        return mask
 
     def _is_alive(self, writer: str) -> bool:
         alive = self._alive.get(writer)
@@ -287,226 +261,163 @@ class Sharing:
             self._alive[writer] = False
         return alive
 
-    def place(self, count: int) -> np.ndarray:
-        """Rows for ``count`` new rows: the free rows of this writer's block, then of the
-        next blocks it takes."""
+    def room(self, count: int) -> np.ndarray:
+        """Rows of the data arrays for ``count`` new rows: the rest of this writer's open
+        slot, then of the slots it takes."""
+        block_rows = self.block_rows
         pieces = []
         while count > 0:
-            if self.current is None or self.filled == self._size_of(self.current):
-                if self.current is not None:
-                    self._finished.append(self.current)
-                self._take_next()
-            assert self.current is not None
-            start = self._rows_of(self.current).start + self.filled
-            taken = min(count, self._size_of(self.current) - self.filled)
-            pieces.append(np.arange(start, start + taken))
+            if self.slot is None or self.filled == block_rows:
+                if self.slot is not None:
+                    self._full.append(self.slot)
+                self._take()
+            assert self.slot is not None
+            taken = min(count, block_rows - self.filled)
+            start = self.slot * block_rows + self.filled
+            pieces.append(np.arange(start, start + taken, dtype=np.int64))
             self.filled += taken
             count -= taken
-        return np.concatenate(pieces)
+        return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
 
-    def _take_next(self) -> None:
+    def _take(self) -> None:
+        """Take a free slot (growing the arrays' capacity when none is left)."""
         chosen: list[int] = []
 
         def take(meta: StoreMeta) -> StoreMeta:
-            chosen.clear()
             ring = meta.commit.ring
             assert ring is not None
-            held = dict(ring.held)
-            self._check_holds(held)
-            position = ring.taken
-            for _ in range(self.blocks):
-                block = position % self.blocks
-                position += 1
-                holder = held.get(block)
-                if holder is None or (holder != self.writer and not self._is_alive(holder)):
-                    break
+            self._check_open(ring)
+            opened = [(w, s) for w, s in ring.open if w == self.writer or self._is_alive(w)]
+            used = self._used_slots(meta, opened)
+            free = np.flatnonzero(~used)
+            capacity = ring.capacity
+            if free.size:
+                slot = int(free[0])
             else:
-                raise LockedError(
-                    f"store {self.store.url!r}: each of its {self.blocks} blocks of "
-                    f"{self.block_rows} rows is held by a live writer; a shared store needs "
-                    "more blocks than writers: create it with a larger max_size or smaller "
-                    "blocks (Compression(block_rows=...))",
-                    holder={"writers": sorted(set(held.values()))},
-                )
-            chosen.append(block)
-            held[block] = self.writer
-            readable = meta.commit.readable_mask(self.store.rows)
-            readable[self._rows_of(block)] = False
-            ring = dataclasses.replace(ring, taken=position, held=_sorted(held))
-            return self._with(meta, readable, ring)
+                slot, capacity = capacity, max(2 * capacity, capacity + SPARE_SLOTS)
+            chosen[:] = [slot]
+            ring = dataclasses.replace(
+                ring,
+                capacity=capacity,
+                open=(*opened, (self.writer, slot)),
+                takes=ring.takes + 1,
+                recent=(*ring.recent, slot)[-RECENT_TAKES:],
+            )
+            return dataclasses.replace(meta, commit=dataclasses.replace(meta.commit, ring=ring))
 
-        self.update(take)
-        self.current, self.filled = chosen[0], 0
-        # What the block held belongs to the transitions it evicts: not this writer's to
-        # serve, nor to complete rows with.
-        ledger = self.store._ledger
-        assert ledger is not None
-        ledger.intact[self._rows_of(self.current)] = False
+        meta = self.update(take)
+        assert meta.commit.ring is not None
+        self.store.ensure_capacity(meta.commit.ring.capacity)
+        self.slot, self.filled = chosen[0], 0
 
-    def hold_rows(self, rows: np.ndarray) -> list[int]:
-        """Before a write of given rows (``storage[i] = ...``): hold every block they are in
-        (waiting for other writers to release theirs), and withdraw those rows that were
-        readable. Returns the blocks held for this write alone."""
-        blocks = np.unique(rows // self.block_rows).tolist()
-        touched = np.zeros(self.store.rows, dtype=bool)
-        touched[rows] = True
-        extra: list[int] = []
-        whole_before: list[np.ndarray] = []
-        deadline = time.monotonic() + BUSY_BLOCK_SECONDS
+    def _used_slots(self, meta: StoreMeta, opened: list[tuple[str, int]]) -> np.ndarray:
+        """The slots that a run of the record, an open slot or a kept save refers to."""
+        ring = meta.commit.ring
+        assert ring is not None
+        runs = meta.commit.runs or RunMap.empty()
+        used = runs.used_slots(self.block_rows, ring.capacity)
+        for _, slot in opened:
+            used[slot] = True
+        return used
 
-        def hold(meta: StoreMeta) -> StoreMeta | None:
-            extra.clear()
-            ring = meta.commit.ring
-            assert ring is not None
-            held = dict(ring.held)
-            self._check_holds(held)
-            for block in blocks:
-                holder = held.get(block)
-                if holder == self.writer:
-                    continue
-                if holder is not None and self._is_alive(holder):
-                    raise _BlockBusyError(block)
-                held[block] = self.writer
-                extra.append(block)
-            readable = meta.commit.readable_mask(self.store.rows)
-            whole_before[:] = [readable]
-            if not extra and not (readable & touched).any():
-                return None
-            ring = dataclasses.replace(ring, held=_sorted(held), rewrites=ring.rewrites + 1)
-            return self._with(meta, readable & ~touched, ring)
-
-        while True:
-            try:
-                self.update(hold)
-                break
-            except _BlockBusyError as busy:
-                if time.monotonic() > deadline:
-                    raise LockedError(
-                        f"store {self.store.url!r}: block {busy.block} (rows "
-                        f"{self._rows_of(busy.block).start}-"
-                        f"{self._rows_of(busy.block).stop - 1}) stayed held by another "
-                        f"writer for {BUSY_BLOCK_SECONDS:g} s; rows that other writers "
-                        "append to cannot be rewritten meanwhile",
-                        holder={},
-                    ) from None
-                time.sleep(0.01)
-        ledger = self.store._ledger
-        assert ledger is not None
-        # Rows another writer wrote are whole if the record said they were readable.
-        theirs = self._mask_of(extra)
-        ledger.intact = np.where(theirs, whole_before[0], ledger.intact)
-        return extra
-
-    def publish(self, rows: np.ndarray, *, release: Sequence[int] = ()) -> None:
-        """Declare readable the rows just written that are whole (all keys), release the
-        blocks held for that write alone and the full block appended into."""
-        ledger = self.store._ledger
-        assert ledger is not None
-        written = np.zeros(self.store.rows, dtype=bool)
-        written[rows] = True
-        whole = written & ledger.intact
-        let_go = [*release, *self._finished]
-        full = self.current is not None and self.filled == self._size_of(self.current)
-        if full:
-            assert self.current is not None
-            let_go.append(self.current)
-        blocks = set(np.unique(rows // self.block_rows).tolist())
-        last = int(rows.max()) + 1 if rows.size else 0
+    def commit_rows(self, physical: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+        """Map rows just written (``physical``) to positions and publish them: the next
+        ``physical.size`` positions from the cursor (an extend: the length grows), or
+        ``positions`` (sorted, unique: writes to given rows). Returns the positions they
+        got."""
+        rows = self.store.rows
+        placed: list[np.ndarray] = []
+        full = list(self._full)
 
         def publish(meta: StoreMeta) -> StoreMeta:
-            ring = meta.commit.ring
+            commit = meta.commit
+            ring = commit.ring
             assert ring is not None
-            held = dict(ring.held)
-            lost = sorted(block for block in blocks if held.get(block) != self.writer)
-            if lost:
-                raise self._fenced(lost)
-            for block in let_go:
-                held.pop(block, None)
-            readable = meta.commit.readable_mask(self.store.rows) | whole
-            ring = dataclasses.replace(ring, held=_sorted(held))
-            cursor = last % self.store.rows if rows.size else meta.commit.cursor
-            return self._with(meta, readable, ring, cursor=cursor)
+            self._check_open(ring)
+            runs = commit.runs or RunMap.empty()
+            count = int(physical.size)
+            if positions is None:
+                where = (commit.cursor + np.arange(count, dtype=np.int64)) % max(rows, 1)
+                cursor = (commit.cursor + count) % max(rows, 1)
+                length = min(rows, commit.length + count)
+                last = slice(max(0, count - rows), count)  # a ring's worth at most
+                kept, rows_kept = where[last], physical[last]
+                order = np.argsort(kept, kind="stable")
+                kept, rows_kept = kept[order], rows_kept[order]
+            else:
+                where, kept, rows_kept = positions, positions, physical
+                cursor, length = commit.cursor, commit.length
+            placed[:] = [where]
+            self._mine = kept
+            runs = runs.assign(kept, rows_kept)
+            opened = tuple((w, s) for w, s in ring.open if not (w == self.writer and s in full))
+            commit = dataclasses.replace(
+                commit,
+                length=length,
+                cursor=cursor,
+                runs=runs,
+                holes=runs.holes(length),
+                ring=dataclasses.replace(ring, open=opened),
+            )
+            return dataclasses.replace(meta, commit=commit)
 
-        self.update(publish)
-        self._finished.clear()
-        if full:
-            self.current, self.filled = None, 0
-        self._sweep()
+        try:
+            self.update(publish)
+        finally:
+            self._mine = None
+        del self._full[: len(full)]
+        return placed[0]
 
     def withdraw(self, rows: np.ndarray) -> None:
-        """Rows (a mask) found damaged: not readable until rewritten."""
+        """Positions (a mask) found damaged: they hold no row until written again."""
+        positions = np.flatnonzero(rows)
 
         def withdraw(meta: StoreMeta) -> StoreMeta:
-            ring = meta.commit.ring
-            assert ring is not None
-            readable = meta.commit.readable_mask(self.store.rows) & ~rows
-            return self._with(meta, readable, dataclasses.replace(ring, rewrites=ring.rewrites + 1))
+            commit = meta.commit
+            runs = (commit.runs or RunMap.empty()).assign(
+                positions, np.full(positions.size, -1, dtype=np.int64)
+            )
+            commit = dataclasses.replace(commit, runs=runs, holes=runs.holes(commit.length))
+            return dataclasses.replace(meta, commit=commit)
 
         self.update(withdraw)
 
-    def _sweep(self) -> None:
-        """Release the blocks of writers that are gone (at most every few seconds)."""
-        if time.monotonic() - self._swept < SWEEP_SECONDS:
-            return
-        self._swept = time.monotonic()
-        gone = {who for _, who in self.ring.held if who != self.writer and not self._is_alive(who)}
-        if gone:
-            self._release(lambda who: who in gone)
-
     def leave(self) -> None:
-        """Give the blocks this writer holds back (it closes)."""
-        self._release(lambda who: who == self.writer)
-        self.current, self.filled = None, 0
-
-    def _release(self, whose: Callable[[str], bool]) -> None:
-        """Release every block held by a writer for which ``whose`` is true."""
+        """Give back this writer's open slot (it closes): its committed rows stay."""
 
         def release(meta: StoreMeta) -> StoreMeta | None:
             ring = meta.commit.ring
             assert ring is not None
-            kept = tuple((block, who) for block, who in ring.held if not whose(who))
-            if kept == ring.held:
+            kept = tuple((w, s) for w, s in ring.open if w != self.writer)
+            if kept == ring.open:
                 return None
-            readable = meta.commit.readable_mask(self.store.rows)
-            return self._with(meta, readable, dataclasses.replace(ring, held=kept))
+            commit = dataclasses.replace(meta.commit, ring=dataclasses.replace(ring, open=kept))
+            return dataclasses.replace(meta, commit=commit)
 
         self.update(release)
+        self.slot, self.filled = None, 0
+        self._full.clear()
 
-    def _check_holds(self, held: dict[int, str]) -> None:
-        """This writer's blocks must still be its own (others release them only once they
-        took it for gone: it must then write nothing more)."""
-        mine = [*self._finished, *([self.current] if self.current is not None else [])]
-        lost = [block for block in mine if held.get(block) != self.writer]
+    def _check_open(self, ring: Ring) -> None:
+        """This writer's slots must still be its own (others drop them only once they took
+        it for gone: it must then write nothing more)."""
+        mine = [*self._full, *([self.slot] if self.slot is not None else [])]
+        held = set(ring.slots_of(self.writer))
+        lost = [slot for slot in mine if slot not in held]
         if lost:
-            raise self._fenced(lost)
-
-    def _fenced(self, blocks: list[int]) -> FencedError:
-        return FencedError(
-            f"store {self.store.url!r}: block(s) {blocks} of this writer were released by "
-            "another writer, which took this one for gone (its lease expired: the process "
-            "stalled for longer than the lease lasts); its rows there were not published. "
-            "Reopen the store to write again",
-            holder={},
-        )
-
-    def _with(
-        self, meta: StoreMeta, readable: np.ndarray, ring: Ring, *, cursor: int | None = None
-    ) -> StoreMeta:
-        commit = commit_from_mask(
-            readable,
-            generation=meta.commit.generation + 1,
-            cursor=meta.commit.cursor if cursor is None else cursor,
-            length=meta.commit.length,
-        )
-        # The slot map stays: shared writers write blocks in place, where it puts them.
-        commit = dataclasses.replace(commit, ring=ring, slots=meta.commit.slots)
-        return dataclasses.replace(meta, commit=commit)
+            raise FencedError(
+                f"store {self.store.url!r}: slot(s) {lost} of this writer were given back "
+                "by another writer, which took this one for gone (its lease expired: the "
+                "process stalled for longer than the lease lasts); its rows there were not "
+                "committed. Reopen the store to write again",
+                holder={},
+            )
 
     # --- reads -----------------------------------------------------------------------------
 
     def read_checked(self, read: Callable[[], _R], rows: np.ndarray) -> _R:
-        """``read()`` of ``rows``, retried while other writers took blocks of those rows
-        during it (a seqlock on the ring)."""
+        """``read()`` of positions ``rows``, retried while other writers took slots those
+        rows were read from (a seqlock on the record)."""
         for attempt in range(_READ_RETRIES):
             before = self.store.committed
             out = read()
@@ -514,8 +425,7 @@ class Sharing:
             after = self.store.committed
             if after.generation == before.generation:
                 return out
-            retaken = self._retaken_blocks(before, after)
-            if retaken is not None and retaken.isdisjoint((rows // self.block_rows).tolist()):
+            if before.reads_alike(after, rows, self.block_rows):
                 return out
             time.sleep(0.0005 * (attempt + 1))
         raise RowsNotCommittedError(
@@ -524,13 +434,25 @@ class Sharing:
         )
 
 
-class _BlockBusyError(Exception):
-    def __init__(self, block: int) -> None:
-        self.block = block
-
-
-def _sorted(held: dict[int, str]) -> tuple[tuple[int, str], ...]:
-    return tuple(sorted(held.items()))
+def _to_runs(meta: StoreMeta) -> StoreMeta | None:
+    """A store of one writer, or shared under format 2, as a shared store of format 3: its
+    readable positions mapped to the rows that hold them, the arrays' slots as capacity."""
+    commit = meta.commit
+    if commit.ring is not None and not commit.ring.legacy and commit.runs is not None:
+        return None
+    if meta.schema is None:
+        if commit.ring is not None and not commit.ring.legacy:
+            return None
+        return dataclasses.replace(meta, commit=dataclasses.replace(commit, ring=Ring()))
+    block_rows = meta.block_rows or 1
+    blocks = -(-meta.schema.rows // block_rows)
+    positions = np.flatnonzero(commit.readable_mask(commit.length))
+    runs = RunMap.of(positions, commit.physical(positions))
+    capacity = blocks if commit.slots is None else commit.slots.capacity
+    commit = dataclasses.replace(
+        commit, ring=Ring(capacity=capacity), runs=runs, slots=None, holes=runs.holes(commit.length)
+    )
+    return dataclasses.replace(meta, commit=commit, format=FORMAT_VERSION)
 
 
 def _shared_fields(meta: StoreMeta) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.reader import read_committed, reread_commit
 from zarr_rb.core.ring import SPARE_FACTOR, SlotMap
+from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.write_cache import Block, Key, WriteBuffer
 from zarr_rb.engine import Engine, RowArray
@@ -167,9 +168,10 @@ class Store:
         self.closed = False
         self.sharing: Sharing | None = None
         """The shared-writer protocol, when this store has several writers."""
-        self._slots: SlotMap | None = None
-        """Where each block of positions is on disk: the writer's map, which the next
-        commit publishes (a reader's: the last commit's). Set with the schema."""
+        self._slots: SlotMap | RunMap | None = None
+        """Where each position is on disk: the writer's block map, which the next commit
+        publishes (a reader's: the last commit's; a shared store's: the runs of the last
+        commit). Set with the schema."""
         self._rewrote_published = False
         """Rows the last commit declared readable were written over (in other slots) since:
         the next commit moves the epoch."""
@@ -216,10 +218,23 @@ class Store:
     @property
     def _physical_rows(self) -> int:
         """Rows the data arrays must have: those of every slot of the map."""
+        ring = self.committed.ring
+        if ring is not None and ring.capacity:
+            return max(self.rows, ring.capacity * (self.meta.block_rows or 1))
         slots = self._slots
-        if slots is None or slots.is_identity:
+        if not isinstance(slots, SlotMap) or slots.is_identity:
             return self.rows
         return slots.capacity * slots.block_rows
+
+    @property
+    def _block_map(self) -> SlotMap:
+        """The block map of a store of one writer."""
+        assert isinstance(self._slots, SlotMap)
+        return self._slots
+
+    def position_map(self) -> SlotMap | RunMap | None:
+        """Where each position is on disk, as this store reads it now."""
+        return self._slots
 
     def with_lengths(self, keys: Iterable[Key]) -> list[Key]:
         """``keys`` and the lengths leaves of the ragged ones among them."""
@@ -271,7 +286,11 @@ class Store:
         """Read (and write) through the slot map of ``commit``: the one the store opened
         at, or a newer one a reader picked up."""
         assert self.schema is not None
-        if commit.slots is not None:
+        if commit.runs is not None:
+            self._slots = commit.runs
+        elif commit.ring is not None and not commit.ring.legacy:
+            self._slots = RunMap.empty()
+        elif commit.slots is not None:
             self._slots = commit.slots.copy()
         else:
             self._slots = SlotMap.identity(self.rows, self.meta.block_rows or 1)
@@ -356,7 +375,10 @@ class Store:
         assert schema is not None
         with self.writing("creating the arrays"):
             self._create_arrays(
-                schema.leaves, schema.batch_shape, self.meta.block_rows or 1, replace=False
+                schema.leaves,
+                (self._physical_rows, *schema.batch_shape[1:]),
+                self.meta.block_rows or 1,
+                replace=False,
             )
 
     @_serialized
@@ -477,9 +499,12 @@ class Store:
                 raise StoreCorruptedError(
                     f"store {self.url!r}: cannot open array {leaf.path!r} ({err})"
                 ) from None
+            # (A shared store's writers grow its arrays after they took more slots: other
+            # writers may not have yet; reads and writes past them grow or reopen them.)
+            least = self.rows if self.committed.ring is not None else self._physical_rows
             shape_ok = (
                 len(array.shape) == len(expected)
-                and array.shape[0] >= self._physical_rows
+                and array.shape[0] >= least
                 and all(
                     want is None or want == got
                     for want, got in zip(expected[1:], array.shape[1:], strict=False)
@@ -523,11 +548,7 @@ class Store:
         if cursor is not None:
             self.cursor = cursor
         if self.sharing is not None:
-            blocks = self.sharing.hold_rows(rows)
-            try:
-                self._write_through(rows, values)
-            finally:
-                self.sharing.publish(rows, release=blocks)
+            self._write_shared(rows, values)
             return
         if self._retries:
             # Failed writes waiting to be written again must not land over these newer rows.
@@ -554,15 +575,32 @@ class Store:
 
     @_serialized
     def append(self, values: Mapping[Key, torch.Tensor], count: int) -> np.ndarray:
-        """A shared store's extend: write ``count`` whole rows where this writer's blocks
-        have room and publish them; returns the rows they went to."""
+        """A shared store's extend: write ``count`` whole rows into this writer's slots,
+        then commit them at the cursor; returns the positions they got."""
         self._check_writable()
         assert self.sharing is not None
         self.version += 1
-        rows = self.sharing.place(count)
-        self._write_through(rows, self._whole_rows(rows, values))
-        self.sharing.publish(rows)
-        return rows
+        physical = self.sharing.room(count)
+        values = self._whole_rows(physical, values)
+        self._write_rows([(physical, values)], physical=True)
+        positions = self.sharing.commit_rows(physical)
+        last = slice(max(0, count - self.rows), count)  # a ring's worth at most
+        picked = torch.arange(count)[last]
+        self._update_mirror(positions[last], {key: v[picked] for key, v in values.items()})
+        return positions
+
+    def _write_shared(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
+        """A shared writer's write to given positions (``rows``, sorted and unique): new
+        rows in its slots, which the commit maps those positions to; keys left out keep
+        their values (read first). The length stays, as in TorchRL's storages."""
+        assert self.sharing is not None
+        missing = [key for key in self._leaves if key not in values]
+        if missing and rows.size:
+            values = {**values, **self.read(rows, missing, unwritten_as_zeros=True)}
+        physical = self.sharing.room(rows.size)
+        self._write_rows([(physical, values)], physical=True)
+        self.sharing.commit_rows(physical, rows)
+        self._update_mirror(rows, values)
 
     def _whole_rows(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
@@ -631,11 +669,6 @@ class Store:
                 self._mirror_of(key)
         for key in self._mirror.keys() & values.keys():
             _put_rows(self._mirror_covering(key, self._rows_written), rows, values[key])
-
-    def _write_through(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
-        """Write to disk now (shared stores keep no rows in RAM: others must see them)."""
-        self._update_mirror(rows, values)
-        self._write_to_disk([(rows, values)], withdraw=False)
 
     def mirror_changed(self, rows: np.ndarray) -> None:
         """Rows (a mask) that other writers changed: read their small leaves again."""
@@ -717,16 +750,12 @@ class Store:
             else:
                 self._retries.append((rows, values))
 
-    def _write_to_disk(self, writes: Sequence[Write], *, withdraw: bool = True) -> None:
+    def _write_to_disk(self, writes: Sequence[Write]) -> None:
         """Write rows. A block whose rows hold data (committed, or written since) is
         written by copy-on-write: into a free slot, with the rows of the block this write
         leaves alone; the next commit switches the block to it, and until then the block's
         old slot stays as it was (a crash or a failed write leaves it whole). Rows never
-        written go straight into their block's slot.
-
-        ``withdraw=False``: a shared writer's rows, written in place into blocks it holds
-        (the caller withdrew them from the readable range when it took them).
-        """
+        written go straight into their block's slot."""
         assert self._ledger is not None
         assert self._slots is not None
         self.check_hold()
@@ -735,11 +764,6 @@ class Store:
         for rows, _ in writes:
             touched[rows] = True
         keys = {key for _, values in writes for key in values}
-        if not withdraw:
-            was_intact = self._ledger.start_write(touched)
-            self._write_rows(writes)
-            self._ledger.finish_write(touched, was_intact, keys)
-            return
         was_intact = self._ledger.intact & touched
         moved, before, copies, in_place = self._copy_on_write(writes, touched)
         # Rows rewritten in slots no record refers to (moved since the last commit): not
@@ -748,7 +772,7 @@ class Store:
         try:
             self._write_rows([*copies, *writes])
         except BaseException:
-            self._slots.assign(moved, before)  # the blocks' rows are where they were
+            self._block_map.assign(moved, before)  # the blocks' rows are where they were
             raise
         self._ledger.finish_write(touched, was_intact, keys)
 
@@ -764,14 +788,14 @@ class Store:
         """
         ledger = self._ledger
         assert ledger is not None
-        assert self._slots is not None
+        block_map = self._block_map
         none = np.empty(0, dtype=np.int64)
         if (ledger.published & touched).any():
             self._rewrote_published = True
-        block_rows = self._slots.block_rows
+        block_rows = block_map.block_rows
         live = (ledger.intact | ledger.published) & touched
         touched_blocks = np.unique(np.flatnonzero(touched) // block_rows)
-        slots = self._slots.slots[touched_blocks]
+        slots = block_map.slots[touched_blocks]
         # A slot a kept save refers to is never written (its rows past this writer's length
         # are that save's); one the last commit refers to, where the write goes over rows
         # that hold data. A slot no record refers to is written in place.
@@ -787,7 +811,7 @@ class Store:
         if not blocks.size:
             return none, none, [], in_place
         fresh = self._free_slots(blocks.size)
-        before = self._slots.slots[blocks].copy()
+        before = block_map.slots[blocks].copy()
         positions = (blocks[:, None] * block_rows + np.arange(block_rows)).ravel()
         positions = positions[positions < ledger.extent]
         copies: list[Write] = []
@@ -817,14 +841,13 @@ class Store:
             }
             for key, values in self._read_disk(requests, lengths).items():
                 copies.append((requests[key], {key: values}))
-        self._slots.assign(blocks, fresh)
+        block_map.assign(blocks, fresh)
         return blocks, before, copies, in_place
 
     def _free_slots(self, count: int) -> np.ndarray:
         """``count`` slots that neither the last commit nor the writer's map refers to;
         the arrays grow (their metadata only) when there are not enough."""
-        slots = self._slots
-        assert slots is not None
+        slots = self._block_map
         used = np.zeros(slots.capacity, dtype=bool)
         for kept in (slots, self._committed_slots(), *self._pinned_slots()):
             used[kept.slots[kept.slots < slots.capacity]] = True
@@ -845,14 +868,20 @@ class Store:
         self._slots = slots.with_capacity(capacity)
         return self._free_slots(count)
 
-    def _write_rows(self, writes: Sequence[Write]) -> None:
-        """Write rows to the slots the writer's map gives their blocks."""
+    def _write_rows(self, writes: Sequence[Write], *, physical: bool = False) -> None:
+        """Write rows to the slots the writer's map gives their blocks (``physical``: the
+        rows are rows of the data arrays already: a shared writer's)."""
         assert self._slots is not None
+        if physical:
+            self.check_hold()
+            top = max((int(rows.max()) + 1 for rows, _ in writes if rows.size), default=0)
+            if top > self.rows:
+                self.ensure_capacity(-(-top // (self.meta.block_rows or 1)))
         with self.writing("writing rows"):
             futures = []
             try:
                 for rows, values in writes:
-                    physical = self._slots.physical(rows)
+                    at = rows if physical else self._slots.physical(rows)
                     for key, tensor in values.items():
                         array = self.array(key)
                         if array.ragged:
@@ -860,7 +889,7 @@ class Store:
                             if not tensor.shape[1]:
                                 continue  # empty rows: nothing to write
                             array.grow(tensor.shape[1])
-                        futures.append(array.write_rows(physical, to_numpy(tensor)))
+                        futures.append(array.write_rows(at, to_numpy(tensor)))
             finally:
                 errors = []
                 for future in futures:
@@ -870,6 +899,26 @@ class Store:
                         errors.append(err)
             if errors:
                 raise errors[0]
+
+    def ensure_capacity(self, slots: int) -> None:
+        """Give the data arrays rows for ``slots`` slots (a shared store whose writers took
+        more): their metadata only. Resizes only ever grow an array, so that writers
+        growing it at once leave it at the largest size asked."""
+        if self.schema is None:
+            return
+        rows = slots * (self.meta.block_rows or 1)
+        with self.writing("adding slots to the arrays"):
+            for key in self._leaves:
+                array = self.array(key)
+                for _ in range(5):
+                    if array.shape[0] >= rows:
+                        break
+                    try:
+                        array.grow_rows(rows)
+                    except ValueError:
+                        array.refresh()  # another writer resized it meanwhile
+                else:
+                    array.grow_rows(rows)
 
     def check_hold(self) -> None:
         """Nothing is written by a writer that lost its hold (a lease taken over).
@@ -1087,7 +1136,7 @@ class Store:
         self._slots = SlotMap(
             kept.slots.copy(),
             block_rows=kept.block_rows,
-            capacity=max(kept.capacity, self._slots.capacity),
+            capacity=max(kept.capacity, self._block_map.capacity),
         )
         self._ledger.rebase(readable)
         # The rows committed since the save are dropped: the epoch moves (unless they are
@@ -1257,7 +1306,7 @@ class Store:
 
     def _slots_record(self) -> SlotMap | None:
         """The writer's map as a commit records it (``None``: the identity)."""
-        if self._slots is None or self._slots.is_identity:
+        if not isinstance(self._slots, SlotMap) or self._slots.is_identity:
             return None
         return self._slots.copy()
 

@@ -782,7 +782,9 @@ class RowArray:
         self._location.written([metadata])
         shape = list(self.shape)
         shape[dimension] = size
-        self._array = self._array.resize(exclusive_max=shape, resize_metadata_only=True).result()
+        self._array = self._array.resize(
+            exclusive_max=shape, resize_metadata_only=True, expand_only=True
+        ).result()
         self._refresh_reader()
 
     def _refresh_reader(self) -> None:

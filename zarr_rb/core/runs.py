@@ -1,0 +1,236 @@
+"""Where each position of a shared store lives on disk: row runs.
+
+The writers of a shared store append into slots of their own (``block_rows`` consecutive
+rows of the data arrays, see :mod:`zarr_rb.core.ring`) and learn the positions of their
+rows only when they commit them: the commit maps ``[cursor, cursor + n)`` to the rows just
+written. Writers interleave, so this map is row-granular: runs ``[first position, first
+physical row, rows]``, sorted by position, that never overlap. A position no run covers
+holds no row.
+
+In the commit record (``commit.runs``), the runs are one little-endian ``int64`` array of
+shape ``[runs, 3]``, zlib-compressed and base64-encoded: what any reader decodes with the
+standard library and numpy alone. See ``docs/design/ring.md``, "Step 2".
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from zarr_rb.errors import StoreCorruptedError
+
+_EMPTY = np.empty((0, 3), dtype=np.int64)
+
+
+class RunMap:
+    """Positions to physical rows of the data arrays, by runs (immutable)."""
+
+    __slots__ = ("_ends", "counts", "firsts", "starts")
+
+    def __init__(self, runs: np.ndarray) -> None:
+        runs = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+        self.starts = np.ascontiguousarray(runs[:, 0])
+        self.firsts = np.ascontiguousarray(runs[:, 1])
+        self.counts = np.ascontiguousarray(runs[:, 2])
+        self._ends = self.starts + self.counts
+
+    @classmethod
+    def empty(cls) -> RunMap:
+        return cls(_EMPTY)
+
+    @classmethod
+    def of(cls, positions: np.ndarray, physical: np.ndarray) -> RunMap:
+        """The map of ``positions`` (sorted, unique) to ``physical`` rows."""
+        return cls(_compress(np.asarray(positions, np.int64), np.asarray(physical, np.int64)))
+
+    @property
+    def runs(self) -> np.ndarray:
+        """``[first position, first physical row, rows]`` per run, sorted by position."""
+        return np.stack([self.starts, self.firsts, self.counts], axis=1)
+
+    def __len__(self) -> int:
+        return int(self.starts.size)
+
+    def physical(self, positions: np.ndarray) -> np.ndarray:
+        """The physical row of each position (``-1``: no row there)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if not self.starts.size:
+            return np.full(positions.shape, -1, dtype=np.int64)
+        run = np.searchsorted(self.starts, positions, side="right") - 1
+        inside = run >= 0
+        run = np.maximum(run, 0)
+        offset = positions - self.starts[run]
+        inside &= offset < self.counts[run]
+        out: np.ndarray = np.where(inside, self.firsts[run] + offset, -1)
+        return out
+
+    def assign(self, positions: np.ndarray, physical: np.ndarray) -> RunMap:
+        """This map with ``positions`` (sorted, unique) mapped to ``physical`` rows (what
+        they held before is no longer referred to)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if not positions.size:
+            return self
+        lo, hi = int(positions[0]), int(positions[-1]) + 1
+        # Runs wholly outside [lo, hi) stay; those that reach into it are spread over a
+        # dense span, the new rows laid over them, and the span cut into runs again.
+        before = self._ends <= lo
+        after = self.starts >= hi
+        touching = ~(before | after)
+        dense = np.full(hi - lo, -1, dtype=np.int64)
+        kept = [self.runs[before]]
+        for start, first, count in self.runs[touching].tolist():
+            end = start + count
+            a, b = max(start, lo), min(end, hi)
+            dense[a - lo : b - lo] = first + np.arange(a - start, b - start)
+            if start < lo:
+                kept.append(np.array([[start, first, lo - start]], dtype=np.int64))
+            if end > hi:
+                kept.append(np.array([[hi, first + hi - start, end - hi]], dtype=np.int64))
+        dense[positions - lo] = physical
+        span = np.arange(lo, hi, dtype=np.int64)
+        mapped = dense >= 0
+        kept.append(_compress(span[mapped], dense[mapped]))
+        kept.append(self.runs[after])
+        runs = np.concatenate(kept)
+        return RunMap(_merge(runs[np.argsort(runs[:, 0], kind="stable")]))
+
+    def mapped_mask(self, rows: int) -> np.ndarray:
+        """Boolean mask over ``rows`` positions: which hold a row."""
+        edges = np.zeros(rows + 1, dtype=np.int64)
+        np.add.at(edges, np.minimum(self.starts, rows), 1)
+        np.add.at(edges, np.minimum(self._ends, rows), -1)
+        out: np.ndarray = np.cumsum(edges[:rows]) > 0
+        return out
+
+    def used_slots(self, block_rows: int, capacity: int) -> np.ndarray:
+        """Boolean mask over ``capacity`` slots: which hold a row the map refers to."""
+        edges = np.zeros(capacity + 1, dtype=np.int64)
+        if self.starts.size:
+            first = self.firsts // block_rows
+            last = (self.firsts + self.counts - 1) // block_rows + 1
+            np.add.at(edges, np.minimum(first, capacity), 1)
+            np.add.at(edges, np.minimum(last, capacity), -1)
+        out: np.ndarray = np.cumsum(edges[:capacity]) > 0
+        return out
+
+    def holes(self, length: int) -> tuple[tuple[int, int], ...]:
+        """The ranges of ``[0, length)`` that no run covers (one pass over the runs)."""
+        inside = self.starts < length
+        starts, ends = self.starts[inside], np.minimum(self._ends[inside], length)
+        gap_starts = np.concatenate(([0], ends))
+        gap_ends = np.concatenate((starts, [length]))
+        keep = gap_ends > gap_starts
+        return tuple(
+            (int(a), int(b))
+            for a, b in zip(gap_starts[keep].tolist(), gap_ends[keep].tolist(), strict=True)
+        )
+
+    def moved_since(self, old: RunMap) -> np.ndarray:
+        """The positions this map puts in other rows than ``old`` does (or that ``old``
+        leaves unmapped): those of its runs that ``old`` has not, compared row by row."""
+        if not len(self):
+            return np.empty(0, dtype=np.int64)
+        at = np.searchsorted(old.starts, self.starts)
+        same = at < len(old)
+        if len(old):
+            near = np.minimum(at, len(old) - 1)
+            same &= (
+                (old.starts[near] == self.starts)
+                & (old.firsts[near] == self.firsts)
+                & (old.counts[near] == self.counts)
+            )
+        starts, counts = self.starts[~same], self.counts[~same]
+        if not starts.size:
+            return np.empty(0, dtype=np.int64)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        positions = np.repeat(starts, counts) + offsets
+        out: np.ndarray = positions[old.physical(positions) != self.physical(positions)]
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RunMap):
+            return NotImplemented
+        return bool(
+            np.array_equal(self.starts, other.starts)
+            and np.array_equal(self.firsts, other.firsts)
+            and np.array_equal(self.counts, other.counts)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RunMap({self.runs.tolist()[:8]}{'...' if len(self) > 8 else ''})"
+
+    def to_json(self) -> dict[str, Any]:
+        raw = self.runs.astype("<i8").tobytes()
+        return {"runs": len(self), "data": base64.b64encode(zlib.compress(raw, 6)).decode()}
+
+
+def parse_run_map(value: object, *, rows: int) -> RunMap | None:
+    """Runs from the commit record (untrusted): sorted, disjoint, inside ``rows``
+    positions, at physical rows that are not negative (their bound is checked against the
+    arrays' capacity by the caller)."""
+    if value is None:
+        return None
+
+    def bad(what: str) -> StoreCorruptedError:
+        return StoreCorruptedError(
+            f"invalid zarr_rb metadata: expected {what}, got {str(value)[:200]!r}"
+        )
+
+    if not isinstance(value, Mapping):
+        raise bad("'runs' to be an object or null")
+    count, data = value.get("runs"), value.get("data")
+    if not (isinstance(count, int) and not isinstance(count, bool) and 0 <= count <= rows):
+        raise bad(f"'runs' to count at most {rows} runs")
+    if not isinstance(data, str):
+        raise bad("'runs' data to be a base64 string")
+    try:
+        inflater = zlib.decompressobj()
+        raw = inflater.decompress(base64.b64decode(data, validate=True), count * 24 + 1)
+    except (binascii.Error, zlib.error, ValueError):
+        raise bad("'runs' data to be base64 of zlib-compressed int64 runs") from None
+    if len(raw) != count * 24 or inflater.unconsumed_tail:
+        raise bad(f"'runs' data to hold {count} runs of 3 int64")
+    runs = np.frombuffer(raw, dtype="<i8").astype(np.int64).reshape(count, 3)
+    starts, firsts, counts = runs[:, 0], runs[:, 1], runs[:, 2]
+    if count and not (
+        (counts >= 1).all()
+        and (starts >= 0).all()
+        and (firsts >= 0).all()
+        and int((starts + counts).max()) <= rows
+        and (starts[1:] >= starts[:-1] + counts[:-1]).all()
+    ):
+        raise bad(f"runs sorted, disjoint and inside [0, {rows})")
+    return RunMap(runs)
+
+
+def _compress(positions: np.ndarray, physical: np.ndarray) -> np.ndarray:
+    """Runs of sorted, unique ``positions`` and their ``physical`` rows."""
+    if not positions.size:
+        return _EMPTY
+    breaks = np.flatnonzero((np.diff(positions) != 1) | (np.diff(physical) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [positions.size])))
+    return np.stack([positions[starts], physical[starts], counts], axis=1).astype(np.int64)
+
+
+def _merge(runs: np.ndarray) -> np.ndarray:
+    """Sorted runs with each run that goes on where the one before ends joined to it."""
+    if len(runs) < 2:
+        return runs
+    ends = runs[:-1, 0] + runs[:-1, 2]
+    continues = (runs[1:, 0] == ends) & (runs[1:, 1] == runs[:-1, 1] + runs[:-1, 2])
+    if not continues.any():
+        return runs
+    heads = np.concatenate(([True], ~continues))
+    group = np.cumsum(heads) - 1
+    counts = np.bincount(group, weights=runs[:, 2]).astype(np.int64)
+    merged = runs[heads].copy()
+    merged[:, 2] = counts
+    return merged
