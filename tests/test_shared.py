@@ -569,3 +569,39 @@ def test_a_store_shared_under_format_2_takes_runs_when_a_writer_joins(store_path
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_version_kept_before_the_store_became_shared_keeps_its_rows(store_path):
+    # Tagged while one writer wrote it (its rows pinned in their slots), then shared:
+    # shared writers take only slots no kept save refers to, so the version reads back as
+    # saved however much they write.
+    rb = TensorDictReplayBuffer(
+        storage=ZarrStorage(16, store_path, compression=Compression(block_rows=4)),
+        batch_size=4,
+    )
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16), batch_size=4)
+    for buffer in (rb, twin):
+        buffer.extend(stamped(0, 0, 20))  # wrapped: blocks moved to other slots
+    zarr_rb.save(rb, tag="before")
+    rb.storage.close()
+    writers = [ZarrStorage(path=store_path, mode="r+", shared=True) for _ in range(2)]
+    try:
+        for step in range(12):  # the ring turns over several times
+            writers[step % 2].set(torch.arange(7), stamped(1 + step % 2, 7 * step, 7))
+    finally:
+        for writer in writers:
+            writer.close()
+    kept = zarr_rb.load(store_path, version="before", read_only=True)
+    try:
+        assert torch.equal(kept[:]["stamp"], twin[:]["stamp"])
+    finally:
+        kept.storage.close()
+    # Loaded by a writer: the buffer goes back to the version's rows and goes on from them.
+    loaded = zarr_rb.load(store_path, version="before")
+    try:
+        assert torch.equal(loaded[:]["stamp"], twin[:]["stamp"])
+        for buffer in (loaded, twin):
+            buffer.extend(stamped(3, 0, 5))
+        assert torch.equal(loaded[:]["stamp"], twin[:]["stamp"])
+    finally:
+        loaded.storage.close()

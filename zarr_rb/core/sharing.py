@@ -45,7 +45,9 @@ from zarr_rb.core.format import (
     ATTRS_KEY,
     FORMAT_VERSION,
     RECENT_TAKES,
+    Commit,
     Ring,
+    Saved,
     Schema,
     StoreMeta,
     parse_store_meta,
@@ -98,6 +100,8 @@ class Sharing:
         self._full: list[int] = []
         """Slots filled since the last commit: no longer open once it is published."""
         self._alive: dict[str, bool] = {writer: True}
+        self._kept: dict[tuple[int, float, int, int], np.ndarray | None] = {}
+        """The slots of each kept save (see :meth:`_slots_kept_by`), by save."""
         self._mine: np.ndarray | None = None
         """Positions this writer is committing (their mirrors are its own to update)."""
 
@@ -318,7 +322,26 @@ class Sharing:
         used = runs.used_slots(self.block_rows, ring.capacity)
         for _, slot in opened:
             used[slot] = True
+        kept = {}
+        for saved in meta.pinned():
+            key = (saved.slot, saved.time, saved.length, ring.capacity)
+            kept[key] = self._kept.get(key)
+            if kept[key] is None:
+                kept[key] = self._slots_kept_by(saved, ring.capacity)
+            used |= kept[key]
+        self._kept = kept
         return used
+
+    def _slots_kept_by(self, saved: Saved, capacity: int) -> np.ndarray:
+        """The slots holding the rows a kept save covered (a save made before the store
+        became shared: its rows stay until it is replaced or dropped)."""
+        assert self.store.schema is not None
+        commit = saved.commit(self.store.schema.elements_per_row)
+        positions = np.flatnonzero(commit.readable_mask(commit.length))
+        physical = commit.physical(positions)
+        mask = np.zeros(capacity, dtype=bool)
+        mask[np.unique(physical[physical >= 0] // self.block_rows)] = True
+        return mask
 
     def commit_rows(self, physical: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
         """Map rows just written (``physical``) to positions and publish them: the next
@@ -367,6 +390,24 @@ class Sharing:
             self._mine = None
         del self._full[: len(full)]
         return placed[0]
+
+    def rebase(self, kept: Commit) -> None:
+        """Put every position back where ``kept`` (a kept save's commit) has it: its length,
+        cursor and rows (loading it; the rows committed since are dropped)."""
+        positions = np.flatnonzero(kept.readable_mask(kept.length))
+        runs = RunMap.of(positions, kept.physical(positions))
+
+        def rebase(meta: StoreMeta) -> StoreMeta:
+            commit = dataclasses.replace(
+                meta.commit,
+                length=kept.length,
+                cursor=kept.cursor,
+                runs=runs,
+                holes=runs.holes(kept.length),
+            )
+            return dataclasses.replace(meta, commit=commit)
+
+        self.update(rebase)
 
     def withdraw(self, rows: np.ndarray) -> None:
         """Positions (a mask) found damaged: they hold no row until written again."""

@@ -1115,6 +1115,13 @@ class Store:
         assert self._ledger is not None
         assert self._slots is not None
         commit = saved.commit(self._elements_per_row(self.schema))
+        if self.sharing is not None and not self.read_only:
+            # A store with runs, which this writer holds alone (a save made before it became
+            # shared): its positions go back to the rows the save kept, at once.
+            self._check_writable()
+            self.discard()
+            self.sharing.rebase(commit)
+            return
         readable = commit.readable_mask(commit.length)
         # Rows withdrawn since the save (a repair found them damaged) in blocks still in the
         # slots the save has: the damage is the save's too.
