@@ -336,6 +336,33 @@ def test_multi_sync_collector_workers_write_straight_into_the_store(store_path):
     del GymEnv
 
 
+def test_multi_async_collector_workers_write_straight_into_the_store(store_path):
+    from torchrl.collectors import MultiAsyncCollector
+
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(5000, store_path), batch_size=32)
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(5000), batch_size=32)
+    collector = MultiAsyncCollector(
+        [_cartpole, _cartpole],
+        policy=None,
+        frames_per_batch=100,
+        total_frames=800,
+        replay_buffer=rb,
+    )
+    try:
+        for _ in collector:
+            assert rb.sample()["observation"].shape == (32, 4)
+    finally:
+        collector.shutdown()
+    # Each worker extends by 50 rows; a worker told to go on may still write a batch after
+    # the last one was yielded. len counts whole batches, every row of them readable.
+    length = len(rb)
+    assert length % 50 == 0
+    assert 800 <= length <= 800 + 2 * 50
+    twin.extend(rb[:])
+    assert len(twin) == length
+    assert torch.equal(readable_rows(rb.storage), torch.arange(length))
+
+
 def _cartpole():
     from torchrl.envs import GymEnv
 

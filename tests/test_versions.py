@@ -208,12 +208,6 @@ def test_writing_on_from_a_version_leaves_the_other_versions_whole(tmp_path):
 
 
 def test_tags_that_cannot_be_kept_are_refused_before_anything_is_written(tmp_path):
-    shared = TensorDictReplayBuffer(storage=ZarrStorage(16, tmp_path / "shared.zarr", shared=True))
-    shared.extend(steps(0, 4))
-    with pytest.raises(zarr_rb.NotSupportedError, match="several writers"):
-        zarr_rb.save(shared, tag="a")
-    shared.storage.close()
-    assert zarr_rb.versions(tmp_path / "shared.zarr") == []
     memory = TensorDictReplayBuffer(storage=LazyTensorStorage(16))
     memory.extend(steps(0, 4))
     with pytest.raises(zarr_rb.NotSupportedError, match="LazyTensorStorage"):
@@ -228,3 +222,30 @@ def test_tags_that_cannot_be_kept_are_refused_before_anything_is_written(tmp_pat
     rb.storage.close()
     with pytest.raises(TypeError, match="tag of a version"):
         zarr_rb.drop_version(path, 0)  # type: ignore[arg-type]
+
+
+def test_a_version_of_a_shared_store_keeps_its_rows_while_its_writers_go_on(tmp_path):
+    path = tmp_path / "shared.zarr"
+    compression = zarr_rb.Compression(block_rows=4)
+    writers = [ZarrStorage(16, path, shared=True, compression=compression) for _ in range(2)]
+    rb = TensorDictReplayBuffer(storage=writers[0], batch_size=4)
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16), batch_size=4)
+    for step in range(5):  # writers take turns: rows interleave, the ring wraps
+        data = steps(5 * step, 5 * step + 5)
+        writers[step % 2].set(torch.arange(5), data)
+        twin.extend(data)
+    zarr_rb.save(rb, tag="mid")
+    with pytest.raises(zarr_rb.VersionExistsError, match="mid"):
+        zarr_rb.save(rb, tag="mid")
+    for step in range(5, 15):  # both writers write the ring over, several times
+        writers[step % 2].set(torch.arange(5), steps(5 * step, 5 * step + 5))
+    kept = zarr_rb.load(path, version="mid", read_only=True)
+    try:
+        assert torch.equal(kept[:]["step"], twin[:]["step"])
+    finally:
+        kept.storage.close()
+    assert [v.tag for v in zarr_rb.versions(path)] == ["mid"]
+    for writer in writers:
+        writer.close()
+    zarr_rb.drop_version(path, "mid")
+    assert [v.tag for v in zarr_rb.versions(path)] == [None]

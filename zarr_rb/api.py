@@ -139,12 +139,6 @@ def save_state(rb: Any, storage: ZarrStorage) -> None:
 
 
 def _save_into(rb: Any, store: Store, saved: Saved, *, tag: str | None = None) -> None:
-    if tag is not None and store.sharing is not None:
-        raise NotSupportedError(
-            f"store {store.url!r} is written by several writers, whose saves keep no rows "
-            f"(each writes its blocks in place): it keeps no versions; save without a tag, "
-            "or snapshot it (zarr_rb.save(rb, other_path, tag=...))",
-        )
     if tag is not None and tag in store.meta.versions:
         raise VersionExistsError(
             f"store {store.url!r} keeps a version tagged {tag!r} already (save "

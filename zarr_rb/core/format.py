@@ -515,6 +515,8 @@ class Saved:
     """The slot map of the rows it covered (``None``: block ``b`` in slot ``b``)."""
     holes: tuple[tuple[int, int], ...] = ()
     time: float = 0.0
+    runs: RunMap | None = None
+    """The runs of the rows it covered, in a store of several writers."""
     """When it was saved (seconds since the epoch)."""
 
     @property
@@ -530,6 +532,7 @@ class Saved:
             holes=self.holes,
             epoch=self.epoch,
             slots=self.slots,
+            runs=self.runs,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -542,6 +545,8 @@ class Saved:
             record["time"] = self.time
             if self.slots is not None:
                 record["slots"] = self.slots.to_json()
+            if self.runs is not None:
+                record["runs"] = self.runs.to_json()
         return record
 
 
@@ -727,6 +732,7 @@ def parse_saved(value: object, *, max_size: int, rows: int) -> Saved | None:
         slots=parse_slot_map(value.get("slots"), rows=rows),
         holes=tuple(holes),
         time=float(time),
+        runs=parse_run_map(value.get("runs"), rows=rows),
     )
 
 

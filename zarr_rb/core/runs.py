@@ -168,7 +168,7 @@ class RunMap:
 
     def to_json(self) -> dict[str, Any]:
         raw = self.runs.astype("<i8").tobytes()
-        return {"runs": len(self), "data": base64.b64encode(zlib.compress(raw, 6)).decode()}
+        return {"runs": len(self), "data": base64.b64encode(zlib.compress(raw, 1)).decode()}
 
 
 def parse_run_map(value: object, *, rows: int) -> RunMap | None:

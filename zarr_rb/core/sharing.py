@@ -61,6 +61,7 @@ from zarr_rb.errors import (
     SchemaMismatchError,
     ServerBusyError,
     StoreCorruptedError,
+    VersionExistsError,
 )
 
 if TYPE_CHECKING:
@@ -390,6 +391,33 @@ class Sharing:
             self._mine = None
         del self._full[: len(full)]
         return placed[0]
+
+    def publish_saved(self, saved: Saved, *, tag: str | None) -> None:
+        """Publish a save made at the record as it is now: the rows it covers are those
+        of that record (its length, cursor and runs, which it keeps: no writer takes their
+        slots while a record names the save); ``tag``: kept as a version too."""
+        assert self.store.schema is not None
+        per_row = self.store.schema.elements_per_row
+
+        def save(meta: StoreMeta) -> StoreMeta:
+            commit = meta.commit
+            made = dataclasses.replace(
+                saved,
+                length=commit.length * per_row,
+                cursor=commit.cursor,
+                pinned=True,
+                runs=commit.runs or RunMap.empty(),
+                holes=commit.holes,
+            )
+            if tag is not None and tag in meta.versions:
+                raise VersionExistsError(
+                    f"store {self.store.url!r}: another writer kept a version tagged {tag!r} "
+                    "meanwhile; pick another tag",
+                )
+            versions = meta.versions if tag is None else {**meta.versions, tag: made}
+            return dataclasses.replace(meta, saved=made, versions=versions)
+
+        self.update(save)
 
     def rebase(self, kept: Commit) -> None:
         """Put every position back where ``kept`` (a kept save's commit) has it: its length,

@@ -584,9 +584,11 @@ class Store:
         values = self._whole_rows(physical, values)
         self._write_rows([(physical, values)], physical=True)
         positions = self.sharing.commit_rows(physical)
-        last = slice(max(0, count - self.rows), count)  # a ring's worth at most
-        picked = torch.arange(count)[last]
-        self._update_mirror(positions[last], {key: v[picked] for key, v in values.items()})
+        if count > self.rows:  # a ring's worth at most: the last rows
+            values = {key: value[count - self.rows :] for key, value in values.items()}
+            self._update_mirror(positions[count - self.rows :], values)
+        else:
+            self._update_mirror(positions, values)
         return positions
 
     def _write_shared(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
@@ -1197,7 +1199,9 @@ class Store:
                 "zarr_rb.save(rb, other_path) writes an independent snapshot",
             )
         moved = kept is not None and (
-            kept.slots != self.committed.slots or kept.holes != self.committed.holes
+            kept.slots != self.committed.slots
+            or kept.holes != self.committed.holes
+            or kept.runs != self.committed.runs
         )
         if live and ((self.length, self.cursor) != (length, cursor) or moved):
             raise LiveBufferError(
@@ -1275,7 +1279,7 @@ class Store:
         commit = self.committed
         saved = dataclasses.replace(saved, epoch=commit.epoch, time=time.time())
         if self.sharing is not None:
-            self.sharing.update(lambda meta: dataclasses.replace(meta, saved=saved))
+            self.sharing.publish_saved(saved, tag=tag)
             return
         saved = dataclasses.replace(saved, pinned=True, slots=commit.slots, holes=commit.holes)
         if tag is not None:
