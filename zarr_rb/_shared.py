@@ -39,11 +39,27 @@ def append(storage: ZarrStorage, cursor: Any, data: Any) -> None:
         )
     rows, leaves = storage._rows_to_write(cursor, data)
     storage.__dict__["writes_begun"] += 1
-    placed = store.append(leaves, rows.size)
-    if isinstance(cursor, torch.Tensor) and cursor.ndim == 1 and not cursor.is_floating_point():
-        assert store.schema is not None
-        index, _ = _index.write_rows(cursor, store.schema.rows, where=storage._where)
+    assert store.schema is not None
+    index, _ = _index.write_rows(cursor, store.schema.rows, where=storage._where)
+    # The rows go in the order extended, at the record's cursor (a trajectory stays in
+    # one piece), not in the order of this writer's cursor, which other writers moved
+    # past: its index may wrap where the record's does not.
+    if rows.size < index.size:
+        # More rows than the ring holds: each moves the cursor, as in TorchRL's storages
+        # (the store keeps the last ring's worth); the rows repeated here are dropped.
+        picked = torch.from_numpy(np.searchsorted(rows, index))
+        leaves = {key: value[picked] for key, value in leaves.items()}
+        placed = store.append(leaves, index.size)
+        where = np.arange(index.size)
+    else:
+        order = np.argsort(_index.unique_last(index)[1], kind="stable")
+        if (np.diff(order) != 1).any():
+            picked = torch.from_numpy(order)
+            leaves = {key: value[picked] for key, value in leaves.items()}
+        placed = np.empty(rows.size, dtype=np.int64)
+        placed[order] = store.append(leaves, rows.size)
         where = np.searchsorted(rows, index)
+    if isinstance(cursor, torch.Tensor) and cursor.ndim == 1 and not cursor.is_floating_point():
         cursor.copy_(torch.from_numpy(placed[where]).to(cursor.device, cursor.dtype))
 
 
