@@ -57,6 +57,11 @@ def test_runs_map_each_position_as_a_dense_map_does(rows, steps):
         used = np.zeros(capacity, dtype=bool)
         used[dense[dense >= 0] // BLOCK_ROWS] = True
         assert np.array_equal(runs.used_slots(BLOCK_ROWS, capacity), used)
+        slots = np.unique(np.asarray([start % capacity, (start * 7) % capacity]))
+        inside = (dense >= 0) & np.isin(dense // BLOCK_ROWS, slots)
+        assert (
+            sorted(runs.positions_in(slots, BLOCK_ROWS).tolist()) == np.flatnonzero(inside).tolist()
+        )
         assert parse_run_map(runs.to_json(), rows=rows) == runs
         # Runs that go on where the one before ends are one run.
         r = runs.runs

@@ -4,7 +4,6 @@ order, never a torn row, never a stale one."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorDictReplayBuffer
@@ -19,12 +18,6 @@ def rows(first: int, count: int) -> TensorDict:
     return TensorDict({"x": x, "y": x * 10}, batch_size=[count])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Sharing.adopt refreshes a writer's mirror only for positions whose row moved "
-    "(RunMap.moved_since), not for positions mapped to the same rows of a slot taken again "
-    "since (Ring.taken_since)",
-)
 def test_a_writer_reads_rows_another_writer_put_in_a_slot_it_had_read_before(store_path):
     # Positions 0-3 are written twice by the other writer: first into a new slot (their
     # old one is freed), then into that old slot, taken again, at the same rows of the
@@ -70,11 +63,6 @@ def test_an_extend_keeps_its_rows_in_order_when_its_writers_cursor_wraps(store_p
         two.storage.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Store._write_shared reads the keys a write leaves out, then commits whole new "
-    "rows whatever another writer committed to those positions meanwhile (a lost update)",
-)
 def test_writes_of_different_keys_of_one_row_by_two_writers_both_stay(store_path):
     # One writer writes key "x" of rows 0-1 while the other writes key "y" of the same
     # rows (committed in between: after the first read the keys it leaves out, before it

@@ -99,6 +99,24 @@ class RunMap:
         runs = np.concatenate(kept)
         return RunMap(_merge(runs[np.argsort(runs[:, 0], kind="stable")]))
 
+    def positions_in(self, slots: np.ndarray, block_rows: int) -> np.ndarray:
+        """The positions whose rows lie in ``slots`` (sorted, unique)."""
+        if not len(self) or not slots.size:
+            return np.empty(0, dtype=np.int64)
+        first = self.firsts // block_rows
+        last = (self.firsts + self.counts - 1) // block_rows
+        at = np.searchsorted(slots, first)
+        hit = at < slots.size
+        hit[hit] &= slots[at[hit]] <= last[hit]
+        starts, counts = self.starts[hit], self.counts[hit]
+        if not starts.size:
+            return np.empty(0, dtype=np.int64)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        positions = np.repeat(starts, counts) + offsets
+        inside = np.isin(self.physical(positions) // block_rows, slots)
+        out: np.ndarray = positions[inside]
+        return out
+
     def mapped_mask(self, rows: int) -> np.ndarray:
         """Boolean mask over ``rows`` positions: which hold a row."""
         edges = np.zeros(rows + 1, dtype=np.int64)

@@ -53,6 +53,7 @@ from zarr_rb.core.format import (
     parse_store_meta,
 )
 from zarr_rb.core.metadata import check_is_store, read_root
+from zarr_rb.core.ring import SlotMap
 from zarr_rb.core.runs import RunMap
 from zarr_rb.errors import (
     FencedError,
@@ -243,13 +244,35 @@ class Sharing:
             # Before the changed rows are read again: objects cached before now may hold
             # what those rows held before other writers rewrote them.
             store.engine.cache.new_epoch()
-        if isinstance(old, RunMap) and isinstance(new, RunMap) and store._mirror:
-            changed = np.zeros(store.rows, dtype=bool)
-            changed[new.moved_since(old)] = True
-            if self._mine is not None:
-                changed[self._mine] = False  # this writer's own: it mirrors them itself
-            if changed.any():
-                store.mirror_changed(changed)
+        if store._mirror:
+            self._refresh_mirror(before, meta.commit, old, new)
+
+    def _refresh_mirror(
+        self,
+        before: Commit,
+        after: Commit,
+        old: SlotMap | RunMap | None,
+        new: SlotMap | RunMap | None,
+    ) -> None:
+        """Read again the mirrored leaves of the positions whose rows changed between two
+        records: those put in other rows, and those in slots taken (and written) since,
+        though at the same rows of the arrays."""
+        store = self.store
+        taken = None
+        if before.ring is not None and after.ring is not None:
+            taken = after.ring.taken_since(before.ring)
+        if taken is None or not isinstance(old, RunMap) or not isinstance(new, RunMap):
+            store.mirror_changed(np.ones(store.rows, dtype=bool))  # read whole when next needed
+            return
+        changed = np.zeros(store.rows, dtype=bool)
+        changed[new.moved_since(old)] = True
+        if taken:
+            slots = np.unique(np.fromiter(taken, dtype=np.int64))
+            changed[new.positions_in(slots, self.block_rows)] = True
+        if self._mine is not None:
+            changed[self._mine] = False  # this writer's own: it mirrors them itself
+        if changed.any():
+            store.mirror_changed(changed)
 
     # --- slots -----------------------------------------------------------------------------
 
@@ -344,11 +367,22 @@ class Sharing:
         mask[np.unique(physical[physical >= 0] // self.block_rows)] = True
         return mask
 
-    def commit_rows(self, physical: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+    def commit_rows(
+        self,
+        physical: np.ndarray,
+        positions: np.ndarray | None = None,
+        *,
+        over: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Map rows just written (``physical``) to positions and publish them: the next
         ``physical.size`` positions from the cursor (an extend: the length grows), or
         ``positions`` (sorted, unique: writes to given rows). Returns the positions they
-        got."""
+        got.
+
+        Raises:
+            RowsMovedError: ``over`` (the rows ``positions`` were in when the write read
+                them) is not where they are any longer: another writer wrote them since.
+        """
         rows = self.store.rows
         placed: list[np.ndarray] = []
         full = list(self._full)
@@ -369,6 +403,8 @@ class Sharing:
                 order = np.argsort(kept, kind="stable")
                 kept, rows_kept = kept[order], rows_kept[order]
             else:
+                if over is not None and not np.array_equal(runs.physical(positions), over):
+                    raise RowsMovedError
                 where, kept, rows_kept = positions, positions, physical
                 cursor, length = commit.cursor, commit.length
             placed[:] = [where]
@@ -501,6 +537,10 @@ class Sharing:
             f"store {self.store.url!r}: rows kept being rewritten by other writers while "
             f"being read ({_READ_RETRIES} attempts)",
         )
+
+
+class RowsMovedError(Exception):
+    """Rows a write to given positions read were written by another writer meanwhile."""
 
 
 def _to_runs(meta: StoreMeta) -> StoreMeta | None:

@@ -53,12 +53,13 @@ from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.reader import read_committed, reread_commit
 from zarr_rb.core.ring import SPARE_FACTOR, SlotMap
 from zarr_rb.core.runs import RunMap
-from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
+from zarr_rb.core.sharing import RowsMovedError, Sharing, check_shareable, new_writer_id
 from zarr_rb.core.write_cache import Block, Key, WriteBuffer
 from zarr_rb.engine import Engine, RowArray
 from zarr_rb.engine.tensorstore import is_run
 from zarr_rb.errors import (
     LiveBufferError,
+    LockedError,
     NotSupportedError,
     ReadOnlyError,
     RowsNotCommittedError,
@@ -71,6 +72,9 @@ from zarr_rb.locations import LocalLocation, Location
 from zarr_rb.locations.base import ROOT_METADATA, WriterHold
 
 _MAX_STAGED_BLOCKS = 8
+_SHARED_WRITE_ATTEMPTS = 50
+"""Writes of some keys of given rows of a shared store, before giving up on rows that other
+writers keep writing."""
 STAGED_RAGGED_BYTES = 128 * 2**20
 """A block of rows of different lengths waits in RAM padded to its longest row; rows so
 long that their block would take more than this are written at once instead."""
@@ -597,12 +601,26 @@ class Store:
         their values (read first). The length stays, as in TorchRL's storages."""
         assert self.sharing is not None
         missing = [key for key in self._leaves if key not in values]
-        if missing and rows.size:
-            values = {**values, **self.read(rows, missing, unwritten_as_zeros=True)}
-        physical = self.sharing.room(rows.size)
-        self._write_rows([(physical, values)], physical=True)
-        self.sharing.commit_rows(physical, rows)
-        self._update_mirror(rows, values)
+        given = values
+        for _ in range(_SHARED_WRITE_ATTEMPTS):
+            over = None
+            if missing and rows.size:
+                values = {**given, **self.read(rows, missing, unwritten_as_zeros=True)}
+                over = self.committed.physical(rows)  # where what was read lies
+            physical = self.sharing.room(rows.size)
+            self._write_rows([(physical, values)], physical=True)
+            try:
+                self.sharing.commit_rows(physical, rows, over=over)
+            except RowsMovedError:
+                continue  # another writer wrote some of those rows since: read them again
+            self._update_mirror(rows, values)
+            return
+        raise LockedError(
+            f"store {self.url!r}: rows {preview_rows(rows)} kept being written by other "
+            f"writers while this one wrote some of their keys ({_SHARED_WRITE_ATTEMPTS} "
+            "attempts); write whole rows, or write them again",
+            holder={},
+        )
 
     def _whole_rows(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
