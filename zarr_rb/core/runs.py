@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -38,6 +39,8 @@ class RunMap:
         self.firsts = np.ascontiguousarray(runs[:, 1])
         self.counts = np.ascontiguousarray(runs[:, 2])
         self._ends = self.starts + self.counts
+        for array in (self.starts, self.firsts, self.counts, self._ends):
+            array.flags.writeable = False  # shared by every record that decodes to it
 
     @classmethod
     def empty(cls) -> RunMap:
@@ -186,7 +189,9 @@ class RunMap:
 
     def to_json(self) -> dict[str, Any]:
         raw = self.runs.astype("<i8").tobytes()
-        return {"runs": len(self), "data": base64.b64encode(zlib.compress(raw, 1)).decode()}
+        encoded = {"runs": len(self), "data": base64.b64encode(zlib.compress(raw, 1)).decode()}
+        _remember(encoded, self)
+        return encoded
 
 
 def parse_run_map(value: object, *, rows: int) -> RunMap | None:
@@ -208,6 +213,28 @@ def parse_run_map(value: object, *, rows: int) -> RunMap | None:
         raise bad(f"'runs' to count at most {rows} runs")
     if not isinstance(data, str):
         raise bad("'runs' data to be a base64 string")
+    known = _KNOWN.get((count, data))
+    if known is not None and (not len(known) or int(known._ends[-1]) <= rows):
+        return known
+    return _decoded(count, data, rows)
+
+
+_KNOWN: dict[tuple[int, str], RunMap] = {}
+"""The maps last encoded, by their encoding: a writer reads again the record it wrote."""
+
+
+def _remember(encoded: dict[str, Any], runs: RunMap) -> None:
+    _KNOWN.clear()
+    _KNOWN[(encoded["runs"], encoded["data"])] = runs
+
+
+@functools.lru_cache(maxsize=4)
+def _decoded(count: int, data: str, rows: int) -> RunMap:
+    """The runs of a record, decoded once: readers read records again and again."""
+
+    def bad(what: str) -> StoreCorruptedError:
+        return StoreCorruptedError(f"invalid zarr_rb metadata: expected {what}, got {data[:200]!r}")
+
     try:
         inflater = zlib.decompressobj()
         raw = inflater.decompress(base64.b64decode(data, validate=True), count * 24 + 1)
