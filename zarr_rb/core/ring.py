@@ -123,9 +123,7 @@ def parse_slot_map(value: object, *, rows: int) -> SlotMap | None:
         return None
 
     def bad(what: str) -> StoreCorruptedError:
-        return StoreCorruptedError(
-            f"invalid zarr_rb metadata: expected {what}, got {str(value)[:200]!r}"
-        )
+        return invalid_metadata(what, value)
 
     if not isinstance(value, Mapping):
         raise bad("'slots' to be an object or null")
@@ -156,6 +154,11 @@ def parse_slot_map(value: object, *, rows: int) -> SlotMap | None:
     if np.unique(slots).size != blocks:
         raise bad("each slot holding one block")
     return SlotMap(slots, block_rows=block_rows, capacity=capacity)
+
+
+def invalid_metadata(what: str, got: object) -> StoreCorruptedError:
+    """The error for a map in the commit record that is not ``what`` it must be."""
+    return StoreCorruptedError(f"invalid zarr_rb metadata: expected {what}, got {str(got)[:200]!r}")
 
 
 def _is_int(value: object) -> bool:

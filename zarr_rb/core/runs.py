@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from zarr_rb.core.ring import invalid_metadata
 from zarr_rb.errors import StoreCorruptedError
 
 _EMPTY = np.empty((0, 3), dtype=np.int64)
@@ -114,8 +115,7 @@ class RunMap:
         starts, counts = self.starts[hit], self.counts[hit]
         if not starts.size:
             return np.empty(0, dtype=np.int64)
-        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        positions = np.repeat(starts, counts) + offsets
+        positions = _spread(starts, counts)
         inside = np.isin(self.physical(positions) // block_rows, slots)
         out: np.ndarray = positions[inside]
         return out
@@ -168,8 +168,7 @@ class RunMap:
         starts, counts = self.starts[~same], self.counts[~same]
         if not starts.size:
             return np.empty(0, dtype=np.int64)
-        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        positions = np.repeat(starts, counts) + offsets
+        positions = _spread(starts, counts)
         out: np.ndarray = positions[old.physical(positions) != self.physical(positions)]
         return out
 
@@ -202,9 +201,7 @@ def parse_run_map(value: object, *, rows: int) -> RunMap | None:
         return None
 
     def bad(what: str) -> StoreCorruptedError:
-        return StoreCorruptedError(
-            f"invalid zarr_rb metadata: expected {what}, got {str(value)[:200]!r}"
-        )
+        return invalid_metadata(what, value)
 
     if not isinstance(value, Mapping):
         raise bad("'runs' to be an object or null")
@@ -233,7 +230,7 @@ def _decoded(count: int, data: str, rows: int) -> RunMap:
     """The runs of a record, decoded once: readers read records again and again."""
 
     def bad(what: str) -> StoreCorruptedError:
-        return StoreCorruptedError(f"invalid zarr_rb metadata: expected {what}, got {data[:200]!r}")
+        return invalid_metadata(what, data)
 
     try:
         inflater = zlib.decompressobj()
@@ -253,6 +250,13 @@ def _decoded(count: int, data: str, rows: int) -> RunMap:
     ):
         raise bad(f"runs sorted, disjoint and inside [0, {rows})")
     return RunMap(runs)
+
+
+def _spread(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Every position of the runs that start at ``starts`` and hold ``counts`` rows."""
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    out: np.ndarray = np.repeat(starts, counts) + offsets
+    return out
 
 
 def _compress(positions: np.ndarray, physical: np.ndarray) -> np.ndarray:

@@ -361,11 +361,7 @@ class Sharing:
         became shared: its rows stay until it is replaced or dropped)."""
         assert self.store.schema is not None
         commit = saved.commit(self.store.schema.elements_per_row)
-        positions = np.flatnonzero(commit.readable_mask(commit.length))
-        physical = commit.physical(positions)
-        mask = np.zeros(capacity, dtype=bool)
-        mask[np.unique(physical[physical >= 0] // self.block_rows)] = True
-        return mask
+        return _runs_of(commit).used_slots(self.block_rows, capacity)
 
     def commit_rows(
         self,
@@ -458,8 +454,7 @@ class Sharing:
     def rebase(self, kept: Commit) -> None:
         """Put every position back where ``kept`` (a kept save's commit) has it: its length,
         cursor and rows (loading it; the rows committed since are dropped)."""
-        positions = np.flatnonzero(kept.readable_mask(kept.length))
-        runs = RunMap.of(positions, kept.physical(positions))
+        runs = _runs_of(kept)
 
         def rebase(meta: StoreMeta) -> StoreMeta:
             commit = dataclasses.replace(
@@ -555,13 +550,18 @@ def _to_runs(meta: StoreMeta) -> StoreMeta | None:
         return dataclasses.replace(meta, commit=dataclasses.replace(commit, ring=Ring()))
     block_rows = meta.block_rows or 1
     blocks = -(-meta.schema.rows // block_rows)
-    positions = np.flatnonzero(commit.readable_mask(commit.length))
-    runs = RunMap.of(positions, commit.physical(positions))
+    runs = _runs_of(commit)
     capacity = blocks if commit.slots is None else commit.slots.capacity
     commit = dataclasses.replace(
         commit, ring=Ring(capacity=capacity), runs=runs, slots=None, holes=runs.holes(commit.length)
     )
     return dataclasses.replace(meta, commit=commit, format=FORMAT_VERSION)
+
+
+def _runs_of(commit: Commit) -> RunMap:
+    """The positions ``commit`` declares readable, as runs of the rows that hold them."""
+    positions = np.flatnonzero(commit.readable_mask(commit.length))
+    return RunMap.of(positions, commit.physical(positions))
 
 
 def _shared_fields(meta: StoreMeta) -> dict[str, Any]:

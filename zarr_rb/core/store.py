@@ -893,10 +893,7 @@ class Store:
         rows are rows of the data arrays already: a shared writer's)."""
         assert self._slots is not None
         if physical:
-            self.check_hold()
-            top = max((int(rows.max()) + 1 for rows, _ in writes if rows.size), default=0)
-            if top > self.rows:
-                self.ensure_capacity(-(-top // (self.meta.block_rows or 1)))
+            self.check_hold()  # (its slots were taken with room in the arrays: Sharing._take)
         with self.writing("writing rows"):
             futures = []
             try:
