@@ -126,3 +126,50 @@ def test_a_crash_while_rows_are_rewritten_leaves_every_row_whole(
         rb.storage.get(torch.arange(cursor, cursor + 8) % 32)["step"], torch.arange(100, 108)
     )
     rb.storage.close()
+
+
+@pytest.mark.parametrize("reader", [False, True], ids=["reopened", "read-only-reader"])
+def test_a_row_left_in_ram_by_an_earlier_extend_is_written_before_later_rows_commit(
+    tmp_path, reader
+):
+    """A flush in the middle of a block, then an extend of the block's last row (it waits
+    in RAM) and one of the next whole block (written at once, and committed): the commit
+    never declares the rows after the one in RAM without it. Every commit covers a prefix
+    of the ring, so a crash at any instant leaves no hole."""
+    path = tmp_path / "rb.zarr"
+    rb = TensorDictReplayBuffer(
+        storage=ZarrStorage(96, path, compression=Compression(block_rows=8))
+    )
+    rb.extend(steps(0, 7))
+    rb.storage.flush()
+    rb.extend(steps(7, 8))  # row 7 completes block 0 in RAM
+    rb.extend(steps(8, 16))  # block 1, whole: written at once
+    if reader:
+        other = ZarrStorage(path=path, read_only=True)
+        assert other._store.unreadable_rows().size == 0
+        assert torch.equal(other.get(torch.arange(len(other)))["step"], torch.arange(len(other)))
+        other.close()
+    simulate_crash(rb.storage)
+    storage = ZarrStorage(path=path)
+    assert storage._store.unreadable_rows().size == 0
+    length = len(storage)
+    assert length in (7, 16)  # at most the rows not committed are lost
+    assert torch.equal(storage.get(torch.arange(length))["step"], torch.arange(length))
+    assert storage.cursor == length
+    storage.close()
+
+
+def test_rows_written_past_rows_never_written_are_committed_after_them(tmp_path):
+    """Rows set past a gap of rows never written (TorchRL counts them in ``len``, reading
+    whatever the gap holds) are not committed before the gap is written: a reader and a
+    store reopened after a crash see a prefix of the ring, never a hole."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(96, path, compression=Compression(block_rows=8))
+    storage.set(torch.arange(0, 12), steps(0, 12))
+    scattered = torch.cat([torch.arange(16, 24), torch.tensor([40])])  # rows 12-15 never set
+    storage.set(scattered, TensorDict({"step": scattered}, [scattered.numel()]))
+    simulate_crash(storage)
+    storage = ZarrStorage(path=path)
+    assert storage._store.unreadable_rows().size == 0
+    assert torch.equal(storage.get(torch.arange(len(storage)))["step"], torch.arange(len(storage)))
+    storage.close()

@@ -37,3 +37,28 @@ def test_a_failed_write_is_not_replayed_over_newer_rows(tmp_path: Path) -> None:
     reader = ZarrStorage(path=path, read_only=True)
     assert reader.get(torch.arange(8))["step"].tolist() == list(range(100, 108))
     reader.close()
+
+
+def test_rows_after_a_failed_write_wait_for_it_rather_than_leave_a_hole(tmp_path: Path) -> None:
+    """A block whose write failed waits in RAM; rows written past it are not committed
+    without it (a reader, or the store reopened after a crash, would find a hole), and the
+    flush that writes it again publishes them all."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(96, path, compression=Compression(block_rows=8))
+    rb = TensorDictReplayBuffer(storage=storage)
+    rb.extend(steps(torch.arange(8)))
+
+    def no_space(kind: str, where: object) -> None:
+        if kind == "write" and "data" in str(where):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with observe_io(no_space), pytest.raises(StoreWriteError):
+        rb.extend(steps(torch.arange(8, 16)))  # kept in RAM to retry
+    storage.set(torch.arange(16, 24), steps(torch.arange(16, 24)))  # a whole block, written
+    reader = ZarrStorage(path=path, read_only=True)
+    assert reader._store.unreadable_rows().size == 0
+    assert reader.get(torch.arange(len(reader)))["step"].tolist() == list(range(len(reader)))
+    storage.flush()
+    reader = ZarrStorage(path=path, read_only=True)
+    assert reader.get(torch.arange(len(reader)))["step"].tolist() == list(range(24))
+    storage.close()

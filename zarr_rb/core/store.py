@@ -717,10 +717,10 @@ class Store:
         """Stage whole rows in RAM by block; returns what must be written now.
 
         ``sequential``: the rows are a writer's extend, ending just before :attr:`cursor`.
-        Of its blocks, only the one it ends in may then stay in RAM: a block it went past
-        (partly on disk already, after a flush in its middle) is written now, so that the
-        rows a commit publishes always run up to the cursor it records, with no row of the
-        extend left behind in RAM.
+        Only the block it ends in may then stay in RAM: every other staged block (one it
+        went past, partly on disk already after a flush in its middle, or the block an
+        earlier extend ended in) is written now, so that the rows a commit publishes
+        always run up to the cursor it records, with no row left behind in RAM.
         """
         assert self._buffer is not None
         if self._too_long_to_stage(values):
@@ -734,8 +734,7 @@ class Store:
         if sequential and rows.size:
             block_rows = self._buffer.block_rows
             last = (self.cursor - 1) % self._buffer.rows // block_rows
-            staged = {block.index for block in self._buffer}
-            passed = set(np.unique(rows // block_rows).tolist()) & staged - {last}
+            passed = {block.index for block in self._buffer} - {last}
             full = sorted(set(full) | passed)
         blocks = [self._buffer.pop(index) for index in full]
         if len(self._buffer) > _MAX_STAGED_BLOCKS:
@@ -1030,6 +1029,11 @@ class Store:
         ledger = self._ledger
         readable = ledger.intact & ~(self._staged_mask(ledger.extent) & ~ledger.published)
         readable[self.length_rows :] = False
+        # Rows past the committed ones are published as a prefix: rows after one that is
+        # not on disk (a failed write kept in RAM) wait for it, rather than leave a hole.
+        first_missing = _first_unset(readable, self.committed.length, self.length_rows)
+        if first_missing is not None:
+            readable[first_missing:] = False
         self._publish_mask(readable, rewrite=self._rewrote_published)
 
     def _committable_cursor(self, readable: np.ndarray) -> int:
