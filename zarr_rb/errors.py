@@ -245,6 +245,11 @@ class VersionNotFoundError(ZarrRBError, LookupError):
     keeps."""
 
 
+class NoHistoryError(ZarrRBError, LookupError):
+    """A store's history was asked for (``history=True``), but the store keeps none: it was
+    not written with ``archive=True``."""
+
+
 class VersionExistsError(ZarrRBError, FileExistsError):
     """A save tagged with a name that a kept version of the store has already."""
 

@@ -137,6 +137,13 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             the durable copy; once they no longer fit, large entries are read from the store
             again. Default 0: only small entries (actions, rewards, flags, trajectory ids)
             are kept, up to 256 MiB. Reading processes keep none.
+        archive: keep every row extended, from now on, after the ring moves past it (an
+            archive: the whole run as an offline dataset, at the cost of disk). The store
+            keeps the setting; read the rows with ``zarr_rb.open(path, history=True)`` or
+            ``ZarrStorage(path=path, read_only=True, history=True)``.
+        history: with ``read_only``, the rows of an archive's history instead of its ring:
+            every row extended, in the order committed (``len`` counts them all; they stay
+            as opened: open again for rows committed since).
         consolidated, cleanup_memmap: layout hints of TorchRL's in-RAM storage, accepted and
             without effect on a store.
 
@@ -179,11 +186,18 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         ragged: bool | str | Sequence[str | tuple[str, ...]] = False,
         storage_options: Mapping[str, Any] | None = None,
         ram_bytes: int = 0,
+        archive: bool = False,
+        history: bool = False,
     ) -> None:
         del consolidated, cleanup_memmap  # layout hints of TorchRL's in-RAM storages
         mode = resolve_mode(mode, read_only=read_only, existsok=existsok)
         if shared and mode == "r":
             raise ValueError("shared=True is for writers; readers are never in each other's way")
+        if archive and mode == "r":
+            raise ValueError(
+                "archive=True keeps the rows a writer extends; to read a store's history, pass "
+                "read_only=True, history=True"
+            )
         if refresh_interval is not None and mode != "r":
             raise ValueError(
                 "refresh_interval is for read-only storages (the writer always sees its own "
@@ -213,8 +227,11 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             compression=compression,
             storage_options=storage_options,
             shared=shared,
+            history=history,
         )
         try:
+            if archive:
+                store.start_archive()
             length = store.length
             self.__dict__["_store"] = store
             super().__init__(

@@ -54,6 +54,7 @@ def open(
     storage_options: Mapping[str, Any] | None = None,
     episode_key: KeyLike | None = None,
     reward_key: KeyLike | None = None,
+    history: bool = False,
 ) -> View:
     """Open the store at ``path`` (a local path or an ``s3://`` URL) read-only.
 
@@ -65,13 +66,18 @@ def open(
             and ``terminated``/``truncated`` the store holds.
         reward_key: summed into each episode's return (default ``("next", "reward")`` or
             ``"reward"``).
+        history: the rows of an archive (a store written with ``archive=True``): every row
+            extended, in the order committed, across the ring's rounds, instead of the rows
+            the ring holds now.
 
     Examples:
         >>> view = zarr_rb.open("runs/pong.zarr")
         >>> view.episodes                     # a table, one row per episode
         >>> view.episode(3)["observation"]    # that episode's frames
     """
-    storage = ZarrStorage(path=path, read_only=True, storage_options=storage_options)
+    storage = ZarrStorage(
+        path=path, read_only=True, storage_options=storage_options, history=history
+    )
     return View(
         storage,
         episode_key=None if episode_key is None else _convert.key_tuple(episode_key),

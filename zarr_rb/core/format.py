@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from zarr_rb.core.ring import SlotMap, parse_slot_map
+from zarr_rb.core.ring import SlotMap, invalid_metadata, parse_slot_map
 from zarr_rb.core.runs import RunMap, parse_run_map
 from zarr_rb.errors import (
     FormatVersionError,
@@ -432,6 +432,9 @@ class Commit:
     in slot ``b``, as in every store never written over)."""
     runs: RunMap | None = None
     """A shared store's map of positions to rows of the data arrays (format 3)."""
+    history: RunMap | None = None
+    """An archive's rows, every one an extend committed, in commit order: history index
+    to row of the data arrays (``None``: the store keeps no archive)."""
 
     def physical(self, rows: np.ndarray) -> np.ndarray:
         """The rows of the data arrays that hold positions ``rows`` in this commit."""
@@ -454,6 +457,8 @@ class Commit:
             record["slots"] = self.slots.to_json()
         if self.runs is not None:
             record["runs"] = self.runs.to_json()
+        if self.history is not None:
+            record["history"] = self.history.to_json()
         return record
 
     def reads_alike(self, later: Commit, rows: np.ndarray, block_rows: int) -> bool:
@@ -666,7 +671,21 @@ def parse_commit(value: object, *, rows: int) -> Commit:
         epoch=_parse_int(value.get("epoch", 0), "commit epoch"),
         slots=parse_slot_map(value.get("slots"), rows=rows),
         runs=parse_run_map(value.get("runs"), rows=rows),
+        history=parse_history(value.get("history")),
     )
+
+
+HISTORY_BOUND = 2**48
+"""More rows than any archive's history holds (a bound for parsing records)."""
+
+
+def parse_history(value: object) -> RunMap | None:
+    """An archive's history from the commit record (untrusted): runs from index 0 on, with
+    no gap."""
+    history = parse_run_map(value, rows=HISTORY_BOUND)
+    if history is not None and history.holes(history.end):
+        raise invalid_metadata("a history whose runs follow each other from index 0", value)
+    return history
 
 
 _WRITER_ID = re.compile(r"[0-9a-f]{8,64}")

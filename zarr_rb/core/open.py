@@ -24,6 +24,7 @@ from zarr_rb.core.format import (
     StoreMeta,
     parse_store_meta,
 )
+from zarr_rb.core.history import as_history
 from zarr_rb.core.layout import Compression
 from zarr_rb.core.metadata import check_is_store, check_meta, parse_meta, read_root
 from zarr_rb.core.sharing import Sharing, new_writer_id
@@ -96,14 +97,20 @@ def open_store(
     compression: Compression | None,
     storage_options: Mapping[str, Any] | None = None,
     shared: bool = False,
+    history: bool = False,
 ) -> Store:
     """Open the store at ``path`` (a local path or a URL) in ``mode`` (see the module's
     docstring).
 
     ``max_size`` and ``ndim`` must match an existing store's (``None``: take its own);
     ``compression`` too (``None``: the store's own settings). ``shared``: write it as one
-    of several writers (see :mod:`zarr_rb.core.sharing`).
+    of several writers (see :mod:`zarr_rb.core.sharing`). ``history``: read an archive's
+    every row extended, in order (read-only; see :func:`zarr_rb.core.history.as_history`).
     """
+    if history and mode != "r":
+        raise ValueError(
+            "history=True reads a store's history, which is read-only: pass read_only=True"
+        )
     if shared and mode == "w":
         raise ValueError(
             "mode='w' removes what a store holds, rows of other writers included; shared "
@@ -137,10 +144,11 @@ def open_store(
     if mode == "r":
         if document is None:
             raise StoreNotFoundError(f"no zarr_rb store at {location.url!r}")
-        meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
-        return Store(
-            engine, meta, read_only=True, compression=_compression_of(meta, compression, where)
-        )
+        meta = parse_meta(document, where, max_size=None if history else max_size, ndim=ndim)
+        compression = _compression_of(meta, compression, where)
+        if history:
+            meta = as_history(meta, where)
+        return Store(engine, meta, read_only=True, compression=compression, history=history)
     if document is None:
         if mode == "r+":
             raise StoreNotFoundError(

@@ -30,6 +30,8 @@ def reread_commit(store: Store) -> Commit:
         raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
     check_is_store(document, where)
     meta = parse_store_meta(document["attributes"], where=where)
+    if store.history:
+        return store.committed  # a history only grows: what it read stays (open it again)
     if (meta.max_size, meta.ndim) != (store.meta.max_size, store.meta.ndim) or not _grows(
         store.schema, meta.schema
     ):
@@ -98,7 +100,7 @@ def read_committed(
         unchanged = now.generation == commit.generation or commit.reads_alike(
             now, rows[published], store.meta.block_rows or 1
         )
-        if store.pinned is not None and out is not None:
+        if (store.pinned is not None or store.history) and out is not None:
             # A save's rows are never written while a record names it (re-read above:
             # it raises if none does any longer): a writer moving on changes nothing.
             return out

@@ -60,6 +60,21 @@ class RunMap:
     def __len__(self) -> int:
         return int(self.starts.size)
 
+    @property
+    def end(self) -> int:
+        """The position after the last one mapped (``0``: none is)."""
+        return int(self._ends[-1]) if self._ends.size else 0
+
+    def appended(self, physical: np.ndarray) -> RunMap:
+        """This map with ``physical`` rows mapped to the positions after :attr:`end`, in
+        order (an archive's history grows so)."""
+        physical = np.asarray(physical, dtype=np.int64)
+        if not physical.size:
+            return self
+        end = self.end
+        tail = _compress(np.arange(end, end + physical.size, dtype=np.int64), physical)
+        return RunMap(_merge(np.concatenate([self.runs, tail])))
+
     def physical(self, positions: np.ndarray) -> np.ndarray:
         """The physical row of each position (``-1``: no row there)."""
         positions = np.asarray(positions, dtype=np.int64)
@@ -217,11 +232,14 @@ def parse_run_map(value: object, *, rows: int) -> RunMap | None:
 
 
 _KNOWN: dict[tuple[int, str], RunMap] = {}
-"""The maps last encoded, by their encoding: a writer reads again the record it wrote."""
+"""The maps last encoded, by their encoding: a writer reads again the record it wrote (a
+commit's positions and its history)."""
+_KNOWN_MAPS = 4
 
 
 def _remember(encoded: dict[str, Any], runs: RunMap) -> None:
-    _KNOWN.clear()
+    while len(_KNOWN) >= _KNOWN_MAPS:
+        del _KNOWN[next(iter(_KNOWN))]
     _KNOWN[(encoded["runs"], encoded["data"])] = runs
 
 

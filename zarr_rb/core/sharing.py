@@ -344,6 +344,8 @@ class Sharing:
         assert ring is not None
         runs = meta.commit.runs or RunMap.empty()
         used = runs.used_slots(self.block_rows, ring.capacity)
+        if meta.commit.history is not None:  # an archive keeps every row extended
+            used |= meta.commit.history.used_slots(self.block_rows, ring.capacity)
         for _, slot in opened:
             used[slot] = True
         kept = {}
@@ -407,6 +409,9 @@ class Sharing:
             self._mine = kept
             runs = runs.assign(kept, rows_kept)
             opened = tuple((w, s) for w, s in ring.open if not (w == self.writer and s in full))
+            history = commit.history
+            if history is not None and positions is None:
+                history = history.appended(physical)  # every row the extend wrote, in order
             commit = dataclasses.replace(
                 commit,
                 length=length,
@@ -414,6 +419,7 @@ class Sharing:
                 runs=runs,
                 holes=runs.holes(length),
                 ring=dataclasses.replace(ring, open=opened),
+                history=history,
             )
             return dataclasses.replace(meta, commit=commit)
 
@@ -467,6 +473,17 @@ class Sharing:
             return dataclasses.replace(meta, commit=commit)
 
         self.update(rebase)
+
+    def start_history(self) -> None:
+        """Keep every row extended from now on (an archive), unless the store does."""
+
+        def start(meta: StoreMeta) -> StoreMeta | None:
+            if meta.commit.history is not None:
+                return None
+            commit = dataclasses.replace(meta.commit, history=RunMap.empty())
+            return dataclasses.replace(meta, commit=commit)
+
+        self.update(start)
 
     def withdraw(self, rows: np.ndarray) -> None:
         """Positions (a mask) found damaged: they hold no row until written again."""

@@ -48,6 +48,7 @@ from zarr_rb.core.format import (
     leaves_by_key,
     preview_rows,
 )
+from zarr_rb.core.history import Extended
 from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.reader import read_committed, reread_commit
@@ -124,8 +125,12 @@ class Store:
         compression: Compression,
         lock: WriterHold | None = None,
         create: Callable[[], WriterHold] | None = None,
+        history: bool = False,
     ) -> None:
         self.engine = engine
+        self.history = history
+        """Read-only rows of an archive's history (``meta`` made by ``as_history``): they
+        stay as opened, and nothing they read is ever written again."""
         self._mutex = threading.RLock()
         self._lock = lock
         self._create = create
@@ -138,6 +143,11 @@ class Store:
         self._written_from = meta.commit.cursor
         """Where the rows written since the last commit (or since the cursor was moved)
         start: the commit records how far from there they are committed."""
+        self._extended = Extended()
+        """An archive's positions extended since the last commit (its history grows by
+        those a commit publishes)."""
+        self._archive = meta.commit.history is not None
+        """Whether commits append to the history (an archive, or one starting)."""
         self._epoch_at_open = meta.commit.epoch
         """Rows written over before this epoch were written over by another process."""
         self.length = meta.commit.length * self._elements_per_row(meta.schema)
@@ -548,12 +558,16 @@ class Store:
         """
         self._check_writable()
         assert self._buffer is not None
+        if cursor is not None and self._archive and self._extended.overlaps(rows):
+            self.flush()  # an archive's rows extended since the last commit: kept first
         self.version += 1
         if cursor is not None:
             self.cursor = cursor
         if self.sharing is not None:
             self._write_shared(rows, values)
             return
+        if cursor is not None and self._archive:
+            self._extended.add(rows, cursor, self.rows)
         if self._retries:
             # Failed writes waiting to be written again must not land over these newer rows.
             self._retries = _without_cells(self._retries, rows, values.keys())
@@ -819,6 +833,9 @@ class Store:
         # are that save's); one the last commit refers to, where the write goes over rows
         # that hold data. A slot no record refers to is written in place.
         pinned = np.isin(slots, np.concatenate([none, *(m.slots for m in self._pinned_slots())]))
+        history = self.committed.history
+        if history is not None:  # nor one holding an archive's rows (after an empty, a load)
+            pinned |= history.used_slots(block_rows, block_map.capacity)[slots]
         committed = np.isin(slots, self._committed_slots().slots)
         has_live = np.isin(touched_blocks, np.flatnonzero(live) // block_rows)
         move = pinned | (committed & has_live)
@@ -870,6 +887,8 @@ class Store:
         used = np.zeros(slots.capacity, dtype=bool)
         for kept in (slots, self._committed_slots(), *self._pinned_slots()):
             used[kept.slots[kept.slots < slots.capacity]] = True
+        if self.committed.history is not None:  # an archive's rows are never written over
+            used |= self.committed.history.used_slots(slots.block_rows, slots.capacity)
         free = np.flatnonzero(~used)
         if free.size >= count:
             return free[:count]
@@ -1081,23 +1100,45 @@ class Store:
         commit = dataclasses.replace(
             commit, epoch=self.committed.epoch + rewrite, slots=self._slots_record()
         )
+        waiting = None
+        if self._archive:
+            done, waiting = self._extended.split(
+                self._written_from, commit.cursor, self.cursor, self.rows
+            )
+            assert self._slots is not None
+            history = self.committed.history or RunMap.empty()
+            commit = dataclasses.replace(
+                commit, history=history.appended(self._slots.physical(done))
+            )
         if (
             commit.length == self.committed.length
             and commit.holes == self.committed.holes
             and commit.cursor == self.committed.cursor
             and commit.epoch == self.committed.epoch
             and commit.slots == self.committed.slots
+            and commit.history == self.committed.history
             and self.schema == self._schema_on_disk
         ):
             return
         self._publish(commit)
         self._ledger.published_as(readable)
         self._rewrote_published = False
+        if waiting is not None:
+            self._extended.keep(waiting)
 
     def move_cursor(self, cursor: int) -> None:
         """Put the next sequential write at ``cursor`` (a buffer emptied or loaded), not
         after rows written (the next commit records it as it is)."""
         self.cursor = self._written_from = cursor
+        self._extended.restart()
+
+    def start_archive(self) -> None:
+        """Keep every row extended from the next commit on (an archive's history); a store
+        that keeps one already goes on."""
+        self._check_writable()
+        self._archive = True
+        if self.sharing is not None:
+            self.sharing.start_history()
 
     @_serialized
     def empty(self) -> None:
@@ -1342,6 +1383,8 @@ class Store:
 
     def _publish(self, commit: Commit, *, saved: Saved | None = None) -> None:
         self.ensure_on_disk()
+        if self._archive and commit.history is None:
+            commit = dataclasses.replace(commit, history=RunMap.empty())
         meta = dataclasses.replace(self.meta, commit=commit)
         if saved is not None:
             meta = dataclasses.replace(meta, saved=saved)
