@@ -44,6 +44,9 @@ def measure(capacity: int, where: str) -> dict[str, Any]:
     import run  # not at the top: run.py imports this module
 
     path = Path(where) / f"capacity-{capacity}.zarr"
+    # The modules a first store loads (TensorStore and what it needs; zarr_rb imports them
+    # on first use) are the library's, not the store's: loaded before the baseline.
+    zarr_rb.ZarrStorage(10, Path(where) / "warm-up.zarr").close()
     before = rss_bytes()
     storage = zarr_rb.ZarrStorage(capacity, path)
     rb = TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=256)
