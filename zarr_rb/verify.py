@@ -123,12 +123,20 @@ def verify(
         positions = np.flatnonzero(readable)
         # The rows of the arrays that hold them (blocks the writer moved to other slots).
         physical = store.committed.physical(positions)
+        # An archive's rows too, those the ring no longer holds (reported, not withdrawn).
+        history = store.committed.history
+        archived = (
+            np.setdiff1d(history.physical(np.arange(history.end)), physical)
+            if history is not None
+            else np.empty(0, np.int64)
+        )
         for leaf in store.schema.leaves if store.schema is not None else ():
             arrays += 1
             if leaf.ragged:
                 damaged.extend(_check_ragged(store, leaf, positions, physical))
             else:
-                damaged.extend(_check_array(store, leaf.path, _ranges(physical), leaf.key))
+                rows = _ranges(np.union1d(physical, archived))
+                damaged.extend(_check_array(store, leaf.path, rows, leaf.key))
         state_arrays, unreadable = _state_arrays(store)
         damaged.extend(unreadable)
         for array_path, size in state_arrays:
@@ -146,7 +154,7 @@ def verify(
             path=store.path,
             damaged=tuple(damaged),
             arrays_checked=arrays,
-            rows_checked=int(readable.sum()),
+            rows_checked=int(readable.sum()) + int(archived.size),
             withdrawn_rows=withdrawn,
         )
     finally:

@@ -60,7 +60,12 @@ def to_dask(view: View) -> dict[KeyLike, Any]:
         shape = (*view.shape, *leaf.shape)
         rows = _Rows(view, leaf.key, shape, numpy_dtype(leaf.dtype))
         chunks = (block, *shape[1:])
-        name = f"zarr_rb-{view.url}-{'/'.join(leaf.key)}-{view.storage._store.version}"
+        store = view.storage._store
+        what = "history" if store.history else "ring"  # one store: two sets of rows
+        name = (
+            f"zarr_rb-{view.url}-{what}-{store.committed.generation}-{'/'.join(leaf.key)}-"
+            f"{store.version}"
+        )
         meta = np.empty((0,) * len(shape), dtype=rows.dtype)
         out[public_key(leaf.key)] = da.from_array(
             rows, chunks=chunks, name=name, lock=False, asarray=False, meta=meta

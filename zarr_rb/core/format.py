@@ -949,6 +949,24 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
                 f"runs inside the {ring.capacity} slots of the arrays",
                 commit.runs.to_json(),
             )
+        if commit.history is not None:
+            history = commit.history
+            # Every row of the history is a row of the arrays, each once: within the slots
+            # the record gives them (the arrays have at least those).
+            slots = (
+                commit.ring.capacity
+                if commit.ring is not None and commit.ring.capacity
+                else commit.slots.capacity
+                if commit.slots is not None
+                else -(-rows // (block_rows or 1))
+            )
+            bound = max(rows, slots * (block_rows or 1))
+            _expect(
+                history.end <= bound
+                and (not len(history) or int((history.firsts + history.counts).max()) <= bound),
+                f"a history of rows inside the {bound} rows of the arrays",
+                history.to_json(),
+            )
         saved = parse_saved(value.get("saved"), max_size=max_size, rows=rows)
         versions = parse_versions(value.get("versions"), max_size=max_size, rows=rows)
         compression = parse_compression(value.get("compression"))

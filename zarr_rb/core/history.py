@@ -36,32 +36,24 @@ class Extended:
 
     def overlaps(self, rows: np.ndarray) -> bool:
         """Whether a write of ``rows`` goes over positions extended since the last commit
-        (their rows would never reach the history: commit them first)."""
+        (their rows would not reach the history as extended: commit them first)."""
         return bool(self._positions.size) and bool(np.isin(rows, self._positions).any())
 
     def restart(self) -> None:
         """The cursor moved (a load, an empty): what was extended before is not appended."""
         self._positions = _NONE
 
-    def split(
-        self, start: int, cursor: int, writer_cursor: int, ring_rows: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The positions a commit at ``cursor`` publishes (the writes since the commit at
-        ``start`` went on to ``writer_cursor``; those from ``cursor`` on wait in RAM), in
-        the order written, each once (its last write: an earlier one was written over
-        before any commit), and the positions that stay for a later commit."""
+    def pending(self) -> np.ndarray:
+        """The positions extended since the last commit, in the order written, each once."""
         positions = self._positions
-        if not positions.size:
-            return _NONE, _NONE
-        _, last = np.unique(positions[::-1], return_index=True)
-        positions = positions[np.sort(positions.size - 1 - last)]
-        if cursor == writer_cursor:
-            return positions, _NONE
-        done = (positions - start) % ring_rows < (cursor - start) % ring_rows
-        return positions[done], positions[~done]
+        if positions.size:
+            _, last = np.unique(positions[::-1], return_index=True)
+            positions = positions[np.sort(positions.size - 1 - last)]
+        return positions
 
     def keep(self, positions: np.ndarray) -> None:
-        """After a commit: only ``positions`` (from :meth:`split`) wait."""
+        """After a commit: only ``positions`` (those of :meth:`pending` it did not publish,
+        still in RAM) wait."""
         self._positions = positions
 
 

@@ -437,11 +437,17 @@ class Store:
         committed = self._committed_slots()
         with self.writing("writing zeros into new keys"):
             futures = []
+            writes = []
             for start, stop in _runs(on_disk, block_rows):
                 # In the block's slot, and in its committed one (when the writer moved it
                 # since): readers of the last commit read it there.
                 positions = np.arange(start, stop)
                 rows = np.union1d(self._slots.physical(positions), committed.physical(positions))
+                writes.append(rows)
+            history = self.committed.history
+            if history is not None:  # an archive's rows read as zeros in the new keys too
+                writes.append(np.unique(history.physical(np.arange(history.end))))
+            for rows in writes:
                 for leaf in leaves:
                     if leaf.ragged:
                         continue  # its rows are empty (their lengths are zeros): nothing to read
@@ -558,8 +564,10 @@ class Store:
         """
         self._check_writable()
         assert self._buffer is not None
-        if cursor is not None and self._archive and self._extended.overlaps(rows):
-            self.flush()  # an archive's rows extended since the last commit: kept first
+        if self._archive and self._extended.overlaps(rows):
+            # Rows extended since the last commit, written over: into the history first, as
+            # they were extended.
+            self.flush()
         self.version += 1
         if cursor is not None:
             self.cursor = cursor
@@ -1102,13 +1110,17 @@ class Store:
         )
         waiting = None
         if self._archive:
-            done, waiting = self._extended.split(
-                self._written_from, commit.cursor, self.cursor, self.rows
-            )
+            # The rows extended since that this commit publishes: those on disk (the others
+            # wait in RAM, for a later commit), in the order written.
             assert self._slots is not None
+            assert self._buffer is not None
+            pending = self._extended.pending()
+            in_ram, _ = self._buffer.staged_rows(pending)
+            done = ~in_ram & _take(readable, pending)
+            waiting = pending[~done]
             history = self.committed.history or RunMap.empty()
             commit = dataclasses.replace(
-                commit, history=history.appended(self._slots.physical(done))
+                commit, history=history.appended(self._slots.physical(pending[done]))
             )
         if (
             commit.length == self.committed.length
@@ -1574,6 +1586,13 @@ class Store:
             rows = self._slots.physical(positions)
             if int(rows.max()) >= array.shape[0]:
                 array.refresh()  # the writer added slots since it was opened
+                if int(rows.max()) >= array.shape[0]:
+                    raise StoreCorruptedError(
+                        f"store {self.url!r}: its commit record maps rows to row "
+                        f"{int(rows.max())} of array {'/'.join(key)!r}, which has "
+                        f"{array.shape[0]}: the record or the array's metadata is damaged. "
+                        "Restore the store from a copy, or run zarr_rb.verify(path)",
+                    )
             if not array.ragged:
                 futures[key] = [(np.arange(rows.size), None, array.read_rows(rows))]
                 continue
@@ -1772,6 +1791,14 @@ class Store:
         """The directory of a local store, the URL of any other."""
         location = self.engine.location
         return location.root if isinstance(location, LocalLocation) else location.url
+
+
+def _take(mask: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``mask[rows]``, rows past the mask unset."""
+    out = np.zeros(rows.size, dtype=bool)
+    inside = rows < mask.size
+    out[inside] = mask[rows[inside]]
+    return out
 
 
 def _first_unset(mask: np.ndarray, start: int, stop: int) -> int | None:
