@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_identical
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
@@ -249,3 +250,33 @@ def test_a_version_of_a_shared_store_keeps_its_rows_while_its_writers_go_on(tmp_
         writer.close()
     zarr_rb.drop_version(path, "mid")
     assert [v.tag for v in zarr_rb.versions(path)] == [None]
+
+
+def stored_slots(path: Path) -> int:
+    """Shards of the ``step`` array on disk (one per slot written)."""
+    return sum(1 for _ in (path / "data" / "step" / "c").iterdir())
+
+
+def test_dropped_versions_give_their_slots_back_to_the_disk(tmp_path):
+    """Ten versions of a ring written over between them hold ten rings' worth of slots;
+    once dropped, the objects of the slots nothing refers to are deleted (past the spare
+    slots the ring reuses first), and every row reads as before, then as written on."""
+    path = tmp_path / "rb.zarr"
+    rb, twin = buffers(path)
+    extend((rb, twin), 0, CAPACITY)
+    for version in range(10):
+        extend((rb, twin), CAPACITY * (version + 1), CAPACITY * (version + 2))
+        zarr_rb.save(rb, tag=f"v{version}")
+    blocks = CAPACITY // 8
+    held = stored_slots(path)
+    assert held >= 10 * blocks
+    rb.storage.close()
+    for version in range(10):
+        zarr_rb.drop_version(path, f"v{version}")
+    # The spare slots, the ring's and the last save's (which is v9's).
+    assert stored_slots(path) <= 4 * blocks < held
+    rb = zarr_rb.load(path)
+    assert_identical(rows(rb), rows(twin))
+    extend((rb, twin), 1000, 1000 + 3 * CAPACITY)
+    assert_identical(rows(rb), rows(twin))
+    rb.storage.close()

@@ -888,16 +888,53 @@ class Store:
         block_map.assign(blocks, fresh)
         return blocks, before, copies, in_place
 
-    def _free_slots(self, count: int) -> np.ndarray:
-        """``count`` slots that neither the last commit nor the writer's map refers to;
-        the arrays grow (their metadata only) when there are not enough."""
+    def _used_slots(self) -> np.ndarray:
+        """Boolean mask over the slots of a store of one writer: those the writer's map,
+        the last commit, a kept save or an archive's history refers to."""
         slots = self._block_map
         used = np.zeros(slots.capacity, dtype=bool)
         for kept in (slots, self._committed_slots(), *self._pinned_slots()):
             used[kept.slots[kept.slots < slots.capacity]] = True
         if self.committed.history is not None:  # an archive's rows are never written over
             used |= self.committed.history.used_slots(slots.block_rows, slots.capacity)
-        free = np.flatnonzero(~used)
+        return used
+
+    def collect(self) -> int:
+        """Delete the objects of slots that nothing refers to, past the first
+        ``SPARE_FACTOR`` rings' worth (those the ring takes first when it moves blocks),
+        so that the disk kept saves held is given back once they are replaced or dropped.
+        Returns how many slots it emptied.
+
+        Only after a commit that refers to none of them: a reader of an earlier record
+        that meets a deleted object reads again through the last record (the seqlock).
+        Arrays whose shards hold more than one block keep them (their rows are written
+        over when their slots are reused)."""
+        if self.sharing is not None or self.schema is None or self.read_only:
+            return 0
+        if not isinstance(self._slots, SlotMap) or self._slots.is_identity:
+            return 0
+        slots = self._block_map
+        spare = SPARE_FACTOR * slots.blocks
+        if slots.capacity <= spare:
+            return 0  # the arrays never grew past the slots the ring reuses
+        unused = np.flatnonzero(~self._used_slots())
+        free = set(unused[unused >= spare].tolist())
+        emptied: set[int] = set()
+        with self.writing("deleting slots no record refers to"):
+            for key in self._leaves:
+                array = self.array(key)
+                if array.chunk_rows != slots.block_rows:
+                    continue
+                stale = sorted(array.stored_chunks() & free)
+                array.drop_chunks(stale)
+                emptied.update(stale)
+        return len(emptied)
+
+    def _free_slots(self, count: int) -> np.ndarray:
+        """``count`` slots that neither the last commit nor the writer's map refers to;
+        the arrays grow (their metadata only) when there are not enough."""
+        slots = self._block_map
+        free = np.flatnonzero(~self._used_slots())
         if free.size >= count:
             return free[:count]
         # Metadata only (chunks are made as they are written): room for a whole ring more,
@@ -1359,6 +1396,7 @@ class Store:
             self.meta = dataclasses.replace(self.meta, versions=versions)
         self._publish(commit, saved=saved)
         self._drop_unnamed_states()
+        self.collect()  # the slots the save it replaced kept
 
     @_serialized
     def drop_version(self, tag: str) -> None:
@@ -1370,6 +1408,7 @@ class Store:
         self.meta = dataclasses.replace(self.meta, versions=versions)
         self._publish(self.committed)
         self._drop_unnamed_states()
+        self.collect()
 
     def _drop_unnamed_states(self) -> None:
         """Delete the state groups of saves that no record names (dropped versions, a save

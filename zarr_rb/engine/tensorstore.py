@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -756,10 +756,42 @@ class RowArray:
                 kvstore.write(new[prefix:], found.value).result()
                 copied.append(new)
             else:  # (a stale part a crash brings back is never read: no row reaches it)
-                kvstore.delete_range(ts.KvStore.KeyRange(new[prefix:], new[prefix:] + "\x00"))
+                kvstore.delete_range(
+                    ts.KvStore.KeyRange(new[prefix:], new[prefix:] + "\x00")
+                ).result()
+                copied.append(new)  # its directory changed: made durable with the rest
         self._location.written(copied)
         if self._cache is not None:
             self._cache.invalidate([self.chunk_key(target, t) for t in self._tail_positions(None)])
+
+    def stored_chunks(self) -> set[int]:
+        """The write chunks (shards) along the rows that have an object in the store."""
+        prefix = len(self.path) + 1
+        out = set()
+        for key in self._location.list(self.path):
+            parts = key[prefix:].split(self._separator)
+            if not self._v2_keys:
+                if parts[0] != "c":
+                    continue  # the array's zarr.json
+                parts = parts[1:]
+            if parts and parts[0].isdigit():
+                out.add(int(parts[0]))
+        return out
+
+    def drop_chunks(self, chunks: Iterable[int]) -> None:
+        """Delete write chunks (shards) along the rows, every part of each: objects of
+        slots no record refers to any longer."""
+        kvstore = self._array.kvstore
+        assert kvstore is not None
+        prefix = len(self.path) + 1
+        tails = self._tail_positions(None)
+        keys = [self.chunk_key(chunk, tail) for chunk in chunks for tail in tails]
+        for key in keys:
+            announce("remove", self._location.path_of(key))
+            kvstore.delete_range(ts.KvStore.KeyRange(key[prefix:], key[prefix:] + "\x00")).result()
+        self._location.written(keys)  # their directories changed: durable at the next commit
+        if self._cache is not None:
+            self._cache.invalidate(keys)
 
     def grow_rows(self, rows: int) -> None:
         """Give the array at least ``rows`` rows (slots for copies of blocks): only its
