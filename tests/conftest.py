@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -13,6 +14,7 @@ from s3_server import S3Server, WeedNotFoundError, start_server, stop_server
 from tensordict import TensorDict, is_tensor_collection
 
 from zarr_rb import LazyColumn
+from zarr_rb._io import observe_io
 
 # The suite runs on small machines: keep torch from spawning a thread per core per test.
 torch.set_num_threads(1)
@@ -120,3 +122,31 @@ class PongRun:
 @pytest.fixture(scope="session")
 def pong(tmp_path_factory) -> PongRun:
     return PongRun(tmp_path_factory.mktemp("pong") / "pong.zarr")
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request, store_path):
+    """A store's URL and storage options: a directory, or an S3 prefix."""
+    if request.param == "local":
+        return str(store_path), None
+    return request.getfixturevalue("s3_url"), request.getfixturevalue("s3_options")
+
+
+class Crash(BaseException):
+    """The writer dies here (nothing on the way catches a BaseException)."""
+
+
+@contextlib.contextmanager
+def crash_at_row_write(at: int):
+    """Raise :class:`Crash` at the ``at``-th write of row data inside the block."""
+    writes = 0
+
+    def observe(kind: str, where: object) -> None:
+        nonlocal writes
+        if kind == "write" and "data" in str(where):
+            writes += 1
+            if writes == at:
+                raise Crash
+
+    with observe_io(observe):
+        yield

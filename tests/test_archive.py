@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Crash, crash_at_row_write
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -27,7 +28,6 @@ from torchrl.data import TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import Compression, NoHistoryError, ZarrStorage
-from zarr_rb._io import observe_io
 from zarr_rb.testing import forkserver_context, simulate_crash
 
 SPAWN = forkserver_context()
@@ -59,10 +59,6 @@ def history_of(path: Path) -> list[int]:
         return rows["step"].tolist()
     finally:
         reader.close()
-
-
-class _Crash(BaseException):
-    """The writer dies here."""
 
 
 class ArchiveMachine(RuleBasedStateMachine):
@@ -146,15 +142,7 @@ class ArchiveMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, ROWS), at=st.integers(1, 4))
     def crash_during_extend(self, n: int, at: int) -> None:
-        writes = []
-
-        def die(kind: str, where: object) -> None:
-            if kind == "write" and "data" in str(where):
-                writes.append(where)
-                if len(writes) == at:
-                    raise _Crash
-
-        with observe_io(die), contextlib.suppress(_Crash):
+        with crash_at_row_write(at), contextlib.suppress(Crash):
             self._extend(n)
         simulate_crash(self.rb.storage)
         self.rb = self._buffer(self._reopened(archive=False))
@@ -241,13 +229,6 @@ def test_reading_a_history_a_store_does_not_keep(tmp_path):
     rb.extend(steps(torch.arange(4, 9)))
     rb.storage.close()
     assert history_of(path) == [4, 5, 6, 7, 8]
-
-
-@pytest.fixture(params=["local", "s3"])
-def where(request, tmp_path):
-    if request.param == "local":
-        return str(tmp_path / "rb.zarr"), None
-    return request.getfixturevalue("s3_url"), request.getfixturevalue("s3_options")
 
 
 def test_independent_writers_and_one_killed_lose_no_committed_row_of_the_history(where):

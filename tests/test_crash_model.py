@@ -30,7 +30,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import assert_identical
+from conftest import Crash, assert_identical, crash_at_row_write
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -39,7 +39,6 @@ from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb._io import observe_io
 from zarr_rb.core import layout
 from zarr_rb.engine import tensorstore as tensorstore_engine
 from zarr_rb.errors import (
@@ -52,10 +51,6 @@ from zarr_rb.testing import simulate_crash
 
 ROWS = 20
 """Rows (along the first dimension) of the ring."""
-
-
-class _Crash(BaseException):
-    """The writer dies here."""
 
 
 def rows_of(versions: torch.Tensor, envs: int) -> TensorDict:
@@ -299,15 +294,7 @@ class CrashMachine(RuleBasedStateMachine):
         versions = torch.arange(self.version + 1, self.version + 1 + n)
         self.version += n
         start = self.cursor
-        writes = []
-
-        def die_at_a_row_write(kind: str, where: object) -> None:
-            if kind == "write" and "data" in str(where):
-                writes.append(where)
-                if len(writes) == at:
-                    raise _Crash
-
-        with observe_io(die_at_a_row_write), contextlib.suppress(_Crash):
+        with crash_at_row_write(at), contextlib.suppress(Crash):
             self.zarr.extend(rows_of(versions, self.envs))
         for i, version in enumerate(versions.tolist()):
             if self.versions[(start + i) % ROWS] is not None:

@@ -9,16 +9,12 @@ import textwrap
 
 import pytest
 import torch
+from conftest import Crash, crash_at_row_write
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb._io import observe_io
 from zarr_rb.testing import simulate_crash
-
-
-class Crash(BaseException):
-    """The process dies here."""
 
 
 def steps(start: int, stop: int) -> TensorDict:
@@ -96,15 +92,7 @@ def test_a_crash_while_rows_are_rewritten_leaves_every_row_whole(
     rb = TensorDictReplayBuffer(storage=ZarrStorage(32, path, compression=compression))
     rb.extend(steps(0, committed))
     rb.storage.flush()
-    writes = []
-
-    def crash_at_a_row_write(kind: str, where: object) -> None:
-        if kind == "write" and "data" in str(where):
-            writes.append(where)
-            if len(writes) == crash_at:
-                raise Crash
-
-    with observe_io(crash_at_a_row_write), pytest.raises(Crash):
+    with crash_at_row_write(crash_at), pytest.raises(Crash):
         rb.extend(steps(committed, committed + extended))
     simulate_crash(rb.storage)
     storage = ZarrStorage(path=path, compression=compression)

@@ -51,14 +51,6 @@ FRESH = mp.get_context("spawn")
 takes seconds to import torch)."""
 
 
-@pytest.fixture(params=["local", "s3"])
-def where(request, store_path):
-    """A store's URL and storage options: a directory, or an S3 prefix."""
-    if request.param == "local":
-        return str(store_path), None
-    return request.getfixturevalue("s3_url"), request.getfixturevalue("s3_options")
-
-
 def readable_rows(storage: ZarrStorage) -> torch.Tensor:
     storage.refresh()
     rows = np.setdiff1d(np.arange(len(storage)), storage._store.unreadable_rows())

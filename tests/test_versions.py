@@ -261,13 +261,6 @@ def stored_slots(url: str, options: dict | None) -> int:
         reader.close()
 
 
-@pytest.fixture(params=["local", "s3"])
-def where(request, tmp_path):
-    if request.param == "local":
-        return str(tmp_path / "rb.zarr"), None
-    return request.getfixturevalue("s3_url"), request.getfixturevalue("s3_options")
-
-
 def test_dropped_versions_give_their_slots_back_to_the_disk(where):
     """Ten versions of a ring written over between them hold ten rings' worth of slots;
     once dropped, the objects of the slots nothing refers to are deleted (past the spare
