@@ -437,17 +437,17 @@ class Store:
         committed = self._committed_slots()
         with self.writing("writing zeros into new keys"):
             futures = []
-            writes = []
+            row_sets = []
             for start, stop in _runs(on_disk, block_rows):
                 # In the block's slot, and in its committed one (when the writer moved it
                 # since): readers of the last commit read it there.
                 positions = np.arange(start, stop)
                 rows = np.union1d(self._slots.physical(positions), committed.physical(positions))
-                writes.append(rows)
+                row_sets.append(rows)
             history = self.committed.history
             if history is not None:  # an archive's rows read as zeros in the new keys too
-                writes.append(np.unique(history.physical(np.arange(history.end))))
-            for rows in writes:
+                row_sets.append(np.unique(history.physical(np.arange(history.end))))
+            for rows in row_sets:
                 for leaf in leaves:
                     if leaf.ragged:
                         continue  # its rows are empty (their lengths are zeros): nothing to read
@@ -1153,7 +1153,7 @@ class Store:
             assert self._buffer is not None
             pending = self._extended.pending()
             in_ram, _ = self._buffer.staged_rows(pending)
-            done = ~in_ram & _take(readable, pending)
+            done = ~in_ram & commit.readable(pending)
             waiting = pending[~done]
             history = self.committed.history or RunMap.empty()
             commit = dataclasses.replace(
@@ -1830,14 +1830,6 @@ class Store:
         """The directory of a local store, the URL of any other."""
         location = self.engine.location
         return location.root if isinstance(location, LocalLocation) else location.url
-
-
-def _take(mask: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """``mask[rows]``, rows past the mask unset."""
-    out = np.zeros(rows.size, dtype=bool)
-    inside = rows < mask.size
-    out[inside] = mask[rows[inside]]
-    return out
 
 
 def _first_unset(mask: np.ndarray, start: int, stop: int) -> int | None:

@@ -472,6 +472,11 @@ class Engine:
         return sum(max(0, n) for n in self.location.list().values())
 
 
+def _delete(kvstore: ts.KvStore, key: str) -> None:
+    """Delete one key of ``kvstore`` (missing: nothing to do), and wait until it is gone."""
+    kvstore.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result()
+
+
 def _group_metadata(attributes: Mapping[str, Any]) -> bytes:
     """The ``zarr.json`` of a group with these attributes."""
     document = {"zarr_format": 3, "node_type": "group", "attributes": dict(attributes)}
@@ -756,9 +761,7 @@ class RowArray:
                 kvstore.write(new[prefix:], found.value).result()
                 copied.append(new)
             else:  # (a stale part a crash brings back is never read: no row reaches it)
-                kvstore.delete_range(
-                    ts.KvStore.KeyRange(new[prefix:], new[prefix:] + "\x00")
-                ).result()
+                _delete(kvstore, new[prefix:])
                 copied.append(new)  # its directory changed: made durable with the rest
         self._location.written(copied)
         if self._cache is not None:
@@ -788,7 +791,7 @@ class RowArray:
         keys = [self.chunk_key(chunk, tail) for chunk in chunks for tail in tails]
         for key in keys:
             announce("remove", self._location.path_of(key))
-            kvstore.delete_range(ts.KvStore.KeyRange(key[prefix:], key[prefix:] + "\x00")).result()
+            _delete(kvstore, key[prefix:])
         self._location.written(keys)  # their directories changed: durable at the next commit
         if self._cache is not None:
             self._cache.invalidate(keys)
