@@ -381,6 +381,12 @@ class Ring:
 
     ``legacy``: the record of a store shared under format 2 (blocks taken in ring order),
     converted to runs by the first writer that joins it.
+
+    Where a writer that lost its hold may still write (a lease: see
+    ``WriterHold.late_writes``), slots it could be writing are never taken again:
+    ``retired`` are the open slots of writers taken for gone, and no slot below
+    ``fresh_from`` that no run refers to is taken (the slots a store of one writer had
+    when it became shared: that writer's, were it stalled).
     """
 
     capacity: int = 0
@@ -388,6 +394,8 @@ class Ring:
     takes: int = 0
     recent: tuple[int, ...] = ()
     legacy: bool = False
+    retired: tuple[int, ...] = ()
+    fresh_from: int = 0
 
     def slots_of(self, writer: str) -> list[int]:
         return [slot for who, slot in self.open if who == writer]
@@ -405,6 +413,8 @@ class Ring:
             "open": [[who, slot] for who, slot in self.open],
             "takes": self.takes,
             "recent": list(self.recent),
+            **({"retired": list(self.retired)} if self.retired else {}),
+            **({"fresh_from": self.fresh_from} if self.fresh_from else {}),
         }
 
 
@@ -715,11 +725,15 @@ def parse_ring(value: object, *, rows: int) -> Ring | None:
         opened.append((entry[0], _parse_int(entry[1], "open slot", hi=max(capacity - 1, 0))))
     _expect(len({slot for _, slot in opened}) == len(opened), "each slot open once", open_raw)
     recent = _parse_int_list(value.get("recent", []), "ring recent", max_len=RECENT_TAKES)
+    retired = _parse_int_list(value.get("retired", []), "ring retired", max_len=capacity)
+    _expect(all(slot < capacity for slot in retired), "retired slots inside the capacity", retired)
     return Ring(
         capacity=capacity,
         open=tuple(opened),
         takes=_parse_int(value.get("takes", 0), "ring takes"),
         recent=tuple(recent),
+        retired=retired,
+        fresh_from=_parse_int(value.get("fresh_from", 0), "ring fresh_from", hi=capacity),
     )
 
 

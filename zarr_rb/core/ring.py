@@ -27,6 +27,13 @@ SPARE_FACTOR = 2
 one for the rows a writer puts in its place before the next commit."""
 
 
+def max_slots(blocks: int) -> int:
+    """The most slots a record may name for ``blocks`` blocks (a larger one is damaged):
+    spare slots for kept saves, and on S3 the slots each writer that took the store over
+    reserved past those of the writers before it (which it never writes into)."""
+    return 64 * blocks + 2**24
+
+
 class SlotMap:
     """The slot of each block; ``capacity`` slots fit in the data arrays."""
 
@@ -135,7 +142,7 @@ def parse_slot_map(value: object, *, rows: int) -> SlotMap | None:
     if block_rows < 1 or capacity < 0:
         raise bad("slots with block_rows >= 1 and capacity >= 0")
     blocks = -(-rows // block_rows)
-    if capacity < blocks or capacity > 64 * blocks + 64 or not isinstance(runs, list):
+    if capacity < blocks or capacity > max_slots(blocks) or not isinstance(runs, list):
         raise bad(f"slots for {blocks} blocks, with a capacity of at least that many")
     slots = np.full(blocks, -1, dtype=np.int64)
     for run in runs:

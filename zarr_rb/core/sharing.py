@@ -33,6 +33,7 @@ See ``docs/design/ring.md``, "Step 2".
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
 import uuid
@@ -115,7 +116,7 @@ class Sharing:
         sharing = store.sharing = cls(store, writer)
         if store._ledger is not None:
             store._ledger.grow(store.rows)  # other writers' rows lie anywhere in the ring
-        meta = sharing.update(_to_runs)
+        meta = sharing.update(functools.partial(_to_runs, late_writes=store.late_writes))
         if meta.commit.ring is not None and store.schema is not None:
             store.ensure_capacity(meta.commit.ring.capacity)
         return sharing
@@ -316,7 +317,11 @@ class Sharing:
             assert ring is not None
             self._check_open(ring)
             opened = [(w, s) for w, s in ring.open if w == self.writer or self._is_alive(w)]
-            used = self._used_slots(meta, opened)
+            if self.store.late_writes:
+                # A writer taken for gone may be a stalled one whose writes land later.
+                gone = [s for w, s in ring.open if (w, s) not in opened]
+                ring = dataclasses.replace(ring, retired=(*ring.retired, *gone))
+            used = self._used_slots(meta, opened, ring)
             free = np.flatnonzero(~used)
             capacity = ring.capacity
             if free.size:
@@ -338,12 +343,13 @@ class Sharing:
         self.store.ensure_capacity(meta.commit.ring.capacity)
         self.slot, self.filled = chosen[0], 0
 
-    def _used_slots(self, meta: StoreMeta, opened: list[tuple[str, int]]) -> np.ndarray:
-        """The slots that a run of the record, an open slot or a kept save refers to."""
-        ring = meta.commit.ring
-        assert ring is not None
+    def _used_slots(self, meta: StoreMeta, opened: list[tuple[str, int]], ring: Ring) -> np.ndarray:
+        """The slots that a run of the record, an open slot or a kept save refers to, and
+        those ``ring`` keeps from late writes (retired ones, those below ``fresh_from``)."""
         runs = meta.commit.runs or RunMap.empty()
         used = runs.used_slots(self.block_rows, ring.capacity)
+        used[: ring.fresh_from] = True
+        used[list(ring.retired)] = True
         if meta.commit.history is not None:  # an archive keeps every row extended
             used |= meta.commit.history.used_slots(self.block_rows, ring.capacity)
         for _, slot in opened:
@@ -555,9 +561,10 @@ class RowsMovedError(Exception):
     """Rows a write to given positions read were written by another writer meanwhile."""
 
 
-def _to_runs(meta: StoreMeta) -> StoreMeta | None:
+def _to_runs(meta: StoreMeta, *, late_writes: bool) -> StoreMeta | None:
     """A store of one writer, or shared under format 2, as a shared store of format 3: its
-    readable positions mapped to the rows that hold them, the arrays' slots as capacity."""
+    readable positions mapped to the rows that hold them, the arrays' slots as capacity
+    (``late_writes``: none of them taken again, see :class:`Ring`)."""
     commit = meta.commit
     if commit.ring is not None and not commit.ring.legacy and commit.runs is not None:
         return None
@@ -569,8 +576,9 @@ def _to_runs(meta: StoreMeta) -> StoreMeta | None:
     blocks = -(-meta.schema.rows // block_rows)
     runs = _runs_of(commit)
     capacity = blocks if commit.slots is None else commit.slots.capacity
+    ring = Ring(capacity=capacity, fresh_from=capacity if late_writes else 0)
     commit = dataclasses.replace(
-        commit, ring=Ring(capacity=capacity), runs=runs, slots=None, holes=runs.holes(commit.length)
+        commit, ring=ring, runs=runs, slots=None, holes=runs.holes(commit.length)
     )
     return dataclasses.replace(meta, commit=commit, format=FORMAT_VERSION)
 

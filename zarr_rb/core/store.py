@@ -191,6 +191,12 @@ class Store:
         the next commit moves the epoch."""
         self.pinned: Saved | None = None
         """A reader's save whose rows it reads (a loaded save), until :meth:`refresh`."""
+        self._own_from: int | None = None
+        """The first slot this writer reserved for itself, when a writer that held the
+        store before it may still write (a lease it lost while it stalled: see
+        ``WriterHold.late_writes``): slots below it are that writer's, so this one moves
+        the blocks it writes out of them. ``None``: not fixed yet (the capacity of the
+        commit this writer first writes after)."""
         if meta.schema is not None:
             self._attach_schema(meta.schema, meta.block_rows or 1)
 
@@ -846,9 +852,11 @@ class Store:
             pinned |= history.used_slots(block_rows, block_map.capacity)[slots]
         committed = np.isin(slots, self._committed_slots().slots)
         has_live = np.isin(touched_blocks, np.flatnonzero(live) // block_rows)
-        move = pinned | (committed & has_live)
+        # A slot another writer may still write (one that held the store before): moved.
+        foreign = slots < self._first_own_slot()
+        move = pinned | (committed & has_live) | foreign
         in_place = ledger.mask()
-        for block in touched_blocks[has_live & ~pinned & ~committed].tolist():
+        for block in touched_blocks[has_live & ~pinned & ~committed & ~foreign].tolist():
             in_place[block * block_rows : (block + 1) * block_rows] = True
         in_place &= live
         blocks = touched_blocks[move]
@@ -918,7 +926,8 @@ class Store:
         if slots.capacity <= spare:
             return 0  # the arrays never grew past the slots the ring reuses
         unused = np.flatnonzero(~self._used_slots())
-        free = set(unused[unused >= spare].tolist())
+        # (Slots below this writer's own are never written again: they go too.)
+        free = set(unused[(unused >= spare) | (unused < self._first_own_slot())].tolist())
         emptied: set[int] = set()
         with self.writing("deleting slots no record refers to"):
             for key in self._leaves:
@@ -930,11 +939,33 @@ class Store:
                 emptied.update(stale)
         return len(emptied)
 
+    @property
+    def late_writes(self) -> bool:
+        """Whether this writer holds the store by a hold that a stalled holder may outlive
+        (a lease): slots another writer may be writing are then never written."""
+        return self._lock is not None and self._lock.late_writes
+
+    @property
+    def _late_writes(self) -> bool:
+        """A single writer whose slots are reserved in the record before it writes."""
+        return self.late_writes and self.sharing is None
+
+    def _first_own_slot(self) -> int:
+        """The first slot this writer may write into: 0 unless a writer that held the
+        store before it may still write (see ``_own_from``)."""
+        if not self._late_writes:
+            return 0
+        if self._own_from is None:
+            self._own_from = self._committed_slots().capacity
+        return self._own_from
+
     def _free_slots(self, count: int) -> np.ndarray:
-        """``count`` slots that neither the last commit nor the writer's map refers to;
-        the arrays grow (their metadata only) when there are not enough."""
+        """``count`` slots of this writer that neither the last commit nor the writer's
+        map refers to; the arrays grow (their metadata only) when there are not enough."""
         slots = self._block_map
+        own = self._first_own_slot()
         free = np.flatnonzero(~self._used_slots())
+        free = free[free >= own]
         if free.size >= count:
             return free[:count]
         # Metadata only (chunks are made as they are written): room for a whole ring more,
@@ -949,6 +980,12 @@ class Store:
             for key in self._leaves:
                 self.array(key).grow_rows(capacity * slots.block_rows)
         self._slots = slots.with_capacity(capacity)
+        if self._late_writes:
+            # Reserved before anything is written there: a writer that took the store over
+            # from this one takes its slots past these (and this one's late writes, were
+            # it stalled, land in slots no one else writes).
+            reserved = self._committed_slots().with_capacity(capacity)
+            self._publish(dataclasses.replace(self.committed, slots=reserved))
         return self._free_slots(count)
 
     def _write_rows(self, writes: Sequence[Write], *, physical: bool = False) -> None:
@@ -1356,6 +1393,7 @@ class Store:
                 "space or fix the disk, then write again",
             ) from None
         self._create = None
+        self._own_from = 0  # made by this writer: no other ever wrote into it
         try:
             self.publish_meta()
             with self.writing("creating the data group"):

@@ -103,6 +103,9 @@ class Engine:
     def __init__(self, location: Location) -> None:
         self.location = location
         self._root_generation: Generation | None = None
+        self._writer: dict[str, Any] | None = None
+        """The writer that claimed the store (:meth:`claim`): named in every record it
+        publishes, so that no two writers ever publish the same bytes."""
         self.cache: EncodedCache | None = None
         """Encoded objects in RAM that arrays are read from (remote locations)."""
         if location.cache_bytes > 0:
@@ -181,6 +184,8 @@ class Engine:
         record changed since this engine last read or wrote it (the writers of a shared
         store then read it again, merge and retry)."""
         self.location.sync()
+        if self._writer is not None:
+            attributes = {**attributes, WRITER_KEY: self._writer}
         payload = _group_metadata(attributes)
         if self._root_generation is None:
             self.read_root_metadata()
@@ -202,13 +207,17 @@ class Engine:
     def claim(self, writer: Mapping[str, Any]) -> None:
         """Rewrite the commit record as it is, naming ``writer`` (a compare-and-swap on the
         record read now, under the new writer's hold): a writer that held the store before
-        and stalled can then no longer commit, even if it passed its last lease check."""
+        and stalled can then no longer commit, even if it passed its last lease check.
+
+        Every later record of this writer names it too: a record it publishes is then
+        never byte for byte one that another writer published (were it, a refused commit
+        would pass for its own retried request that landed, see
+        :meth:`try_write_root_attributes`)."""
+        self._writer = dict(writer)
         document = self.read_root_metadata(adopt=True)
         if document is None:
             return
-        attributes = dict(document.get("attributes") or {})
-        attributes[WRITER_KEY] = dict(writer)
-        self.write_root_attributes(attributes)
+        self.write_root_attributes(dict(document.get("attributes") or {}))
 
     def remove_tree(self, path: str) -> None:
         """Delete a group and everything under it (only the store's writer calls this, and

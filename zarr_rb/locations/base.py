@@ -80,6 +80,11 @@ class WriterHold(Protocol):
     """Whether the new holder must also claim the commit record (a lease, which another
     writer may have held until a moment ago and still believe it holds); a kernel lock
     keeps every other writer out by itself."""
+    late_writes: bool
+    """Whether a holder that lost its hold may still change objects: a lease (a process
+    that stalled past it goes on, and requests it sent land late); a kernel lock is held
+    until its process is gone. Slots such a holder could be writing are never given to
+    another writer (see ``docs/design/ring.md``, "S3 and fencing")."""
 
     @property
     def held(self) -> bool: ...

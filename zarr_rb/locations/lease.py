@@ -49,6 +49,7 @@ class Lease:
     """The writer lease of one store, held from :meth:`acquire` until :meth:`release`."""
 
     needs_claim = True
+    late_writes = True
 
     def __init__(
         self,

@@ -37,6 +37,7 @@ class WriterLock:
     """The writer lock of one store, held from :meth:`acquire` until :meth:`release`."""
 
     needs_claim = False
+    late_writes = False
 
     def __init__(self, path: Path, fd: int, holder: dict[str, Any]) -> None:
         self.path = path
@@ -102,6 +103,7 @@ class SharedLock:
     file's lock taken exclusively (see the module's docstring)."""
 
     needs_claim = False
+    late_writes = False
 
     def __init__(self, shared: WriterLock, own: WriterLock) -> None:
         self._shared = shared
