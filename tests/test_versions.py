@@ -287,3 +287,47 @@ def test_dropped_versions_give_their_slots_back_to_the_disk(where):
     extend((rb, twin), 1000, 1000 + 3 * CAPACITY)
     assert_identical(rows(rb), rows(twin))
     rb.storage.close()
+
+
+def test_a_writer_collects_what_each_drop_frees_without_listing_the_store(tmp_path, monkeypatch):
+    """Versions dropped while the writer goes on free the slots they kept: each drop
+    deletes them, and finds them without listing the arrays' objects (a listing costs
+    the store's size): a writer lists them once at most, none for a store it made."""
+    from zarr_rb.engine.tensorstore import RowArray
+
+    listings = []
+    stored_chunks = RowArray.stored_chunks
+
+    def counted(self: RowArray) -> set[int]:
+        listings.append(self.path)
+        return stored_chunks(self)
+
+    monkeypatch.setattr(RowArray, "stored_chunks", counted)
+    url = str(tmp_path / "rb.zarr")
+    blocks = CAPACITY // 8
+
+    def turns(rb: TensorDictReplayBuffer, start: int) -> None:
+        """Six versions, a turn of the ring apart, then all dropped."""
+        for turn in range(6):
+            extend((rb, twin), start + CAPACITY * turn, start + CAPACITY * (turn + 1))
+            zarr_rb.save(rb, tag=f"t{start}-{turn}")
+        held = len(listings), stored_slots(url, None)
+        del listings[held[0] :]
+        assert held[1] >= 6 * blocks
+        for turn in range(6):
+            zarr_rb.drop_version(url, f"t{start}-{turn}")
+
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(CAPACITY, url, compression=LAYOUT))
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
+    turns(rb, 0)
+    assert not listings  # a store this writer made: it knows which slots it wrote
+    assert stored_slots(url, None) <= 3 * blocks  # the ring, the spare slots
+    listings.clear()
+    assert_identical(rows(rb), rows(twin))
+    rb.storage.close()
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(path=url))
+    turns(rb, 1000)
+    assert 0 < len(listings) == len(set(listings))  # reopened: listed by the first drop
+    assert stored_slots(url, None) <= 3 * blocks
+    assert_identical(rows(rb), rows(twin))
+    rb.storage.close()

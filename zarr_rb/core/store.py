@@ -191,6 +191,9 @@ class Store:
         the next commit moves the epoch."""
         self.pinned: Saved | None = None
         """A reader's save whose rows it reads (a loaded save), until :meth:`refresh`."""
+        self._known_empty: np.ndarray | None = None
+        """Slots that held no object when :meth:`collect` last ran and were not handed
+        out since (``None``: not known; the next collection lists the arrays)."""
         self._own_from: int | None = None
         """The first slot this writer reserved for itself, when a writer that held the
         store before it may still write (a lease it lost while it stalled: see
@@ -911,12 +914,16 @@ class Store:
         """Delete the objects of slots that nothing refers to, past the first
         ``SPARE_FACTOR`` rings' worth (those the ring takes first when it moves blocks),
         so that the disk kept saves held is given back once they are replaced or dropped.
-        Returns how many slots it emptied.
+        Returns how many slots it emptied (or found empty).
 
         Only after a commit that refers to none of them: a reader of an earlier record
         that meets a deleted object reads again through the last record (the seqlock).
         Arrays whose shards hold more than one block keep them (their rows are written
-        over when their slots are reused)."""
+        over when their slots are reused).
+
+        Its cost follows the slots freed since it last ran, not the store's size: the
+        first collection of a writer lists the arrays' objects, later ones delete the
+        slots that became free since (a save replaced, a version dropped)."""
         if self.sharing is not None or self.schema is None or self.read_only:
             return 0
         if not isinstance(self._slots, SlotMap) or self._slots.is_identity:
@@ -925,18 +932,28 @@ class Store:
         spare = SPARE_FACTOR * slots.blocks
         if slots.capacity <= spare:
             return 0  # the arrays never grew past the slots the ring reuses
-        unused = np.flatnonzero(~self._used_slots())
+        index = np.arange(slots.capacity)
         # (Slots below this writer's own are never written again: they go too.)
-        free = set(unused[(unused >= spare) | (unused < self._first_own_slot())].tolist())
+        eligible = ~self._used_slots() & ((index >= spare) | (index < self._first_own_slot()))
+        known = self._known_empty
+        if known is not None:
+            known = np.concatenate([known, np.zeros(max(0, index.size - known.size), bool)])
+            free = np.flatnonzero(eligible & ~known[: index.size]).tolist()
+            if not free:
+                return 0
+        whole = [key for key in self._leaves if self.array(key).chunk_rows == slots.block_rows]
         emptied: set[int] = set()
         with self.writing("deleting slots no record refers to"):
-            for key in self._leaves:
+            for key in whole:
                 array = self.array(key)
-                if array.chunk_rows != slots.block_rows:
-                    continue
-                stale = sorted(array.stored_chunks() & free)
+                stale = (
+                    free
+                    if known is not None
+                    else sorted(array.stored_chunks() & set(np.flatnonzero(eligible).tolist()))
+                )
                 array.drop_chunks(stale)
                 emptied.update(stale)
+        self._known_empty = eligible
         return len(emptied)
 
     @property
@@ -967,6 +984,8 @@ class Store:
         free = np.flatnonzero(~self._used_slots())
         free = free[free >= own]
         if free.size >= count:
+            if self._known_empty is not None:  # written from now on
+                self._known_empty[free[:count][free[:count] < self._known_empty.size]] = False
             return free[:count]
         # Metadata only (chunks are made as they are written): room for a whole ring more,
         # so that kept saves do not make every write grow the arrays.
@@ -980,6 +999,15 @@ class Store:
             for key in self._leaves:
                 self.array(key).grow_rows(capacity * slots.block_rows)
         self._slots = slots.with_capacity(capacity)
+        known = self._known_empty
+        if known is not None:  # slots up to the old capacity may hold objects, new ones not
+            self._known_empty = np.concatenate(
+                [
+                    known,
+                    np.zeros(slots.capacity - known.size, bool),
+                    np.ones(capacity - slots.capacity, bool),
+                ]
+            )
         if self._late_writes:
             # Reserved before anything is written there: a writer that took the store over
             # from this one takes its slots past these (and this one's late writes, were
@@ -1394,6 +1422,7 @@ class Store:
             ) from None
         self._create = None
         self._own_from = 0  # made by this writer: no other ever wrote into it
+        self._known_empty = np.zeros(0, bool)  # nor left objects in slots it adds
         try:
             self.publish_meta()
             with self.writing("creating the data group"):
