@@ -984,9 +984,18 @@ class Store:
         free = np.flatnonzero(~self._used_slots())
         free = free[free >= own]
         if free.size >= count:
+            chosen = free[:count]
             if self._known_empty is not None:  # written from now on
-                self._known_empty[free[:count][free[:count] < self._known_empty.size]] = False
-            return free[:count]
+                self._known_empty[chosen[chosen < self._known_empty.size]] = False
+            reserved = self._committed_slots()
+            if self._late_writes and chosen.size and int(chosen.max()) >= reserved.capacity:
+                # Reserved before anything is written there (also when the arrays grew for
+                # them before and that reservation failed): a writer that took the store
+                # over from this one takes its slots past these (and this one's late
+                # writes, were it stalled, land in slots no one else writes).
+                reserved = reserved.with_capacity(slots.capacity)
+                self._publish(dataclasses.replace(self.committed, slots=reserved))
+            return chosen
         # Metadata only (chunks are made as they are written): room for a whole ring more,
         # so that kept saves do not make every write grow the arrays.
         capacity = max(SPARE_FACTOR * slots.blocks, slots.capacity + max(count, slots.blocks))
@@ -1008,13 +1017,7 @@ class Store:
                     np.ones(capacity - slots.capacity, bool),
                 ]
             )
-        if self._late_writes:
-            # Reserved before anything is written there: a writer that took the store over
-            # from this one takes its slots past these (and this one's late writes, were
-            # it stalled, land in slots no one else writes).
-            reserved = self._committed_slots().with_capacity(capacity)
-            self._publish(dataclasses.replace(self.committed, slots=reserved))
-        return self._free_slots(count)
+        return self._free_slots(count)  # reserved there
 
     def _write_rows(self, writes: Sequence[Write], *, physical: bool = False) -> None:
         """Write rows to the slots the writer's map gives their blocks (``physical``: the

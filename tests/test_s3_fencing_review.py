@@ -1,0 +1,275 @@
+"""More ways a writer that stalled past its lease on S3 could reach what another writer
+committed with writes that land late (tests/test_s3_fencing.py has the ones the slot
+reservations cover), and the bounds of those reservations: the objects and the slots that
+writers opening a store on S3 again and again leave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+
+import pytest
+import torch
+from conftest import assert_identical
+from tensordict import TensorDict
+from test_s3 import batch, run_python
+from test_s3_fencing import BLOCK_ROWS, CAPACITY, late_write_rows, rows_of, stall
+from torchrl.data import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
+
+import zarr_rb
+import zarr_rb.api
+from zarr_rb import Compression, ZarrStorage
+from zarr_rb.core.ring import SPARE_FACTOR, max_slots
+from zarr_rb.errors import FencedError, StoreWriteError, ZarrRBError
+
+WAIT_FOR_LEASE = """
+import time
+from zarr_rb import Compression, ZarrStorage
+from zarr_rb.errors import LockedError
+from test_s3 import batch
+
+def open_when_free(**kwargs):
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return ZarrStorage(**kwargs)
+        except LockedError:
+            assert time.monotonic() < deadline, "the stalled writer's lease never expired"
+            time.sleep(0.05)
+"""
+
+
+def in_child(code: str) -> None:
+    """Another process ("machine") runs ``code`` once the stalled writer's lease expired."""
+    child = run_python(WAIT_FOR_LEASE + textwrap.dedent(code))
+    assert child.returncode == 0, child.stderr[-3000:]
+
+
+def new_writer(url: str, options: dict) -> tuple[ZarrStorage, TensorDictReplayBuffer]:
+    storage = ZarrStorage(
+        CAPACITY, url, storage_options=options, compression=Compression(block_rows=BLOCK_ROWS)
+    )
+    return storage, TensorDictReplayBuffer(storage=storage)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="mode='w' starts a new record whose slots start at one ring: the slots past it "
+    "that the stalled writer reserved are given to the new writer",
+)
+def test_a_writer_starting_over_with_mode_w_never_takes_the_stalled_writers_slots(
+    s3_url, s3_options
+):
+    """A store emptied and made again (mode='w') by the writer that took over: the slots
+    the stalled writer reserved stay out of the new writer's reach all the same."""
+    options = {**s3_options, "lease_seconds": 1.0}
+    storage, rb = new_writer(s3_url, options)
+    rb.extend(batch(0, CAPACITY))
+    storage.flush()
+    committed: list[TensorDict] = []
+
+    def start_over() -> None:
+        in_child(
+            f"""
+            storage = open_when_free(max_size={CAPACITY}, path={s3_url!r}, mode="w",
+                                     storage_options={options!r},
+                                     compression=Compression(block_rows={BLOCK_ROWS}))
+            from torchrl.data import TensorDictReplayBuffer
+            TensorDictReplayBuffer(storage=storage).extend(batch(500, 10))
+            storage.close()
+            """
+        )
+        committed.append(rows_of(s3_url, s3_options))
+
+    # The ring comes around: block 0 moves to a slot the writer reserved past the ring.
+    late_write_rows(storage, then=start_over)
+    try:
+        with pytest.raises(FencedError):  # noqa: PT012
+            rb.extend(batch(1000, 10))
+            storage.flush()
+        assert_identical(committed[0], batch(500, 10))
+        assert_identical(rows_of(s3_url, s3_options), committed[0])
+    finally:
+        storage._store.abandon()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="saves write their state into state/<lowest number no record names>: the writer "
+    "that took over picks the number the stalled writer was saving into",
+)
+def test_a_stalled_writers_late_state_writes_never_reach_the_new_writers_save(
+    s3_url, s3_options, monkeypatch
+):
+    """The stalled writer was saving: its state writes land late, or go on when it wakes
+    (nothing checks its lease between them); the writer that took over saves too: its
+    save loads as it made it."""
+    options = {**s3_options, "lease_seconds": 1.0}
+    storage = ZarrStorage(
+        CAPACITY, s3_url, storage_options=options, compression=Compression(block_rows=BLOCK_ROWS)
+    )
+    rb = TensorDictPrioritizedReplayBuffer(alpha=1.0, beta=1.0, storage=storage)
+    rb.extend(batch(0, 20))
+    zarr_rb.save(rb, progress=False)
+    save_buffer = zarr_rb.api.save_buffer
+
+    def stalled_save(*args, **kwargs):
+        monkeypatch.setattr(zarr_rb.api, "save_buffer", save_buffer)
+        stall(storage)
+        in_child(
+            f"""
+            import torch
+            import zarr_rb
+            from torchrl.data import TensorDictPrioritizedReplayBuffer
+            storage = open_when_free(path={s3_url!r}, storage_options={options!r})
+            rb = TensorDictPrioritizedReplayBuffer(alpha=1.0, beta=1.0, storage=storage)
+            rb.extend(batch(500, 10))
+            rb.update_priority(torch.arange(len(rb)), torch.full((len(rb),), 7.0))
+            zarr_rb.save(rb, progress=False)
+            storage.close()
+            """
+        )
+        return save_buffer(*args, **kwargs)  # its PUTs land now
+
+    monkeypatch.setattr(zarr_rb.api, "save_buffer", stalled_save)
+    rb.update_priority(torch.arange(len(rb)), torch.full((len(rb),), 3.0))
+    try:
+        with pytest.raises(FencedError):
+            zarr_rb.save(rb, progress=False)
+        loaded = zarr_rb.load(s3_url, storage_options=s3_options, read_only=True, progress=False)
+        try:
+            assert len(loaded) == 30
+            tree = loaded.sampler._sum_tree
+            assert [tree[i] for i in range(30)] == [7.0] * 30
+        finally:
+            loaded.storage.close()
+    finally:
+        storage._store.abandon()
+
+
+def stored_slots(url: str, options: dict) -> int:
+    reader = ZarrStorage(path=url, read_only=True, storage_options=options)
+    try:
+        return len(reader._store.array(("obs",)).stored_chunks())
+    finally:
+        reader.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="each writer that opens a store on S3 moves every block it writes past the slots "
+    "of the record it opened at; the objects of the slots it left are deleted only by a save",
+)
+def test_reopening_a_store_on_s3_to_write_keeps_its_objects_bounded(s3_url, s3_options):
+    """A writer opened, a ring written, closed, again and again (a collector that runs now
+    and then): the store keeps no more objects than a store on a disk does (the rows a
+    record refers to and the spare slots the ring reuses), without a save."""
+    for run in range(4):
+        storage, rb = new_writer(s3_url, s3_options)
+        rb.extend(batch(run * CAPACITY, CAPACITY))
+        storage.close()
+    assert_identical(rows_of(s3_url, s3_options), batch(3 * CAPACITY, CAPACITY))
+    blocks = CAPACITY // BLOCK_ROWS
+    assert stored_slots(s3_url, s3_options) <= SPARE_FACTOR * blocks
+
+
+def with_slots(url: str, options: dict, capacity: int) -> None:
+    """A store of one writer holding a ring, whose record names ``capacity`` slots: as
+    after many writers opened it on S3 (each reserves its own slots past the last one's),
+    made here at once."""
+    storage, rb = new_writer(url, options)
+    rb.extend(batch(0, CAPACITY))
+    storage.flush()
+    store = storage._store
+    for key in store._leaves:
+        store.array(key).grow_rows(capacity * BLOCK_ROWS)
+    store._slots = store._block_map.with_capacity(capacity)
+    store._publish(dataclasses.replace(store.committed, slots=store._slots.copy()))
+    storage.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="nothing bounds the slots a writer reserves: past ring.max_slots it publishes a "
+    "record that every reader, and the next writer, refuses as damaged",
+)
+def test_a_writer_never_publishes_more_slots_than_a_record_may_name(s3_url, s3_options):
+    """A store whose writers reopened it so often that its record names as many slots as a
+    record may (each writer that opens it on S3 reserves its own past the last one's: about
+    2**24 / blocks reopens; made here at once): the next writer's rows are refused with a
+    typed error, or written, but the store stays readable."""
+    with_slots(s3_url, s3_options, max_slots(CAPACITY // BLOCK_ROWS))
+    storage, rb = new_writer(s3_url, s3_options)
+    try:
+        rb.extend(batch(CAPACITY, 10))
+        storage.flush()
+    except ZarrRBError:
+        storage._store.abandon()
+    else:
+        storage.close()
+    rows = rows_of(s3_url, s3_options)  # the record parses
+    assert_identical(rows[10:], batch(10, CAPACITY - 10))
+
+
+def test_slots_whose_reservation_failed_to_publish_are_reserved_before_they_are_written(
+    s3_url, s3_options
+):
+    """The commit reserving the slots the writer grew the arrays for failed (a request to
+    S3 failed); the write is retried by the next flush, which stalls with its PUTs on the
+    wire: the slots it writes were reserved all the same, so the writer that took over
+    takes others."""
+    options = {**s3_options, "lease_seconds": 1.0}
+    storage, rb = new_writer(s3_url, options)
+    rb.extend(batch(0, CAPACITY))
+    storage.flush()
+    engine = storage._store.engine
+    write_root_attributes = engine.write_root_attributes
+
+    def failing(attributes):
+        engine.write_root_attributes = write_root_attributes
+        raise OSError("the request timed out")
+
+    engine.write_root_attributes = failing
+    with pytest.raises(StoreWriteError):  # noqa: PT012
+        rb.extend(batch(1000, 10))  # block 0 moves: the arrays grow, the reservation fails
+        storage.flush()
+    committed: list[TensorDict] = []
+
+    def take_over() -> None:
+        in_child(
+            f"""
+            from torchrl.data import TensorDictReplayBuffer
+            storage = open_when_free(path={s3_url!r}, storage_options={options!r})
+            TensorDictReplayBuffer(storage=storage).extend(batch(500, 10))
+            storage.close()
+            """
+        )
+        committed.append(rows_of(s3_url, s3_options))
+
+    late_write_rows(storage, then=take_over)
+    try:
+        with pytest.raises(FencedError):
+            storage.flush()  # the rows kept for a retry
+        assert_identical(committed[0][:10], batch(500, 10))
+        assert_identical(rows_of(s3_url, s3_options), committed[0])
+    finally:
+        storage._store.abandon()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a record of one writer may name up to ring.max_slots slots, a shared record "
+    "fewer: shared writers joining such a store publish a record that readers refuse",
+)
+def test_shared_writers_joining_a_store_of_many_slots_leave_it_readable(s3_url, s3_options):
+    """A store of one writer whose record names as many slots as such a record may, joined
+    by a shared writer: the record it publishes (the store as runs) reads back."""
+    with_slots(s3_url, s3_options, max_slots(CAPACITY // BLOCK_ROWS))
+    try:
+        storage = ZarrStorage(path=s3_url, storage_options=s3_options, shared=True)
+    except ZarrRBError:
+        pass  # refused, with a typed error
+    else:
+        storage.close()
+    assert_identical(rows_of(s3_url, s3_options), batch(0, CAPACITY))
