@@ -53,19 +53,20 @@ def new_writer(url: str, options: dict) -> tuple[ZarrStorage, TensorDictReplayBu
     return storage, TensorDictReplayBuffer(storage=storage)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mode='w' starts a new record whose slots start at one ring: the slots past it "
-    "that the stalled writer reserved are given to the new writer",
+@pytest.mark.parametrize(
+    ("filled", "stalled_rows"),
+    [(BLOCK_ROWS, BLOCK_ROWS), (CAPACITY, 10)],
+    ids=["a whole block written in its slot", "the ring coming around"],
 )
 def test_a_writer_starting_over_with_mode_w_never_takes_the_stalled_writers_slots(
-    s3_url, s3_options
+    s3_url, s3_options, filled, stalled_rows
 ):
     """A store emptied and made again (mode='w') by the writer that took over: the slots
-    the stalled writer reserved stay out of the new writer's reach all the same."""
+    the stalled writer reserved or wrote in stay out of the new writer's reach all the
+    same (their keys are the same in the new arrays)."""
     options = {**s3_options, "lease_seconds": 1.0}
     storage, rb = new_writer(s3_url, options)
-    rb.extend(batch(0, CAPACITY))
+    rb.extend(batch(0, filled))
     storage.flush()
     committed: list[TensorDict] = []
 
@@ -76,29 +77,23 @@ def test_a_writer_starting_over_with_mode_w_never_takes_the_stalled_writers_slot
                                      storage_options={options!r},
                                      compression=Compression(block_rows={BLOCK_ROWS}))
             from torchrl.data import TensorDictReplayBuffer
-            TensorDictReplayBuffer(storage=storage).extend(batch(500, 10))
+            TensorDictReplayBuffer(storage=storage).extend(batch(500, {2 * BLOCK_ROWS}))
             storage.close()
             """
         )
         committed.append(rows_of(s3_url, s3_options))
 
-    # The ring comes around: block 0 moves to a slot the writer reserved past the ring.
     late_write_rows(storage, then=start_over)
     try:
         with pytest.raises(FencedError):  # noqa: PT012
-            rb.extend(batch(1000, 10))
+            rb.extend(batch(1000, stalled_rows))
             storage.flush()
-        assert_identical(committed[0], batch(500, 10))
+        assert_identical(committed[0], batch(500, 2 * BLOCK_ROWS))
         assert_identical(rows_of(s3_url, s3_options), committed[0])
     finally:
         storage._store.abandon()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="saves write their state into state/<lowest number no record names>: the writer "
-    "that took over picks the number the stalled writer was saving into",
-)
 def test_a_stalled_writers_late_state_writes_never_reach_the_new_writers_save(
     s3_url, s3_options, monkeypatch
 ):
@@ -156,11 +151,6 @@ def stored_slots(url: str, options: dict) -> int:
         reader.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="each writer that opens a store on S3 moves every block it writes past the slots "
-    "of the record it opened at; the objects of the slots it left are deleted only by a save",
-)
 def test_reopening_a_store_on_s3_to_write_keeps_its_objects_bounded(s3_url, s3_options):
     """A writer opened, a ring written, closed, again and again (a collector that runs now
     and then): the store keeps no more objects than a store on a disk does (the rows a
@@ -189,11 +179,6 @@ def with_slots(url: str, options: dict, capacity: int) -> None:
     storage.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nothing bounds the slots a writer reserves: past ring.max_slots it publishes a "
-    "record that every reader, and the next writer, refuses as damaged",
-)
 def test_a_writer_never_publishes_more_slots_than_a_record_may_name(s3_url, s3_options):
     """A store whose writers reopened it so often that its record names as many slots as a
     record may (each writer that opens it on S3 reserves its own past the last one's: about
@@ -257,11 +242,6 @@ def test_slots_whose_reservation_failed_to_publish_are_reserved_before_they_are_
         storage._store.abandon()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a record of one writer may name up to ring.max_slots slots, a shared record "
-    "fewer: shared writers joining such a store publish a record that readers refuse",
-)
 def test_shared_writers_joining_a_store_of_many_slots_leave_it_readable(s3_url, s3_options):
     """A store of one writer whose record names as many slots as such a record may, joined
     by a shared writer: the record it publishes (the store as runs) reads back."""

@@ -35,6 +35,7 @@ __all__ = [
     "SaveOverwrittenError",
     "SchemaMismatchError",
     "ServerBusyError",
+    "SlotsExhaustedError",
     "StateChangedError",
     "StoreCorruptedError",
     "StoreExistsError",
@@ -252,6 +253,12 @@ class NoHistoryError(ZarrRBError, LookupError):
 
 class VersionExistsError(ZarrRBError, FileExistsError):
     """A save tagged with a name that a kept version of the store has already."""
+
+
+class SlotsExhaustedError(ZarrRBError, OSError):
+    """A store's record names as many slots as a record may (on S3, each writer that
+    takes a store over reserves slots of its own past those before it): nothing more is
+    written there. The message says how to go on in a new store."""
 
 
 class LiveBufferError(ZarrRBError, RuntimeError):

@@ -701,6 +701,13 @@ def parse_history(value: object) -> RunMap | None:
 _WRITER_ID = re.compile(r"[0-9a-f]{8,64}")
 
 
+def max_ring_capacity(rows: int) -> int:
+    """The most slots a shared store's record may name for ``rows`` positions (a larger
+    one is damaged): as many as a record of one writer may (``ring.max_slots``: a store
+    that becomes shared keeps its slots), or more."""
+    return 64 * rows + 2**24
+
+
 def parse_ring(value: object, *, rows: int) -> Ring | None:
     if value is None:
         return None
@@ -711,7 +718,7 @@ def parse_ring(value: object, *, rows: int) -> Ring | None:
     open_raw = value.get("open")
     _expect(isinstance(open_raw, list) and len(open_raw) <= rows, "ring open list", open_raw)
     assert isinstance(open_raw, list)
-    capacity = _parse_int(value.get("capacity"), "ring capacity", hi=64 * rows + 2**20)
+    capacity = _parse_int(value.get("capacity"), "ring capacity", hi=max_ring_capacity(rows))
     opened = []
     for entry in open_raw:
         _expect(

@@ -364,8 +364,26 @@ def _open_locked(
         max_size = old.max_size if max_size is None else max_size
         ndim = old.ndim if ndim is None else ndim
         generation = old.commit.generation + 1
+        if lock.late_writes:
+            # The writer it replaces may have stalled with writes under way: its slots of
+            # the old arrays are the same keys in the new ones.
+            store = _create(engine, lock, max_size, ndim or 1, compression, generation, document)
+            store.write_past(_slots_of(old))
+            return store
     assert max_size is not None
     return _create(engine, lock, max_size, ndim or 1, compression, generation, document)
+
+
+def _slots_of(meta: StoreMeta) -> int:
+    """The slots a store's arrays have, as its record names them."""
+    commit = meta.commit
+    if commit.slots is not None:
+        return commit.slots.capacity
+    if commit.ring is not None and commit.ring.capacity:
+        return commit.ring.capacity
+    if meta.schema is None:
+        return 0
+    return -(-meta.schema.rows // (meta.block_rows or 1))
 
 
 def _create(
@@ -380,7 +398,11 @@ def _create(
     """A new, empty store (``previous``: the root record of the store it replaces)."""
     compression = compression or Compression()
     meta = _empty(max_size, ndim, compression, Commit(generation=generation))
+    if lock.needs_claim:
+        engine.claim(lock.holder)  # (its records name it, as any writer's on a lease)
     store = Store(engine, meta, read_only=False, compression=compression, lock=lock)
+    if lock.late_writes:
+        store.write_past(0)  # made by this writer: no other writes into it
     # The root record first: once it exists, the directory is a store (an empty one when
     # starting over), and a crash before or after it leaves something that reopens. Only
     # then are the old rows and state removed.

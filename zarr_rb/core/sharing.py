@@ -51,6 +51,7 @@ from zarr_rb.core.format import (
     Saved,
     Schema,
     StoreMeta,
+    max_ring_capacity,
     parse_store_meta,
 )
 from zarr_rb.core.metadata import check_is_store, read_root
@@ -62,6 +63,7 @@ from zarr_rb.errors import (
     RowsNotCommittedError,
     SchemaMismatchError,
     ServerBusyError,
+    SlotsExhaustedError,
     StoreCorruptedError,
     VersionExistsError,
 )
@@ -328,6 +330,13 @@ class Sharing:
                 slot = int(free[0])
             else:
                 slot, capacity = capacity, max(2 * capacity, capacity + SPARE_SLOTS)
+                capacity = min(capacity, max_ring_capacity(self.store.rows))
+                if slot >= capacity:
+                    raise SlotsExhaustedError(
+                        f"store {self.store.url!r}: its arrays hold {slot} slots, as many as "
+                        "a record may name; nothing was written. Save the buffer into a new "
+                        "store (zarr_rb.save(rb, new_path)) and write there",
+                    )
             chosen[:] = [slot]
             ring = dataclasses.replace(
                 ring,

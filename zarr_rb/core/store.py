@@ -52,7 +52,7 @@ from zarr_rb.core.history import Extended
 from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.reader import read_committed, reread_commit
-from zarr_rb.core.ring import SPARE_FACTOR, SlotMap
+from zarr_rb.core.ring import SPARE_FACTOR, SlotMap, max_slots
 from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing import RowsMovedError, Sharing, check_shareable, new_writer_id
 from zarr_rb.core.write_cache import Block, Key, WriteBuffer
@@ -65,6 +65,7 @@ from zarr_rb.errors import (
     ReadOnlyError,
     RowsNotCommittedError,
     SaveOverwrittenError,
+    SlotsExhaustedError,
     StoreCorruptedError,
     StoreWriteError,
     ZarrRBError,
@@ -191,6 +192,14 @@ class Store:
         the next commit moves the epoch."""
         self.pinned: Saved | None = None
         """A reader's save whose rows it reads (a loaded save), until :meth:`refresh`."""
+        self._predecessor_save_slot: int | None = None
+        """The state group a writer that held the store before this one would save into
+        next (a lease it may have lost while saving: its late writes may land there), as
+        the record this one took the store over at names it: this writer never saves
+        there."""
+        if lock is not None and lock.late_writes and not read_only:
+            named = self._named_save_slots()
+            self._predecessor_save_slot = min(set(range(len(named) + 1)) - named)
         self._known_empty: np.ndarray | None = None
         """Slots that held no object when :meth:`collect` last ran and were not handed
         out since (``None``: not known; the next collection lists the arrays)."""
@@ -932,15 +941,18 @@ class Store:
         spare = SPARE_FACTOR * slots.blocks
         if slots.capacity <= spare:
             return 0  # the arrays never grew past the slots the ring reuses
-        index = np.arange(slots.capacity)
+        eligible = ~self._used_slots()
         # (Slots below this writer's own are never written again: they go too.)
-        eligible = ~self._used_slots() & ((index >= spare) | (index < self._first_own_slot()))
+        eligible[self._first_own_slot() : spare] = False
         known = self._known_empty
         if known is not None:
-            known = np.concatenate([known, np.zeros(max(0, index.size - known.size), bool)])
-            free = np.flatnonzero(eligible & ~known[: index.size]).tolist()
+            size = slots.capacity
+            known = np.concatenate([known, np.zeros(max(0, size - known.size), bool)])
+            free = np.flatnonzero(eligible & ~known[:size]).tolist()
             if not free:
                 return 0
+            if len(free) > SPARE_FACTOR * slots.blocks:
+                known = None  # many slots not known to be empty: listing them costs less
         whole = [key for key in self._leaves if self.array(key).chunk_rows == slots.block_rows]
         emptied: set[int] = set()
         with self.writing("deleting slots no record refers to"):
@@ -966,6 +978,13 @@ class Store:
     def _late_writes(self) -> bool:
         """A single writer whose slots are reserved in the record before it writes."""
         return self.late_writes and self.sharing is None
+
+    def write_past(self, slot: int) -> None:
+        """Write no slot below ``slot`` (a writer that held the store before may still
+        write there: see ``_own_from``); 0: every slot is this writer's."""
+        self._own_from = slot
+        if slot == 0:
+            self._known_empty = np.zeros(0, bool)  # nor left objects in slots it adds
 
     def _first_own_slot(self) -> int:
         """The first slot this writer may write into: 0 unless a writer that held the
@@ -999,6 +1018,15 @@ class Store:
         # Metadata only (chunks are made as they are written): room for a whole ring more,
         # so that kept saves do not make every write grow the arrays.
         capacity = max(SPARE_FACTOR * slots.blocks, slots.capacity + max(count, slots.blocks))
+        if capacity > max_slots(slots.blocks):
+            capacity = max_slots(slots.blocks)
+            if capacity - slots.capacity < count:
+                raise SlotsExhaustedError(
+                    f"store {self.url!r}: its arrays hold {slots.capacity} slots of "
+                    f"{slots.block_rows} rows, as many as a record may name (each writer that "
+                    "took the store over on S3 reserved slots of its own); nothing was written. "
+                    "Save the buffer into a new store (zarr_rb.save(rb, new_path)) and write there",
+                )
         if self.meta.format < FORMAT_VERSION:
             # Readers that know no slot map refuse the store (FormatVersionError) from
             # before its arrays grow, rather than take them for damaged.
@@ -1424,8 +1452,7 @@ class Store:
                 "space or fix the disk, then write again",
             ) from None
         self._create = None
-        self._own_from = 0  # made by this writer: no other ever wrote into it
-        self._known_empty = np.zeros(0, bool)  # nor left objects in slots it adds
+        self.write_past(0)  # made by this writer: no other ever wrote into it
         try:
             self.publish_meta()
             with self.writing("creating the data group"):
@@ -1444,9 +1471,13 @@ class Store:
         state group is then the one of the save before the last (untagged saves alternate
         between two groups, and the state writer rewrites only the chunks that changed),
         never a kept version's, whose state no save rewrites while it is kept."""
+        named = self._named_save_slots()
+        avoided = self._predecessor_save_slot
+        return next(slot for slot in range(len(named) + 2) if slot not in {*named, avoided})
+
+    def _named_save_slots(self) -> set[int]:
         saves = [self.meta.saved, *self.meta.versions.values()]
-        named = {saved.slot for saved in saves if saved is not None}
-        return next(slot for slot in range(len(named) + 1) if slot not in named)
+        return {saved.slot for saved in saves if saved is not None}
 
     @_serialized
     def publish_saved(self, saved: Saved, *, tag: str | None = None) -> None:
@@ -1851,6 +1882,8 @@ class Store:
                 self.flush()
                 if self.sharing is not None:
                     self.sharing.leave()
+                elif self._late_writes:
+                    self.collect()  # the slots of the writers before, which it moved out of
         finally:  # the lock or lease is given up even when the store cannot be reached
             self.closed = True
             self._arrays.clear()
