@@ -14,9 +14,7 @@ import contextlib
 import json
 import os
 import re
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePath
 from typing import Any, Literal
 
@@ -44,49 +42,11 @@ def announce(kind: IOKind, path: PurePath) -> None:
 def fsync(path: Path) -> None:
     """fsync a file or a directory (a directory's fsync makes its entries durable)."""
     announce("fsync", path)
-    _fsync(path)
-
-
-def fsync_all(paths: Sequence[Path]) -> None:
-    """fsync ``paths`` (files or directories; those gone meanwhile are skipped), all at
-    once: a journaling filesystem makes concurrent fsyncs durable in fewer journal commits
-    than one after another (half the time, for the files of one commit). Each is announced
-    first, in order, so that observers see the same operations run after run."""
-    for path in paths:
-        announce("fsync", path)
-    if len(paths) < 2:
-        for path in paths:
-            _fsync_if_there(path)
-        return
-    for _ in _fsync_pool().map(_fsync_if_there, paths):
-        pass  # (the first error is raised here)
-
-
-def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _fsync_if_there(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        _fsync(path)
-
-
-_pool: tuple[int, ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
-
-
-def _fsync_pool() -> ThreadPoolExecutor:
-    """The threads that fsync, this process's own (a forked child makes its own: the
-    parent's threads are not in it)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), ThreadPoolExecutor(8, thread_name_prefix="zarr_rb-fsync"))
-        return _pool[1]
 
 
 def errno_of(err: BaseException) -> int | None:

@@ -24,7 +24,7 @@ from typing import Any
 import tensorstore as ts
 
 from zarr_rb._fork import starting_tensorstore
-from zarr_rb._io import announce, fsync, fsync_all
+from zarr_rb._io import announce, fsync
 from zarr_rb.errors import NotAStoreError, ReadOnlyFilesystemError
 from zarr_rb.locations.base import (
     CAS_LOCK_FILE,
@@ -342,15 +342,17 @@ class Durability:
         dirs: set[Path] = set()
         new_dirs: set[Path] = set()
         for path in files:
+            with contextlib.suppress(FileNotFoundError):
+                fsync(path)
             dirs.add(path.parent)
             parent = path.parent
             while parent not in self._durable_dirs and self.root in parent.parents:
                 new_dirs.add(parent)
                 dirs.add(parent.parent)
                 parent = parent.parent
-        fsync_all(files)
         # Deepest first: a directory's own entries before its entry in its parent.
-        for depth in sorted({len(d.parts) for d in dirs}, reverse=True):
-            fsync_all(sorted(d for d in dirs if len(d.parts) == depth))
+        for directory in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(FileNotFoundError):
+                fsync(directory)
         self._durable_dirs |= new_dirs
         self._written.difference_update(files)
