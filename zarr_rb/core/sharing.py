@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from zarr_rb.core.format import (
     ATTRS_KEY,
     FORMAT_VERSION,
     RECENT_TAKES,
+    STATE_GROUP,
     Commit,
     Ring,
     Saved,
@@ -107,6 +109,8 @@ class Sharing:
         self._alive: dict[str, bool] = {writer: True}
         self._kept: dict[tuple[int, float, int, int], np.ndarray | None] = {}
         """The slots of each kept save (see :meth:`_slots_kept_by`), by save."""
+        self._state_groups: set[int] = set()
+        """The numbers of the state groups this writer saved into (see new_save_slot)."""
         self._mine: np.ndarray | None = None
         """Positions this writer is committing (their mirrors are its own to update)."""
 
@@ -471,6 +475,25 @@ class Sharing:
             return dataclasses.replace(meta, saved=made, versions=versions)
 
         self.update(save)
+
+    def new_save_slot(self, named: set[int]) -> int:
+        """The state group number of this writer's next save: drawn at random, so that
+        writers saving at once never write into one group (a record names a group only
+        once its save is published, so the lowest free number is free for all of them)."""
+        while True:
+            slot = secrets.randbelow(2**31)
+            if slot not in named and slot not in self._state_groups:
+                self._state_groups.add(slot)
+                return slot
+
+    def state_groups_unnamed(self, named: set[str]) -> list[str]:
+        """The state groups of this writer's saves that no record names (replaced, or
+        never published): no other writer writes them, so they can be deleted. They are
+        forgotten here."""
+        groups = {f"{STATE_GROUP}/{slot}": slot for slot in self._state_groups}
+        unnamed = sorted(set(groups) - named)
+        self._state_groups -= {groups[group] for group in unnamed}
+        return unnamed
 
     def rebase(self, kept: Commit) -> None:
         """Put every position back where ``kept`` (a kept save's commit) has it: its length,

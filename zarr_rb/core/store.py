@@ -1472,6 +1472,8 @@ class Store:
         between two groups, and the state writer rewrites only the chunks that changed),
         never a kept version's, whose state no save rewrites while it is kept."""
         named = self._named_save_slots()
+        if self.sharing is not None:
+            return self.sharing.new_save_slot(named)
         avoided = self._predecessor_save_slot
         return next(slot for slot in range(len(named) + 2) if slot not in {*named, avoided})
 
@@ -1490,6 +1492,9 @@ class Store:
         saved = dataclasses.replace(saved, epoch=commit.epoch, time=time.time())
         if self.sharing is not None:
             self.sharing.publish_saved(saved, tag=tag)
+            named = {f"{STATE_GROUP}/{slot}" for slot in self._named_save_slots()}
+            for group in self.sharing.state_groups_unnamed(named):
+                self.engine.location.delete_prefix(group)
             return
         saved = dataclasses.replace(saved, pinned=True, slots=commit.slots, holes=commit.holes)
         if tag is not None:
