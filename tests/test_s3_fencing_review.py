@@ -179,6 +179,7 @@ def with_slots(url: str, options: dict, capacity: int) -> None:
     storage.close()
 
 
+@pytest.mark.slow  # (records of 2**24 slots: ten seconds each)
 def test_a_writer_never_publishes_more_slots_than_a_record_may_name(s3_url, s3_options):
     """A store whose writers reopened it so often that its record names as many slots as a
     record may (each writer that opens it on S3 reserves its own past the last one's: about
@@ -242,6 +243,7 @@ def test_slots_whose_reservation_failed_to_publish_are_reserved_before_they_are_
         storage._store.abandon()
 
 
+@pytest.mark.slow  # (records of 2**24 slots: ten seconds each)
 def test_shared_writers_joining_a_store_of_many_slots_leave_it_readable(s3_url, s3_options):
     """A store of one writer whose record names as many slots as such a record may, joined
     by a shared writer: the record it publishes (the store as runs) reads back."""
