@@ -46,10 +46,15 @@ def torn(data: Any) -> int:
     return int((~whole).sum())
 
 
-def extend_buffer(rb: Any, writer: int, batches: int, batch: int, done: Any = None) -> None:
+def extend_buffer(
+    rb: Any, writer: int, batches: int, batch: int, done: Any = None, go: Any = None
+) -> None:
     """A child given the buffer itself (pickled as a handle): extend it, report each
-    batch's returned index on ``done`` (a queue)."""
+    batch's returned index on ``done`` (a queue); with ``go`` (a queue), wait for a word
+    there before each batch after the first."""
     for i in range(batches):
+        if go is not None and i:
+            go.get(timeout=60)
         index = rb.extend(stamped(writer, i * batch, batch))
         if done is not None:
             done.put((writer, i, index.tolist()))

@@ -103,10 +103,12 @@ def test_rows_extended_in_another_process_are_in_len_and_samples_once_extend_ret
 ):
     rb = TensorDictReplayBuffer(storage=ZarrStorage(1000, store_path), batch_size=8)
     rb.extend(stamped(0, 0, 5))
-    done = SPAWN.Queue()
-    child = SPAWN.Process(target=extend_buffer, args=(rb, 1, 3, 7, done))
+    done, go = SPAWN.Queue(), SPAWN.Queue()
+    child = SPAWN.Process(target=extend_buffer, args=(rb, 1, 3, 7, done, go))
     child.start()
     for batch in range(3):
+        if batch:
+            go.put(batch)  # the child extends again only once the parent looked
         writer, i, index = done.get(timeout=60)
         assert (writer, i) == (1, batch)
         # As with a shared memmap: the rows are there as soon as extend returned there.
