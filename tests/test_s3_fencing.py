@@ -27,6 +27,13 @@ CAPACITY = 64
 BLOCK_ROWS = 16
 
 
+def new_writer(url: str, options: dict) -> tuple[ZarrStorage, TensorDictReplayBuffer]:
+    storage = ZarrStorage(
+        CAPACITY, url, storage_options=options, compression=Compression(block_rows=BLOCK_ROWS)
+    )
+    return storage, TensorDictReplayBuffer(storage=storage)
+
+
 def stall(storage: ZarrStorage) -> None:
     """The writer stalls right after its last check of its hold: it stops renewing its
     lease, and what it does next runs as if the check had passed just before the stall."""
@@ -95,10 +102,7 @@ def test_a_stalled_writers_late_writes_never_reach_the_new_writers_rows(
     s3_url, s3_options, filled, in_flight
 ):
     options = {**s3_options, "lease_seconds": 1.0}
-    storage = ZarrStorage(
-        CAPACITY, s3_url, storage_options=options, compression=Compression(block_rows=BLOCK_ROWS)
-    )
-    rb = TensorDictReplayBuffer(storage=storage)
+    storage, rb = new_writer(s3_url, options)
     rb.extend(batch(0, filled))
     storage.flush()
     committed: list[TensorDict] = []
@@ -128,10 +132,7 @@ def test_shared_writers_that_take_over_a_stalled_writer_never_take_its_slots(s3_
     """A store of one writer, opened by shared writers once that writer's lease expired:
     the slots it had stay its own (it may be writing into them)."""
     options = {**s3_options, "lease_seconds": 1.0}
-    storage = ZarrStorage(
-        CAPACITY, s3_url, storage_options=options, compression=Compression(block_rows=BLOCK_ROWS)
-    )
-    rb = TensorDictReplayBuffer(storage=storage)
+    storage, rb = new_writer(s3_url, options)
     rb.extend(batch(0, CAPACITY))
     storage.flush()
     committed: list[TensorDict] = []

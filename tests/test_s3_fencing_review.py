@@ -14,8 +14,15 @@ import torch
 from conftest import assert_identical
 from tensordict import TensorDict
 from test_s3 import batch, run_python
-from test_s3_fencing import BLOCK_ROWS, CAPACITY, late_write_rows, rows_of, stall
-from torchrl.data import TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
+from test_s3_fencing import (
+    BLOCK_ROWS,
+    CAPACITY,
+    late_write_rows,
+    new_writer,
+    rows_of,
+    stall,
+)
+from torchrl.data import TensorDictPrioritizedReplayBuffer
 
 import zarr_rb
 import zarr_rb.api
@@ -44,13 +51,6 @@ def in_child(code: str) -> None:
     """Another process ("machine") runs ``code`` once the stalled writer's lease expired."""
     child = run_python(WAIT_FOR_LEASE + textwrap.dedent(code))
     assert child.returncode == 0, child.stderr[-3000:]
-
-
-def new_writer(url: str, options: dict) -> tuple[ZarrStorage, TensorDictReplayBuffer]:
-    storage = ZarrStorage(
-        CAPACITY, url, storage_options=options, compression=Compression(block_rows=BLOCK_ROWS)
-    )
-    return storage, TensorDictReplayBuffer(storage=storage)
 
 
 @pytest.mark.parametrize(
