@@ -27,6 +27,7 @@ from torchrl.data import TensorDictPrioritizedReplayBuffer
 import zarr_rb
 import zarr_rb.api
 from zarr_rb import Compression, ZarrStorage
+from zarr_rb.core.format import Commit, LeaseFloor
 from zarr_rb.core.ring import SPARE_FACTOR, max_slots
 from zarr_rb.errors import FencedError, StoreWriteError, ZarrRBError
 
@@ -162,6 +163,51 @@ def test_reopening_a_store_on_s3_to_write_keeps_its_objects_bounded(s3_url, s3_o
     assert_identical(rows_of(s3_url, s3_options), batch(3 * CAPACITY, CAPACITY))
     blocks = CAPACITY // BLOCK_ROWS
     assert stored_slots(s3_url, s3_options) <= SPARE_FACTOR * blocks
+
+
+def commit_of(url: str, options: dict) -> Commit:
+    reader = ZarrStorage(path=url, read_only=True, storage_options=options)
+    try:
+        return reader._store.committed
+    finally:
+        reader.close()
+
+
+def slots_of(commit: Commit) -> int:
+    return CAPACITY // BLOCK_ROWS if commit.slots is None else commit.slots.capacity
+
+
+def test_a_writer_that_closed_cleanly_leaves_its_slots_to_the_next(s3_url, s3_options):
+    """Writers opened, a ring written, closed, again and again: the slots of one that
+    closed cleanly go to the next (none of its writes can land late), so the arrays stop
+    growing. One that was killed keeps its slots from the next writer, whose record then
+    starts past them (the killed one's writes in flight land in slots no one takes)."""
+    capacities = []
+    for run in range(5):
+        storage, rb = new_writer(s3_url, s3_options)
+        rb.extend(batch(run * CAPACITY, CAPACITY))
+        storage.close()
+        commit = commit_of(s3_url, s3_options)
+        assert getattr(commit.lease, "held", None) is False  # released
+        capacities.append(slots_of(commit))
+    assert capacities[1:] == [capacities[1]] * 4, capacities
+    assert capacities[1] <= SPARE_FACTOR * CAPACITY // BLOCK_ROWS
+    assert_identical(rows_of(s3_url, s3_options), batch(4 * CAPACITY, CAPACITY))
+
+    storage, rb = new_writer(s3_url, s3_options)
+    rb.extend(batch(5 * CAPACITY, BLOCK_ROWS))
+    storage.flush()
+    killed = commit_of(s3_url, s3_options)
+    assert getattr(killed.lease, "held", None) is True
+    storage._store.abandon()  # killed: its lease is free, its record says it held slots
+    storage, rb = new_writer(s3_url, s3_options)
+    rb.extend(batch(6 * CAPACITY, BLOCK_ROWS))
+    storage.flush()
+    taken_over = commit_of(s3_url, s3_options)
+    assert taken_over.lease == LeaseFloor(floor=slots_of(killed), held=True)
+    storage.close()
+    expected = torch.cat([batch(5 * CAPACITY, BLOCK_ROWS), batch(6 * CAPACITY, BLOCK_ROWS)])
+    assert_identical(rows_of(s3_url, s3_options)[: 2 * BLOCK_ROWS], expected)
 
 
 def with_slots(url: str, options: dict, capacity: int) -> None:

@@ -419,6 +419,25 @@ class Ring:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class LeaseFloor:
+    """Where the writer of a store held by a lease (S3) may write: slots below ``floor``
+    are never written again (a writer that held the store before may still write them
+    late, see ``WriterHold.late_writes``).
+
+    ``held``: a writer is writing slots at or past ``floor`` (it publishes this before its
+    first write). A writer that closes cleanly publishes ``held=False`` after its last
+    write: the next one starts its own slots at the same ``floor``. A writer that crashed
+    or stalled leaves ``held=True``: the next one starts past every slot the record names.
+    """
+
+    floor: int = 0
+    held: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"floor": self.floor, "held": self.held}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Commit:
     """The committed state that readers and a reopening writer trust.
 
@@ -445,6 +464,9 @@ class Commit:
     history: RunMap | None = None
     """An archive's rows, every one an extend committed, in commit order: history index
     to row of the data arrays (``None``: the store keeps no archive)."""
+    lease: LeaseFloor | None = None
+    """The slots the writer on a lease owns (``None``: not recorded, as held at the
+    capacity)."""
 
     def physical(self, rows: np.ndarray) -> np.ndarray:
         """The rows of the data arrays that hold positions ``rows`` in this commit."""
@@ -469,6 +491,8 @@ class Commit:
             record["runs"] = self.runs.to_json()
         if self.history is not None:
             record["history"] = self.history.to_json()
+        if self.lease is not None:
+            record["lease"] = self.lease.to_json()
         return record
 
     def reads_alike(self, later: Commit, rows: np.ndarray, block_rows: int) -> bool:
@@ -682,7 +706,19 @@ def parse_commit(value: object, *, rows: int) -> Commit:
         slots=parse_slot_map(value.get("slots"), rows=rows),
         runs=parse_run_map(value.get("runs"), rows=rows),
         history=parse_history(value.get("history")),
+        lease=parse_lease(value.get("lease"), rows=rows),
     )
+
+
+def parse_lease(value: object, *, rows: int) -> LeaseFloor | None:
+    if value is None:
+        return None
+    _expect(isinstance(value, Mapping), "'lease' to be an object or null", value)
+    assert isinstance(value, Mapping)
+    held = value.get("held")
+    _expect(isinstance(held, bool), "lease held to be true or false", held)
+    floor = _parse_int(value.get("floor"), "lease floor", hi=max_ring_capacity(rows))
+    return LeaseFloor(floor=floor, held=bool(held))
 
 
 HISTORY_BOUND = 2**48

@@ -366,9 +366,10 @@ def _open_locked(
         generation = old.commit.generation + 1
         if lock.late_writes:
             # The writer it replaces may have stalled with writes under way: its slots of
-            # the old arrays are the same keys in the new ones.
+            # the old arrays are the same keys in the new ones (unless it closed cleanly).
             store = _create(engine, lock, max_size, ndim or 1, compression, generation, document)
-            store.write_past(_slots_of(old))
+            lease = old.commit.lease
+            store.write_past(lease.floor if lease and not lease.held else _slots_of(old))
             return store
     assert max_size is not None
     return _create(engine, lock, max_size, ndim or 1, compression, generation, document)

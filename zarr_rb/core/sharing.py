@@ -608,9 +608,14 @@ def _to_runs(meta: StoreMeta, *, late_writes: bool) -> StoreMeta | None:
     blocks = -(-meta.schema.rows // block_rows)
     runs = _runs_of(commit)
     capacity = blocks if commit.slots is None else commit.slots.capacity
-    ring = Ring(capacity=capacity, fresh_from=capacity if late_writes else 0)
+    fresh_from = 0
+    if late_writes:
+        # Past the slots of its writer; those of one that closed cleanly are free again.
+        lease = commit.lease
+        fresh_from = min(lease.floor, capacity) if lease and not lease.held else capacity
+    ring = Ring(capacity=capacity, fresh_from=fresh_from)
     commit = dataclasses.replace(
-        commit, ring=ring, runs=runs, slots=None, holes=runs.holes(commit.length)
+        commit, ring=ring, runs=runs, slots=None, holes=runs.holes(commit.length), lease=None
     )
     return dataclasses.replace(meta, commit=commit, format=FORMAT_VERSION)
 

@@ -41,6 +41,7 @@ from zarr_rb.core.format import (
     STATE_GROUP,
     Commit,
     LeafSpec,
+    LeaseFloor,
     Saved,
     Schema,
     StoreMeta,
@@ -207,8 +208,13 @@ class Store:
         """The first slot this writer reserved for itself, when a writer that held the
         store before it may still write (a lease it lost while it stalled: see
         ``WriterHold.late_writes``): slots below it are that writer's, so this one moves
-        the blocks it writes out of them. ``None``: not fixed yet (the capacity of the
-        commit this writer first writes after)."""
+        the blocks it writes out of them. ``None``: not fixed yet (when this writer first
+        writes: the floor of a record whose writer closed cleanly, else its capacity)."""
+        self._lease = meta.commit.lease
+        """What this writer's commits record of the slots a writer on a lease owns: the
+        record's, until this writer holds its own (see :class:`LeaseFloor`)."""
+        self._holding = False
+        """Whether the record says this writer holds slots from ``_own_from`` on."""
         if meta.schema is not None:
             self._attach_schema(meta.schema, meta.block_rows or 1)
 
@@ -453,6 +459,8 @@ class Store:
         on_disk = self._ledger.intact | self._ledger.published
         assert self._slots is not None
         committed = self._committed_slots()
+        if on_disk.any():
+            self._first_own_slot()  # (the record says this writer holds its slots first)
         with self.writing("writing zeros into new keys"):
             futures = []
             row_sets = []
@@ -943,7 +951,7 @@ class Store:
             return 0  # the arrays never grew past the slots the ring reuses
         eligible = ~self._used_slots()
         # (Slots below this writer's own are never written again: they go too.)
-        eligible[self._first_own_slot() : spare] = False
+        eligible[self._own_floor() : spare] = False
         known = self._known_empty
         if known is not None:
             size = slots.capacity
@@ -986,20 +994,47 @@ class Store:
         if slot == 0:
             self._known_empty = np.zeros(0, bool)  # nor left objects in slots it adds
 
-    def _first_own_slot(self) -> int:
+    def _own_floor(self) -> int:
         """The first slot this writer may write into: 0 unless a writer that held the
         store before it may still write (see ``_own_from``)."""
         if not self._late_writes:
             return 0
         if self._own_from is None:
-            self._own_from = self._committed_slots().capacity
+            lease = self.committed.lease
+            if lease is not None and not lease.held:
+                self._own_from = lease.floor  # its writer closed: nothing of it lands late
+            else:
+                self._own_from = self._committed_slots().capacity
         return self._own_from
+
+    def _first_own_slot(self) -> int:
+        """:meth:`_own_floor`, recorded as held before this writer's first write: a writer
+        that takes the store over from this one (were it to stall) starts past them."""
+        own = self._own_floor()
+        if self._late_writes and not self._holding:
+            self._lease = LeaseFloor(floor=own, held=True)
+            self._publish(self._next_commit())
+            self._holding = True
+        return own
+
+    def _release_slots(self) -> None:
+        """After this writer's last write (a clean close): the next writer on the lease
+        takes its slots again, from the same floor."""
+        if not self._holding:
+            return
+        self._lease = LeaseFloor(floor=self._own_floor(), held=False)
+        self._publish(self._next_commit())
+        self._holding = False
+
+    def _next_commit(self) -> Commit:
+        """The last commit again, as the next one (a record that changes no row)."""
+        return dataclasses.replace(self.committed, generation=self.committed.generation + 1)
 
     def _free_slots(self, count: int) -> np.ndarray:
         """``count`` slots of this writer that neither the last commit nor the writer's
         map refers to; the arrays grow (their metadata only) when there are not enough."""
         slots = self._block_map
-        own = self._first_own_slot()
+        own = self._own_floor()
         free = np.flatnonzero(~self._used_slots())
         free = free[free >= own]
         if free.size >= count:
@@ -1542,6 +1577,8 @@ class Store:
         self.ensure_on_disk()
         if self._archive and commit.history is None:
             commit = dataclasses.replace(commit, history=RunMap.empty())
+        if self._late_writes:
+            commit = dataclasses.replace(commit, lease=self._lease)
         meta = dataclasses.replace(self.meta, commit=commit)
         if saved is not None:
             meta = dataclasses.replace(meta, saved=saved)
@@ -1889,6 +1926,7 @@ class Store:
                     self.sharing.leave()
                 elif self._late_writes:
                     self.collect()  # the slots of the writers before, which it moved out of
+                    self._release_slots()
         finally:  # the lock or lease is given up even when the store cannot be reached
             self.closed = True
             self._arrays.clear()
