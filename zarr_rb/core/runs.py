@@ -9,7 +9,11 @@ holds no row.
 
 In the commit record (``commit.runs``), the runs are one little-endian ``int64`` array of
 shape ``[runs, 3]``, zlib-compressed and base64-encoded: what any reader decodes with the
-standard library and numpy alone. See ``docs/design/ring.md``, "Step 2".
+standard library and numpy alone. See ``docs/design/ring.md``, "Step 2". A map of more
+runs than that is kept in pieces of ``span`` positions, objects of their own that the
+record names (:mod:`zarr_rb.core.pieces`, "Step 3"); a map remembers the names of the
+pieces it was read from or stored as (:attr:`RunMap.names`), and a map derived from it
+keeps the names of the pieces it did not change.
 """
 
 from __future__ import annotations
@@ -29,19 +33,47 @@ from zarr_rb.errors import StoreCorruptedError
 _EMPTY = np.empty((0, 3), dtype=np.int64)
 
 
+SPAN = 2**18
+"""Positions per piece of a map kept in pieces (a record keeps the span its pieces have)."""
+
+
 class RunMap:
-    """Positions to physical rows of the data arrays, by runs (immutable)."""
+    """Positions to physical rows of the data arrays, by runs (immutable).
 
-    __slots__ = ("_ends", "counts", "firsts", "starts")
+    ``names``: the piece objects that hold pieces of this map as stored (piece ``k`` holds
+    positions ``[k * span, (k + 1) * span)``): ``{k: (name, runs)}``. A memo of where the
+    map is stored, filled when it is read from pieces or its pieces are written.
+    """
 
-    def __init__(self, runs: np.ndarray) -> None:
+    __slots__ = ("_ends", "_held", "counts", "firsts", "names", "span", "starts")
+
+    def __init__(
+        self,
+        runs: np.ndarray,
+        *,
+        span: int = 0,
+        names: dict[int, tuple[str, int]] | None = None,
+    ) -> None:
         runs = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
-        self.starts = np.ascontiguousarray(runs[:, 0])
-        self.firsts = np.ascontiguousarray(runs[:, 1])
-        self.counts = np.ascontiguousarray(runs[:, 2])
+        self._columns(runs[:, 0], runs[:, 1], runs[:, 2])
+        self.span = span or SPAN
+        self.names: dict[int, tuple[str, int]] = {} if names is None else names
+        self._held: np.ndarray | None = None
+
+    def _columns(self, starts: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> None:
+        self.starts = np.ascontiguousarray(starts, dtype=np.int64)
+        self.firsts = np.ascontiguousarray(firsts, dtype=np.int64)
+        self.counts = np.ascontiguousarray(counts, dtype=np.int64)
         self._ends = self.starts + self.counts
         for array in (self.starts, self.firsts, self.counts, self._ends):
             array.flags.writeable = False  # shared by every record that decodes to it
+
+    def _derived(self, runs: np.ndarray, changed: np.ndarray) -> RunMap:
+        """A map of ``runs`` that differs from this one in the pieces ``changed`` only (it
+        keeps the names of the others)."""
+        changed_set = set(np.unique(changed).tolist())
+        names = {k: v for k, v in self.names.items() if k not in changed_set}
+        return RunMap(runs, span=self.span, names=names)
 
     @classmethod
     def empty(cls) -> RunMap:
@@ -73,7 +105,8 @@ class RunMap:
             return self
         end = self.end
         tail = _compress(np.arange(end, end + physical.size, dtype=np.int64), physical)
-        return RunMap(_merge(np.concatenate([self.runs, tail])))
+        changed = np.arange(end // self.span, (end + physical.size - 1) // self.span + 1)
+        return self._derived(merged_runs(np.concatenate([self.runs, tail])), changed)
 
     def physical(self, positions: np.ndarray) -> np.ndarray:
         """The physical row of each position (``-1``: no row there)."""
@@ -89,34 +122,63 @@ class RunMap:
         return out
 
     def assign(self, positions: np.ndarray, physical: np.ndarray) -> RunMap:
-        """This map with ``positions`` (sorted, unique) mapped to ``physical`` rows (what
-        they held before is no longer referred to)."""
+        """This map with ``positions`` (sorted, unique) mapped to ``physical`` rows (``-1``:
+        to none; what they held before is no longer referred to).
+
+        Its cost follows the runs that reach into ``[positions[0], positions[-1]]`` and
+        the positions given, plus one copy of the runs: the runs around are slices."""
         positions = np.asarray(positions, dtype=np.int64)
+        physical = np.asarray(physical, dtype=np.int64)
         if not positions.size:
             return self
         lo, hi = int(positions[0]), int(positions[-1]) + 1
-        # Runs wholly outside [lo, hi) stay; those that reach into it are spread over a
-        # dense span, the new rows laid over them, and the span cut into runs again.
-        before = self._ends <= lo
-        after = self.starts >= hi
-        touching = ~(before | after)
-        dense = np.full(hi - lo, -1, dtype=np.int64)
-        kept = [self.runs[before]]
-        for start, first, count in self.runs[touching].tolist():
-            end = start + count
-            a, b = max(start, lo), min(end, hi)
-            dense[a - lo : b - lo] = first + np.arange(a - start, b - start)
-            if start < lo:
-                kept.append(np.array([[start, first, lo - start]], dtype=np.int64))
-            if end > hi:
-                kept.append(np.array([[hi, first + hi - start, end - hi]], dtype=np.int64))
-        dense[positions - lo] = physical
-        span = np.arange(lo, hi, dtype=np.int64)
-        mapped = dense >= 0
-        kept.append(_compress(span[mapped], dense[mapped]))
-        kept.append(self.runs[after])
-        runs = np.concatenate(kept)
-        return RunMap(_merge(runs[np.argsort(runs[:, 0], kind="stable")]))
+        i = int(np.searchsorted(self._ends, lo, side="right"))  # runs before: end <= lo
+        j = int(np.searchsorted(self.starts, hi, side="left"))  # runs after: start >= hi
+        kept = _without(self.starts[i:j], self.firsts[i:j], self.counts[i:j], positions)
+        mapped = physical >= 0
+        middle = np.concatenate([kept, _compress(positions[mapped], physical[mapped])])
+        middle = middle[np.argsort(middle[:, 0], kind="stable")]
+        runs = np.concatenate([self.runs_slice(0, i), middle, self.runs_slice(j, len(self))])
+        return self._derived(merged_runs(runs), positions // self.span)
+
+    def runs_slice(self, start: int, stop: int) -> np.ndarray:
+        """Runs ``start`` to ``stop`` (in position order), as ``[runs, 3]``."""
+        return np.stack(
+            [self.starts[start:stop], self.firsts[start:stop], self.counts[start:stop]], axis=1
+        )
+
+    # --- pieces ----------------------------------------------------------------------------
+
+    def held_pieces(self) -> np.ndarray:
+        """The pieces that hold a run (sorted)."""
+        if self._held is None:
+            first = self.starts // self.span
+            last = (self._ends - 1) // self.span
+            if (last == first).all():
+                self._held = np.unique(first)
+            else:
+                self._held = np.unique(_spread(first, last - first + 1))
+        return self._held
+
+    def piece(self, k: int) -> np.ndarray:
+        """The runs of piece ``k`` (positions ``[k * span, (k + 1) * span)``), the runs
+        that cross its bounds cut at them."""
+        lo, hi = k * self.span, (k + 1) * self.span
+        i = int(np.searchsorted(self._ends, lo, side="right"))
+        j = int(np.searchsorted(self.starts, hi, side="left"))
+        runs = self.runs_slice(i, j)
+        if runs.size:
+            cut = max(0, lo - int(runs[0, 0]))
+            runs[0] += (cut, cut, -cut)
+            runs[-1, 2] = min(int(runs[-1, 2]), hi - int(runs[-1, 0]))
+        return runs
+
+    def stored(self) -> bool:
+        """Whether every piece holding a run has a name (the record can name them)."""
+        names = self.names
+        return len(names) >= self.held_pieces().size and all(
+            k in names for k in self.held_pieces().tolist()
+        )
 
     def positions_in(self, slots: np.ndarray, block_rows: int) -> np.ndarray:
         """The positions whose rows lie in ``slots`` (sorted, unique)."""
@@ -202,6 +264,16 @@ class RunMap:
         return f"RunMap({self.runs.tolist()[:8]}{'...' if len(self) > 8 else ''})"
 
     def to_json(self) -> dict[str, Any]:
+        """The record's form: the pieces' names once they are stored and the map is too
+        large to keep inline (:func:`zarr_rb.core.pieces.store_pieces`), else the runs."""
+        if len(self) > INLINE_RUNS and self.stored():
+            held = self.held_pieces().tolist()
+            pieces = [[k, *self.names[k]] for k in held]
+            return {
+                "runs": sum(count for _, _, count in pieces),
+                "span": self.span,
+                "pieces": pieces,
+            }
         raw = self.runs.astype("<i8").tobytes()
         encoded = {"runs": len(self), "data": base64.b64encode(zlib.compress(raw, 1)).decode()}
         _remember(encoded, self)
@@ -255,7 +327,7 @@ def _decoded(count: int, data: str, rows: int) -> RunMap:
         raw = inflater.decompress(base64.b64decode(data, validate=True), count * 24 + 1)
     except (binascii.Error, zlib.error, ValueError):
         raise bad("'runs' data to be base64 of zlib-compressed int64 runs") from None
-    if len(raw) != count * 24 or inflater.unconsumed_tail:
+    if len(raw) != count * 24 or inflater.unconsumed_tail or not inflater.eof:
         raise bad(f"'runs' data to hold {count} runs of 3 int64")
     runs = np.frombuffer(raw, dtype="<i8").astype(np.int64).reshape(count, 3)
     starts, firsts, counts = runs[:, 0], runs[:, 1], runs[:, 2]
@@ -268,6 +340,36 @@ def _decoded(count: int, data: str, rows: int) -> RunMap:
     ):
         raise bad(f"runs sorted, disjoint and inside [0, {rows})")
     return RunMap(runs)
+
+
+INLINE_RUNS = 2048
+"""The most runs a map keeps inline in the record; a larger one is kept in pieces."""
+
+
+def _without(
+    starts: np.ndarray, firsts: np.ndarray, counts: np.ndarray, positions: np.ndarray
+) -> np.ndarray:
+    """The runs ``[starts, firsts, counts]`` without ``positions`` (sorted, unique): each
+    run cut into the parts between the positions removed from it."""
+    if not starts.size:
+        return _EMPTY
+    # The gaps between the positions removed, as half-open ranges [gap_lo, gap_hi).
+    big = np.iinfo(np.int64).max
+    gap_lo = np.concatenate(([-1], positions + 1))
+    gap_hi = np.concatenate((positions, [big]))
+    open_gap = gap_hi > gap_lo
+    gap_lo, gap_hi = gap_lo[open_gap], gap_hi[open_gap]
+    ends = starts + counts
+    first_gap = np.searchsorted(gap_hi, starts, side="right")  # first gap ending past start
+    stop_gap = np.searchsorted(gap_lo, ends, side="left")  # first gap starting at or past end
+    pairs = np.maximum(stop_gap - first_gap, 0)
+    run = np.repeat(np.arange(starts.size), pairs)
+    gap = _spread(first_gap[pairs > 0], pairs[pairs > 0])
+    lo = np.maximum(starts[run], gap_lo[gap])
+    hi = np.minimum(ends[run], gap_hi[gap])
+    keep = hi > lo
+    run, lo, hi = run[keep], lo[keep], hi[keep]
+    return np.stack([lo, firsts[run] + lo - starts[run], hi - lo], axis=1).astype(np.int64)
 
 
 def _spread(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -287,7 +389,7 @@ def _compress(positions: np.ndarray, physical: np.ndarray) -> np.ndarray:
     return np.stack([positions[starts], physical[starts], counts], axis=1).astype(np.int64)
 
 
-def _merge(runs: np.ndarray) -> np.ndarray:
+def merged_runs(runs: np.ndarray) -> np.ndarray:
     """Sorted runs with each run that goes on where the one before ends joined to it."""
     if len(runs) < 2:
         return runs
