@@ -6,8 +6,10 @@ writers opening a store on S3 again and again leave.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +31,8 @@ import zarr_rb.api
 from zarr_rb import Compression, ZarrStorage
 from zarr_rb.core.format import Commit, LeaseFloor
 from zarr_rb.core.ring import SPARE_FACTOR, max_slots
+from zarr_rb.core.store import Store
+from zarr_rb.engine.tensorstore import RowArray
 from zarr_rb.errors import FencedError, StoreWriteError, ZarrRBError
 
 WAIT_FOR_LEASE = """
@@ -301,3 +305,53 @@ def test_shared_writers_joining_a_store_of_many_slots_leave_it_readable(s3_url, 
     else:
         storage.close()
     assert_identical(rows_of(s3_url, s3_options), batch(0, CAPACITY))
+
+
+def test_a_writer_that_only_drops_a_version_holds_the_slots_it_empties(
+    s3_url, s3_options, monkeypatch
+):
+    """A writer that writes no row but drops a version (or replaces a save) deletes the
+    objects of the slots that version kept, which a record released by a clean close lets
+    the next writer take: it says it holds them first, so that when its DELETEs stall and
+    land after another writer took the store over and wrote there, they reach nothing that
+    writer committed."""
+    options = {**s3_options, "lease_seconds": 1.0}
+    storage, rb = new_writer(s3_url, options)
+    for run, tag in enumerate(["v1", "v2", "v3", None]):
+        rb.extend(batch(run * CAPACITY, CAPACITY))  # (each ring moves every block)
+        zarr_rb.save(rb, tag=tag, progress=False)
+    storage.close()  # a clean close: the next writer may take the slots the record frees
+    opened: list[SimpleNamespace] = []  # the store dropping the version (as stall takes it)
+    drop_version = Store.drop_version
+
+    def dropping_version(store, tag):
+        opened.append(SimpleNamespace(_store=store))
+        drop_version(store, tag)
+
+    stalled = []
+    drop_chunks = RowArray.drop_chunks
+    committed: list[TensorDict] = []
+
+    def dropping(array, chunks):
+        if not stalled:
+            stall(opened[0])
+            stalled.append(True)
+            in_child(
+                f"""
+                from torchrl.data import TensorDictReplayBuffer
+                storage = open_when_free(path={s3_url!r}, storage_options={options!r})
+                TensorDictReplayBuffer(storage=storage).extend(batch(500, {BLOCK_ROWS}))
+                storage.close()
+                """
+            )
+            committed.append(rows_of(s3_url, s3_options))
+        drop_chunks(array, chunks)  # its DELETEs land now
+
+    monkeypatch.setattr(Store, "drop_version", dropping_version)
+    monkeypatch.setattr(RowArray, "drop_chunks", dropping)
+    with contextlib.suppress(FencedError):
+        zarr_rb.drop_version(s3_url, "v3", storage_options=options)
+    assert stalled, "the version's slots were never emptied"
+    monkeypatch.undo()
+    assert_identical(committed[0][:BLOCK_ROWS], batch(500, BLOCK_ROWS))
+    assert_identical(rows_of(s3_url, s3_options), committed[0])

@@ -964,15 +964,21 @@ class Store:
         whole = [key for key in self._leaves if self.array(key).chunk_rows == slots.block_rows]
         emptied: set[int] = set()
         with self.writing("deleting slots no record refers to"):
-            for key in whole:
-                array = self.array(key)
-                stale = (
-                    free
-                    if known is not None
-                    else sorted(array.stored_chunks() & set(np.flatnonzero(eligible).tolist()))
+            stale = {
+                key: free
+                if known is not None
+                else sorted(
+                    self.array(key).stored_chunks() & set(np.flatnonzero(eligible).tolist())
                 )
-                array.drop_chunks(stale)
-                emptied.update(stale)
+                for key in whole
+            }
+            if any(slot >= self._own_floor() for chunks in stale.values() for slot in chunks):
+                # A DELETE is a write: one that lands late must not reach a writer that took
+                # the store over at a record that leaves it these slots.
+                self._first_own_slot()
+            for key, chunks in stale.items():
+                self.array(key).drop_chunks(chunks)
+                emptied.update(chunks)
         self._known_empty = eligible
         return len(emptied)
 
