@@ -355,3 +355,34 @@ def test_a_writer_that_only_drops_a_version_holds_the_slots_it_empties(
     monkeypatch.undo()
     assert_identical(committed[0][:BLOCK_ROWS], batch(500, BLOCK_ROWS))
     assert_identical(rows_of(s3_url, s3_options), committed[0])
+
+
+def test_a_reader_never_sees_a_new_key_before_its_zeros_are_written(
+    s3_url, s3_options, monkeypatch
+):
+    """The first write of a writer on a lease adds a key to a store holding rows: the
+    record it publishes to say it holds its slots (before it writes zeros into the new
+    key's cells of those rows) does not name the key yet, so a reader of that record reads
+    the rows as they were, not cells that hold nothing."""
+    storage, rb = new_writer(s3_url, s3_options)
+    rb.extend(batch(0, 20))
+    storage.close()
+    storage, rb = new_writer(s3_url, s3_options)
+    seen: list[TensorDict] = []
+    write_rows = RowArray.write_rows
+
+    def writing(array, rows, values):
+        if not seen:
+            seen.append(rows_of(s3_url, s3_options))
+        return write_rows(array, rows, values)
+
+    monkeypatch.setattr(RowArray, "write_rows", writing)
+    data = batch(100, 5)
+    data["extra"] = torch.ones(5, 3)
+    rb.extend(data)
+    monkeypatch.undo()
+    storage.close()
+    assert_identical(seen[0], batch(0, 20))
+    expected = torch.cat([batch(0, 20), batch(100, 5)])
+    expected["extra"] = torch.cat([torch.zeros(20, 3), torch.ones(5, 3)])
+    assert_identical(rows_of(s3_url, s3_options), expected)

@@ -438,6 +438,11 @@ class Store:
         assert self._ledger is not None
         block_rows = self.meta.block_rows or 1
         physical_shape = (self._physical_rows, *schema.batch_shape[1:])
+        on_disk = self._ledger.intact | self._ledger.published
+        if on_disk.any():
+            # The record says this writer holds its slots before it writes zeros there, and
+            # names the keys only after (a reader of it would meet cells holding nothing).
+            self._first_own_slot()
         with self.writing("creating the arrays of new keys"):
             self._create_arrays(leaves, physical_shape, block_rows, samples=samples)
         grown = schema.with_leaves(leaves)
@@ -456,11 +461,8 @@ class Store:
         # Zeros on disk for every row that holds data there (intact here, or published to
         # readers), so that those rows stay whole with the new keys; rows waiting in RAM get
         # zeros there too (add_key).
-        on_disk = self._ledger.intact | self._ledger.published
         assert self._slots is not None
         committed = self._committed_slots()
-        if on_disk.any():
-            self._first_own_slot()  # (the record says this writer holds its slots first)
         with self.writing("writing zeros into new keys"):
             futures = []
             row_sets = []
