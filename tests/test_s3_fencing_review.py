@@ -29,7 +29,7 @@ from torchrl.data import TensorDictPrioritizedReplayBuffer
 import zarr_rb
 import zarr_rb.api
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb.core.format import Commit, LeaseFloor
+from zarr_rb.core.format import Commit, LeaseFloor, max_ring_capacity
 from zarr_rb.core.ring import SPARE_FACTOR, max_slots
 from zarr_rb.core.store import Store
 from zarr_rb.engine.tensorstore import RowArray
@@ -386,3 +386,29 @@ def test_a_reader_never_sees_a_new_key_before_its_zeros_are_written(
     expected = torch.cat([batch(0, 20), batch(100, 5)])
     expected["extra"] = torch.cat([torch.zeros(20, 3), torch.ones(5, 3)])
     assert_identical(rows_of(s3_url, s3_options), expected)
+
+
+@pytest.mark.parametrize("floor", [5000, max_ring_capacity(CAPACITY)], ids=["far", "too far"])
+def test_a_lease_floor_past_the_slots_of_the_record_is_reached_at_once(s3_url, s3_options, floor):
+    """A record whose writer's slots start far past the slots it names (one a writer
+    starting over with mode='w' leaves after a store of many slots, or a hostile one): the
+    next writer grows the arrays past that floor at once, or gets a typed error when no
+    record may name so many slots; the rows stay readable."""
+    storage, rb = new_writer(s3_url, s3_options)
+    rb.extend(batch(0, CAPACITY))
+    storage.flush()
+    store = storage._store
+    store._lease = LeaseFloor(floor=floor, held=False)
+    store._publish(store._next_commit())
+    store.abandon()
+    storage, rb = new_writer(s3_url, s3_options)
+    try:
+        rb.extend(batch(CAPACITY, 10))
+        storage.flush()
+    except ZarrRBError:
+        storage._store.abandon()
+        assert_identical(rows_of(s3_url, s3_options), batch(0, CAPACITY))
+    else:
+        storage.close()
+        assert_identical(rows_of(s3_url, s3_options)[:10], batch(CAPACITY, 10))
+    assert_identical(rows_of(s3_url, s3_options)[10:], batch(10, CAPACITY - 10))

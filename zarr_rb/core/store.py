@@ -1060,10 +1060,13 @@ class Store:
             return chosen
         # Metadata only (chunks are made as they are written): room for a whole ring more,
         # so that kept saves do not make every write grow the arrays.
-        capacity = max(SPARE_FACTOR * slots.blocks, slots.capacity + max(count, slots.blocks))
+        # (Past this writer's own first slot at once: it may lie far past the record's.)
+        capacity = max(
+            SPARE_FACTOR * slots.blocks, slots.capacity + max(count, slots.blocks), own + count
+        )
         if capacity > max_slots(slots.blocks):
             capacity = max_slots(slots.blocks)
-            if capacity - slots.capacity < count:
+            if capacity - max(own, slots.capacity) < count:
                 raise SlotsExhaustedError(
                     f"store {self.url!r}: its arrays hold {slots.capacity} slots of "
                     f"{slots.block_rows} rows, as many as a record may name (each writer that "
