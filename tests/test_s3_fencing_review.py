@@ -24,7 +24,11 @@ from test_s3_fencing import (
     rows_of,
     stall,
 )
-from torchrl.data import TensorDictPrioritizedReplayBuffer
+from torchrl.data import (
+    LazyTensorStorage,
+    TensorDictPrioritizedReplayBuffer,
+    TensorDictReplayBuffer,
+)
 
 import zarr_rb
 import zarr_rb.api
@@ -412,3 +416,25 @@ def test_a_lease_floor_past_the_slots_of_the_record_is_reached_at_once(s3_url, s
         storage.close()
         assert_identical(rows_of(s3_url, s3_options)[:10], batch(CAPACITY, 10))
     assert_identical(rows_of(s3_url, s3_options)[10:], batch(10, CAPACITY - 10))
+
+
+def test_the_record_saying_a_writer_holds_its_slots_keeps_the_cursor_it_was_moved_to(
+    s3_url, s3_options
+):
+    """A writer on a lease whose first write comes after the buffer's cursor was moved (a
+    TorchRL state loaded into a store holding rows): the record it publishes to hold its
+    slots leaves the rows written since where they are, so the commit after records the
+    cursor loaded, as TorchRL's storage does (reopened, it appends where the twin does)."""
+    storage, rb = new_writer(s3_url, s3_options)
+    rb.extend(batch(0, 40))
+    storage.close()
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
+    twin.extend(batch(100, 10))
+    storage, rb = new_writer(s3_url, s3_options)
+    storage.load_state_dict(twin.storage.state_dict())
+    storage.close()
+    storage, rb = new_writer(s3_url, s3_options)
+    rb.extend(batch(200, 5))
+    twin.extend(batch(200, 5))
+    storage.close()
+    assert_identical(rows_of(s3_url, s3_options), twin[:].exclude("index"))

@@ -1021,7 +1021,7 @@ class Store:
         own = self._own_floor()
         if self._late_writes and not self._holding:
             self._lease = LeaseFloor(floor=own, held=True)
-            self._publish(self._next_commit())
+            self._publish(self._next_commit(), rows=False)
             self._holding = True
         return own
 
@@ -1031,7 +1031,7 @@ class Store:
         if not self._holding:
             return
         self._lease = LeaseFloor(floor=self._own_floor(), held=False)
-        self._publish(self._next_commit())
+        self._publish(self._next_commit(), rows=False)
         self._holding = False
 
     def _next_commit(self) -> Commit:
@@ -1056,7 +1056,7 @@ class Store:
                 # over from this one takes its slots past these (and this one's late
                 # writes, were it stalled, land in slots no one else writes).
                 reserved = reserved.with_capacity(slots.capacity)
-                self._publish(dataclasses.replace(self.committed, slots=reserved))
+                self._publish(dataclasses.replace(self.committed, slots=reserved), rows=False)
             return chosen
         # Metadata only (chunks are made as they are written): room for a whole ring more,
         # so that kept saves do not make every write grow the arrays.
@@ -1077,7 +1077,7 @@ class Store:
             # Readers that know no slot map refuse the store (FormatVersionError) from
             # before its arrays grow, rather than take them for damaged.
             self.meta = dataclasses.replace(self.meta, format=FORMAT_VERSION)
-            self._publish(self.committed)
+            self._publish(self.committed, rows=False)
         with self.writing("adding slots to the arrays"):
             for key in self._leaves:
                 self.array(key).grow_rows(capacity * slots.block_rows)
@@ -1584,7 +1584,10 @@ class Store:
             return None
         return self._slots.copy()
 
-    def _publish(self, commit: Commit, *, saved: Saved | None = None) -> None:
+    def _publish(self, commit: Commit, *, saved: Saved | None = None, rows: bool = True) -> None:
+        """Publish ``commit`` (with ``saved``, the new last save). ``rows=False``: a record
+        published in the middle of a write (slots reserved or held) that commits no row of
+        it: the rows written since the last commit still start where they did."""
         self.ensure_on_disk()
         if self._archive and commit.history is None:
             commit = dataclasses.replace(commit, history=RunMap.empty())
@@ -1598,7 +1601,8 @@ class Store:
             self.engine.write_root_attributes({ATTRS_KEY: meta.to_json()})
         self.meta = meta
         self.committed = commit
-        self._written_from = commit.cursor if self.sharing is None else self.cursor
+        if rows:
+            self._written_from = commit.cursor if self.sharing is None else self.cursor
         self._schema_on_disk = meta.schema
 
     # --- reading ---------------------------------------------------------------------------
