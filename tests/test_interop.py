@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import zlib
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -102,8 +103,14 @@ def rows_with_zarr_python(store_path, key: str) -> np.ndarray:
             slot[first : first + count] = np.arange(where, where + count)
         rows = slot[positions // block_rows] * block_rows + positions % block_rows
     if "runs" in commit:  # a store of several writers: runs of positions, row by row
-        data = base64.b64decode(commit["runs"]["data"])
-        runs = np.frombuffer(zlib.decompress(data), "<i8").reshape(-1, 3)
+        if "pieces" in commit["runs"]:  # a large map: pieces of it, objects of their own
+            data = b"".join(
+                zlib.decompress((Path(store_path) / "maps" / name).read_bytes())
+                for _, name, _ in commit["runs"]["pieces"]
+            )
+        else:
+            data = zlib.decompress(base64.b64decode(commit["runs"]["data"]))
+        runs = np.frombuffer(data, "<i8").reshape(-1, 3)
         run = np.searchsorted(runs[:, 0], positions, side="right") - 1
         rows = runs[run, 1] + positions - runs[run, 0]  # [first position, its row, rows]
     return group[f"data/{key}"].oindex[rows]

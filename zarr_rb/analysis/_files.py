@@ -22,6 +22,7 @@ import numpy as np
 from zarr_rb._io import load_json
 from zarr_rb.analysis._keys import Key, shown
 from zarr_rb.core.format import ATTRS_KEY, LeafSpec, StoreMeta, leaves_by_key, parse_store_meta
+from zarr_rb.core.pieces import FilePieces, MapPieceMissingError
 from zarr_rb.errors import (
     NoEpisodeFlagsError,
     NotAStoreError,
@@ -120,11 +121,22 @@ def _decoded(values: np.ndarray, leaf: LeafSpec) -> np.ndarray:
 def read_meta(root: Path, *, command: Callable[[str], str]) -> StoreMeta:
     """The root record of the store at ``root``, or an error saying what is there instead
     and what to do (``command(path)``: the command line to suggest for another path)."""
-    document = _root_document(root)
-    if not _is_root(document):
-        raise not_a_store(root, command=command)
-    assert document is not None
-    return parse_store_meta(document["attributes"], where=f"store {str(root)!r}")
+    for _ in range(_MOVED_RETRIES):
+        document = _root_document(root)
+        if not _is_root(document):
+            raise not_a_store(root, command=command)
+        assert document is not None
+        try:
+            return parse_store_meta(
+                document["attributes"], where=f"store {str(root)!r}", pieces=FilePieces(root)
+            )
+        except MapPieceMissingError:
+            if _root_document(root) == document:
+                raise  # not a record that moved on: a piece it names is gone
+    raise StoreCorruptedError(f"store {str(root)!r}: its record kept changing while read")
+
+
+_MOVED_RETRIES = 20
 
 
 def check_store(path: Path, *, command: Callable[[str], str]) -> None:

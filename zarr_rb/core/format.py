@@ -26,8 +26,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from zarr_rb.core.pieces import MapPieceMissingError, PieceSource, parse_map
 from zarr_rb.core.ring import SlotMap, invalid_metadata, parse_slot_map
-from zarr_rb.core.runs import RunMap, parse_run_map
+from zarr_rb.core.runs import RunMap
 from zarr_rb.errors import (
     FormatVersionError,
     KeyNameError,
@@ -607,6 +608,13 @@ class StoreMeta:
     versions: Mapping[str, Saved] = dataclasses.field(default_factory=dict)
     """Saves kept by name (``zarr_rb.save(rb, tag=...)``), besides the last one."""
 
+    def run_maps(self) -> list[RunMap]:
+        """Every run map of the record (those kept in pieces name objects of their own)."""
+        commit = self.commit
+        saves = [self.saved, *self.versions.values()]
+        maps = [commit.runs, commit.history, *(saved.runs for saved in saves if saved)]
+        return [runs for runs in maps if runs is not None]
+
     def pinned(self) -> list[Saved]:
         """The saves whose rows the store keeps: the last one and the tagged ones."""
         saves = [self.saved, *self.versions.values()]
@@ -680,7 +688,7 @@ def _parse_int_list(
     return tuple(_parse_int(v, f"{what} entries", lo=lo) for v in value)
 
 
-def parse_commit(value: object, *, rows: int) -> Commit:
+def parse_commit(value: object, *, rows: int, pieces: PieceSource | None = None) -> Commit:
     _expect(isinstance(value, Mapping), "'commit' to be an object", value)
     assert isinstance(value, Mapping)
     length = _parse_int(value.get("length"), "commit length", hi=rows)
@@ -704,8 +712,8 @@ def parse_commit(value: object, *, rows: int) -> Commit:
         ring=parse_ring(value.get("ring"), rows=rows),
         epoch=_parse_int(value.get("epoch", 0), "commit epoch"),
         slots=parse_slot_map(value.get("slots"), rows=rows),
-        runs=parse_run_map(value.get("runs"), rows=rows),
-        history=parse_history(value.get("history")),
+        runs=parse_map(value.get("runs"), rows=rows, pieces=pieces),
+        history=parse_history(value.get("history"), pieces=pieces),
         lease=parse_lease(value.get("lease"), rows=rows),
     )
 
@@ -725,10 +733,10 @@ HISTORY_BOUND = 2**48
 """More rows than any archive's history holds (a bound for parsing records)."""
 
 
-def parse_history(value: object) -> RunMap | None:
+def parse_history(value: object, *, pieces: PieceSource | None = None) -> RunMap | None:
     """An archive's history from the commit record (untrusted): runs from index 0 on, with
     no gap."""
-    history = parse_run_map(value, rows=HISTORY_BOUND)
+    history = parse_map(value, rows=HISTORY_BOUND, pieces=pieces)
     if history is not None and history.holes(history.end):
         raise invalid_metadata("a history whose runs follow each other from index 0", value)
     return history
@@ -780,7 +788,9 @@ def parse_ring(value: object, *, rows: int) -> Ring | None:
     )
 
 
-def parse_saved(value: object, *, max_size: int, rows: int) -> Saved | None:
+def parse_saved(
+    value: object, *, max_size: int, rows: int, pieces: PieceSource | None = None
+) -> Saved | None:
     if value is None:
         return None
     _expect(isinstance(value, Mapping), "'saved' to be an object or null", value)
@@ -808,7 +818,7 @@ def parse_saved(value: object, *, max_size: int, rows: int) -> Saved | None:
         slots=parse_slot_map(value.get("slots"), rows=rows),
         holes=tuple(holes),
         time=float(time),
-        runs=parse_run_map(value.get("runs"), rows=rows),
+        runs=parse_map(value.get("runs"), rows=rows, pieces=pieces),
     )
 
 
@@ -816,7 +826,9 @@ TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 """What a version's tag may be: a name that reads well in a message and a file name."""
 
 
-def parse_versions(value: object, *, max_size: int, rows: int) -> dict[str, Saved]:
+def parse_versions(
+    value: object, *, max_size: int, rows: int, pieces: PieceSource | None = None
+) -> dict[str, Saved]:
     if value is None:
         return {}
     _expect(isinstance(value, Mapping) and len(value) <= 10_000, "'versions' object", value)
@@ -824,7 +836,7 @@ def parse_versions(value: object, *, max_size: int, rows: int) -> dict[str, Save
     out = {}
     for tag, saved in value.items():
         _expect(isinstance(tag, str) and TAG.fullmatch(tag) is not None, "a version tag", tag)
-        parsed = parse_saved(saved, max_size=max_size, rows=rows)
+        parsed = parse_saved(saved, max_size=max_size, rows=rows, pieces=pieces)
         _expect(parsed is not None, f"version {tag!r} to be a save", saved)
         assert parsed is not None
         out[tag] = parsed
@@ -948,8 +960,13 @@ def parse_schema(value: object, *, ndim: int) -> Schema | None:
     )
 
 
-def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
+def parse_store_meta(
+    attributes: Mapping[str, Any], *, where: str, pieces: PieceSource | None = None
+) -> StoreMeta:
     """Validate the root attributes of a store and return them as a :class:`StoreMeta`.
+
+    ``pieces``: where the run maps that the record keeps in pieces are read from (the
+    store's location); without it, a record that keeps one raises.
 
     Raises:
         NotAStoreError: handled by the caller; this function assumes the key exists.
@@ -984,7 +1001,7 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
         _expect(
             (schema is None) == (block_rows is None), "block_rows set with the schema", block_rows
         )
-        commit = parse_commit(value.get("commit"), rows=rows)
+        commit = parse_commit(value.get("commit"), rows=rows, pieces=pieces)
         if commit.slots is not None:
             _expect(
                 fmt >= 3 and commit.slots.block_rows == block_rows,
@@ -1024,9 +1041,13 @@ def parse_store_meta(attributes: Mapping[str, Any], *, where: str) -> StoreMeta:
                 f"a history of rows inside the {bound} rows of the arrays",
                 history.to_json(),
             )
-        saved = parse_saved(value.get("saved"), max_size=max_size, rows=rows)
-        versions = parse_versions(value.get("versions"), max_size=max_size, rows=rows)
+        saved = parse_saved(value.get("saved"), max_size=max_size, rows=rows, pieces=pieces)
+        versions = parse_versions(
+            value.get("versions"), max_size=max_size, rows=rows, pieces=pieces
+        )
         compression = parse_compression(value.get("compression"))
+    except MapPieceMissingError as err:
+        raise MapPieceMissingError(f"{where}: {err}", key=err.key) from None
     except StoreCorruptedError as err:
         raise StoreCorruptedError(f"{where}: {err}") from None
     return StoreMeta(

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from zarr_rb.core.format import ATTRS_KEY, StoreMeta, parse_store_meta
+from zarr_rb.core.pieces import MapPieceMissingError
 from zarr_rb.engine import Engine
 from zarr_rb.errors import NotAStoreError, SchemaMismatchError, StoreCorruptedError
 
@@ -33,11 +34,39 @@ def check_is_store(document: dict[str, Any], where: str) -> None:
 
 
 def parse_meta(
-    document: dict[str, Any], where: str, *, max_size: int | None, ndim: int | None
+    document: dict[str, Any],
+    where: str,
+    *,
+    max_size: int | None,
+    ndim: int | None,
+    engine: Engine,
+    adopt: bool = False,
 ) -> StoreMeta:
-    return check_meta(
-        parse_store_meta(document["attributes"], where=where), where, max_size=max_size, ndim=ndim
-    )
+    meta = parse_record(document, where, engine=engine, adopt=adopt)
+    return check_meta(meta, where, max_size=max_size, ndim=ndim)
+
+
+_MOVED_RETRIES = 20
+
+
+def parse_record(
+    document: dict[str, Any], where: str, *, engine: Engine, adopt: bool = False
+) -> StoreMeta:
+    """The record ``document`` (read from ``engine``), its run maps read from the pieces it
+    names. A piece that is gone means the record moved since it was read (the writer that
+    replaced it deleted the pieces it no longer names): the record is read again (with
+    ``adopt``, as it was read). A piece missing from the record as it is now is damage.
+    """
+    for _ in range(_MOVED_RETRIES):
+        try:
+            return parse_store_meta(document["attributes"], where=where, pieces=engine.location)
+        except MapPieceMissingError:
+            again = read_root(engine, adopt=adopt)
+            if again is None or again == document:
+                raise
+            check_is_store(again, where)
+            document = again
+    return parse_store_meta(document["attributes"], where=where, pieces=engine.location)
 
 
 def capacity_of(meta: StoreMeta) -> int:

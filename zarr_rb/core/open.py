@@ -22,11 +22,10 @@ from zarr_rb.core.format import (
     Commit,
     Ring,
     StoreMeta,
-    parse_store_meta,
 )
 from zarr_rb.core.history import as_history
 from zarr_rb.core.layout import Compression
-from zarr_rb.core.metadata import check_is_store, check_meta, parse_meta, read_root
+from zarr_rb.core.metadata import check_is_store, check_meta, parse_meta, parse_record, read_root
 from zarr_rb.core.sharing import Sharing, new_writer_id
 from zarr_rb.core.store import Store
 from zarr_rb.engine import Engine
@@ -144,7 +143,9 @@ def open_store(
     if mode == "r":
         if document is None:
             raise StoreNotFoundError(f"no zarr_rb store at {location.url!r}")
-        meta = parse_meta(document, where, max_size=None if history else max_size, ndim=ndim)
+        meta = parse_meta(
+            document, where, max_size=None if history else max_size, ndim=ndim, engine=engine
+        )
         compression = _compression_of(meta, compression, where)
         if history:
             meta = as_history(meta, where)
@@ -271,7 +272,7 @@ def _open_shared(
             document = read_root(engine, adopt=True)
             assert document is not None
         check_is_store(document, where)
-        meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
+        meta = parse_meta(document, where, max_size=max_size, ndim=ndim, engine=engine, adopt=True)
         if meta.commit.ring is not None:
             # Its arrays may still be being created by the writer that set its schema:
             # the schema is taken (and missing arrays created) as the store is joined.
@@ -341,7 +342,9 @@ def _open_locked(
         if mode == "w-":
             raise _exists_error(where)
         if mode != "w":
-            meta = parse_meta(document, where, max_size=max_size, ndim=ndim)
+            meta = parse_meta(
+                document, where, max_size=max_size, ndim=ndim, engine=engine, adopt=True
+            )
             if meta.schema is None and compression is not None:
                 # Nothing was written with the recorded settings yet: take the new ones.
                 meta = dataclasses.replace(meta, compression=compression.to_json())
@@ -360,7 +363,7 @@ def _open_locked(
                 # this writer commits as they do (alone, under its own lock).
                 Sharing.start(store, new_writer_id())
             return store
-        old = parse_store_meta(document["attributes"], where=where)
+        old = parse_record(document, where, engine=engine, adopt=True)
         max_size = old.max_size if max_size is None else max_size
         ndim = old.ndim if ndim is None else ndim
         generation = old.commit.generation + 1

@@ -13,17 +13,19 @@ pieces: ``{"runs": n, "span": span, "pieces": [[k, name, runs], ...]}``. See
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 import secrets
 import threading
 import zlib
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from zarr_rb.core.ring import invalid_metadata
 from zarr_rb.core import runs as _runs
+from zarr_rb.core.ring import invalid_metadata
 from zarr_rb.core.runs import RunMap, merged_runs, parse_run_map
 from zarr_rb.errors import StoreCorruptedError
 
@@ -42,6 +44,22 @@ class PieceSource(Protocol):
     def read(self, key: str) -> bytes | None: ...
 
     def identity(self) -> tuple[str, ...]: ...
+
+
+class FilePieces:
+    """The pieces of the store at ``root`` on a local disk, read as files (by readers that
+    read the store's files without its location)."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+
+    def read(self, key: str) -> bytes | None:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            return (self._root / key).read_bytes()
+        return None
+
+    def identity(self) -> tuple[str, ...]:
+        return ("files", str(self._root))
 
 
 class MapPieceMissingError(StoreCorruptedError):
@@ -74,6 +92,16 @@ def store_pieces(maps: Iterable[RunMap | None], write: Callable[[str, bytes], ob
             runs.names[k] = (name, len(piece))
             written.append(key)
     return written
+
+
+def forget_pieces(maps: Iterable[RunMap | None], keys: Iterable[str]) -> None:
+    """The pieces ``keys`` are not stored after all (their record was not published, and
+    they are deleted): ``maps`` no longer name them (a next record writes them again)."""
+    names = {key.rpartition("/")[2] for key in keys}
+    for runs in maps:
+        if runs is not None:
+            for k in [k for k, (name, _) in runs.names.items() if name in names]:
+                del runs.names[k]
 
 
 def piece_keys(maps: Iterable[RunMap | None]) -> set[str]:

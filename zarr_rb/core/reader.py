@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from zarr_rb.core.format import Commit, Schema, leaves_by_key, parse_store_meta, preview_rows
-from zarr_rb.core.metadata import check_is_store, read_root
+from zarr_rb.core.format import Commit, Schema, leaves_by_key, preview_rows
+from zarr_rb.core.metadata import check_is_store, parse_record, read_root
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError, VersionNotFoundError
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ def reread_commit(store: Store) -> Commit:
     if document is None:
         raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
     check_is_store(document, where)
-    meta = parse_store_meta(document["attributes"], where=where)
+    meta = parse_record(document, where, engine=store.engine)
     if store.history:
         return store.committed  # a history only grows: what it read stays (open it again)
     if (meta.max_size, meta.ndim) != (store.meta.max_size, store.meta.ndim) or not _grows(

@@ -54,9 +54,9 @@ from zarr_rb.core.format import (
     Schema,
     StoreMeta,
     max_ring_capacity,
-    parse_store_meta,
 )
-from zarr_rb.core.metadata import check_is_store, read_root
+from zarr_rb.core.metadata import check_is_store, parse_record, read_root
+from zarr_rb.core.pieces import forget_pieces
 from zarr_rb.core.ring import SlotMap
 from zarr_rb.core.runs import RunMap
 from zarr_rb.errors import (
@@ -189,9 +189,16 @@ class Sharing:
                 edited = dataclasses.replace(edited, commit=commit)
                 store.check_hold()
                 with store.writing("publishing a commit"):
+                    written = store.store_pieces(edited)
                     if store.engine.try_write_root_attributes({ATTRS_KEY: edited.to_json()}):
+                        store.drop_pieces(meta, edited)
                         self.adopt(edited)
                         return edited
+                    # Named by this attempt alone: no record names them, no other writer
+                    # knows them.
+                    forget_pieces(edited.run_maps(), written)
+                    for key in written:
+                        store.engine.location.delete(key)
             except ServerBusyError:
                 # Object stores may answer many conditional writes of one object at once
                 # with server errors: the record is read again, the edit applied again.
@@ -208,7 +215,7 @@ class Sharing:
         if document is None:
             raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
         check_is_store(document, where)
-        return parse_store_meta(document["attributes"], where=where)
+        return parse_record(document, where, engine=self.store.engine, adopt=True)
 
     def refresh(self) -> None:
         """Pick up what other writers committed (one read of the record, no more when it

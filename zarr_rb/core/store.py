@@ -52,6 +52,7 @@ from zarr_rb.core.format import (
 from zarr_rb.core.history import Extended
 from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb.core.ledger import Ledger
+from zarr_rb.core.pieces import piece_keys, store_pieces
 from zarr_rb.core.reader import read_committed, reread_commit
 from zarr_rb.core.ring import SPARE_FACTOR, SlotMap, max_slots
 from zarr_rb.core.runs import RunMap
@@ -1598,12 +1599,26 @@ class Store:
             meta = dataclasses.replace(meta, saved=saved)
         self.check_hold()
         with self.writing("publishing a commit"):
+            self.store_pieces(meta)  # (a failed publish leaves them: garbage, see collect)
             self.engine.write_root_attributes({ATTRS_KEY: meta.to_json()})
+            self.drop_pieces(self.meta, meta)
         self.meta = meta
         self.committed = commit
         if rows:
             self._written_from = commit.cursor if self.sharing is None else self.cursor
         self._schema_on_disk = meta.schema
+
+    def store_pieces(self, meta: StoreMeta) -> list[str]:
+        """Write the pieces of the run maps of ``meta`` that its record will name and that
+        are not stored yet (before the record that names them). Returns their keys."""
+        return store_pieces(meta.run_maps(), self.engine.location.write)
+
+    def drop_pieces(self, before: StoreMeta, after: StoreMeta) -> None:
+        """Delete the pieces that the record ``before`` named and ``after``, which replaced
+        it, does not (a reader of ``before`` that meets one gone reads the record again)."""
+        stale = piece_keys(before.run_maps()) - piece_keys(after.run_maps())
+        for key in sorted(stale):
+            self.engine.location.delete(key)
 
     # --- reading ---------------------------------------------------------------------------
 

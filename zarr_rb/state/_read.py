@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from zarr_rb.core.format import Saved, parse_store_meta
-from zarr_rb.core.metadata import check_is_store, read_root
+from zarr_rb.core.format import Saved
+from zarr_rb.core.metadata import check_is_store, parse_record, read_root
 from zarr_rb.engine import Engine
 from zarr_rb.errors import NoSavedBufferError, StateChangedError, StoreCorruptedError
 from zarr_rb.state._node import StateNode
@@ -87,7 +87,7 @@ def _named(engine: Engine, saved: Saved) -> bool:
     if document is None:
         raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
     check_is_store(document, where)
-    meta = parse_store_meta(document["attributes"], where=where)
+    meta = parse_record(document, where, engine=engine)
     if meta.saved is None and not meta.versions:
         raise NoSavedBufferError(f"{where}: its saved buffer was removed while it was loaded")
     return saved in (meta.saved, *meta.versions.values())
