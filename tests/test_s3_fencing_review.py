@@ -403,7 +403,7 @@ def test_a_lease_floor_past_the_slots_of_the_record_is_reached_at_once(s3_url, s
     storage.flush()
     store = storage._store
     store._lease = LeaseFloor(floor=floor, held=False)
-    store._publish(store._next_commit())
+    store._publish(store.committed, rows=False)
     store.abandon()
     storage, rb = new_writer(s3_url, s3_options)
     try:

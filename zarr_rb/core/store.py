@@ -1022,7 +1022,7 @@ class Store:
         own = self._own_floor()
         if self._late_writes and not self._holding:
             self._lease = LeaseFloor(floor=own, held=True)
-            self._publish(self._next_commit(), rows=False)
+            self._publish(self.committed, rows=False)
             self._holding = True
         return own
 
@@ -1032,12 +1032,8 @@ class Store:
         if not self._holding:
             return
         self._lease = LeaseFloor(floor=self._own_floor(), held=False)
-        self._publish(self._next_commit(), rows=False)
+        self._publish(self.committed, rows=False)
         self._holding = False
-
-    def _next_commit(self) -> Commit:
-        """The last commit again, as the next one (a record that changes no row)."""
-        return dataclasses.replace(self.committed, generation=self.committed.generation + 1)
 
     def _free_slots(self, count: int) -> np.ndarray:
         """``count`` slots of this writer that neither the last commit nor the writer's
@@ -1588,7 +1584,9 @@ class Store:
     def _publish(self, commit: Commit, *, saved: Saved | None = None, rows: bool = True) -> None:
         """Publish ``commit`` (with ``saved``, the new last save). ``rows=False``: a record
         published in the middle of a write (slots reserved or held) that commits no row of
-        it: the rows written since the last commit still start where they did."""
+        it: the rows written since the last commit still start where they did. (Such a
+        record keeps the commit's generation: readers, which compare generations, see no
+        change, and there is none for them.)"""
         self.ensure_on_disk()
         if self._archive and commit.history is None:
             commit = dataclasses.replace(commit, history=RunMap.empty())
