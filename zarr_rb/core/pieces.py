@@ -26,7 +26,7 @@ import numpy as np
 
 from zarr_rb.core import runs as _runs
 from zarr_rb.core.ring import invalid_metadata
-from zarr_rb.core.runs import RunMap, merged_runs, parse_run_map
+from zarr_rb.core.runs import RunMap, parse_run_map
 from zarr_rb.errors import StoreCorruptedError
 
 MAPS_GROUP = "maps"
@@ -172,11 +172,27 @@ def _assembled(
     if known is not None:
         return known
     arrays = [_piece(source, span, k, name, count) for k, name, count in parsed]
-    runs = np.concatenate(arrays) if arrays else np.empty((0, 3), np.int64)
-    if runs.size and int((runs[:, 0] + runs[:, 2]).max()) > rows:
+    if not arrays:
+        arrays = [np.empty((0, 3), np.int64)]
+    starts, firsts, counts = (np.concatenate([a[:, c] for a in arrays]) for c in range(3))
+    if starts.size and int(starts[-1] + counts[-1]) > rows:
         raise invalid_metadata(f"map pieces inside [0, {rows})", parsed[-1])
+    # Each piece holds its runs merged; a run cut at a piece's bound joins again.
+    bounds = np.cumsum([len(a) for a in arrays])[:-1]
+    bounds = bounds[(bounds > 0) & (bounds < starts.size)]
+    before = bounds - 1
+    join = (starts[bounds] == starts[before] + counts[before]) & (
+        firsts[bounds] == firsts[before] + counts[before]
+    )
+    if join.any():
+        joined = bounds[join]
+        for at in joined[::-1].tolist():  # (backwards: a run cut into several joins whole)
+            counts[at - 1] += counts[at]
+        keep = np.ones(starts.size, dtype=bool)
+        keep[joined] = False
+        starts, firsts, counts = starts[keep], firsts[keep], counts[keep]
     names = {k: (name, count) for k, name, count in parsed}
-    out = RunMap(merged_runs(runs), span=span, names=names)
+    out = RunMap.from_columns(starts, firsts, counts, span=span, names=names)
     with _CACHE_LOCK:
         _ASSEMBLED[key] = out
         while len(_ASSEMBLED) > _ASSEMBLED_MAPS:

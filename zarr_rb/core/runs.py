@@ -68,12 +68,30 @@ class RunMap:
         for array in (self.starts, self.firsts, self.counts, self._ends):
             array.flags.writeable = False  # shared by every record that decodes to it
 
+    @classmethod
+    def from_columns(
+        cls,
+        starts: np.ndarray,
+        firsts: np.ndarray,
+        counts: np.ndarray,
+        *,
+        span: int = 0,
+        names: dict[int, tuple[str, int]] | None = None,
+    ) -> RunMap:
+        """The map of runs ``[starts, firsts, counts]`` (sorted, disjoint, merged)."""
+        out = cls(_EMPTY, span=span, names=names)
+        out._columns(starts, firsts, counts)
+        return out
+
     def _derived(self, runs: np.ndarray, changed: np.ndarray) -> RunMap:
         """A map of ``runs`` that differs from this one in the pieces ``changed`` only (it
         keeps the names of the others)."""
+        return RunMap(runs, span=self.span, names=self._names_but(changed))
+
+    def _names_but(self, changed: np.ndarray) -> dict[int, tuple[str, int]]:
+        """The names of the pieces but those ``changed``."""
         changed_set = set(np.unique(changed).tolist())
-        names = {k: v for k, v in self.names.items() if k not in changed_set}
-        return RunMap(runs, span=self.span, names=names)
+        return {k: v for k, v in self.names.items() if k not in changed_set}
 
     @classmethod
     def empty(cls) -> RunMap:
@@ -138,8 +156,19 @@ class RunMap:
         mapped = physical >= 0
         middle = np.concatenate([kept, _compress(positions[mapped], physical[mapped])])
         middle = middle[np.argsort(middle[:, 0], kind="stable")]
-        runs = np.concatenate([self.runs_slice(0, i), middle, self.runs_slice(j, len(self))])
-        return self._derived(merged_runs(runs), positions // self.span)
+        # The runs around are merged already: only the middle and its two neighbours may
+        # join.
+        left, right = max(i - 1, 0), min(j + 1, len(self))
+        middle = merged_runs(
+            np.concatenate([self.runs_slice(left, i), middle, self.runs_slice(j, right)])
+        )
+        return RunMap.from_columns(
+            np.concatenate([self.starts[:left], middle[:, 0], self.starts[right:]]),
+            np.concatenate([self.firsts[:left], middle[:, 1], self.firsts[right:]]),
+            np.concatenate([self.counts[:left], middle[:, 2], self.counts[right:]]),
+            span=self.span,
+            names=self._names_but(positions // self.span),
+        )
 
     def runs_slice(self, start: int, stop: int) -> np.ndarray:
         """Runs ``start`` to ``stop`` (in position order), as ``[runs, 3]``."""
@@ -154,10 +183,13 @@ class RunMap:
         if self._held is None:
             first = self.starts // self.span
             last = (self._ends - 1) // self.span
-            if (last == first).all():
-                self._held = np.unique(first)
-            else:
-                self._held = np.unique(_spread(first, last - first + 1))
+            # (Runs are sorted and disjoint: so are their first pieces, repeats together.)
+            held = first[np.concatenate(([True], first[1:] != first[:-1]))]
+            crossing = last > first
+            if crossing.any():  # and the pieces the runs that cross a bound reach into
+                more = _spread(first[crossing] + 1, (last - first)[crossing])
+                held = np.union1d(held, more)
+            self._held = held
         return self._held
 
     def piece(self, k: int) -> np.ndarray:
@@ -393,13 +425,13 @@ def merged_runs(runs: np.ndarray) -> np.ndarray:
     """Sorted runs with each run that goes on where the one before ends joined to it."""
     if len(runs) < 2:
         return runs
-    ends = runs[:-1, 0] + runs[:-1, 2]
-    continues = (runs[1:, 0] == ends) & (runs[1:, 1] == runs[:-1, 1] + runs[:-1, 2])
+    starts, firsts, counts = runs[:, 0], runs[:, 1], runs[:, 2]
+    continues = (starts[1:] == starts[:-1] + counts[:-1]) & (
+        firsts[1:] == firsts[:-1] + counts[:-1]
+    )
     if not continues.any():
         return runs
-    heads = np.concatenate(([True], ~continues))
-    group = np.cumsum(heads) - 1
-    counts = np.bincount(group, weights=runs[:, 2]).astype(np.int64)
-    merged = runs[heads].copy()
-    merged[:, 2] = counts
+    heads = np.flatnonzero(np.concatenate(([True], ~continues)))
+    merged = runs[heads]
+    merged[:, 2] = np.add.reduceat(counts, heads)
     return merged
