@@ -438,3 +438,37 @@ def test_the_record_saying_a_writer_holds_its_slots_keeps_the_cursor_it_was_move
     twin.extend(batch(200, 5))
     storage.close()
     assert_identical(rows_of(s3_url, s3_options), twin[:].exclude("index"))
+
+
+def test_saves_stay_out_of_the_groups_of_every_writer_that_may_still_save_late(s3_url, s3_options):
+    """Writers on S3 taken over one after the other while each was saving (killed or
+    stalled, the record says they held the store): each one's next state group is where
+    its late writes land, and no save of a writer after it, two holders later or more,
+    writes there. A writer that closed cleanly leaves nothing in flight."""
+    pending: list[int] = []
+    for step in range(3):
+        storage, rb = new_writer(s3_url, s3_options)
+        rb.extend(batch(step * 10, 10))
+        store = storage._store
+        assert store.take_save_slot() not in pending
+        zarr_rb.save(rb, progress=False)  # a save it made, which the record names
+        pending.append(store.take_save_slot())  # the next one starts: it stalls there
+        store.abandon()  # (the record says it holds the store)
+    storage, rb = new_writer(s3_url, s3_options)
+    rb.extend(batch(30, 10))
+    zarr_rb.save(rb, progress=False)
+    saved = commit_of_meta(s3_url, s3_options).saved
+    assert saved is not None
+    assert saved.slot not in pending
+    storage.close()  # a clean close: the next writer avoids the same groups, no more
+    storage, _ = new_writer(s3_url, s3_options)
+    assert storage._store._avoided_saves >= set(pending[1::2])
+    storage.close()
+
+
+def commit_of_meta(url: str, options: dict):
+    reader = ZarrStorage(path=url, read_only=True, storage_options=options)
+    try:
+        return reader._store.meta
+    finally:
+        reader.close()

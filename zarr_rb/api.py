@@ -147,8 +147,8 @@ def _save_into(rb: Any, store: Store, saved: Saved, *, tag: str | None = None) -
         )
     # A group of its own: the previous save stays intact until the new root record, which
     # names the new group, is published.
-    saved = dataclasses.replace(saved, slot=store.next_save_slot())
     store.ensure_on_disk()  # a save is a write: it makes a new store
+    saved = dataclasses.replace(saved, slot=store.take_save_slot())
     store.check_hold()  # the group may be a newer writer's save
     with store.writing("saving the buffer state"):
         save_buffer(rb, store.engine, saved.group)

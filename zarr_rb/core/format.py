@@ -433,9 +433,15 @@ class LeaseFloor:
 
     floor: int = 0
     held: bool = True
+    avoid: tuple[int, ...] = ()
+    """State groups no save writes into: those a writer that held the store before may
+    still write late (the group it would have saved into next, were it stalled)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"floor": self.floor, "held": self.held}
+        record: dict[str, Any] = {"floor": self.floor, "held": self.held}
+        if self.avoid:
+            record["avoid"] = list(self.avoid)
+        return record
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -726,7 +732,13 @@ def parse_lease(value: object, *, rows: int) -> LeaseFloor | None:
     held = value.get("held")
     _expect(isinstance(held, bool), "lease held to be true or false", held)
     floor = _parse_int(value.get("floor"), "lease floor", hi=max_ring_capacity(rows))
-    return LeaseFloor(floor=floor, held=bool(held))
+    avoid = _parse_int_list(value.get("avoid", []), "lease avoid", max_len=_MAX_AVOIDED)
+    return LeaseFloor(floor=floor, held=bool(held), avoid=avoid)
+
+
+_MAX_AVOIDED = 100_000
+"""State groups a record may keep saves out of (one per writer that took the store over
+from one that did not close cleanly)."""
 
 
 HISTORY_BOUND = 2**48

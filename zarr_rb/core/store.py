@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import mmap
 import threading
@@ -194,14 +195,19 @@ class Store:
         the next commit moves the epoch."""
         self.pinned: Saved | None = None
         """A reader's save whose rows it reads (a loaded save), until :meth:`refresh`."""
-        self._predecessor_save_slot: int | None = None
-        """The state group a writer that held the store before this one would save into
-        next (a lease it may have lost while saving: its late writes may land there), as
-        the record this one took the store over at names it: this writer never saves
-        there."""
+        self._avoided_saves: set[int] = set()
+        """State groups this writer never saves into: those writers that held the store
+        before it may still write late (a lease lost while saving), as the record this one
+        took the store over at names them (see :class:`LeaseFloor`)."""
         if lock is not None and lock.late_writes and not read_only:
-            named = self._named_save_slots()
-            self._predecessor_save_slot = min(set(range(len(named) + 1)) - named)
+            lease = meta.commit.lease
+            avoided = set(lease.avoid) if lease is not None else set()
+            if lease is None or lease.held:
+                # The writer before may have stalled while saving: into the group it
+                # saves into next, which this record tells.
+                named = self._named_save_slots() | avoided
+                avoided.add(next(slot for slot in itertools.count() if slot not in named))
+            self._avoided_saves = avoided
         self._known_empty: np.ndarray | None = None
         """Slots that held no object when :meth:`collect` last ran and were not handed
         out since (``None``: not known; the next collection lists the arrays)."""
@@ -1021,7 +1027,7 @@ class Store:
         that takes the store over from this one (were it to stall) starts past them."""
         own = self._own_floor()
         if self._late_writes and not self._holding:
-            self._lease = LeaseFloor(floor=own, held=True)
+            self._lease = LeaseFloor(floor=own, held=True, avoid=self._avoid())
             self._publish(self.committed, rows=False)
             self._holding = True
         return own
@@ -1031,9 +1037,12 @@ class Store:
         takes its slots again, from the same floor."""
         if not self._holding:
             return
-        self._lease = LeaseFloor(floor=self._own_floor(), held=False)
+        self._lease = LeaseFloor(floor=self._own_floor(), held=False, avoid=self._avoid())
         self._publish(self.committed, rows=False)
         self._holding = False
+
+    def _avoid(self) -> tuple[int, ...]:
+        return tuple(sorted(self._avoided_saves))
 
     def _free_slots(self, count: int) -> np.ndarray:
         """``count`` slots of this writer that neither the last commit nor the writer's
@@ -1517,8 +1526,15 @@ class Store:
         named = self._named_save_slots()
         if self.sharing is not None:
             return self.sharing.new_save_slot(named)
-        avoided = self._predecessor_save_slot
-        return next(slot for slot in range(len(named) + 2) if slot not in {*named, avoided})
+        taken = named | self._avoided_saves
+        return next(slot for slot in itertools.count() if slot not in taken)
+
+    def take_save_slot(self) -> int:
+        """:meth:`next_save_slot`, for a save about to write its state: a writer on a lease
+        first records that it holds the store (a writer that takes it over from this one,
+        were it to stall while saving, then keeps its saves out of that group)."""
+        self._first_own_slot()
+        return self.next_save_slot()
 
     def _named_save_slots(self) -> set[int]:
         saves = [self.meta.saved, *self.meta.versions.values()]
