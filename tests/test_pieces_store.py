@@ -232,3 +232,39 @@ TestSharedWritersInPieces.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+class _KilledError(Exception):
+    pass
+
+
+def test_pieces_a_crash_left_before_their_record_go_with_the_next_writers_commit(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "rb.zarr"
+    twin = LazyTensorStorage(32)
+    writers = interleaved(path, 8, twin)
+    crashed = writers[0]
+    store = crashed._store
+    original, wrote = store.store_pieces, []
+
+    def pieces_then_killed(meta):
+        wrote.extend(original(meta))
+        if wrote:
+            raise _KilledError  # between its pieces and its record
+        return []
+
+    monkeypatch.setattr(store, "store_pieces", pieces_then_killed)
+    with pytest.raises(_KilledError):
+        crashed.set(torch.arange(3), steps(800, 3))
+    crashed._store.abandon()
+    left = stored_pieces(path) - named_pieces(path)
+    assert left
+    joined = ZarrStorage(path=path, mode="r+", shared=True)
+    assert stored_pieces(path) - named_pieces(path) == left  # (opening deletes nothing)
+    joined.set(torch.arange(2), steps(900, 2))
+    assert stored_pieces(path) == named_pieces(path)
+    twin.set((torch.arange(2) + 40) % 32, steps(900, 2))
+    assert torch.equal(joined.get(torch.arange(32))["step"], twin.get(torch.arange(32))["step"])
+    joined.close()
+    writers[1].close()

@@ -94,6 +94,12 @@ def store_pieces(maps: Iterable[RunMap | None], write: Callable[[str, bytes], ob
     return written
 
 
+def is_piece_key(key: str) -> bool:
+    """Whether ``key`` names a piece (not a temporary of one being written)."""
+    group, _, name = key.partition("/")
+    return group == MAPS_GROUP and _NAME.fullmatch(name) is not None
+
+
 def forget_pieces(maps: Iterable[RunMap | None], keys: Iterable[str]) -> None:
     """The pieces ``keys`` are not stored after all (their record was not published, and
     they are deleted): ``maps`` no longer name them (a next record writes them again)."""

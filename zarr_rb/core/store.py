@@ -53,7 +53,7 @@ from zarr_rb.core.format import (
 from zarr_rb.core.history import Extended
 from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb.core.ledger import Ledger
-from zarr_rb.core.pieces import piece_keys, store_pieces
+from zarr_rb.core.pieces import MAPS_GROUP, is_piece_key, piece_keys, store_pieces
 from zarr_rb.core.reader import read_committed, reread_commit
 from zarr_rb.core.ring import SPARE_FACTOR, SlotMap, max_slots
 from zarr_rb.core.runs import RunMap
@@ -195,6 +195,15 @@ class Store:
         the next commit moves the epoch."""
         self.pinned: Saved | None = None
         """A reader's save whose rows it reads (a loaded save), until :meth:`refresh`."""
+        self._listed_pieces: set[str] = set()
+        """Map pieces that were in the store when this writer opened it and that no record
+        named then, or named since: those a writer that crashed between its pieces and its
+        record left. Deleted after this writer's first commit (any writer whose pieces
+        they are lost its swap to it)."""
+        if not read_only and create is None:  # (a store on disk, opened to write)
+            listed = engine.location.list(MAPS_GROUP)
+            self._listed_pieces = {key for key in listed if is_piece_key(key)}
+            self._listed_pieces -= piece_keys(meta.run_maps())
         self._avoided_saves: set[int] = set()
         """State groups this writer never saves into: those writers that held the store
         before it may still write late (a lease lost while saving), as the record this one
@@ -1630,7 +1639,14 @@ class Store:
     def drop_pieces(self, before: StoreMeta, after: StoreMeta) -> None:
         """Delete the pieces that the record ``before`` named and ``after``, which replaced
         it, does not (a reader of ``before`` that meets one gone reads the record again)."""
-        stale = piece_keys(before.run_maps()) - piece_keys(after.run_maps())
+        named = piece_keys(after.run_maps())
+        stale = piece_keys(before.run_maps()) - named
+        if self._listed_pieces:
+            # Listed before the record that ``after`` replaced was read: a writer that
+            # wrote them for a swap of its own against that record, or an earlier one,
+            # lost it to this one.
+            stale |= self._listed_pieces - named
+            self._listed_pieces = set()
         for key in sorted(stale):
             self.engine.location.delete(key)
 
