@@ -268,3 +268,30 @@ def test_pieces_a_crash_left_before_their_record_go_with_the_next_writers_commit
     assert torch.equal(joined.get(torch.arange(32))["step"], twin.get(torch.arange(32))["step"])
     joined.close()
     writers[1].close()
+
+
+def test_a_map_kept_inline_for_a_while_writes_its_pieces_again_when_it_grows(tmp_path, monkeypatch):
+    # A record that keeps the map inline names no piece: the pieces of the record before
+    # are deleted, and a map that grows past the bound again must not name them.
+    monkeypatch.setattr(runs_module, "INLINE_RUNS", 6)
+    path = tmp_path / "rb.zarr"
+    twin = LazyTensorStorage(32)
+    writers = interleaved(path, 8, twin)
+    cursor, inline = 8, False
+    for n, writer in [(20, 0), (5, 0), (5, 1), (5, 0), (5, 1)]:
+        data = steps(1000 + cursor, n)
+        writers[writer].set(torch.arange(n), data)
+        twin.set((cursor + torch.arange(n)) % 32, data)
+        cursor = (cursor + n) % 32
+        record = json.loads((path / "zarr.json").read_text())["attributes"]["zarr_rb"]
+        inline |= "pieces" not in record["commit"]["runs"]
+        assert named_pieces(path) <= stored_pieces(path)
+    assert inline
+    assert "pieces" in record["commit"]["runs"]
+    pieces_module._ASSEMBLED.clear()
+    pieces_module._DECODED.clear()
+    reader = ZarrStorage(path=path, read_only=True)
+    assert torch.equal(reader.get(torch.arange(32))["step"], twin.get(torch.arange(32))["step"])
+    reader.close()
+    for writer in writers:
+        writer.close()

@@ -89,7 +89,11 @@ class RunMap:
         return RunMap(runs, span=self.span, names=self._names_but(changed))
 
     def _names_but(self, changed: np.ndarray) -> dict[int, tuple[str, int]]:
-        """The names of the pieces but those ``changed``."""
+        """The names of the pieces but those ``changed`` (none while the map is small enough
+        to keep inline: the record that keeps it so names no piece, and the one it replaced
+        had its pieces deleted)."""
+        if len(self) <= INLINE_RUNS:
+            return {}
         changed_set = set(np.unique(changed).tolist())
         return {k: v for k, v in self.names.items() if k not in changed_set}
 
