@@ -41,6 +41,7 @@ from zarr_rb.core import runs as runs_module
 from zarr_rb.core.metadata import parse_record, read_root
 from zarr_rb.core.pieces import MAPS_GROUP, MapPieceMissingError, piece_keys
 from zarr_rb.engine import Engine
+from zarr_rb.errors import StoreCorruptedError
 from zarr_rb.locations.local import LocalLocation
 
 SPAN = 4
@@ -295,3 +296,22 @@ def test_a_map_kept_inline_for_a_while_writes_its_pieces_again_when_it_grows(tmp
     reader.close()
     for writer in writers:
         writer.close()
+
+
+def test_a_record_that_names_a_piece_read_before_at_another_place_is_damage(tmp_path):
+    path = tmp_path / "rb.zarr"
+    twin = LazyTensorStorage(32)
+    for writer in interleaved(path, 8, twin):
+        writer.close()
+    reader = ZarrStorage(path=path, read_only=True)  # (its pieces are decoded, and kept)
+    assert torch.equal(reader.get(torch.arange(32))["step"], twin.get(torch.arange(32))["step"])
+    reader.close()
+    document = json.loads((path / "zarr.json").read_text())
+    entries = document["attributes"]["zarr_rb"]["commit"]["runs"]["pieces"]
+    first, other = next(
+        (a, b) for a in entries for b in entries if a[0] < b[0] and a[2] == b[2]
+    )  # two pieces of as many runs, their names swapped
+    first[1], other[1] = other[1], first[1]
+    (path / "zarr.json").write_text(json.dumps(document))
+    with pytest.raises(StoreCorruptedError, match=MAPS_GROUP):
+        ZarrStorage(path=path, read_only=True)

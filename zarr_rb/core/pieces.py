@@ -207,9 +207,10 @@ def _assembled(
 
 
 def _piece(source: PieceSource, span: int, k: int, name: str, count: int) -> np.ndarray:
-    """Piece ``k`` as object ``name`` holds it (decoded once per name and source)."""
+    """Piece ``k`` as object ``name`` holds it (decoded once per name and source, and
+    checked once per place: a damaged record may name a piece read before at another)."""
     global _decoded_bytes
-    key = (source.identity(), name)
+    key = (source.identity(), name, k, span)
     with _CACHE_LOCK:
         known = _DECODED.get(key)
     if known is None:
