@@ -9,12 +9,15 @@ pieces (imported below): each checks its store against TorchRL's storages as it 
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -314,4 +317,28 @@ def test_a_record_that_names_a_piece_read_before_at_another_place_is_damage(tmp_
     first[1], other[1] = other[1], first[1]
     (path / "zarr.json").write_text(json.dumps(document))
     with pytest.raises(StoreCorruptedError, match=MAPS_GROUP):
+        ZarrStorage(path=path, read_only=True)
+
+
+@pytest.mark.parametrize("inline_runs", [0, 100], ids=["pieces", "inline"])
+def test_a_run_whose_end_overflows_int64_is_damage(tmp_path, monkeypatch, inline_runs):
+    monkeypatch.setattr(runs_module, "INLINE_RUNS", inline_runs)
+    path = tmp_path / "rb.zarr"
+    for writer in interleaved(path, 8, LazyTensorStorage(32)):
+        writer.close()
+    document = json.loads((path / "zarr.json").read_text())
+    record = document["attributes"]["zarr_rb"]["commit"]["runs"]
+    where = path / MAPS_GROUP / record["pieces"][-1][1] if "pieces" in record else None
+    raw = zlib.decompress(where.read_bytes() if where else base64.b64decode(record["data"]))
+    runs = np.frombuffer(raw, "<i8").reshape(-1, 3).copy()
+    runs[-1, 2] = np.iinfo(np.int64).max - runs[-1, 0] + 5  # its end wraps around, negative
+    damaged = zlib.compress(runs.astype("<i8").tobytes())
+    if where is None:
+        record["data"] = base64.b64encode(damaged).decode()
+        (path / "zarr.json").write_text(json.dumps(document))
+    else:
+        where.write_bytes(damaged)
+    pieces_module._ASSEMBLED.clear()  # (read intact by the writers)
+    pieces_module._DECODED.clear()
+    with pytest.raises(StoreCorruptedError):
         ZarrStorage(path=path, read_only=True)

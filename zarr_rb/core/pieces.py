@@ -26,7 +26,7 @@ import numpy as np
 
 from zarr_rb.core import runs as _runs
 from zarr_rb.core.ring import invalid_metadata
-from zarr_rb.core.runs import RunMap, parse_run_map
+from zarr_rb.core.runs import RunMap, no_overflow, parse_run_map
 from zarr_rb.errors import StoreCorruptedError
 
 MAPS_GROUP = "maps"
@@ -251,7 +251,7 @@ def _decode(data: bytes, count: int, k: int, span: int, where: str) -> np.ndarra
     if not (
         (counts >= 1).all()
         and (starts >= lo).all()
-        and (firsts >= 0).all()
+        and no_overflow(starts, firsts, counts, bound=hi)
         and int((starts + counts).max()) <= hi
         and (starts[1:] >= starts[:-1] + counts[:-1]).all()
     ):

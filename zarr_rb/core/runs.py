@@ -370,12 +370,24 @@ def _decoded(count: int, data: str, rows: int) -> RunMap:
     if count and not (
         (counts >= 1).all()
         and (starts >= 0).all()
-        and (firsts >= 0).all()
+        and no_overflow(starts, firsts, counts, bound=rows)
         and int((starts + counts).max()) <= rows
         and (starts[1:] >= starts[:-1] + counts[:-1]).all()
     ):
         raise bad(f"runs sorted, disjoint and inside [0, {rows})")
     return RunMap(runs)
+
+
+def no_overflow(starts: np.ndarray, firsts: np.ndarray, counts: np.ndarray, *, bound: int) -> bool:
+    """Whether runs read from a record (counts of at least 1) start and hold fewer than
+    ``bound`` positions each, at rows that are not negative and whose ends fit in an int64:
+    the checks that add them up then see no sum wrapped around."""
+    return bool(
+        (starts < bound).all()
+        and (counts <= bound).all()
+        and (firsts >= 0).all()
+        and (firsts <= np.iinfo(np.int64).max - counts).all()
+    )
 
 
 INLINE_RUNS = 2048
