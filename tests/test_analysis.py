@@ -184,17 +184,18 @@ def test_open_is_fast_and_episodes_of_millions_of_rows_take_under_a_second(
             TensorDict({("next", "done"): done, ("next", "reward"): reward}, [n]),
         )
     storage.close()
+    # CPU time, not wall time: the bounds hold on a machine busy with other work.
     opens = []
     for _ in range(5):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         view = zarr_rb.open(path)
-        opens.append(time.perf_counter() - t0)
+        opens.append(time.process_time() - t0)
         view.close()
     assert statistics.median(opens) < 0.05, opens
     view = zarr_rb.open(path)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     table = view.episodes
-    assert time.perf_counter() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0
     done = view["next", "done"].numpy().reshape(-1)
     assert len(table) == int(done.sum()) + (not done[-1])
     assert table["length"].sum() == rows
