@@ -68,6 +68,22 @@ def named_pieces(path: Path) -> set[str]:
     return piece_keys(parse_record(document, "store", engine=engine).run_maps())
 
 
+def assert_reads_as(path: Path, twin: LazyTensorStorage) -> None:
+    """A reader opened now reads every position as ``twin`` holds it."""
+    reader = ZarrStorage(path=path, read_only=True)
+    try:
+        everything = torch.arange(32)
+        assert torch.equal(reader.get(everything)["step"], twin.get(everything)["step"])
+    finally:
+        reader.close()
+
+
+def forget_decoded() -> None:
+    """Drop the pieces this process decoded, so that the next parse reads them."""
+    pieces_module._ASSEMBLED.clear()
+    pieces_module._DECODED.clear()
+
+
 def steps(first: int, count: int) -> TensorDict:
     step = torch.arange(first, first + count)
     return TensorDict({"step": step, "obs": step[:, None] * 2.0}, [count])
@@ -144,14 +160,12 @@ def test_a_record_read_before_its_pieces_were_replaced_is_read_again(tmp_path):
     assert old is not None
     writers[1].set(torch.arange(32), steps(500, 32))  # every piece replaced, twice
     writers[0].set(torch.arange(32), steps(600, 32))
-    pieces_module._ASSEMBLED.clear()  # (pieces decoded once stay decoded: they never change)
-    pieces_module._DECODED.clear()
+    forget_decoded()  # (pieces decoded once stay decoded: they never change)
     meta = parse_record(old, "store", engine=engine)  # its pieces are gone: read again
     assert meta.commit.generation > old["attributes"]["zarr_rb"]["commit"]["generation"]
     # A piece missing from the record as it is now is damage, named.
     (path / sorted(stored_pieces(path))[0]).unlink()
-    pieces_module._ASSEMBLED.clear()
-    pieces_module._DECODED.clear()
+    forget_decoded()
     current = read_root(engine)
     assert current is not None
     with pytest.raises(MapPieceMissingError, match=MAPS_GROUP):
@@ -183,9 +197,7 @@ def test_a_commit_that_lost_its_swap_deletes_the_pieces_it_wrote(tmp_path, monke
     assert stored_pieces(path) == named_pieces(path)
     twin.set((torch.arange(2) + 40) % 32, steps(900, 2))
     twin.set((torch.arange(3) + 42) % 32, steps(800, 3))
-    reader = ZarrStorage(path=path, read_only=True)
-    assert torch.equal(reader.get(torch.arange(32))["step"], twin.get(torch.arange(32))["step"])
-    reader.close()
+    assert_reads_as(path, twin)
     for writer in writers:
         writer.close()
 
@@ -292,11 +304,8 @@ def test_a_map_kept_inline_for_a_while_writes_its_pieces_again_when_it_grows(tmp
         assert named_pieces(path) <= stored_pieces(path)
     assert inline
     assert "pieces" in record["commit"]["runs"]
-    pieces_module._ASSEMBLED.clear()
-    pieces_module._DECODED.clear()
-    reader = ZarrStorage(path=path, read_only=True)
-    assert torch.equal(reader.get(torch.arange(32))["step"], twin.get(torch.arange(32))["step"])
-    reader.close()
+    forget_decoded()
+    assert_reads_as(path, twin)
     for writer in writers:
         writer.close()
 
@@ -306,9 +315,7 @@ def test_a_record_that_names_a_piece_read_before_at_another_place_is_damage(tmp_
     twin = LazyTensorStorage(32)
     for writer in interleaved(path, 8, twin):
         writer.close()
-    reader = ZarrStorage(path=path, read_only=True)  # (its pieces are decoded, and kept)
-    assert torch.equal(reader.get(torch.arange(32))["step"], twin.get(torch.arange(32))["step"])
-    reader.close()
+    assert_reads_as(path, twin)  # (its pieces are decoded, and kept)
     document = json.loads((path / "zarr.json").read_text())
     entries = document["attributes"]["zarr_rb"]["commit"]["runs"]["pieces"]
     first, other = next(
@@ -338,7 +345,6 @@ def test_a_run_whose_end_overflows_int64_is_damage(tmp_path, monkeypatch, inline
         (path / "zarr.json").write_text(json.dumps(document))
     else:
         where.write_bytes(damaged)
-    pieces_module._ASSEMBLED.clear()  # (read intact by the writers)
-    pieces_module._DECODED.clear()
+    forget_decoded()  # (read intact by the writers)
     with pytest.raises(StoreCorruptedError):
         ZarrStorage(path=path, read_only=True)

@@ -33,7 +33,7 @@ from torchrl.data import (
 import zarr_rb
 import zarr_rb.api
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb.core.format import Commit, LeaseFloor, max_ring_capacity
+from zarr_rb.core.format import Commit, LeaseFloor, StoreMeta, max_ring_capacity
 from zarr_rb.core.ring import SPARE_FACTOR, max_slots
 from zarr_rb.core.store import Store
 from zarr_rb.engine.tensorstore import RowArray
@@ -173,12 +173,17 @@ def test_reopening_a_store_on_s3_to_write_keeps_its_objects_bounded(s3_url, s3_o
     assert stored_slots(s3_url, s3_options) <= SPARE_FACTOR * blocks
 
 
-def commit_of(url: str, options: dict) -> Commit:
+def meta_of(url: str, options: dict) -> StoreMeta:
+    """The record as a reader opened now reads it."""
     reader = ZarrStorage(path=url, read_only=True, storage_options=options)
     try:
-        return reader._store.committed
+        return reader._store.meta
     finally:
         reader.close()
+
+
+def commit_of(url: str, options: dict) -> Commit:
+    return meta_of(url, options).commit
 
 
 def slots_of(commit: Commit) -> int:
@@ -458,18 +463,10 @@ def test_saves_stay_out_of_the_groups_of_every_writer_that_may_still_save_late(s
     storage, rb = new_writer(s3_url, s3_options)
     rb.extend(batch(30, 10))
     zarr_rb.save(rb, progress=False)
-    saved = commit_of_meta(s3_url, s3_options).saved
+    saved = meta_of(s3_url, s3_options).saved
     assert saved is not None
     assert saved.slot not in pending
     storage.close()  # a clean close: the next writer avoids the same groups, no more
     storage, _ = new_writer(s3_url, s3_options)
     assert storage._store._avoided_saves >= set(pending[1::2])
     storage.close()
-
-
-def commit_of_meta(url: str, options: dict):
-    reader = ZarrStorage(path=url, read_only=True, storage_options=options)
-    try:
-        return reader._store.meta
-    finally:
-        reader.close()
