@@ -347,11 +347,13 @@ def test_multi_async_collector_workers_write_straight_into_the_store(store_path)
             assert rb.sample()["observation"].shape == (32, 4)
     finally:
         collector.shutdown()
-    # Each worker extends by 50 rows; a worker told to go on may still write a batch after
-    # the last one was yielded. len counts whole batches, every row of them readable.
+    # Each worker extends by 50 rows. A worker writes its batch before it queues it, and one
+    # whose queue stays full for TorchRL's one-second timeout collects and writes another, so
+    # how many batches land past the 800 frames depends on how fast this process consumes
+    # them: len counts whole batches, every row of them readable, up to the capacity.
     length = len(rb)
     assert length % 50 == 0
-    assert 800 <= length <= 800 + 2 * 50
+    assert 800 <= length <= 5000
     twin.extend(rb[:])
     assert len(twin) == length
     assert torch.equal(readable_rows(rb.storage), torch.arange(length))
