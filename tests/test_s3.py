@@ -725,6 +725,12 @@ def test_a_takeover_fences_a_writer_that_passed_its_lease_check(s3_url, s3_optio
     with pytest.raises(FencedError, match="commit record was changed"):  # noqa: PT012
         rb.extend(batch(10, 10))  # (full blocks are written, and committed, at once)
         storage.flush()
+    with pytest.raises(FencedError, match="commit record was changed"):
+        storage.flush()  # told again, not taken for committed
+    with pytest.raises(FencedError, match="commit record was changed"):
+        rb.extend(batch(20, 1))  # and at any further write
+    storage.close()  # the error was raised at the write: closing a fenced writer releases it
+    assert storage.closed
     reader = ZarrStorage(path=s3_url, read_only=True, storage_options=s3_options)
     assert len(reader) == 10
     reader.close()

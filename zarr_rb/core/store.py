@@ -62,6 +62,7 @@ from zarr_rb.core.write_cache import Block, Key, WriteBuffer
 from zarr_rb.engine import Engine, RowArray
 from zarr_rb.engine.tensorstore import is_run
 from zarr_rb.errors import (
+    FencedError,
     LiveBufferError,
     LockedError,
     NotSupportedError,
@@ -112,7 +113,11 @@ def _serialized(method: _F) -> _F:
     @functools.wraps(method)
     def serialized(self: Store, *args: Any, **kwargs: Any) -> Any:
         with self._mutex:
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except FencedError as err:
+                self.fenced = err  # nothing more is written: see close
+                raise
 
     return cast(_F, serialized)
 
@@ -184,6 +189,9 @@ class Store:
         self._remove: list[Location] = []
         self._on_close: list[Callable[[Store], None]] = []
         self.closed = False
+        self.fenced: FencedError | None = None
+        """Why this writer was fenced (another writer took the store over): it then
+        commits nothing more, and closing it releases it without a flush."""
         self.sharing: Sharing | None = None
         """The shared-writer protocol, when this store has several writers."""
         self._slots: SlotMap | RunMap | None = None
@@ -594,6 +602,8 @@ class Store:
             )
         if self.closed:
             raise ValueError(f"store {self.url!r} is closed")
+        if self.fenced is not None:
+            raise FencedError(str(self.fenced), holder=self.fenced.holder)
 
     @_serialized
     def write(
@@ -1207,6 +1217,8 @@ class Store:
         """Write every row held in RAM and publish a commit that covers them."""
         if self.read_only or self.closed or self._buffer is None:
             return
+        if self.fenced is not None:
+            raise FencedError(str(self.fenced), holder=self.fenced.holder)
         if self.sharing is not None:
             self.sharing.refresh()  # nothing waits in RAM: every write was published
             return
@@ -2018,9 +2030,9 @@ class Store:
             callback(self)
 
     def _gone(self) -> bool:
-        """Whether there is nothing to flush into: a reader, or a store deleted from under
-        it (by another program)."""
-        if self.read_only or not self.on_disk:
+        """Whether there is nothing to flush into: a reader, a fenced writer (the error was
+        raised at its write), or a store deleted from under it (by another program)."""
+        if self.read_only or not self.on_disk or self.fenced is not None:
             return True
         return self.engine.location.read(ROOT_METADATA) is None
 
