@@ -93,3 +93,21 @@ def test_a_shared_writers_saves_leave_only_the_state_groups_records_name(tmp_pat
         loaded = zarr_rb.load(str(path), version=version, read_only=True, progress=False)
         assert len(loaded) == length
         loaded.storage.close()
+
+
+def test_a_writer_that_saves_reads_the_rows_other_writers_committed_before(tmp_path):
+    """A save publishes through the record as it is now, other writers' rows included:
+    the rows the writer reads next are those (no read cached before is served again)."""
+    path = str(tmp_path / "rb.zarr")
+    mine = ZarrStorage(CAPACITY, path, shared=True)
+    rb = TensorDictPrioritizedReplayBuffer(alpha=1.0, beta=1.0, storage=mine)
+    rb.extend(batch(0, CAPACITY))
+    everything = torch.arange(CAPACITY)
+    assert mine.get(everything)["action"].tolist() == [t % 5 for t in range(CAPACITY)]
+    other = ZarrStorage(path=path, shared=True)
+    TensorDictPrioritizedReplayBuffer(alpha=1.0, beta=1.0, storage=other).extend(batch(101, 10))
+    zarr_rb.save(rb, progress=False)
+    expected = [t % 5 for t in [*range(101, 111), *range(10, CAPACITY)]]
+    assert mine.get(everything)["action"].tolist() == expected
+    other.close()
+    mine.close()

@@ -285,12 +285,16 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         """A shared store: the rows other writers published, and the schema if another
         writer made it (one read of the commit record)."""
         store = self.__dict__["_store"]
-        generation = store.committed.generation
         store.refresh()
         if not self.initialized and store.schema is not None:
             self.initialized = True
             self.max_size = capacity_of(store.meta)
-        if store.committed.generation != generation and store.schema is not None:
+        # Compared with the record this storage last showed, not the one before the
+        # refresh: the store may have taken a newer record meanwhile (a commit, a save, a
+        # collection read the record as it was, other writers' rows included).
+        generation = store.committed.generation
+        if self.__dict__.get("_generation_shown") != generation and store.schema is not None:
+            self.__dict__["_generation_shown"] = generation
             # The row written last, by any writer (the record's cursor follows it); the
             # rows changed, for the caches of samplers and gathers too.
             _compat.set_last_cursor(self, (store.cursor - 1) % store.rows)
@@ -484,7 +488,14 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             store.become_shared()
         self.flush()
         state = _compat.storage_state(self)
-        for name in ("_store", "_finalizer", "_thread_state", "_last_gather", "writes_begun"):
+        for name in (
+            "_store",
+            "_finalizer",
+            "_thread_state",
+            "_last_gather",
+            "_generation_shown",
+            "writes_begun",
+        ):
             state.pop(name, None)
         state[_HANDLE] = {
             "path": self.url,

@@ -771,10 +771,11 @@ def parse_ring(value: object, *, rows: int) -> Ring | None:
     assert isinstance(value, Mapping)
     if "open" not in value:
         return Ring(legacy=True)  # format 2: blocks held in ring order, converted on join
-    open_raw = value.get("open")
-    _expect(isinstance(open_raw, list) and len(open_raw) <= rows, "ring open list", open_raw)
-    assert isinstance(open_raw, list)
     capacity = _parse_int(value.get("capacity"), "ring capacity", hi=max_ring_capacity(rows))
+    open_raw = value.get("open")
+    # (Each slot open once: a writer's own, and those a collection holds.)
+    _expect(isinstance(open_raw, list) and len(open_raw) <= capacity, "ring open list", open_raw)
+    assert isinstance(open_raw, list)
     opened = []
     for entry in open_raw:
         _expect(

@@ -72,6 +72,7 @@ from zarr_rb.errors import (
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store
+    from zarr_rb.core.write_cache import Key
 
 _R = TypeVar("_R")
 Edit = Callable[[StoreMeta], StoreMeta | None]
@@ -80,6 +81,8 @@ Edit = Callable[[StoreMeta], StoreMeta | None]
 BUSY_SERVER_SECONDS = 60.0
 """How long a commit is retried while an object store answers with server errors."""
 _READ_RETRIES = 50
+COLLECT_BATCH = 256
+"""Free slots a collection holds (as open slots of its own) per record it publishes."""
 SPARE_SLOTS = 64
 """Slots a shared store's arrays have beyond twice its blocks: open slots of writers, and
 slots whose rows are not all overwritten yet (their metadata only: no chunk is made)."""
@@ -113,6 +116,9 @@ class Sharing:
         """The numbers of the state groups this writer saved into (see new_save_slot)."""
         self._mine: np.ndarray | None = None
         """Positions this writer is committing (their mirrors are its own to update)."""
+        self._emptied: tuple[Ring, np.ndarray] | None = None
+        """Slots known to hold no object, as of the ring of a record (see :meth:`collect`):
+        a slot taken since may hold some again."""
 
     @classmethod
     def start(cls, store: Store, writer: str) -> Sharing:
@@ -366,10 +372,17 @@ class Sharing:
     def _used_slots(self, meta: StoreMeta, opened: list[tuple[str, int]], ring: Ring) -> np.ndarray:
         """The slots that a run of the record, an open slot or a kept save refers to, and
         those ``ring`` keeps from late writes (retired ones, those below ``fresh_from``)."""
+        used = self._referenced_slots(meta, opened, ring)
+        used |= _kept_out(ring)
+        return used
+
+    def _referenced_slots(
+        self, meta: StoreMeta, opened: list[tuple[str, int]], ring: Ring
+    ) -> np.ndarray:
+        """The slots that a run of the record, an archive's history, one of ``opened`` or
+        a kept save refers to."""
         runs = meta.commit.runs or RunMap.empty()
         used = runs.used_slots(self.block_rows, ring.capacity)
-        used[: ring.fresh_from] = True
-        used[list(ring.retired)] = True
         if meta.commit.history is not None:  # an archive keeps every row extended
             used |= meta.commit.history.used_slots(self.block_rows, ring.capacity)
         for _, slot in opened:
@@ -390,6 +403,101 @@ class Sharing:
         assert self.store.schema is not None
         commit = saved.commit(self.store.schema.elements_per_row)
         return _runs_of(commit).used_slots(self.block_rows, capacity)
+
+    # --- collection ------------------------------------------------------------------------
+
+    def collect(self) -> int:
+        """Delete the objects of slots nothing refers to, past the first
+        ``initial_capacity`` (those writers take first): the disk that kept saves held,
+        given back once they are replaced or dropped, and that of retired slots once no
+        run refers to them. Returns how many slots it emptied.
+
+        A free slot is held (an open slot of this writer, published by compare-and-swap)
+        while its objects are deleted, then given back: no writer takes it meanwhile. A
+        slot kept out of reach (retired, below ``fresh_from``) is never taken: its objects
+        go without. The first collection of a writer lists the arrays; later ones delete
+        the slots that came free since (a slot taken since may hold objects again)."""
+        store = self.store
+        keys = store.whole_block_arrays()
+        meta = self.read_record()
+        ring = meta.commit.ring
+        assert ring is not None
+        spare = initial_capacity(-(-store.rows // self.block_rows))
+        if not keys or ring.capacity <= spare:
+            return 0
+        stored = self._maybe_stored(ring, keys)
+        referenced = self._referenced_slots(meta, list(ring.open), ring)
+        candidates = stored & ~referenced
+        candidates[:spare] = False
+        kept_out = _kept_out(ring)
+        emptied = np.flatnonzero(candidates & kept_out)
+        if emptied.size:
+            store.check_hold()
+            store.drop_slots(keys, emptied.tolist())
+        free = np.flatnonzero(candidates & ~kept_out)
+        for start in range(0, free.size, COLLECT_BATCH):
+            held = self._hold(free[start : start + COLLECT_BATCH].tolist())
+            store.check_hold()
+            store.drop_slots(keys, held)
+            self._give_back(held)
+            emptied = np.concatenate([emptied, np.asarray(held, dtype=np.int64)])
+        # Known empty from here: the slots just emptied, and those with no object that no
+        # writer has open (an open one may be written without being taken again).
+        empty = ~stored
+        empty[[slot for _, slot in ring.open]] = False
+        empty[emptied] = True
+        self._emptied = (ring, empty)
+        return int(emptied.size)
+
+    def _maybe_stored(self, ring: Ring, keys: list[Key]) -> np.ndarray:
+        """Boolean mask over the slots of ``ring``: those that may hold objects."""
+        if self._emptied is not None:
+            seen, empty = self._emptied
+            taken = ring.taken_since(seen)
+            if taken is not None:
+                known = np.zeros(ring.capacity, dtype=bool)
+                known[: min(empty.size, ring.capacity)] = empty[: ring.capacity]
+                known[[slot for slot in taken if slot < ring.capacity]] = False
+                return ~known
+        stored = np.zeros(ring.capacity, dtype=bool)
+        listed = [slot for slot in self.store.stored_slots(keys) if slot < ring.capacity]
+        stored[listed] = True
+        return stored
+
+    def _hold(self, slots: list[int]) -> list[int]:
+        """Open ``slots`` as this writer's (those still free in the record as it is now),
+        so that no writer takes them; returns those held."""
+        held: list[int] = []
+
+        def hold(meta: StoreMeta) -> StoreMeta | None:
+            ring = meta.commit.ring
+            assert ring is not None
+            self._check_open(ring)
+            used = self._used_slots(meta, list(ring.open), ring)
+            held[:] = [slot for slot in slots if slot < ring.capacity and not used[slot]]
+            if not held:
+                return None
+            opened = (*ring.open, *((self.writer, slot) for slot in held))
+            ring = dataclasses.replace(ring, open=opened)
+            return dataclasses.replace(meta, commit=dataclasses.replace(meta.commit, ring=ring))
+
+        self.update(hold)
+        return held
+
+    def _give_back(self, slots: list[int]) -> None:
+        """Free ``slots``, which :meth:`_hold` opened (empty now)."""
+        given = set(slots)
+
+        def give_back(meta: StoreMeta) -> StoreMeta | None:
+            ring = meta.commit.ring
+            assert ring is not None
+            kept = tuple((w, s) for w, s in ring.open if not (w == self.writer and s in given))
+            if kept == ring.open:
+                return None  # (retired by a writer that took this one for gone)
+            ring = dataclasses.replace(ring, open=kept)
+            return dataclasses.replace(meta, commit=dataclasses.replace(meta.commit, ring=ring))
+
+        self.update(give_back)
 
     def commit_rows(
         self,
@@ -460,8 +568,8 @@ class Sharing:
         """Publish a save made at the record as it is now: the rows it covers are those
         of that record (its length, cursor and runs, which it keeps: no writer takes their
         slots while a record names the save); ``tag``: kept as a version too."""
-        assert self.store.schema is not None
-        per_row = self.store.schema.elements_per_row
+        schema = self.store.schema
+        per_row = 1 if schema is None else schema.elements_per_row  # (no schema: no row)
 
         def save(meta: StoreMeta) -> StoreMeta:
             commit = meta.commit
@@ -594,6 +702,15 @@ class Sharing:
             f"store {self.store.url!r}: rows kept being rewritten by other writers while "
             f"being read ({_READ_RETRIES} attempts)",
         )
+
+
+def _kept_out(ring: Ring) -> np.ndarray:
+    """Boolean mask over the slots of ``ring`` that no writer takes again (a writer that
+    lost its hold may still write them: see ``Ring``)."""
+    out = np.zeros(ring.capacity, dtype=bool)
+    out[: ring.fresh_from] = True
+    out[list(ring.retired)] = True
+    return out
 
 
 class RowsMovedError(Exception):

@@ -969,8 +969,10 @@ class Store:
         Its cost follows the slots freed since it last ran, not the store's size: the
         first collection of a writer lists the arrays' objects, later ones delete the
         slots that became free since (a save replaced, a version dropped)."""
-        if self.sharing is not None or self.schema is None or self.read_only:
+        if self.schema is None or self.read_only:
             return 0
+        if self.sharing is not None:
+            return self.sharing.collect()
         if not isinstance(self._slots, SlotMap) or self._slots.is_identity:
             return 0
         slots = self._block_map
@@ -989,7 +991,7 @@ class Store:
                 return 0
             if len(free) > SPARE_FACTOR * slots.blocks:
                 known = None  # many slots not known to be empty: listing them costs less
-        whole = [key for key in self._leaves if self.array(key).chunk_rows == slots.block_rows]
+        whole = self.whole_block_arrays()
         emptied: set[int] = set()
         with self.writing("deleting slots no record refers to"):
             stale = {
@@ -1009,6 +1011,24 @@ class Store:
                 emptied.update(chunks)
         self._known_empty = eligible
         return len(emptied)
+
+    def whole_block_arrays(self) -> list[Key]:
+        """The leaves whose write chunks (objects) each hold one block: one object per
+        slot, which a collection can delete (larger shards keep their slots' rows, written
+        over when the slots are reused)."""
+        block_rows = self.meta.block_rows or 1
+        return [key for key in self._leaves if self.array(key).chunk_rows == block_rows]
+
+    def stored_slots(self, keys: Sequence[Key]) -> set[int]:
+        """The slots of which an array of ``keys`` holds an object (one listing each)."""
+        return set().union(*(self.array(key).stored_chunks() for key in keys))
+
+    def drop_slots(self, keys: Sequence[Key], slots: Sequence[int]) -> None:
+        """Delete the objects of ``slots`` in the arrays of ``keys`` (slots no record
+        refers to, that no writer writes)."""
+        with self.writing("deleting slots no record refers to"):
+            for key in keys:
+                self.array(key).drop_chunks(slots)
 
     @property
     def late_writes(self) -> bool:
@@ -1575,6 +1595,7 @@ class Store:
             named = {f"{STATE_GROUP}/{slot}" for slot in self._named_save_slots()}
             for group in self.sharing.state_groups_unnamed(named):
                 self.engine.location.delete_prefix(group)
+            self.collect()  # the slots the save it replaced kept
             return
         saved = dataclasses.replace(saved, pinned=True, slots=commit.slots, holes=commit.holes)
         if tag is not None:
