@@ -21,8 +21,14 @@ import numpy as np
 
 from zarr_rb._io import load_json
 from zarr_rb.analysis._keys import Key, shown
-from zarr_rb.core.format import ATTRS_KEY, LeafSpec, StoreMeta, leaves_by_key, parse_store_meta
-from zarr_rb.core.pieces import FilePieces, MapPieceMissingError
+from zarr_rb.core.format import (
+    ATTRS_KEY,
+    LeafSpec,
+    StoreMeta,
+    leaves_by_key,
+    parse_current_record,
+)
+from zarr_rb.core.pieces import FilePieces
 from zarr_rb.errors import (
     NoEpisodeFlagsError,
     NotAStoreError,
@@ -121,22 +127,16 @@ def _decoded(values: np.ndarray, leaf: LeafSpec) -> np.ndarray:
 def read_meta(root: Path, *, command: Callable[[str], str]) -> StoreMeta:
     """The root record of the store at ``root``, or an error saying what is there instead
     and what to do (``command(path)``: the command line to suggest for another path)."""
-    for _ in range(_MOVED_RETRIES):
+
+    def read() -> dict[str, Any]:
         document = _root_document(root)
         if not _is_root(document):
             raise not_a_store(root, command=command)
         assert document is not None
-        try:
-            return parse_store_meta(
-                document["attributes"], where=f"store {str(root)!r}", pieces=FilePieces(root)
-            )
-        except MapPieceMissingError:
-            if _root_document(root) == document:
-                raise  # not a record that moved on: a piece it names is gone
-    raise StoreCorruptedError(f"store {str(root)!r}: its record kept changing while read")
+        return document
 
-
-_MOVED_RETRIES = 20
+    where = f"store {str(root)!r}"
+    return parse_current_record(read(), read, where=where, pieces=FilePieces(root))
 
 
 def check_store(path: Path, *, command: Callable[[str], str]) -> None:

@@ -21,7 +21,7 @@ import dataclasses
 import math
 import re
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -971,6 +971,39 @@ def parse_schema(value: object, *, ndim: int) -> Schema | None:
         item_batch_shape=item_batch_shape,
         treespec=treespec,
     )
+
+
+RECORD_RETRIES = 20
+"""Times a record whose pieces were replaced while it was read is read again."""
+
+
+def parse_current_record(
+    document: Mapping[str, Any],
+    read_again: Callable[[], Mapping[str, Any] | None],
+    *,
+    where: str,
+    pieces: PieceSource,
+) -> StoreMeta:
+    """The store record ``document`` (a root ``zarr.json`` known to be a store's), its run
+    maps read from the pieces it names.
+
+    A piece that is gone means the record moved on since it was read (the writer that
+    replaced it deleted the pieces it no longer names): the record is read again
+    (``read_again()``, which checks it is still a store's) and parsed anew.
+
+    Raises:
+        MapPieceMissingError: a piece the record as it is now names is missing (damage),
+            or the record kept moving on over ``RECORD_RETRIES`` reads.
+    """
+    for _ in range(RECORD_RETRIES):
+        try:
+            return parse_store_meta(document["attributes"], where=where, pieces=pieces)
+        except MapPieceMissingError:
+            again = read_again()
+            if again is None or again == document:
+                raise  # not a record that moved on: a piece it names is gone
+            document = again
+    return parse_store_meta(document["attributes"], where=where, pieces=pieces)
 
 
 def parse_store_meta(

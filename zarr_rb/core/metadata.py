@@ -7,8 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from zarr_rb.core.format import ATTRS_KEY, StoreMeta, parse_store_meta
-from zarr_rb.core.pieces import MapPieceMissingError
+from zarr_rb.core.format import ATTRS_KEY, StoreMeta, parse_current_record
 from zarr_rb.engine import Engine
 from zarr_rb.errors import NotAStoreError, SchemaMismatchError, StoreCorruptedError
 
@@ -46,27 +45,20 @@ def parse_meta(
     return check_meta(meta, where, max_size=max_size, ndim=ndim)
 
 
-_MOVED_RETRIES = 20
-
-
 def parse_record(
     document: dict[str, Any], where: str, *, engine: Engine, adopt: bool = False
 ) -> StoreMeta:
     """The record ``document`` (read from ``engine``), its run maps read from the pieces it
-    names. A piece that is gone means the record moved since it was read (the writer that
-    replaced it deleted the pieces it no longer names): the record is read again (with
-    ``adopt``, as it was read). A piece missing from the record as it is now is damage.
-    """
-    for _ in range(_MOVED_RETRIES):
-        try:
-            return parse_store_meta(document["attributes"], where=where, pieces=engine.location)
-        except MapPieceMissingError:
-            again = read_root(engine, adopt=adopt)
-            if again is None or again == document:
-                raise
+    names; read again (with ``adopt``, as it was read) when it moved on meanwhile (see
+    :func:`parse_current_record`)."""
+
+    def read_again() -> dict[str, Any] | None:
+        again = read_root(engine, adopt=adopt)
+        if again is not None:
             check_is_store(again, where)
-            document = again
-    return parse_store_meta(document["attributes"], where=where, pieces=engine.location)
+        return again
+
+    return parse_current_record(document, read_again, where=where, pieces=engine.location)
 
 
 def capacity_of(meta: StoreMeta) -> int:

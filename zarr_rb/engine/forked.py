@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb.core.format import Commit, LeafSpec, parse_store_meta, preview_rows
-from zarr_rb.core.pieces import FilePieces, MapPieceMissingError
+from zarr_rb.core.format import Commit, LeafSpec, parse_current_record, preview_rows
+from zarr_rb.core.pieces import FilePieces
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
 
 _RETRIES = 20
@@ -45,17 +45,13 @@ class ForkedReader:
         }
 
     def _commit(self) -> Commit:
-        pieces = FilePieces(self._root)
+        def read() -> dict[str, Any]:
+            document: dict[str, Any] = json.loads((self._root / "zarr.json").read_bytes())
+            return document
+
         try:
-            for _ in range(_RETRIES):
-                document = json.loads((self._root / "zarr.json").read_bytes())
-                try:
-                    attributes = document["attributes"]
-                    return parse_store_meta(attributes, where=self._where, pieces=pieces).commit
-                except MapPieceMissingError:
-                    if json.loads((self._root / "zarr.json").read_bytes()) == document:
-                        raise  # not a record that moved on: a piece it names is gone
-            raise RowsNotCommittedError(f"{self._where}: its record kept changing while read")
+            pieces = FilePieces(self._root)
+            return parse_current_record(read(), read, where=self._where, pieces=pieces).commit
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise StoreCorruptedError(
                 f"{self._where}: cannot read its commit record: {err}"
