@@ -158,7 +158,10 @@ def test_a_collector_killed_while_it_holds_slots_leaves_them_to_the_next(
             dropped.extend(slots)
             raise KeyboardInterrupt
 
+    give_back = sharing_module.Sharing._give_back
     monkeypatch.setattr(Store, "drop_slots", killed)
+    # (Killed: nothing runs after, the slots held are not given back.)
+    monkeypatch.setattr(sharing_module.Sharing, "_give_back", lambda self, slots: None)
     # The writer keeps only its last version: the others' slots come free and it collects.
     store = storage._store
     for turn in range(5):
@@ -172,6 +175,7 @@ def test_a_collector_killed_while_it_holds_slots_leaves_them_to_the_next(
     assert set(dropped) <= held  # held while they were emptied
     store.abandon()  # killed there
     monkeypatch.setattr(Store, "drop_slots", drop_slots)
+    monkeypatch.setattr(sharing_module.Sharing, "_give_back", give_back)
     # The next writer that takes a slot drops the dead one's; its rows are all there.
     rb_other = ReplayBuffer(storage=other)
     rb_other.extend(stamped(1, 0, 3 * BLOCK_ROWS))
@@ -309,13 +313,17 @@ class SharedWritersKeepingVersions(SharedWriters):
                 raise _KilledError
             original(self_, keys, slots)
 
+        give_back = sharing_module.Sharing._give_back
         Store.drop_slots = killed  # type: ignore[method-assign]
+        # (Killed: nothing runs after, the slots held are not given back.)
+        sharing_module.Sharing._give_back = lambda self, slots: None  # type: ignore[method-assign]
         try:
             store.collect()
         except _KilledError:
             pass
         finally:
             Store.drop_slots = original  # type: ignore[method-assign]
+            sharing_module.Sharing._give_back = give_back  # type: ignore[method-assign]
         store.abandon()
         self.writers[writer] = ZarrStorage(path=self.url, mode="r+", shared=True)
 

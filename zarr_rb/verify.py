@@ -144,12 +144,14 @@ def verify(
             damaged.extend(_check_array(store, array_path, None, None, size=size))
         withdrawn = 0
         if repair:
-            lost = np.zeros_like(readable)
+            # The positions whose rows lie in damaged chunks, as the record read above maps
+            # them: the store withdraws those that no writer moved to other rows since.
+            lost = np.zeros(positions.size, dtype=bool)
             for chunk in damaged:
-                if chunk.array.startswith(f"{STATE_GROUP}/"):
-                    continue
-                lost[_positions_in(store, *chunk.rows)] = True
-            withdrawn = store.withdraw(lost)
+                if not chunk.array.startswith(f"{STATE_GROUP}/"):
+                    start, stop = chunk.rows
+                    lost |= (physical >= start) & (physical < stop)
+            withdrawn = store.withdraw(positions[lost], physical[lost])
         return VerifyReport(
             path=store.path,
             damaged=tuple(damaged),
@@ -202,27 +204,6 @@ def _ranges(rows: np.ndarray) -> tuple[tuple[int, int], ...]:
     starts = rows[np.concatenate(([0], breaks))]
     stops = rows[np.concatenate((breaks - 1, [rows.size - 1]))] + 1
     return tuple((int(a), int(b)) for a, b in zip(starts, stops, strict=True))
-
-
-def _positions_in(store: Store, start: int, stop: int) -> np.ndarray:
-    """The positions that rows ``[start, stop)`` of the data arrays hold in the last
-    commit (rows of slots no block is in hold none)."""
-    rows = np.arange(start, stop)
-    commit = store.committed
-    if commit.runs is not None:
-        # A shared store: the positions whose runs lead into those rows.
-        every = np.arange(commit.length)
-        found: np.ndarray = every[np.isin(commit.runs.physical(every), rows)]
-        return found
-    slots = commit.slots
-    if slots is None:
-        return rows
-    block_of = np.full(slots.capacity, -1, dtype=np.int64)
-    block_of[slots.slots] = np.arange(slots.blocks)
-    blocks = block_of[rows // slots.block_rows]
-    held = blocks >= 0
-    positions: np.ndarray = blocks[held] * slots.block_rows + rows[held] % slots.block_rows
-    return positions[positions < store.committed.length]
 
 
 def _check_ragged(

@@ -316,6 +316,8 @@ def _share(
             "rb.storage.close())",
             holder={"pid": os.getpid(), "this_process": True},
         )
+    if store.sharing is not None:
+        store.refresh()  # what other writers published since: the new user starts there
     meta = dataclasses.replace(store.meta, commit=store.committed)
     check_meta(meta, where, max_size=max_size, ndim=ndim)
     _compression_of(meta, compression, where)

@@ -68,6 +68,7 @@ from zarr_rb.errors import (
     SlotsExhaustedError,
     StoreCorruptedError,
     VersionExistsError,
+    VersionNotFoundError,
 )
 
 if TYPE_CHECKING:
@@ -423,23 +424,26 @@ class Sharing:
         ring = meta.commit.ring
         assert ring is not None
         spare = initial_capacity(-(-store.rows // self.block_rows))
-        if not keys or ring.capacity <= spare:
+        kept_out = _kept_out(ring)
+        if not keys or (ring.capacity <= spare and not kept_out.any()):
             return 0
         stored = self._maybe_stored(ring, keys)
         referenced = self._referenced_slots(meta, list(ring.open), ring)
         candidates = stored & ~referenced
-        candidates[:spare] = False
-        kept_out = _kept_out(ring)
-        emptied = np.flatnonzero(candidates & kept_out)
+        emptied = np.flatnonzero(candidates & kept_out)  # never taken again: wherever they are
         if emptied.size:
             store.check_hold()
             store.drop_slots(keys, emptied.tolist())
+        candidates[:spare] = False  # free ones that writers take first keep their objects
         free = np.flatnonzero(candidates & ~kept_out)
         for start in range(0, free.size, COLLECT_BATCH):
             held = self._hold(free[start : start + COLLECT_BATCH].tolist())
-            store.check_hold()
-            store.drop_slots(keys, held)
-            self._give_back(held)
+            try:
+                store.check_hold()
+                store.drop_slots(keys, held)
+            finally:
+                # Free again, emptied or not (a slot taken is written whole before use).
+                self._give_back(held)
             emptied = np.concatenate([emptied, np.asarray(held, dtype=np.int64)])
         # Known empty from here: the slots just emptied, and those with no object that no
         # writer has open (an open one may be written without being taken again).
@@ -591,6 +595,30 @@ class Sharing:
 
         self.update(save)
 
+    def drop_version(self, tag: str) -> Saved:
+        """Stop keeping the version ``tag`` (its slots are collected once no record refers
+        to them); returns it.
+
+        Raises:
+            VersionNotFoundError: the record keeps no version ``tag`` (another writer
+                dropped it).
+        """
+        dropped: list[Saved] = []
+
+        def drop(meta: StoreMeta) -> StoreMeta:
+            saved = meta.versions.get(tag)
+            if saved is None:
+                raise VersionNotFoundError(
+                    f"store {self.store.url!r} keeps no version {tag!r} (another writer "
+                    "dropped it); zarr_rb.versions(path) lists those kept",
+                )
+            dropped[:] = [saved]
+            versions = {name: kept for name, kept in meta.versions.items() if name != tag}
+            return dataclasses.replace(meta, versions=versions)
+
+        self.update(drop)
+        return dropped[0]
+
     def new_save_slot(self, named: set[int]) -> int:
         """The state group number of this writer's next save: drawn at random, so that
         writers saving at once never write into one group (a record names a group only
@@ -610,12 +638,24 @@ class Sharing:
         self._state_groups -= {groups[group] for group in unnamed}
         return unnamed
 
-    def rebase(self, kept: Commit) -> None:
-        """Put every position back where ``kept`` (a kept save's commit) has it: its length,
-        cursor and rows (loading it; the rows committed since are dropped)."""
+    def rebase(self, saved: Saved, kept: Commit) -> None:
+        """Put every position back where ``kept`` (the commit of ``saved``, a kept save)
+        has it: its length, cursor and rows (loading it; the rows committed since are
+        dropped).
+
+        Raises:
+            VersionNotFoundError: the record no longer keeps ``saved`` (dropped or replaced
+                since it was read): its rows may be collected already.
+        """
         runs = _runs_of(kept)
 
         def rebase(meta: StoreMeta) -> StoreMeta:
+            if not any((s.slot, s.time) == (saved.slot, saved.time) for s in meta.pinned()):
+                raise VersionNotFoundError(
+                    f"store {self.store.url!r} no longer keeps the save being loaded (number "
+                    f"{saved.slot}): it was dropped or replaced by a later save meanwhile; "
+                    "nothing was changed. zarr_rb.versions(path) lists those kept",
+                )
             commit = dataclasses.replace(
                 meta.commit,
                 length=kept.length,
@@ -638,19 +678,26 @@ class Sharing:
 
         self.update(start)
 
-    def withdraw(self, rows: np.ndarray) -> None:
-        """Positions (a mask) found damaged: they hold no row until written again."""
-        positions = np.flatnonzero(rows)
+    def withdraw(self, positions: np.ndarray, physical: np.ndarray) -> int:
+        """``positions`` found damaged in rows ``physical`` of the data arrays: those
+        still there in the record hold no row until written again (others were written
+        since, by any writer). Returns how many were withdrawn."""
+        withdrawn = [0]
 
-        def withdraw(meta: StoreMeta) -> StoreMeta:
+        def withdraw(meta: StoreMeta) -> StoreMeta | None:
             commit = meta.commit
-            runs = (commit.runs or RunMap.empty()).assign(
-                positions, np.full(positions.size, -1, dtype=np.int64)
-            )
+            runs = commit.runs or RunMap.empty()
+            inside = positions < commit.length
+            there = positions[inside][runs.physical(positions[inside]) == physical[inside]]
+            withdrawn[0] = int(there.size)
+            if not there.size:
+                return None
+            runs = runs.assign(there, np.full(there.size, -1, dtype=np.int64))
             commit = dataclasses.replace(commit, runs=runs, holes=runs.holes(commit.length))
             return dataclasses.replace(meta, commit=commit)
 
         self.update(withdraw)
+        return withdrawn[0]
 
     def leave(self) -> None:
         """Give back this writer's open slot (it closes): its committed rows stay."""
@@ -687,10 +734,18 @@ class Sharing:
 
     def read_checked(self, read: Callable[[], _R], rows: np.ndarray) -> _R:
         """``read()`` of positions ``rows``, retried while other writers took slots those
-        rows were read from (a seqlock on the record)."""
+        rows were read from (a seqlock on the record). A read that meets an object gone
+        is tried again too when the record moved meanwhile: a collection emptied a slot
+        the older record named."""
         for attempt in range(_READ_RETRIES):
             before = self.store.committed
-            out = read()
+            try:
+                out = read()
+            except StoreCorruptedError:
+                self.refresh()
+                if self.store.committed.generation == before.generation:
+                    raise  # damaged at the record of now: not another writer's doing
+                continue
             self.refresh()
             after = self.store.committed
             if after.generation == before.generation:

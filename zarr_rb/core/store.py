@@ -1215,18 +1215,24 @@ class Store:
             ) from None
 
     @_serialized
-    def withdraw(self, rows: np.ndarray) -> int:
-        """Withdraw rows (a boolean mask) from the readable range until they are rewritten;
-        returns how many were readable."""
+    def withdraw(self, positions: np.ndarray, physical: np.ndarray) -> int:
+        """Withdraw ``positions``, found damaged in rows ``physical`` of the data arrays,
+        from the readable range until they are rewritten. Those that a write moved to other
+        rows since the caller read where they were stay. Returns how many were withdrawn."""
         self._check_writable()
         assert self._ledger is not None
+        self.version += 1
+        if self.sharing is not None:
+            return self.sharing.withdraw(positions, physical)
+        inside = positions < self.committed.length
+        positions, physical = positions[inside], physical[inside]
+        still = positions[self.committed.physical(positions) == physical]
+        rows = np.zeros(max(self._ledger.extent, int(still.max(initial=-1)) + 1), dtype=bool)
+        rows[still] = True
         rows = self._ledger.fit(rows)
         withdrawn = int((self._ledger.published & rows).sum())
-        self.version += 1
         self._ledger.withdraw(rows)
-        if withdrawn and self.sharing is not None:
-            self.sharing.withdraw(rows)
-        elif withdrawn:
+        if withdrawn:
             self._publish_mask(
                 self._ledger.published & ~rows, length=self.committed.length, rewrite=True
             )
@@ -1420,7 +1426,7 @@ class Store:
             # shared): its positions go back to the rows the save kept, at once.
             self._check_writable()
             self.discard()
-            self.sharing.rebase(commit)
+            self.sharing.rebase(saved, commit)
             return
         readable = commit.readable_mask(commit.length)
         # Rows withdrawn since the save (a repair found them damaged) in blocks still in the
@@ -1610,6 +1616,13 @@ class Store:
         """Stop keeping the version ``tag`` (its rows and state, unless the last save
         names them too)."""
         self._check_writable()
+        if self.sharing is not None:
+            # Other writers publish too: the record changes by compare-and-swap only.
+            dropped = self.sharing.drop_version(tag)
+            if dropped.slot not in self._named_save_slots():
+                self.engine.location.delete_prefix(dropped.group)
+            self.collect()
+            return
         versions = dict(self.meta.versions)
         del versions[tag]
         self.meta = dataclasses.replace(self.meta, versions=versions)

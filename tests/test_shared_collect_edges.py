@@ -1,0 +1,212 @@
+"""Shared stores beside a collection, a repair, a load and a dropped version: the edges
+where one writer's view of the record is older than what another writer did since."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import numpy as np
+import pytest
+from shared_workers import stamped
+from test_shared_collect import ROWS, _grow_and_keep, few_spare_slots, slot_objects, stamps
+from torchrl.data import ReplayBuffer
+
+import zarr_rb
+import zarr_rb.core.sharing as sharing_module
+from zarr_rb import ZarrStorage
+from zarr_rb.core.store import Store
+
+__all__ = ["few_spare_slots"]  # (a fixture, used by name)
+
+
+def _keep_only(storage: ZarrStorage, prefix: str) -> None:
+    store = storage._store
+    versions = {tag: saved for tag, saved in store.meta.versions.items() if tag.startswith(prefix)}
+    store.sharing.update(lambda meta: dataclasses.replace(meta, versions=versions))
+
+
+def test_a_writer_with_an_older_record_reads_again_across_a_collection(tmp_path, few_spare_slots):
+    path = tmp_path / "rb.zarr"
+    storage, _ = _grow_and_keep(str(path), turns=4)
+    other = ZarrStorage(path=str(path), shared=True)
+    assert len(other) == ROWS
+    before = other._store.committed
+    rb = ReplayBuffer(storage=storage)
+    for turn in range(4):
+        rb.extend(stamped(0, (4 + turn) * ROWS, ROWS))
+        zarr_rb.save(rb, tag=f"w{turn}", progress=False)
+    _keep_only(storage, "w")
+    assert storage._store.collect() > 0
+    assert other._store.committed is before  # the other writer has not looked since
+    emptied = set((before.physical(np.arange(ROWS)) // 4).tolist())
+    assert not emptied & slot_objects(path)
+    # Read through the store (no refresh first): the record it holds names emptied slots.
+    got = other._store.read(np.arange(ROWS), [("obs",), ("stamp",)])
+    assert got[("stamp",)].tolist() == stamps(storage)
+    assert (got[("obs",)][:, 0, 0] == got[("stamp",)] % 251).all()
+    other.close()
+    storage.close()
+
+
+def test_a_repair_beside_a_shared_writer_withdraws_only_the_rows_it_found_damaged(
+    tmp_path, monkeypatch
+):
+    verify_module = importlib.import_module("zarr_rb.verify")
+
+    path = tmp_path / "rb.zarr"
+    layout = zarr_rb.Compression(block_rows=4)
+    storage = ZarrStorage(ROWS, str(path), shared=True, compression=layout)
+    rb = ReplayBuffer(storage=storage)
+    rb.extend(stamped(0, 0, ROWS))
+    # One chunk of the first block damaged on disk.
+    slot = int(storage._store.committed.physical(np.arange(1))[0]) // 4
+    chunk = path / "data" / "obs" / "c" / str(slot) / "0" / "0"
+    chunk.write_bytes(b"damaged")
+    other = ZarrStorage(path=str(path), shared=True)  # another writer (as in another process)
+    check_array = verify_module._check_array
+    written: list[int] = []
+
+    def writer_goes_on(store, *args, **kwargs):
+        if not written:
+            # While the repair reads (through this process's writer, whose record is
+            # older), the other writer turns the whole ring over: the damaged rows are no
+            # longer any position's.
+            data = stamped(1, 0, ROWS)
+            ReplayBuffer(storage=other).extend(data)
+            written.extend(data["stamp"].tolist())
+        return check_array(store, *args, **kwargs)
+
+    monkeypatch.setattr(verify_module, "_check_array", writer_goes_on)
+    report = zarr_rb.verify(str(path), repair=True)
+    assert written
+    assert report.damaged  # found at the record the repair read
+    assert report.withdrawn_rows == 0
+    assert len(storage) == ROWS
+    assert stamps(storage) == written
+    reader = ZarrStorage(path=str(path), read_only=True)
+    assert stamps(reader) == written
+    reader.close()
+    other.close()
+    storage.close()
+
+
+def test_a_load_puts_back_no_version_the_record_no_longer_keeps(
+    tmp_path, few_spare_slots, monkeypatch
+):
+    path = tmp_path / "rb.zarr"
+    storage, _ = _grow_and_keep(str(path), turns=4)
+    head = stamps(storage)
+    storage.close()
+    use_save = Store.use_save
+    dropped: list[int] = []
+
+    def dropped_meanwhile(self: Store, saved) -> None:
+        if not dropped:
+            # Between the load reading the version and putting its rows back, the record
+            # stops keeping it (as a holder that took the store over would), and its slots
+            # are collected: the load must not name them again.
+            versions = {"v3": self.meta.versions["v3"]}
+            self.sharing.update(lambda meta: dataclasses.replace(meta, versions=versions))
+            dropped.append(self.collect())
+        use_save(self, saved)
+
+    monkeypatch.setattr(Store, "use_save", dropped_meanwhile)
+    with pytest.raises(zarr_rb.VersionNotFoundError, match="no longer keeps"):
+        zarr_rb.load(str(path), version="v2", progress=False)
+    assert dropped[0] > 0
+    reader = ZarrStorage(path=str(path), read_only=True)
+    assert stamps(reader) == head
+    reader.close()
+
+
+def test_a_version_dropped_beside_live_shared_writers_keeps_their_rows(
+    tmp_path, few_spare_slots, monkeypatch
+):
+    api = importlib.import_module("zarr_rb.api")
+    path = tmp_path / "rb.zarr"
+    storage, kept = _grow_and_keep(str(path), turns=4)
+    other = ZarrStorage(path=str(path), shared=True)
+    data = stamped(1, 0, 10)
+    open_store = api.open_store
+    committed: list[int] = []
+
+    def others_commit_meanwhile(*args, **kwargs):
+        store = open_store(*args, **kwargs)  # this process's first writer, shared
+        if not committed:
+            # The other writer commits after the drop looked at the record.
+            ReplayBuffer(storage=other).extend(data)
+            committed.append(len(data))
+        return store
+
+    monkeypatch.setattr(api, "open_store", others_commit_meanwhile)
+    expected = data["stamp"].tolist() + kept["v3"][10:]
+    zarr_rb.drop_version(str(path), "v1")  # through this process's first writer
+    assert committed
+    assert "v1" not in {v.tag for v in zarr_rb.versions(str(path))}
+    with pytest.raises(zarr_rb.VersionNotFoundError):
+        zarr_rb.drop_version(str(path), "v1")
+    assert stamps(other) == expected
+    assert stamps(storage) == expected
+    # Both writers go on.
+    ReplayBuffer(storage=storage).extend(stamped(0, 10_000, 5))
+    ReplayBuffer(storage=other).extend(stamped(1, 10, 5))
+    assert len(storage) == ROWS
+    loaded = zarr_rb.load(str(path), version="v2", read_only=True, progress=False)
+    assert stamps(loaded.storage) == kept["v2"]
+    loaded.storage.close()
+    other.close()
+    storage.close()
+
+
+def test_a_collection_that_fails_gives_back_the_slots_it_held(
+    tmp_path, few_spare_slots, monkeypatch
+):
+    path = tmp_path / "rb.zarr"
+    storage, kept = _grow_and_keep(str(path), turns=6)
+    store = storage._store
+    drop_slots = Store.drop_slots
+
+    def failing(self: Store, keys, slots) -> None:
+        drop_slots(self, keys[:1], slots)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Store, "drop_slots", failing)
+    _keep_only(storage, "v5")
+    with pytest.raises(OSError):
+        store.collect()
+    ring = store.sharing.read_record().commit.ring
+    assert {slot for _, slot in ring.open} <= {store.sharing.slot}
+    monkeypatch.setattr(Store, "drop_slots", drop_slots)
+    assert store.collect() > 0  # the next collection empties them
+    assert stamps(storage) == kept["v5"]
+    ReplayBuffer(storage=storage).extend(stamped(0, 10_000, 3 * ROWS))
+    assert stamps(storage) == list(range(10_000 + 2 * ROWS, 10_000 + 3 * ROWS))
+    storage.close()
+
+
+def test_retired_slots_among_those_taken_first_are_collected_too(tmp_path, few_spare_slots):
+    path = tmp_path / "rb.zarr"
+    storage, kept = _grow_and_keep(str(path), turns=2)
+    store = storage._store
+    _keep_only(storage, "v1")  # v0's slots (the first ring's) come free
+    ring = store.committed.ring
+    spare = sharing_module.initial_capacity(ROWS // 4)
+    head = set((store.committed.physical(np.arange(ROWS)) // 4).tolist())
+    retired = sorted(set(range(spare)) - head)[:3]
+    assert retired
+    assert max(retired) < spare
+    assert set(retired) <= slot_objects(path)
+
+    def retire(meta):
+        ring = dataclasses.replace(meta.commit.ring, retired=tuple(retired))
+        return dataclasses.replace(meta, commit=dataclasses.replace(meta.commit, ring=ring))
+
+    # A writer taken for gone (its lease expired) had them open: no writer takes them
+    # again, none writes them but that one, late; their objects are garbage.
+    store.sharing.update(retire)
+    assert ring.capacity >= spare
+    assert store.collect() >= len(retired)
+    assert not set(retired) & slot_objects(path)
+    assert stamps(storage) == kept["v1"]
+    storage.close()
