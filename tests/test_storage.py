@@ -464,3 +464,45 @@ def test_runs_of_rows_read_in_order(pair):
     storage, reference = pair
     index = torch.cat([torch.arange(20, 28), torch.arange(0, 8), torch.arange(5, 13)])
     assert_identical(storage.get(index), reference.get(index))
+
+
+def test_a_storage_collected_in_the_middle_of_another_ones_write_flushes_nothing_there(
+    tmp_path, monkeypatch
+):
+    """The garbage collector runs finalizers at any allocation, on the thread that
+    allocates: a storage of the same store dropped without close() may be finalized in
+    the middle of another storage's write or commit. It only leaves: a flush there would
+    run inside that write (the store's lock is re-entrant) and commit it half-done."""
+    from zarr_rb.core.store import Store
+
+    path = tmp_path / "rb.zarr"
+    kept = ZarrStorage(1000, path, compression=Compression(block_rows=8))
+    dropped = ZarrStorage(path=path)  # one store, two users
+    kept.set(torch.arange(4), TensorDict({"a": torch.zeros(4), "b": torch.zeros(4)}, [4]))
+    flush, publish = Store.flush, Store._publish
+    inside: list[str] = []
+    flushes: list[str] = []
+
+    def publishing(self, *args, **kwargs):
+        if not inside:
+            inside.append("publish")
+            dropped._finalizer()  # as the garbage collector would, here
+        return publish(self, *args, **kwargs)
+
+    def flushing(self):
+        flushes.append("nested" if inside and len(flushes) else "outer")
+        return flush(self)
+
+    monkeypatch.setattr(Store, "_publish", publishing)
+    monkeypatch.setattr(Store, "flush", flushing)
+    kept.flush()
+    assert inside
+    assert flushes == ["outer"]
+    monkeypatch.undo()
+    assert kept._store.users == 1
+    kept.set(torch.arange(4, 24), TensorDict({"a": torch.ones(20), "b": torch.ones(20)}, [20]))
+    kept.close()
+    reader = ZarrStorage(path=path, read_only=True)
+    assert len(reader) == 24
+    assert (reader[4:24]["a"] == 1).all()
+    reader.close()

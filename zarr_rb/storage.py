@@ -277,7 +277,9 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         self.__dict__["writes_begun"] = 0  # writes past validation (see _writes)
         # Storages of this process on one store see one data revision (samplers' caches).
         _compat.share_revision(self, store.shared)
-        self._finalizer = weakref.finalize(self, store.close)
+        # Dropped without close(): the garbage collector runs this at any allocation,
+        # perhaps inside another storage's write to the same store (see Store.drop_user).
+        self._finalizer = weakref.finalize(self, store.drop_user)
 
     # --- TorchRL bookkeeping, backed by the store ------------------------------------------
 
@@ -426,7 +428,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         A temporary store (``path=None``), or any store with ``auto_cleanup=True``, is
         deleted as it closes.
         """
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            self._store.close()
 
     @property
     def closed(self) -> bool:

@@ -2048,6 +2048,17 @@ class Store:
             location.delete_prefix("")
         return removed
 
+    def drop_user(self) -> None:
+        """A user dropped without :meth:`close` (its finalizer). The garbage collector runs
+        it at any allocation, perhaps inside a method of this store on this thread, whose
+        lock is re-entrant: a user that is not the last only leaves (a flush there would
+        commit a write half-done; the others commit its rows, which the store holds);
+        the last one closes (no other user is in a method then)."""
+        if not self.closed and self.users > 1:
+            self.users -= 1
+            return
+        self.close()
+
     @_serialized
     def abandon(self) -> None:
         """Drop the store as a process killed at this instant would: the rows in RAM are
