@@ -8,6 +8,7 @@ import importlib
 
 import numpy as np
 import pytest
+import torch
 from shared_workers import stamped
 from test_shared_collect import ROWS, _grow_and_keep, few_spare_slots, slot_objects, stamps
 from torchrl.data import ReplayBuffer
@@ -18,6 +19,14 @@ from zarr_rb import ZarrStorage
 from zarr_rb.core.store import Store
 
 __all__ = ["few_spare_slots"]  # (a fixture, used by name)
+
+
+def _one_ring(path) -> ZarrStorage:
+    """A shared writer of a small store, its ring written once."""
+    layout = zarr_rb.Compression(block_rows=4)
+    storage = ZarrStorage(ROWS, str(path), shared=True, compression=layout)
+    ReplayBuffer(storage=storage).extend(stamped(0, 0, ROWS))
+    return storage
 
 
 def _keep_only(storage: ZarrStorage, prefix: str) -> None:
@@ -210,3 +219,106 @@ def test_retired_slots_among_those_taken_first_are_collected_too(tmp_path, few_s
     assert not set(retired) & slot_objects(path)
     assert stamps(storage) == kept["v1"]
     storage.close()
+
+
+def test_a_repair_keeps_rows_another_writer_rewrote_into_the_same_slot(tmp_path, monkeypatch):
+    """ABA: the damaged slot comes free, another writer takes it again (lowest free slot)
+    and writes the same positions at the same physical rows: the chunk is whole again, the
+    rows are the other writer's new ones, yet the repair withdraws them."""
+    verify_module = importlib.import_module("zarr_rb.verify")
+    path = tmp_path / "rb.zarr"
+    storage = _one_ring(path)
+    slot = int(storage._store.committed.physical(np.arange(1))[0]) // 4
+    (path / "data" / "obs" / "c" / str(slot) / "0" / "0").write_bytes(b"damaged")
+    other = ZarrStorage(path=str(path), shared=True)
+    check_array = verify_module._check_array
+    written: list[int] = []
+
+    def writer_goes_on(store, *args, **kwargs):
+        found = check_array(store, *args, **kwargs)
+        if found and not written:
+            rb = ReplayBuffer(storage=other)
+            rb.extend(stamped(1, 0, ROWS))  # the ring turns over: the first slots come free
+            data = stamped(1, ROWS, ROWS)
+            rb.extend(data)  # ... and are taken again, lowest first
+            written.extend(data["stamp"].tolist())
+            assert int(other._store.committed.physical(np.arange(1))[0]) // 4 == slot
+        return found
+
+    monkeypatch.setattr(verify_module, "_check_array", writer_goes_on)
+    report = zarr_rb.verify(str(path), repair=True)
+    assert report.damaged  # found at the record the repair read
+    reader = ZarrStorage(path=str(path), read_only=True)
+    try:
+        assert zarr_rb.verify(str(path)).ok  # the chunk was written whole again
+        assert report.withdrawn_rows == 0
+        assert len(reader) == ROWS
+        assert stamps(reader) == written
+    finally:
+        reader.close()
+        other.close()
+        storage.close()
+
+
+def test_a_damaged_chunk_read_beside_a_committing_writer_raises_chunk_corrupted(
+    tmp_path, monkeypatch
+):
+    """A chunk damaged at the record of now, read while another writer commits (rows the
+    read does not touch): the read must report the damage (ChunkCorruptedError, which
+    tells to run verify), not RowsNotCommittedError after 50 tries."""
+
+    path = tmp_path / "rb.zarr"
+    storage = _one_ring(path)
+    slot = int(storage._store.committed.physical(np.arange(1))[0]) // 4
+    (path / "data" / "obs" / "c" / str(slot) / "0" / "0").write_bytes(b"damaged")
+    other = ZarrStorage(path=str(path), shared=True)
+    with pytest.raises(zarr_rb.ChunkCorruptedError):
+        storage.get(torch.arange(4))  # alone: the damage is reported
+    read_disk = Store._read_disk
+    commits = [0]
+
+    def other_commits_meanwhile(self, *args, **kwargs):
+        if self is storage._store:
+            commits[0] += 1
+            other.set(torch.tensor([ROWS - 1]), stamped(1, commits[0], 1), set_cursor=False)
+        return read_disk(self, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "_read_disk", other_commits_meanwhile)
+    try:
+        with pytest.raises(zarr_rb.ChunkCorruptedError):
+            storage.get(torch.arange(4))
+    finally:
+        monkeypatch.undo()
+        other.close()
+        storage.close()
+
+
+def test_loading_the_last_save_while_another_writer_saves_loads_the_newer_one(
+    tmp_path, monkeypatch
+):
+    """load(path) (no version: the last save) while another shared writer publishes a newer
+    save between the load reading the state and putting the rows back: the store keeps a
+    last save all along, which the load loads again."""
+    path = tmp_path / "rb.zarr"
+    storage = _one_ring(path)
+    rb = ReplayBuffer(storage=storage)
+    zarr_rb.save(rb, progress=False)
+    other = ZarrStorage(path=str(path), shared=True)
+    use_save = Store.use_save
+    saved_meanwhile: list[bool] = []
+
+    def other_saves_meanwhile(self, saved):
+        if not saved_meanwhile:
+            zarr_rb.save(ReplayBuffer(storage=other), progress=False)  # no row written
+            saved_meanwhile.append(True)
+        use_save(self, saved)
+
+    monkeypatch.setattr(Store, "use_save", other_saves_meanwhile)
+    try:
+        loaded = zarr_rb.load(str(path), progress=False)  # the newer save, loaded again
+        assert saved_meanwhile
+        assert stamps(loaded.storage) == list(range(ROWS))
+        loaded.storage.close()
+    finally:
+        other.close()
+        storage.close()

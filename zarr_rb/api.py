@@ -32,13 +32,14 @@ from zarr_rb.errors import (
     NoSavedBufferError,
     NotSupportedError,
     ReadOnlyError,
+    StateChangedError,
     StoreCorruptedError,
     VersionExistsError,
     VersionNotFoundError,
     ZarrRBError,
 )
 from zarr_rb.locations import StoreURL, is_remote, open_location
-from zarr_rb.state import load_buffer, save_buffer
+from zarr_rb.state import LOAD_ATTEMPTS, load_buffer, save_buffer
 from zarr_rb.storage import ZarrStorage
 
 __all__ = ["Version", "drop_version", "load", "save", "versions"]
@@ -380,21 +381,36 @@ def _load_on_store(
         storage_options=storage_options,
         ram_bytes=ram_bytes,
     )
-    saved = _saved_of(storage, version)
     committed_length = len(storage)
-    _compat.set_length(storage, 0)
     try:
-        return _built(
-            storage,
-            saved,
-            storage=storage,
-            restore_storage=lambda read: storage.restore(
-                length=read.length, cursor=read.cursor, save=read
-            ),
-            version=version,
-            allow_pickle=allow_pickle,
-            transform=transform,
-            code_objects=code_objects,
+        for _ in range(LOAD_ATTEMPTS):
+            saved = _saved_of(storage, version)
+            _compat.set_length(storage, 0)
+            try:
+                return _built(
+                    storage,
+                    saved,
+                    storage=storage,
+                    restore_storage=lambda read: storage.restore(
+                        length=read.length, cursor=read.cursor, save=read
+                    ),
+                    version=version,
+                    allow_pickle=allow_pickle,
+                    transform=transform,
+                    code_objects=code_objects,
+                )
+            except VersionNotFoundError:
+                # Another writer of a shared store replaced the last save after its state
+                # was read, before its rows were put back (they may be collected): the last
+                # save is now the newer one, loaded whole again.
+                if version is not None:
+                    raise
+                _compat.set_length(storage, committed_length)
+                storage.refresh()
+        raise StateChangedError(
+            f"store {str(storage.path)!r}: the last save was replaced by a newer one each of "
+            f"the {LOAD_ATTEMPTS} times it was loaded (writers saving faster than a load). "
+            "Load again, or load a tagged version (zarr_rb.save(rb, tag=...))",
         )
     except BaseException:
         _compat.set_length(storage, committed_length)  # leave the store as it was

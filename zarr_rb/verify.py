@@ -115,16 +115,15 @@ def verify(
     try:
         damaged: list[DamagedChunk] = []
         arrays = 0
+        seen = store.committed  # the record the rows are checked at
         readable = (  # over the committed rows only: a store's capacity costs nothing here
-            store.committed.readable_mask(store.committed.length)
-            if store.schema is not None
-            else np.zeros(0, bool)
+            seen.readable_mask(seen.length) if store.schema is not None else np.zeros(0, bool)
         )
         positions = np.flatnonzero(readable)
         # The rows of the arrays that hold them (blocks the writer moved to other slots).
-        physical = store.committed.physical(positions)
+        physical = seen.physical(positions)
         # An archive's rows too, those the ring no longer holds (reported, not withdrawn).
-        history = store.committed.history
+        history = seen.history
         archived = (
             np.setdiff1d(history.physical(np.arange(history.end)), physical)
             if history is not None
@@ -151,7 +150,7 @@ def verify(
                 if not chunk.array.startswith(f"{STATE_GROUP}/"):
                     start, stop = chunk.rows
                     lost |= (physical >= start) & (physical < stop)
-            withdrawn = store.withdraw(positions[lost], physical[lost])
+            withdrawn = store.withdraw(positions[lost], physical[lost], seen)
         return VerifyReport(
             path=store.path,
             damaged=tuple(damaged),

@@ -678,17 +678,26 @@ class Sharing:
 
         self.update(start)
 
-    def withdraw(self, positions: np.ndarray, physical: np.ndarray) -> int:
-        """``positions`` found damaged in rows ``physical`` of the data arrays: those
-        still there in the record hold no row until written again (others were written
-        since, by any writer). Returns how many were withdrawn."""
+    def withdraw(self, positions: np.ndarray, physical: np.ndarray, seen: Ring) -> int:
+        """``positions`` found damaged in rows ``physical`` of the data arrays, as the
+        record whose ring is ``seen`` mapped them: those still there, in slots no writer
+        took since, hold no row until written again (others were written since, by any
+        writer, perhaps into the same rows of a slot that came free and was taken again).
+        Returns how many were withdrawn."""
         withdrawn = [0]
 
         def withdraw(meta: StoreMeta) -> StoreMeta | None:
             commit = meta.commit
+            assert commit.ring is not None
+            taken = commit.ring.taken_since(seen)
             runs = commit.runs or RunMap.empty()
             inside = positions < commit.length
-            there = positions[inside][runs.physical(positions[inside]) == physical[inside]]
+            still = runs.physical(positions[inside]) == physical[inside]
+            if taken is None:
+                still[:] = False  # too many slots taken since to tell: leave every one
+            elif taken:
+                still &= ~np.isin(physical[inside] // self.block_rows, list(taken))
+            there = positions[inside][still]
             withdrawn[0] = int(there.size)
             if not there.size:
                 return None
@@ -743,8 +752,12 @@ class Sharing:
                 out = read()
             except StoreCorruptedError:
                 self.refresh()
-                if self.store.committed.generation == before.generation:
-                    raise  # damaged at the record of now: not another writer's doing
+                after = self.store.committed
+                if after.generation == before.generation or before.reads_alike(
+                    after, rows, self.block_rows
+                ):
+                    raise  # damaged where the record of now has the rows: not a writer's doing
+                time.sleep(0.0005 * (attempt + 1))
                 continue
             self.refresh()
             after = self.store.committed

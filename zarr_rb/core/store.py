@@ -1215,15 +1215,16 @@ class Store:
             ) from None
 
     @_serialized
-    def withdraw(self, positions: np.ndarray, physical: np.ndarray) -> int:
-        """Withdraw ``positions``, found damaged in rows ``physical`` of the data arrays,
-        from the readable range until they are rewritten. Those that a write moved to other
-        rows since the caller read where they were stay. Returns how many were withdrawn."""
+    def withdraw(self, positions: np.ndarray, physical: np.ndarray, seen: Commit) -> int:
+        """Withdraw ``positions``, found damaged in rows ``physical`` of the data arrays
+        (where the commit ``seen`` has them), from the readable range until they are
+        rewritten. Those that a write moved since stay. Returns how many were withdrawn."""
         self._check_writable()
         assert self._ledger is not None
         self.version += 1
         if self.sharing is not None:
-            return self.sharing.withdraw(positions, physical)
+            assert seen.ring is not None
+            return self.sharing.withdraw(positions, physical, seen.ring)
         inside = positions < self.committed.length
         positions, physical = positions[inside], physical[inside]
         still = positions[self.committed.physical(positions) == physical]
