@@ -161,6 +161,17 @@ gets when it is given none (a custom one is saved as code; this one is rebuilt).
 # --- storages ------------------------------------------------------------------------------
 
 
+def attached_count(storage: Any) -> int:
+    """How many buffers and samplers are attached to ``storage`` (see :func:`detach_since`)."""
+    return len(get(storage, "_attached_entities"))
+
+
+def detach_since(storage: Any, count: int) -> None:
+    """Detach what was attached to ``storage`` after it had ``count`` (a buffer whose
+    building failed: TorchRL would notify it of every write)."""
+    del get(storage, "_attached_entities")[count:]
+
+
 def set_last_cursor(storage: Any, cursor: Any) -> None:
     """Record the index of the last write (TorchRL's checkpointers and samplers read it)."""
     storage._set_last_cursor(cursor)

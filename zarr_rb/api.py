@@ -386,6 +386,7 @@ def _load_on_store(
         for _ in range(LOAD_ATTEMPTS):
             saved = _saved_of(storage, version)
             _compat.set_length(storage, 0)
+            attached = _compat.attached_count(storage)
             try:
                 return _built(
                     storage,
@@ -405,6 +406,7 @@ def _load_on_store(
                 # save is now the newer one, loaded whole again.
                 if version is not None:
                     raise
+                _compat.detach_since(storage, attached)  # the buffer of this attempt
                 _compat.set_length(storage, committed_length)
                 storage.refresh()
         raise StateChangedError(

@@ -113,11 +113,19 @@ def _serialized(method: _F) -> _F:
     @functools.wraps(method)
     def serialized(self: Store, *args: Any, **kwargs: Any) -> Any:
         with self._mutex:
+            self._depth += 1
             try:
-                return method(self, *args, **kwargs)
+                result = method(self, *args, **kwargs)
             except FencedError as err:
                 self.fenced = err  # nothing more is written: see close
                 raise
+            finally:
+                self._depth -= 1
+            if not self._depth and self._flush_on_exit:
+                # The rows of a user dropped inside this call (see drop_user).
+                self._flush_on_exit = False
+                self.flush()
+            return result
 
     return cast(_F, serialized)
 
@@ -141,6 +149,10 @@ class Store:
         """Read-only rows of an archive's history (``meta`` made by ``as_history``): they
         stay as opened, and nothing they read is ever written again."""
         self._mutex = threading.RLock()
+        self._depth = 0
+        """Calls of this store under way (on the thread that holds :attr:`_mutex`)."""
+        self._flush_on_exit = False
+        """A user was dropped inside a call: the call commits its rows as it ends."""
         self._lock = lock
         self._create = create
         """A new store, not yet on disk: makes its place there and takes its writer lock
@@ -2051,14 +2063,21 @@ class Store:
 
     def drop_user(self) -> None:
         """A user dropped without :meth:`close` (its finalizer). The garbage collector runs
-        it at any allocation, perhaps inside a method of this store on this thread, whose
-        lock is re-entrant: a user that is not the last only leaves (a flush there would
-        commit a write half-done; the others commit its rows, which the store holds);
-        the last one closes (no other user is in a method then)."""
-        if not self.closed and self.users > 1:
+        it at any allocation, perhaps inside a call of this store on this thread, whose
+        lock is re-entrant: a flush there would commit that call's write half-done, so the
+        rows of a user that is not the last are committed as the call ends; outside any
+        call, at once. The last one closes."""
+        with self._mutex:  # (another thread's call ends first)
+            if self.closed:
+                return
+            if self.users <= 1:
+                self.close()
+                return
             self.users -= 1
-            return
-        self.close()
+            if self._depth:
+                self._flush_on_exit = True
+            elif not self._gone():
+                self.flush()
 
     @_serialized
     def abandon(self) -> None:
