@@ -748,22 +748,18 @@ class Sharing:
         the older record named."""
         for attempt in range(_READ_RETRIES):
             before = self.store.committed
+            damaged: StoreCorruptedError | None = None
             try:
                 out = read()
-            except StoreCorruptedError:
-                self.refresh()
-                after = self.store.committed
-                if after.generation == before.generation or before.reads_alike(
-                    after, rows, self.block_rows
-                ):
-                    raise  # damaged where the record of now has the rows: not a writer's doing
-                time.sleep(0.0005 * (attempt + 1))
-                continue
+            except StoreCorruptedError as err:
+                damaged = err
             self.refresh()
             after = self.store.committed
-            if after.generation == before.generation:
-                return out
-            if before.reads_alike(after, rows, self.block_rows):
+            if after.generation == before.generation or before.reads_alike(
+                after, rows, self.block_rows
+            ):
+                if damaged is not None:
+                    raise damaged  # where the record of now has the rows: not a writer's doing
                 return out
             time.sleep(0.0005 * (attempt + 1))
         raise RowsNotCommittedError(
