@@ -8,6 +8,8 @@ are extended further (which needs the writer cursor to have come across).
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -494,18 +496,19 @@ def row_nbytes(data: TensorDict) -> int:
 
 
 class SetSpy:
-    """Records the rows each ``set`` call of a storage class writes."""
+    """Records the rows each ``set`` call of a storage class (or another method taking a
+    slice of rows and their values) writes."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, cls: type) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, cls: type, name: str = "set") -> None:
         self.blocks: list[range] = []
-        original = cls.set
+        original = getattr(cls, name)
 
         def spy(storage: Any, cursor: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
             if isinstance(cursor, slice):
                 self.blocks.append(range(*cursor.indices(MAX_SIZE)))
             return original(storage, cursor, data, *args, **kwargs)
 
-        monkeypatch.setattr(cls, "set", spy)
+        monkeypatch.setattr(cls, name, spy)
 
     def check(self, rows_per_block: int) -> None:
         assert len(self.blocks) == -(-MAX_SIZE // rows_per_block)
@@ -538,15 +541,63 @@ def test_export_streams_in_blocks(
     fill(source)
     zarr_rb.save(source)
     source.storage.close()
-    spy = SetSpy(monkeypatch, LazyMemmapStorage)
+    spy = SetSpy(monkeypatch, convert._MemmapFiles, "write")
     nbytes = zarr_rb.load(tmp_path / "rb.zarr", read_only=True).storage.schema.row_nbytes
     export_torchrl(tmp_path / "rb.zarr", tmp_path / "dump", block_bytes=7 * nbytes + 3)
     spy.check(rows_per_block=7)
-    assert "export rows" in capsys.readouterr().err  # the progress bar
+    err = capsys.readouterr().err
+    # What it writes, said before it writes; then the progress bar.
+    assert f"export: {MAX_SIZE} rows, " in err
+    assert "export rows" in err
     monkeypatch.undo()
     restored = torchrl_buffer("random")
     restored.loads(tmp_path / "dump")
     assert_same_buffer(restored, zarr_rb.load(tmp_path / "rb.zarr"), seeds=1)
+
+
+EXPORT_RSS = """
+import resource, sys
+import torch
+from tensordict import TensorDict
+from torchrl.data import TensorDictReplayBuffer
+import zarr_rb
+from zarr_rb.convert import export_torchrl
+
+rows = 8192
+rb = TensorDictReplayBuffer(storage=zarr_rb.ZarrStorage(rows, sys.argv[1]))
+for start in range(0, rows, 1024):  # frames of 28 KB that compress: 450 MB in all
+    obs = torch.zeros(1024, 4, 84, 84, dtype=torch.uint8)
+    obs[:, :, 0] = torch.arange(start, start + 1024).remainder(251)[:, None, None]
+    rb.extend(TensorDict({"obs": obs, "next": {"obs": obs}}, [1024]))
+zarr_rb.save(rb)
+rb.storage.close()
+del rb, obs
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+export_torchrl(sys.argv[1], sys.argv[2], progress=False, block_bytes=16 * 2**20)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(grown * 1024)
+"""
+
+
+def test_export_memory_stays_bounded_by_its_blocks(tmp_path: Path) -> None:
+    """The rows go into TorchRL's files through the page cache, not through memory maps
+    that would keep every page written in the process (its RSS grew by the whole buffer)."""
+    code = EXPORT_RSS
+    child = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "rb.zarr"), str(tmp_path / "dump")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    grown = int(child.stdout.split()[-1])
+    raw = 8192 * 2 * 4 * 84 * 84
+    assert grown < raw / 4, (grown, raw)  # was above the whole buffer's bytes
+    restored = TensorDictReplayBuffer(storage=LazyMemmapStorage(8192))
+    restored.loads(tmp_path / "dump")
+    obs = restored[:]["next", "obs"]
+    assert obs.shape == (8192, 4, 84, 84)
+    assert torch.equal(obs[:, 0, 0, 0], torch.arange(8192).remainder(251).to(torch.uint8))
 
 
 def test_block_bytes_must_be_positive(tmp_path: Path, prioritized_dump: Path) -> None:

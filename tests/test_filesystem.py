@@ -167,6 +167,24 @@ def test_a_full_disk_at_the_first_write_is_a_typed_error_and_the_write_works_onc
         assert reopened[:]["step"].tolist() == [0, 1, 2, 3]
 
 
+def test_an_export_onto_a_disk_without_room_is_refused_before_it_writes(tmpfs, tmp_path):
+    """An export says what it writes and refuses a disk that cannot hold it, before it makes
+    the dump (not half-way through a TorchRL layout)."""
+    from zarr_rb.convert import export_torchrl
+
+    rb = ReplayBuffer(storage=ZarrStorage(256, tmp_path / "rb.zarr"))
+    rb.extend(frames(0, 256))  # 1.8 MB of rows
+    zarr_rb.save(rb)
+    rb.storage.close()
+    disk = tmpfs("1m")
+    with pytest.raises(OSError) as info:
+        export_torchrl(tmp_path / "rb.zarr", disk / "dump", progress=False)
+    assert info.value.errno == errno.ENOSPC
+    assert "256 rows, 1.7 MiB" in str(info.value)
+    assert "nothing was written" in str(info.value)
+    assert not (disk / "dump").exists()
+
+
 def wrong_modes(root: Path, umask: int) -> list[str]:
     """Every file and directory under ``root`` whose mode is not what ``umask`` gives."""
     wrong = []

@@ -54,6 +54,7 @@ USED: dict[type, tuple[str, ...]] = {
         "_attached_entities",
         "_is_full",
         "_rng",
+        "_storage",
     ),
     Storage: ("__getstate__", "__setstate__", "_compilable"),
     ListStorage: ("_storage",),

@@ -26,15 +26,19 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import math
 import os
 import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler, SamplerWithoutReplacement
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxValueWriter
 
@@ -46,7 +50,7 @@ from zarr_rb._checkpointer import (
     open_torchrl_dump,
 )
 from zarr_rb._convert import row_nbytes
-from zarr_rb._progress import copy_in_blocks
+from zarr_rb._progress import copy_in_blocks, format_bytes
 from zarr_rb.api import load, save
 from zarr_rb.core.format import LeafSpec
 from zarr_rb.core.open import Mode
@@ -483,24 +487,30 @@ def export_torchrl(
             auto_cleanup=False,
         )
         rows = _compat.length_along_dim0(storage)
+        size = ExportSize(
+            rows=rows, nbytes=rows * schema.row_nbytes, apparent=schema.rows * schema.row_nbytes
+        )
+        _check_room(dest, size)
+        if progress:
+            print(f"export: {size.describe()} into {dest}", file=sys.stderr)
 
         def read(start: int, stop: int) -> Any:
             return storage._read(np.arange(start, stop, dtype=np.int64), schema)
 
-        def write(where: slice, block: Any) -> None:
-            memmap.set(where, block, set_cursor=False)
-
-        if rows == 0:
-            write(slice(0, 1), read(0, 1))  # allocate the files; the length stays 0
-        copy_in_blocks(
-            read,
-            write,
-            rows=rows,
-            row_nbytes=schema.row_nbytes,
-            block_bytes=_resolve_block_bytes(block_bytes),
-            progress=progress,
-            desc="export rows",
-        )
+        # The first row through TorchRL allocates the files; then every block is written
+        # into them with pwrite, not through their memory maps, whose pages would stay in
+        # this process's memory (its RSS) as long as the maps do: the whole buffer.
+        memmap.set(slice(0, 1), read(0, 1), set_cursor=False)
+        with _MemmapFiles(_compat.get(memmap, "_storage")) as files:
+            copy_in_blocks(
+                read,
+                files.write,
+                rows=rows,
+                row_nbytes=schema.row_nbytes,
+                block_bytes=_resolve_block_bytes(block_bytes),
+                progress=progress,
+                desc="export rows",
+            )
         _compat.set_length(memmap, len(storage))
         if rows:
             _compat.set_last_cursor(memmap, (storage.cursor - 1) % schema.rows)
@@ -517,6 +527,75 @@ def export_torchrl(
     finally:
         storage.close()
     return dest
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExportSize:
+    """What an export writes: ``rows`` rows of ``nbytes`` bytes, into files of ``apparent``
+    bytes (TorchRL's layout holds the storage's whole capacity; the files are sparse past
+    the rows written)."""
+
+    rows: int
+    nbytes: int
+    apparent: int
+
+    def describe(self) -> str:
+        text = f"{self.rows:,} rows, {format_bytes(self.nbytes)}"
+        if self.apparent > self.nbytes:
+            text += (
+                f" (in files of {format_bytes(self.apparent)} apparent size, sparse past the "
+                "rows: TorchRL's layout holds the buffer's whole capacity)"
+            )
+        return text
+
+
+def _check_room(dest: Path, size: ExportSize) -> None:
+    """Refuse an export that the disk under ``dest`` has no room for, before writing."""
+    parent = next(path for path in (dest, *dest.parents) if path.exists())
+    free = shutil.disk_usage(parent).free
+    if size.nbytes > free:
+        raise OSError(
+            errno.ENOSPC,
+            f"export of {size.describe()} into {str(dest)!r} needs more than the "
+            f"{format_bytes(free)} free there; nothing was written. Free space or export "
+            "to another disk",
+        )
+
+
+class _MemmapFiles:
+    """The files behind the memory-mapped leaves of a ``LazyMemmapStorage``, written row
+    blocks at a time with ``pwrite`` (through the page cache, never mapped here)."""
+
+    def __init__(self, storage: Any) -> None:
+        self._targets: list[tuple[Any, int, int]] = []
+        try:
+            for key, tensor in storage.items(include_nested=True, leaves_only=True):
+                row_bytes = tensor[0].numel() * tensor.element_size()
+                fd = os.open(tensor.filename, os.O_WRONLY)
+                self._targets.append((key, fd, row_bytes))
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, where: slice, block: Any) -> None:
+        for key, fd, row_bytes in self._targets:
+            data = block.get(key).contiguous().reshape(-1).view(torch.uint8).numpy()
+            view = memoryview(data)
+            offset = where.start * row_bytes
+            while view.nbytes:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
+
+    def close(self) -> None:
+        for _, fd, _ in self._targets:
+            os.close(fd)
+        self._targets = []
+
+    def __enter__(self) -> _MemmapFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _check_export_source(src: Path) -> None:
