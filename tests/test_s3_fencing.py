@@ -81,15 +81,15 @@ def late_write_rows(storage: ZarrStorage, then: Callable[[], None]) -> None:
     """The writer's next row writes stall after it chose their slots and before its PUTs
     land: ``then()`` runs first."""
     store = storage._store
-    write_rows = store._write_rows
+    write_rows = store.write_rows
 
     def stalled(*args: Any, **kwargs: Any) -> None:
-        store._write_rows = write_rows
+        store.write_rows = write_rows
         stall(storage)
         then()
         write_rows(*args, **kwargs)
 
-    store._write_rows = stalled
+    store.write_rows = stalled
 
 
 @pytest.mark.parametrize("in_flight", [False, True], ids=["stalled before", "PUTs in flight"])
@@ -187,7 +187,7 @@ def test_a_stalled_shared_writers_late_rows_never_reach_another_writers_slot(s3_
     )
     rb = TensorDictReplayBuffer(storage=storage)
     rb.extend(batch(0, BLOCK_ROWS))  # its first slot, full
-    writer = storage._store.sharing.writer
+    writer = storage._store.commits.writer
     committed: list[TensorDict] = []
 
     def take_over() -> None:

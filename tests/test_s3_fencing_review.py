@@ -232,10 +232,11 @@ def with_slots(url: str, options: dict, capacity: int) -> None:
     rb.extend(batch(0, CAPACITY))
     storage.flush()
     store = storage._store
-    for key in store._leaves:
+    for key in store.leaves:
         store.array(key).grow_rows(capacity * BLOCK_ROWS)
-    store._slots = store._block_map.with_capacity(capacity)
-    store._publish(dataclasses.replace(store.committed, slots=store._slots.copy()))
+    solo = store.commits
+    solo.positions = solo.block_map.with_capacity(capacity)
+    solo.publish(dataclasses.replace(store.committed, slots=solo.positions.copy()))
     storage.close()
 
 
@@ -408,8 +409,8 @@ def test_a_lease_floor_past_the_slots_of_the_record_is_reached_at_once(s3_url, s
     rb.extend(batch(0, CAPACITY))
     storage.flush()
     store = storage._store
-    store._lease = LeaseFloor(floor=floor, held=False)
-    store._publish(store.committed, rows=False)
+    store.commits._lease = LeaseFloor(floor=floor, held=False)
+    store.commits.publish(store.committed, rows=False)
     store.abandon()
     storage, rb = new_writer(s3_url, s3_options)
     try:
@@ -468,5 +469,5 @@ def test_saves_stay_out_of_the_groups_of_every_writer_that_may_still_save_late(s
     assert saved.slot not in pending
     storage.close()  # a clean close: the next writer avoids the same groups, no more
     storage, _ = new_writer(s3_url, s3_options)
-    assert storage._store._avoided_saves >= set(pending[1::2])
+    assert storage._store.commits._avoided_saves >= set(pending[1::2])
     storage.close()

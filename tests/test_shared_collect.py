@@ -174,11 +174,11 @@ def test_a_collector_killed_while_it_holds_slots_leaves_them_to_the_next(
     for turn in range(5):
         versions = dict(store.meta.versions)
         versions.pop(f"v{turn}")
-        store.sharing.update(lambda meta, v=versions: _with_versions(meta, v))
+        store.commits.update(lambda meta, v=versions: _with_versions(meta, v))
     with pytest.raises(KeyboardInterrupt):
         store.collect()
     assert dropped
-    held = {slot for who, slot in store.committed.ring.open if who == store.sharing.writer}
+    held = {slot for who, slot in store.committed.ring.open if who == store.commits.writer}
     assert set(dropped) <= held  # held while they were emptied
     store.abandon()  # killed there
     monkeypatch.setattr(Store, "drop_slots", drop_slots)
@@ -217,7 +217,7 @@ def test_slots_a_collection_holds_are_taken_by_no_other_writer(
 
     monkeypatch.setattr(Store, "drop_slots", others_write_first)
     versions = {"v5": store.meta.versions["v5"]}
-    store.sharing.update(lambda meta: _with_versions(meta, versions))
+    store.commits.update(lambda meta: _with_versions(meta, versions))
     assert store.collect() > 0
     assert written
     assert stamps(other) == written[-ROWS:]
@@ -248,7 +248,7 @@ def test_a_reader_of_an_older_record_reads_again_across_a_collection(tmp_path, f
         zarr_rb.save(rb, tag=f"w{turn}", progress=False)
     store_w = storage._store
     versions = {tag: saved for tag, saved in store_w.meta.versions.items() if tag.startswith("w")}
-    store_w.sharing.update(lambda meta: _with_versions(meta, versions))
+    store_w.commits.update(lambda meta: _with_versions(meta, versions))
     assert store_w.collect() > 0
     assert store.committed is before  # the reader has not looked since
     emptied = set((before.physical(np.arange(ROWS)) // BLOCK_ROWS).tolist())

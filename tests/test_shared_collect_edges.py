@@ -39,7 +39,7 @@ def _one_ring(path) -> ZarrStorage:
 def _keep_only(storage: ZarrStorage, prefix: str) -> None:
     store = storage._store
     versions = {tag: saved for tag, saved in store.meta.versions.items() if tag.startswith(prefix)}
-    store.sharing.update(lambda meta: dataclasses.replace(meta, versions=versions))
+    store.commits.update(lambda meta: dataclasses.replace(meta, versions=versions))
 
 
 def test_a_writer_with_an_older_record_reads_again_across_a_collection(tmp_path, few_spare_slots):
@@ -123,7 +123,7 @@ def test_a_load_puts_back_no_version_the_record_no_longer_keeps(
             # stops keeping it (as a holder that took the store over would), and its slots
             # are collected: the load must not name them again.
             versions = {"v3": self.meta.versions["v3"]}
-            self.sharing.update(lambda meta: dataclasses.replace(meta, versions=versions))
+            self.commits.update(lambda meta: dataclasses.replace(meta, versions=versions))
             dropped.append(self.collect())
         use_save(self, saved)
 
@@ -189,8 +189,8 @@ def test_a_collection_that_fails_gives_back_the_slots_it_held(
     _keep_only(storage, "v5")
     with pytest.raises(OSError):
         store.collect()
-    ring = store.sharing.read_record().commit.ring
-    assert {slot for _, slot in ring.open} <= {store.sharing.slot}
+    ring = store.commits.read_record().commit.ring
+    assert {slot for _, slot in ring.open} <= {store.commits.slot}
     monkeypatch.setattr(Store, "drop_slots", drop_slots)
     assert store.collect() > 0  # the next collection empties them
     assert stamps(storage) == kept["v5"]
@@ -218,7 +218,7 @@ def test_retired_slots_among_those_taken_first_are_collected_too(tmp_path, few_s
 
     # A writer taken for gone (its lease expired) had them open: no writer takes them
     # again, none writes them but that one, late; their objects are garbage.
-    store.sharing.update(retire)
+    store.commits.update(retire)
     assert ring.capacity >= spare
     assert store.collect() >= len(retired)
     assert not set(retired) & slot_objects(path)
@@ -279,7 +279,7 @@ def test_a_damaged_chunk_read_beside_a_committing_writer_raises_chunk_corrupted(
     other = ZarrStorage(path=str(path), shared=True)
     with pytest.raises(zarr_rb.ChunkCorruptedError):
         storage.get(torch.arange(4))  # alone: the damage is reported
-    read_disk = Store._read_disk
+    read_disk = Store.read_disk
     commits = [0]
 
     def other_commits_meanwhile(self, *args, **kwargs):
@@ -288,7 +288,7 @@ def test_a_damaged_chunk_read_beside_a_committing_writer_raises_chunk_corrupted(
             other.set(torch.tensor([ROWS - 1]), stamped(1, commits[0], 1), set_cursor=False)
         return read_disk(self, *args, **kwargs)
 
-    monkeypatch.setattr(Store, "_read_disk", other_commits_meanwhile)
+    monkeypatch.setattr(Store, "read_disk", other_commits_meanwhile)
     try:
         with pytest.raises(zarr_rb.ChunkCorruptedError):
             storage.get(torch.arange(4))

@@ -91,7 +91,7 @@ class SharedWriters(RuleBasedStateMachine):
         count = min(count, self.rows)
         storage = self.writers[writer]
         store = storage._store
-        original = Store._write_rows
+        original = Store.write_rows
 
         def killed(self_: Store, writes, *, physical: bool = False) -> None:
             if self_ is store and after_write:
@@ -99,13 +99,13 @@ class SharedWriters(RuleBasedStateMachine):
             if self_ is store:
                 raise _KilledError
 
-        Store._write_rows = killed  # type: ignore[method-assign]
+        Store.write_rows = killed  # type: ignore[method-assign]
         try:
             storage.set(torch.arange(count), self._rows(writer, count))
         except _KilledError:
             pass
         finally:
-            Store._write_rows = original  # type: ignore[method-assign]
+            Store.write_rows = original  # type: ignore[method-assign]
         store.abandon()
         self.writers[writer] = ZarrStorage(path=self.url, mode="r+", shared=True)
 

@@ -74,7 +74,7 @@ def test_writes_of_different_keys_of_one_row_by_two_writers_both_stay(store_path
         for storage in (mine, twin):
             storage.set(torch.arange(8), rows(0, 8))
         other.refresh()
-        sharing = mine._store.sharing
+        sharing = mine._store.commits
         take_room = sharing.room
         y = TensorDict({"y": torch.tensor([-1, -2])}, batch_size=[2])
         x = TensorDict({"x": torch.tensor([-3, -4])}, batch_size=[2])

@@ -473,13 +473,14 @@ def test_a_storage_collected_in_the_middle_of_another_ones_write_flushes_nothing
     allocates: a storage of the same store dropped without close() may be finalized in
     the middle of another storage's write or commit. It only leaves: a flush there would
     run inside that write (the store's lock is re-entrant) and commit it half-done."""
+    from zarr_rb.core.solo import SoloCommits
     from zarr_rb.core.store import Store
 
     path = tmp_path / "rb.zarr"
     kept = ZarrStorage(1000, path, compression=Compression(block_rows=8))
     dropped = ZarrStorage(path=path)  # one store, two users
     kept.set(torch.arange(4), TensorDict({"a": torch.zeros(4), "b": torch.zeros(4)}, [4]))
-    flush, publish = Store.flush, Store._publish
+    flush, publish = Store.flush, SoloCommits.publish
     inside: list[str] = []
     flushes: list[str] = []
 
@@ -493,7 +494,7 @@ def test_a_storage_collected_in_the_middle_of_another_ones_write_flushes_nothing
         flushes.append("nested" if self._depth else "outer")
         return flush(self)
 
-    monkeypatch.setattr(Store, "_publish", publishing)
+    monkeypatch.setattr(SoloCommits, "publish", publishing)
     monkeypatch.setattr(Store, "flush", flushing)
     kept.flush()
     assert inside

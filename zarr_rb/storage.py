@@ -241,7 +241,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
                 ndim=store.meta.ndim,
                 compilable=compilable,
             )
-            store.length = length
+            store.set_length(length)
             self.initialized = store.schema is not None
             if self.initialized:
                 self.max_size = capacity_of(store.meta)
@@ -306,7 +306,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
     def _len(self) -> int:
         store = self.__dict__["_store"]
         interval = self.__dict__.get("_refresh_interval")
-        if store.sharing is not None:
+        if store.is_shared:
             self._pick_up_other_writers()
         elif interval is not None and time.monotonic() - self._refreshed_at >= interval:
             self.refresh()
@@ -314,9 +314,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     @_len.setter
     def _len(self, value: int) -> None:
-        store = self.__dict__["_store"]
-        if store.sharing is None:  # a shared store's length is its commit record's
-            store.length = int(value)
+        self.__dict__["_store"].set_length(int(value))  # (a shared store's is its record's)
 
     @property
     def _total_shape(self) -> torch.Size | None:
@@ -487,7 +485,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         store = self._store
         if not store.read_only:
             store.ensure_on_disk()  # another process opens it by its path
-        if not store.read_only and store.sharing is None and _shared.spawning():
+        if not store.read_only and not store.is_shared and _shared.spawning():
             store.become_shared()
         self.flush()
         state = _compat.storage_state(self)
@@ -503,7 +501,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         state[_HANDLE] = {
             "path": self.url,
             "read_only": self.read_only,
-            "shared": store.sharing is not None,
+            "shared": store.is_shared,
         }
         return state
 
@@ -578,10 +576,10 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
     @_io_boundary
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         store = self._store
-        store._check_writable()
+        store.check_writable()
         if isinstance(data, list):
             data = _convert.flip_list(data)
-        if store.sharing is not None and set_cursor and not isinstance(cursor, tuple):
+        if store.is_shared and set_cursor and not isinstance(cursor, tuple):
             _shared.append(self, cursor, data)
             _compat.bump_revision(self)
             return
@@ -669,7 +667,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         storage's mutation revision to the buffer method that made them (``rb.set_``,
         ``rb.update_``...), which moves it once.
         """
-        self._store._check_writable()
+        self._store.check_writable()
         where = self._where
         schema = self._store.schema
         kinds = {} if schema is None else {leaf.key: leaf.value for leaf in schema.leaves}
@@ -702,8 +700,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     @_io_boundary
     def _empty(self) -> None:
-        self._store._check_writable()
-        if self._store.sharing is not None:
+        self._store.check_writable()
+        if self._store.is_shared:
             raise NotSupportedError(
                 f"{self._where} is shared by several writers: emptying it would drop the rows "
                 "of the others; start a new store instead (mode='w' once no writer has it)",
@@ -740,7 +738,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     @_io_boundary
     def get(self, index: Any) -> Any:
-        if not self.initialized and self._store.sharing is not None:
+        if not self.initialized and self._store.is_shared:
             self._pick_up_other_writers()
         if not self.initialized:
             raise RuntimeError("Cannot get elements out of a non-initialized storage.")
@@ -762,7 +760,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             if rest:
                 out = _convert.select(out, (slice(None), *rest))
         elif not rest and not isinstance(head, slice) and not _compat.is_int(head):
-            if self._store.sharing is not None and isinstance(head, torch.Tensor):
+            if self._store.is_shared and isinstance(head, torch.Tensor):
                 out = _shared.gather_redrawing(
                     self,
                     head,
@@ -859,7 +857,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         returns them."""
         rows = _compat.length_along_dim0(self)
         items = self.entry_values(key, np.arange(rows))
-        if self._store._leaf(key).value == "ragged":
+        if self._store.leaf(key).value == "ragged":
             return items
         schema = self._store.schema
         assert schema is not None
@@ -872,7 +870,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
     def entry_values(self, key: Key, rows: np.ndarray) -> list[Any]:
         """The rows of an entry no tensor column holds: its Python values (a list of them
         per row with ``ndim=2``), or its tensors of different lengths."""
-        leaf = self._store._leaf(key)
+        leaf = self._store.leaf(key)
         read = self._store.read(rows, [leaf.key, *([leaf.lengths_key] if leaf.ragged else [])])
         items = _rows.decode(leaf, read[leaf.key], read.get(leaf.lengths_key))
         schema = self._store.schema
@@ -887,7 +885,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             index = super()._rand_given_ndim(batch_size)
         else:
             index = random_readable_indices(self, batch_size)
-        if self._store.sharing is not None:
+        if self._store.is_shared:
             self._thread_state.draw = index  # drawn again if evicted before it is read
         return index
 

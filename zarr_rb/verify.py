@@ -216,7 +216,7 @@ def _check_ragged(
     except (StoreCorruptedError, ValueError) as err:
         return [DamagedChunk(leaf.path, (0, 0), f"cannot open the array: {err}")]
     try:
-        sizes = store._read_disk({leaf.lengths_key: positions})[leaf.lengths_key].numpy()
+        sizes = store.read_disk({leaf.lengths_key: positions})[leaf.lengths_key].numpy()
     except (StoreCorruptedError, ValueError):
         return []  # the lengths leaf is damaged: reported with it
     rows = physical

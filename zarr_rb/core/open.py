@@ -121,7 +121,7 @@ def open_store(
     where = f"store {location.url!r}"
     key = location.identity()
     open_here = _WRITERS.get(key)
-    if open_here is not None and mode != "r" and not (shared and open_here.sharing is not None):
+    if open_here is not None and mode != "r" and not (shared and open_here.is_shared):
         # One writer per process, unless shared: a shared store takes any number of
         # writers, in this process as in others.
         if shared:
@@ -316,7 +316,7 @@ def _share(
             "rb.storage.close())",
             holder={"pid": os.getpid(), "this_process": True},
         )
-    if store.sharing is not None:
+    if store.is_shared:
         store.refresh()  # what other writers published since: the new user starts there
     meta = dataclasses.replace(store.meta, commit=store.committed)
     check_meta(meta, where, max_size=max_size, ndim=ndim)

@@ -38,10 +38,10 @@ def reread_commit(store: Store) -> Commit:
         raise StoreCorruptedError(f"{where}: its size or schema changed while it was open")
     if meta.schema is not None and store.schema is None:
         store.meta = meta
-        store._attach_schema(meta.schema, meta.block_rows or 1)
+        store.attach_schema(meta.schema, meta.block_rows or 1)
     elif meta.schema != store.schema:
         assert meta.schema is not None
-        store._leaves = leaves_by_key(meta.schema.leaves)  # keys added by the writer
+        store.leaves = leaves_by_key(meta.schema.leaves)  # keys added by the writer
     store.meta = dataclasses.replace(
         store.meta, schema=meta.schema, commit=meta.commit, saved=meta.saved, versions=meta.versions
     )
@@ -66,9 +66,9 @@ def reread_commit(store: Store) -> Commit:
     if pinned is not None:
         return meta.commit  # it reads the save's rows, which nothing changes
     if store.read_only and store.schema is not None:
-        store.use_slots(meta.commit)  # the blocks a writer copied since are read there
-    if store._ledger is not None:
-        store._ledger.published_as(meta.commit.readable_mask(meta.commit.length))
+        store.commits.use_map(meta.commit)  # the blocks a writer copied since are read there
+    if store.ledger is not None:
+        store.ledger.published_as(meta.commit.readable_mask(meta.commit.length))
     return meta.commit
 
 
@@ -80,8 +80,8 @@ def read_committed(
     last_error: Exception | None = None
     for attempt in range(_READ_RETRIES):
         commit = store.committed
-        assert store._ledger is not None
-        published = store._ledger.published_rows(rows)
+        assert store.ledger is not None
+        published = store.ledger.published_rows(rows)
         if not published.all() and not unreadable_as_zeros:
             raise RowsNotCommittedError(
                 f"store {store.url!r}: rows {preview_rows(rows[~published])} "
@@ -89,7 +89,7 @@ def read_committed(
                 f"holes {list(commit.holes)}); call refresh() to pick up newer commits",
             )
         try:
-            out = store._read_disk_all(dict.fromkeys(keys, rows[published]))
+            out = store.read_disk_all(dict.fromkeys(keys, rows[published]))
             if not published.all():
                 out = {key: _spread(value, published) for key, value in out.items()}
         except ValueError as err:  # damaged, or a shard replaced while it was read

@@ -38,29 +38,35 @@ import random
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+import torch
 
+from zarr_rb.core.commits import Commits
 from zarr_rb.core.format import (
     ATTRS_KEY,
     FORMAT_VERSION,
     RECENT_TAKES,
     STATE_GROUP,
     Commit,
+    LeafSpec,
     Ring,
     Saved,
     Schema,
     StoreMeta,
     max_ring_capacity,
+    preview_rows,
 )
 from zarr_rb.core.metadata import check_is_store, parse_record, read_root
 from zarr_rb.core.pieces import forget_pieces
 from zarr_rb.core.ring import SlotMap
 from zarr_rb.core.runs import RunMap
+from zarr_rb.core.write_cache import Key
 from zarr_rb.errors import (
     FencedError,
+    LockedError,
     NotSupportedError,
     RowsNotCommittedError,
     SchemaMismatchError,
@@ -73,7 +79,6 @@ from zarr_rb.errors import (
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store
-    from zarr_rb.core.write_cache import Key
 
 _R = TypeVar("_R")
 Edit = Callable[[StoreMeta], StoreMeta | None]
@@ -82,6 +87,9 @@ Edit = Callable[[StoreMeta], StoreMeta | None]
 BUSY_SERVER_SECONDS = 60.0
 """How long a commit is retried while an object store answers with server errors."""
 _READ_RETRIES = 50
+_SHARED_WRITE_ATTEMPTS = 50
+"""Writes of some keys of given rows of a shared store, before giving up on rows that other
+writers keep writing."""
 COLLECT_BATCH = 256
 """Free slots a collection holds (as open slots of its own) per record it publishes."""
 SPARE_SLOTS = 64
@@ -98,11 +106,14 @@ def initial_capacity(blocks: int) -> int:
     return 2 * blocks + SPARE_SLOTS
 
 
-class Sharing:
-    """The shared-writer side of one open store: its open slot, its commits."""
+class Sharing(Commits):
+    """The positions and commits of a store that other writers write too: this writer's
+    open slot, its commits by compare-and-swap (see the module's docstring)."""
+
+    shared = True
 
     def __init__(self, store: Store, writer: str) -> None:
-        self.store = store
+        super().__init__(store, length=store.length, cursor=store.cursor)
         self.writer = writer
         self.slot: int | None = None
         """The slot this writer appends into."""
@@ -126,9 +137,12 @@ class Sharing:
         """Write ``store`` as one of its shared writers, named ``writer`` (its hold is
         taken already); a store of one writer, or shared under format 2, takes runs."""
         check_shareable(store)
-        sharing = store.sharing = cls(store, writer)
-        if store._ledger is not None:
-            store._ledger.grow(store.rows)  # other writers' rows lie anywhere in the ring
+        sharing = cls(store, writer)
+        if store.schema is not None:
+            sharing.use_map(store.committed)
+        store.commits = sharing
+        if store.ledger is not None:
+            store.ledger.grow(store.rows)  # other writers' rows lie anywhere in the ring
         meta = sharing.update(functools.partial(_to_runs, late_writes=store.late_writes))
         if meta.commit.ring is not None and store.schema is not None:
             store.ensure_capacity(meta.commit.ring.capacity)
@@ -166,6 +180,127 @@ class Sharing:
             return None
 
         self.update(claim)
+
+    # --- the interface ---------------------------------------------------------------------
+
+    def initialize(
+        self, schema: Schema, block_rows: int, samples: Mapping[Key, torch.Tensor] | None
+    ) -> None:
+        self.set_schema(schema, block_rows)
+
+    def add_leaves(
+        self, leaves: Sequence[LeafSpec], samples: Mapping[Key, torch.Tensor] | None
+    ) -> None:
+        raise NotSupportedError(
+            f"store {self.store.url!r} is shared by several writers, whose schema is fixed by "
+            f"the first write; cannot add keys {[leaf.key for leaf in leaves]}: write "
+            "every key from the first extend on",
+        )
+
+    def write(
+        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, cursor: int | None
+    ) -> None:
+        """Writes to given positions (``rows``, sorted and unique): new rows in this
+        writer's slots, which the commit maps those positions to; keys left out keep their
+        values (read first). The length stays, as in TorchRL's storages."""
+        store = self.store
+        store.version += 1
+        if cursor is not None:
+            self.cursor = cursor
+        missing = [key for key in store.leaves if key not in values]
+        given = values
+        for _ in range(_SHARED_WRITE_ATTEMPTS):
+            over = None
+            if missing and rows.size:
+                values = {**given, **store.read(rows, missing, unwritten_as_zeros=True)}
+                over = store.committed.physical(rows)  # where what was read lies
+            physical = self.room(rows.size)
+            store.write_rows([(physical, values)], physical=True)
+            try:
+                self.commit_rows(physical, rows, over=over)
+            except RowsMovedError:
+                continue  # another writer wrote some of those rows since: read them again
+            store.update_mirror(rows, values)
+            return
+        raise LockedError(
+            f"store {store.url!r}: rows {preview_rows(rows)} kept being written by other "
+            f"writers while this one wrote some of their keys ({_SHARED_WRITE_ATTEMPTS} "
+            "attempts); write whole rows, or write them again",
+            holder={},
+        )
+
+    def append(self, values: Mapping[Key, torch.Tensor], count: int) -> np.ndarray:
+        store = self.store
+        store.version += 1
+        physical = self.room(count)
+        values = store.whole_rows(physical, values)
+        store.write_rows([(physical, values)], physical=True)
+        positions = self.commit_rows(physical)
+        rows = store.rows
+        if count > rows:  # a ring's worth at most: the last rows
+            values = {key: value[count - rows :] for key, value in values.items()}
+            store.update_mirror(positions[count - rows :], values)
+        else:
+            store.update_mirror(positions, values)
+        return positions
+
+    def flush(self) -> None:
+        self.refresh()  # nothing waits in RAM: every write was published
+
+    def discard(self) -> None:
+        pass  # no write waits for a retry: each is published as it is made
+
+    def set_length(self, length: int) -> None:
+        pass  # the record's: rows are counted as commits place them, never set
+
+    def empty(self) -> None:
+        raise NotSupportedError(
+            f"store {self.store.url!r} is shared by several writers: emptying it would drop "
+            "the rows of the others; start a new store instead (mode='w' once no writer "
+            "has it)",
+        )
+
+    def use_save(self, saved: Saved, commit: Commit) -> None:
+        # A store with runs, which this writer holds alone (a save made before it became
+        # shared): its positions go back to the rows the save kept, at once.
+        self.store.check_writable()
+        self.store.discard()
+        self.rebase(saved, commit)
+
+    def overwrote_since(self, epoch: int) -> bool:
+        return False  # a save keeps its rows through the runs it names
+
+    def next_save_slot(self, named: set[int]) -> int:
+        return self.new_save_slot(named)
+
+    def hold_for_save(self) -> None:
+        pass  # slots are held one by one, in the record, as they are taken
+
+    def publish_saved(self, saved: Saved, *, tag: str | None) -> None:
+        store = self.store
+        self._publish_save(saved, tag=tag)
+        named = {f"{STATE_GROUP}/{slot}" for slot in store.named_save_slots()}
+        for group in self.state_groups_unnamed(named):
+            store.engine.location.delete_prefix(group)
+
+    def drop_version(self, tag: str) -> None:
+        # Other writers publish too: the record changes by compare-and-swap only.
+        dropped = self._drop_version(tag)
+        if dropped.slot not in self.store.named_save_slots():
+            self.store.engine.location.delete_prefix(dropped.group)
+
+    def publish_meta(self) -> None:
+        raise NotSupportedError(
+            f"store {self.store.url!r} is shared by several writers: its settings are "
+            "fixed; open it with one writer to change them",
+        )
+
+    def read(self, read: Callable[[], _R], rows: np.ndarray) -> _R:
+        return self.read_checked(read, rows)
+
+    @property
+    def rows_reached(self) -> int:
+        return self.store.rows  # other writers fill the whole ring
 
     # --- the record ------------------------------------------------------------------------
 
@@ -224,12 +359,13 @@ class Sharing:
         check_is_store(document, where)
         return parse_record(document, where, engine=self.store.engine, adopt=True)
 
-    def refresh(self) -> None:
+    def refresh(self) -> Commit:
         """Pick up what other writers committed (one read of the record, no more when it
-        did not change)."""
+        did not change); returns the record's commit."""
         document = self.store.engine.root_if_changed()
         if document is not None:
             self.adopt(self._parse(document))
+        return self.store.committed
 
     def adopt(self, meta: StoreMeta) -> None:
         """Show the rows of ``meta``'s commit (those of every writer)."""
@@ -242,21 +378,21 @@ class Sharing:
         new_schema = store.schema is None and meta.schema is not None
         store.meta = dataclasses.replace(store.meta, **_shared_fields(meta))
         store.committed = meta.commit
-        store.cursor = meta.commit.cursor
+        self.cursor = meta.commit.cursor
         if new_schema:
             assert meta.schema is not None
             store.ensure_arrays()
-            store._attach_schema(meta.schema, meta.block_rows or 1)
+            store.attach_schema(meta.schema, meta.block_rows or 1)
         if store.schema is None:
             return
-        store.length = meta.commit.length * store.schema.elements_per_row
+        self.length = meta.commit.length * store.schema.elements_per_row
         if meta.commit.generation == before.generation and not new_schema:
             return
         store.version += 1
-        old = store.position_map()
-        store.use_slots(meta.commit)
-        new = store.position_map()
-        ledger = store._ledger
+        old = self.positions
+        self.use_map(meta.commit)
+        new = self.positions
+        ledger = store.ledger
         assert ledger is not None
         readable = meta.commit.readable_mask(store.rows)
         ledger.published_as(readable)
@@ -265,7 +401,7 @@ class Sharing:
             # Before the changed rows are read again: objects cached before now may hold
             # what those rows held before other writers rewrote them.
             store.engine.cache.new_epoch()
-        if store._mirror:
+        if store.mirrored:
             self._refresh_mirror(before, meta.commit, old, new)
 
     def _refresh_mirror(
@@ -568,7 +704,7 @@ class Sharing:
         del self._full[: len(full)]
         return placed[0]
 
-    def publish_saved(self, saved: Saved, *, tag: str | None) -> None:
+    def _publish_save(self, saved: Saved, *, tag: str | None) -> None:
         """Publish a save made at the record as it is now: the rows it covers are those
         of that record (its length, cursor and runs, which it keeps: no writer takes their
         slots while a record names the save); ``tag``: kept as a version too."""
@@ -595,7 +731,7 @@ class Sharing:
 
         self.update(save)
 
-    def drop_version(self, tag: str) -> Saved:
+    def _drop_version(self, tag: str) -> Saved:
         """Stop keeping the version ``tag`` (its slots are collected once no record refers
         to them); returns it.
 
@@ -678,18 +814,20 @@ class Sharing:
 
         self.update(start)
 
-    def withdraw(self, positions: np.ndarray, physical: np.ndarray, seen: Ring) -> int:
+    def withdraw(self, positions: np.ndarray, physical: np.ndarray, seen: Commit) -> int:
         """``positions`` found damaged in rows ``physical`` of the data arrays, as the
-        record whose ring is ``seen`` mapped them: those still there, in slots no writer
+        record ``seen`` mapped them: those still there, in slots no writer
         took since, hold no row until written again (others were written since, by any
         writer, perhaps into the same rows of a slot that came free and was taken again).
         Returns how many were withdrawn."""
         withdrawn = [0]
+        assert seen.ring is not None
+        seen_ring = seen.ring
 
         def withdraw(meta: StoreMeta) -> StoreMeta | None:
             commit = meta.commit
             assert commit.ring is not None
-            taken = commit.ring.taken_since(seen)
+            taken = commit.ring.taken_since(seen_ring)
             runs = commit.runs or RunMap.empty()
             inside = positions < commit.length
             still = runs.physical(positions[inside]) == physical[inside]

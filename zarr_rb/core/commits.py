@@ -1,0 +1,176 @@
+"""The owner of a store's positions and commits: where rows go, and what a commit publishes.
+
+A :class:`~zarr_rb.core.store.Store` holds the schema, the arrays, the rows in RAM and the
+reads; every change of which rows the positions ``[0, len)`` are, and every record it
+publishes, goes through one object of this interface, :attr:`Store.commits`:
+
+* :class:`~zarr_rb.core.solo.SoloCommits`: a store of one writer (and every reader). Rows
+  wait in RAM by block; a write over rows that a record refers to moves their block to a
+  free slot (copy-on-write, ``commit.slots``); a commit replaces the record whole.
+* :class:`~zarr_rb.core.sharing.Sharing`: a store of several writers. Each appends into
+  slots of its own; a commit maps positions to them by compare-and-swap of the record
+  (``commit.runs``).
+
+A store starts with the first and trades it for the second when it is handed to another
+process (:meth:`Store.become_shared`). See ``docs/design/ring.md``, "Owners".
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
+import torch
+
+from zarr_rb.core.format import Commit, LeafSpec, Saved, Schema
+from zarr_rb.core.ring import SlotMap
+from zarr_rb.core.runs import RunMap
+
+if TYPE_CHECKING:
+    from zarr_rb.core.store import Store
+    from zarr_rb.core.write_cache import Key
+
+_R = TypeVar("_R")
+
+
+class Commits(abc.ABC):
+    """Positions and commits of one open store (see the module's docstring)."""
+
+    shared: bool = False
+    """Whether other writers write the store too."""
+
+    def __init__(self, store: Store, *, length: int, cursor: int) -> None:
+        self.store = store
+        self.length = length
+        """Elements in the buffer (its rows times the elements of a row), as TorchRL
+        counts them: those of the last commit, and of the rows written since."""
+        self.cursor = cursor
+        """The position the next sequential write (an extend) goes to."""
+        self.positions: SlotMap | RunMap | None = None
+        """Where each position is in the data arrays, as this store reads it now (set with
+        the schema)."""
+
+    def use_map(self, commit: Commit) -> None:
+        """Read (and write) through the map of ``commit``: the one the store opened at, or
+        a newer one a reader or a shared writer picked up."""
+        store = self.store
+        assert store.schema is not None
+        if commit.runs is not None:
+            self.positions = commit.runs
+        elif commit.ring is not None and not commit.ring.legacy:
+            self.positions = RunMap.empty()
+        elif commit.slots is not None:
+            self.positions = commit.slots.copy()
+        else:
+            self.positions = SlotMap.identity(store.rows, store.meta.block_rows or 1)
+
+    def move_cursor(self, cursor: int) -> None:
+        """The next sequential write goes to ``cursor`` (a buffer emptied or loaded)."""
+        self.cursor = cursor
+
+    def set_length(self, length: int) -> None:
+        """The length TorchRL's storage gives the buffer as it writes (its ``_len``)."""
+        self.length = length
+
+    def physical(self, positions: np.ndarray) -> np.ndarray:
+        """The rows of the data arrays that hold ``positions``."""
+        assert self.positions is not None
+        return self.positions.physical(positions)
+
+    # --- what differs between one writer and many -----------------------------------------
+
+    @abc.abstractmethod
+    def initialize(
+        self, schema: Schema, block_rows: int, samples: Mapping[Key, torch.Tensor] | None
+    ) -> None:
+        """Give a new store its schema and arrays (its first write)."""
+
+    @abc.abstractmethod
+    def add_leaves(
+        self, leaves: Sequence[LeafSpec], samples: Mapping[Key, torch.Tensor] | None
+    ) -> None:
+        """Add columns; rows written before read as zeros in them."""
+
+    @abc.abstractmethod
+    def write(
+        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, cursor: int | None
+    ) -> None:
+        """Write ``values`` to the positions ``rows`` (sorted, unique); ``cursor``: an
+        extend's, where the next one goes (the store set it already)."""
+
+    @abc.abstractmethod
+    def append(self, values: Mapping[Key, torch.Tensor], count: int) -> np.ndarray:
+        """Write ``count`` whole rows at the positions a commit gives them; returns those."""
+
+    @abc.abstractmethod
+    def flush(self) -> None:
+        """Publish a commit covering every row written (those waiting in RAM first)."""
+
+    @abc.abstractmethod
+    def discard(self) -> None:
+        """Forget writes waiting to be retried (the rows in RAM are the store's)."""
+
+    @abc.abstractmethod
+    def empty(self) -> None:
+        """Publish a commit of no rows (the store reset its length and cursor)."""
+
+    @abc.abstractmethod
+    def withdraw(self, positions: np.ndarray, physical: np.ndarray, seen: Commit) -> int:
+        """Withdraw damaged positions (see :meth:`Store.withdraw`); returns how many."""
+
+    @abc.abstractmethod
+    def collect(self) -> int:
+        """Delete the objects of slots nothing refers to; returns how many slots."""
+
+    @abc.abstractmethod
+    def start_history(self) -> None:
+        """Keep every row extended from the next commit on (an archive)."""
+
+    @abc.abstractmethod
+    def use_save(self, saved: Saved, commit: Commit) -> None:
+        """A writer's positions go back to the rows of a kept save (``commit``: its rows)."""
+
+    @abc.abstractmethod
+    def overwrote_since(self, epoch: int) -> bool:
+        """Whether rows were written over in this process since ``epoch`` in a way a save
+        made then cannot see (a single writer's epochs; a shared writer's saves keep
+        their rows through the runs)."""
+
+    @abc.abstractmethod
+    def next_save_slot(self, named: set[int]) -> int:
+        """The state group the next save writes into (``named``: the record's)."""
+
+    @abc.abstractmethod
+    def hold_for_save(self) -> None:
+        """Before a save writes its state: record that this writer holds the store."""
+
+    @abc.abstractmethod
+    def publish_saved(self, saved: Saved, *, tag: str | None) -> None:
+        """Publish ``saved`` as the last save (and as version ``tag``), after a flush."""
+
+    @abc.abstractmethod
+    def drop_version(self, tag: str) -> None:
+        """Stop keeping version ``tag``."""
+
+    @abc.abstractmethod
+    def publish_meta(self) -> None:
+        """Publish the store's settings and schema with the current commit."""
+
+    @abc.abstractmethod
+    def read(self, read: Callable[[], _R], rows: np.ndarray) -> _R:
+        """Run a writer's ``read`` of ``rows``, retried if other writers moved them."""
+
+    @abc.abstractmethod
+    def refresh(self) -> Commit:
+        """Move to the last commit of the record; returns it."""
+
+    @abc.abstractmethod
+    def leave(self) -> None:
+        """The writer's last act on a clean close (after its last flush)."""
+
+    @property
+    @abc.abstractmethod
+    def rows_reached(self) -> int:
+        """Positions that may hold data (for the mirrors of small leaves)."""
