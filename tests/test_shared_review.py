@@ -4,11 +4,12 @@ order, never a torn row, never a stale one."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorDictReplayBuffer
 
-from zarr_rb import Compression, ZarrStorage
+from zarr_rb import Compression, NotSupportedError, ZarrStorage
 
 BLOCKS_OF_4 = Compression(block_rows=4)
 
@@ -116,3 +117,36 @@ def test_an_extend_of_more_rows_than_the_ring_holds_lands_as_in_lazy_tensor_stor
             )
     finally:
         buffer.storage.close()
+
+
+def test_a_store_shared_before_its_first_write_takes_rows_and_keys_from_one_writer_later(
+    store_path,
+):
+    # Made shared and closed before anything was written (a buffer handed to a child that
+    # never wrote): its record has a ring and no rows. One writer that reopens it later
+    # writes it as shared writers do (alone), extends, adds a key, and reads every row as
+    # LazyTensorStorage holds them.
+    ZarrStorage(8, store_path, shared=True, compression=BLOCKS_OF_4).close()
+    storage = ZarrStorage(path=store_path)
+    rb, twin = (
+        TensorDictReplayBuffer(storage=storage),
+        TensorDictReplayBuffer(storage=LazyTensorStorage(8)),
+    )
+    try:
+        for buffer in (rb, twin):
+            buffer.extend(TensorDict({"x": torch.arange(5)}, [5]))
+            buffer.extend(TensorDict({"x": torch.arange(5, 11)}, [6]))
+        assert len(rb) == len(twin) == 8
+        assert torch.equal(rb[:]["x"], twin[:]["x"])
+        # Shared writers fix the schema at the first write: a new key is refused before
+        # anything is written, and the rows stay as they were.
+        with pytest.raises(NotSupportedError, match="'y'"):
+            rb.extend(TensorDict({"x": torch.tensor([11]), "y": torch.tensor([9])}, [1]))
+        assert storage.schema is not None
+        assert ("y",) not in {leaf.key for leaf in storage.schema.leaves}
+        assert torch.equal(rb[:]["x"], twin[:]["x"])
+        storage.flush()
+    finally:
+        storage.close()
+    with ZarrStorage(path=store_path, read_only=True) as reader:
+        assert torch.equal(reader[:]["x"], twin[:]["x"])

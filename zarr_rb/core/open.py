@@ -360,9 +360,11 @@ def _open_locked(
                 compression=_compression_of(meta, compression, where),
                 lock=lock,
             )
-            if meta.commit.runs is not None:
-                # Written by shared writers: its rows stay where the runs put them, and
-                # this writer commits as they do (alone, under its own lock).
+            ring = meta.commit.ring
+            if meta.commit.runs is not None or (ring is not None and not ring.legacy):
+                # Written by shared writers (or made shared before its first write): its
+                # rows stay where the runs put them, and this writer commits as they do
+                # (alone, under its own lock).
                 Sharing.start(store, new_writer_id())
             return store
         old = parse_record(document, where, engine=engine, adopt=True)

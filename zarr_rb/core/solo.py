@@ -154,7 +154,6 @@ class SoloCommits(Commits):
         # Zeros on disk for every row that holds data there (intact here, or published to
         # readers), so that those rows stay whole with the new keys; rows waiting in RAM get
         # zeros there too (add_key).
-        block_map = self.block_map
         committed = self._committed_slots()
         with store.writing("writing zeros into new keys"):
             futures = []
@@ -163,7 +162,7 @@ class SoloCommits(Commits):
                 # In the block's slot, and in its committed one (when the writer moved it
                 # since): readers of the last commit read it there.
                 positions = np.arange(start, stop)
-                rows = np.union1d(block_map.physical(positions), committed.physical(positions))
+                rows = np.union1d(self.physical(positions), committed.physical(positions))
                 row_sets.append(rows)
             history = store.committed.history
             if history is not None:  # an archive's rows read as zeros in the new keys too
