@@ -17,7 +17,12 @@ from typing import Any
 from zarr_rb.core.format import Saved
 from zarr_rb.core.metadata import check_is_store, parse_record, read_root
 from zarr_rb.engine import Engine
-from zarr_rb.errors import NoSavedBufferError, StateChangedError, StoreCorruptedError
+from zarr_rb.errors import (
+    NoSavedBufferError,
+    StateChangedError,
+    StoreCorruptedError,
+    ZarrRBError,
+)
 from zarr_rb.state._node import StateNode
 
 LOAD_ATTEMPTS = 5
@@ -42,9 +47,16 @@ def read_one_save(
         try:
             root = StateNode(engine, saved.group, _state_attrs(engine, saved.group))
             root.read_all()
-        except _TORN:
+        except _TORN as err:
             if _named(engine, saved):
-                raise  # nothing replaced it: the state itself is damaged
+                # Nothing replaced it: the state itself is damaged (a missing group too).
+                if isinstance(err, ZarrRBError):
+                    raise
+                raise StoreCorruptedError(
+                    f"store {engine.url!r}: the state of its save in group {saved.group!r} "
+                    f"cannot be read ({err}); open the data with ZarrStorage(path=...) and "
+                    "save again, or load an earlier version (zarr_rb.versions(path))"
+                ) from None
         else:
             if _named(engine, saved) and _identity(engine, saved) == _save_of(root.attrs):
                 return saved, root
