@@ -3,7 +3,7 @@
 One command runs every part on the same data and prints every table of the README's
 Performance section (``--parts`` picks some)::
 
-    python benchmarks/run.py                       # every part: about 15 minutes on 2 cores
+    python benchmarks/run.py                       # every part: about 5 minutes on 2 cores
     python benchmarks/run.py --parts datasets --scale 4   # four times the rows
     python benchmarks/run.py --parts beyond-ram --memory-limit 2G   # only the cgroup rows
     python benchmarks/run.py --out-of-core --rows 1000000   # ZarrStorage far beyond RAM
