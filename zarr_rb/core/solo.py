@@ -325,7 +325,7 @@ class SoloCommits(Commits):
         readable = commit.readable_mask(commit.length)
         # Rows withdrawn since the save (a repair found them damaged) in blocks still in the
         # slots the save has: the damage is the save's too.
-        kept, head = store.slots_of(commit), self._committed_slots()
+        kept, head = self._slots_of(commit), self._committed_slots()
         for start, stop in store.committed.holes:
             lost = np.arange(start, min(stop, commit.length))
             blocks = lost // kept.block_rows
@@ -412,12 +412,20 @@ class SoloCommits(Commits):
         assert isinstance(self.positions, SlotMap)
         return self.positions
 
+    def _slots_of(self, commit: Commit) -> SlotMap:
+        """The block map of ``commit`` (the identity when it records none)."""
+        store = self.store
+        assert store.schema is not None
+        if commit.slots is not None:
+            return commit.slots
+        return SlotMap.identity(store.rows, store.meta.block_rows or 1)
+
     def _committed_slots(self) -> SlotMap:
-        return self.store.slots_of(self.store.committed)
+        return self._slots_of(self.store.committed)
 
     def _pinned_slots(self) -> list[SlotMap]:
         """The maps of the saves whose rows the store keeps (their slots are not free)."""
-        return [self.store.slots_of(saved.commit()) for saved in self.store.meta.pinned()]
+        return [self._slots_of(saved.commit()) for saved in self.store.meta.pinned()]
 
     def _zeros_where_unwritten(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]

@@ -309,12 +309,6 @@ class Store:
                 return  # reported by the checks that follow
             time.sleep(0.01)
 
-    def slots_of(self, commit: Commit) -> SlotMap:
-        assert self.schema is not None
-        if commit.slots is not None:
-            return commit.slots
-        return SlotMap.identity(self.rows, self.meta.block_rows or 1)
-
     def keep_in_ram(self, nbytes: int) -> None:
         """Let the writer mirror every fixed-shape leaf in RAM (frames too, not only the
         small leaves) while the rows it reached take at most ``nbytes`` there; the largest
