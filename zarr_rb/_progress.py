@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from zarr_rb._malloc import release_free_memory
+
 
 def progress_bar(total: int, *, desc: str, unit: str, enabled: bool) -> Any:
     """A tqdm bar, silent unless ``enabled``."""
@@ -27,12 +29,14 @@ def copy_in_blocks(
     desc: str,
 ) -> None:
     """Copy rows ``[0, rows)`` block by block, ``write(slice(a, b), read(a, b))``, holding
-    about ``block_bytes`` bytes of rows in RAM at once."""
+    about ``block_bytes`` bytes of rows in RAM at once (the memory of each block is given
+    back to the system before the next one is read)."""
     step = max(1, block_bytes // max(1, row_nbytes))
     with progress_bar(rows, desc=desc, unit="row", enabled=progress) as bar:
         for start in range(0, rows, step):
             stop = min(rows, start + step)
             write(slice(start, stop), read(start, stop))
+            release_free_memory()
             bar.update(stop - start)
 
 

@@ -1,0 +1,34 @@
+"""Giving freed heap memory back to the system between the blocks of a long copy.
+
+glibc's allocator keeps memory that the decoder's threads freed in their arenas (after
+the first large buffer it frees, it also stops mapping large buffers apart), so a copy of
+a whole store block by block grows the process by far more than one block, and keeps it.
+``malloc_trim`` returns what is free; elsewhere (other C libraries, other systems) there
+is nothing to do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Callable
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    return trim
+
+
+def release_free_memory() -> None:
+    """Return the heap memory freed so far to the system, where the C library can."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
