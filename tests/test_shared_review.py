@@ -150,3 +150,28 @@ def test_a_store_shared_before_its_first_write_takes_rows_and_keys_from_one_writ
         storage.close()
     with ZarrStorage(path=store_path, read_only=True) as reader:
         assert torch.equal(reader[:]["x"], twin[:]["x"])
+
+
+def test_emptying_a_shared_store_is_refused_before_anything_changes(store_path):
+    # Emptying would drop the other writers' rows: refused, and this writer's own rows,
+    # committed or not yet, its length and its cursor are as they were.
+    buffer = TensorDictReplayBuffer(storage=ZarrStorage(16, store_path, shared=True))
+    other = ZarrStorage(16, store_path, shared=True)
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16))
+    try:
+        for data in (rows(0, 6), rows(100, 3)):
+            buffer.extend(data)
+            twin.extend(data)
+        with pytest.raises(NotSupportedError, match=r"shared by several writers.*new store"):
+            buffer.empty()
+        assert len(buffer) == len(twin) == 9
+        assert buffer.storage.cursor == 9  # was reset to 0 before the refusal
+        buffer.extend(rows(200, 2))
+        twin.extend(rows(200, 2))
+        everything = torch.arange(11)
+        assert torch.equal(buffer.storage.get(everything)["x"], twin.storage.get(everything)["x"])
+        buffer.storage.close()
+        assert torch.equal(other.get(everything)["x"], twin.storage.get(everything)["x"])
+    finally:
+        buffer.storage.close()
+        other.close()

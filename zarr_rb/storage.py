@@ -700,12 +700,6 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     @_io_boundary
     def _empty(self) -> None:
-        self._store.check_writable()
-        if self._store.is_shared:
-            raise NotSupportedError(
-                f"{self._where} is shared by several writers: emptying it would drop the rows "
-                "of the others; start a new store instead (mode='w' once no writer has it)",
-            )
         self._store.empty()
         _compat.bump_revision(self)
 

@@ -253,12 +253,15 @@ class Sharing(Commits):
     def set_length(self, length: int) -> None:
         pass  # the record's: rows are counted as commits place them, never set
 
-    def empty(self) -> None:
+    def check_emptiable(self) -> None:
         raise NotSupportedError(
             f"store {self.store.url!r} is shared by several writers: emptying it would drop "
             "the rows of the others; start a new store instead (mode='w' once no writer "
             "has it)",
         )
+
+    def empty(self) -> None:
+        self.check_emptiable()  # Store.empty asked first; never reached
 
     def use_save(self, saved: Saved, commit: Commit) -> None:
         # A store with runs, which this writer holds alone (a save made before it became
