@@ -18,13 +18,14 @@ process (:meth:`Store.become_shared`). See ``docs/design/ring.md``, "Owners".
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 
-from zarr_rb.core.format import Commit, LeafSpec, Saved, Schema
+from zarr_rb.core.format import Commit, LeafSpec, Saved, Schema, StoreMeta
 from zarr_rb.core.ring import SlotMap
 from zarr_rb.core.runs import RunMap
 
@@ -41,8 +42,13 @@ class Commits(abc.ABC):
     shared: bool = False
     """Whether other writers write the store too."""
 
-    def __init__(self, store: Store, *, length: int, cursor: int) -> None:
+    def __init__(self, store: Store, meta: StoreMeta, *, length: int, cursor: int) -> None:
         self.store = store
+        self.meta = meta
+        """The record as this store last read or published it."""
+        self.committed = meta.commit
+        """The commit this store serves: the last one it published or picked up (the
+        record's own may be older in a shared writer, which keeps the fields it uses)."""
         self.length = length
         """Elements in the buffer (its rows times the elements of a row), as TorchRL
         counts them: those of the last commit, and of the rows written since."""
@@ -64,7 +70,22 @@ class Commits(abc.ABC):
         elif commit.slots is not None:
             self.positions = commit.slots.copy()
         else:
-            self.positions = SlotMap.identity(store.rows, store.meta.block_rows or 1)
+            self.positions = SlotMap.identity(store.rows, self.meta.block_rows or 1)
+
+    def picked_up(self, meta: StoreMeta) -> None:
+        """A reader read the record ``meta`` again: it serves its commit, schema, saves
+        and versions from now on (its length and cursor move on ``Store.refresh``)."""
+        if self.meta.schema is None and meta.schema is not None:
+            self.meta = meta  # the writer's first rows: their schema and blocks
+        else:
+            self.meta = dataclasses.replace(
+                self.meta,
+                schema=meta.schema,
+                commit=meta.commit,
+                saved=meta.saved,
+                versions=meta.versions,
+            )
+        self.committed = meta.commit
 
     def move_cursor(self, cursor: int) -> None:
         """The next sequential write goes to ``cursor`` (a buffer emptied or loaded)."""

@@ -621,6 +621,11 @@ class StoreMeta:
         maps = [commit.runs, commit.history, *(saved.runs for saved in saves if saved)]
         return [runs for runs in maps if runs is not None]
 
+    def save_slots(self) -> set[int]:
+        """The state groups the record's saves are in: the last one and the tagged ones."""
+        saves = [self.saved, *self.versions.values()]
+        return {saved.slot for saved in saves if saved is not None}
+
     def pinned(self) -> list[Saved]:
         """The saves whose rows the store keeps: the last one and the tagged ones."""
         saves = [self.saved, *self.versions.values()]

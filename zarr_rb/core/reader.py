@@ -36,15 +36,6 @@ def reread_commit(store: Store) -> Commit:
         store.schema, meta.schema
     ):
         raise StoreCorruptedError(f"{where}: its size or schema changed while it was open")
-    if meta.schema is not None and store.schema is None:
-        store.meta = meta
-        store.attach_schema(meta.schema, meta.block_rows or 1)
-    elif meta.schema != store.schema:
-        assert meta.schema is not None
-        store.leaves = leaves_by_key(meta.schema.leaves)  # keys added by the writer
-    store.meta = dataclasses.replace(
-        store.meta, schema=meta.schema, commit=meta.commit, saved=meta.saved, versions=meta.versions
-    )
     pinned = store.pinned
     if pinned is not None and pinned not in (meta.saved, *meta.versions.values()):
         # Its rows may be reused from now on: what was read from them cannot be trusted.
@@ -55,14 +46,21 @@ def reread_commit(store: Store) -> Commit:
             "its last save, or keep a save with zarr_rb.save(rb, tag=...) to read it while "
             "training goes on",
         )
-    if meta.commit.generation != store.committed.generation:
+    moved = meta.commit.generation != store.committed.generation
+    before = store.schema
+    store.commits.picked_up(meta)
+    if meta.schema is not None and before is None:
+        store.attach_schema(meta.schema, meta.block_rows or 1)
+    elif meta.schema != before:
+        assert meta.schema is not None
+        store.leaves = leaves_by_key(meta.schema.leaves)  # keys added by the writer
+    if moved:
         store.version += 1
         if store.engine.cache is not None:
             # Objects cached before now may have been rewritten: each is revalidated (once)
             # on its next use. (Arrays stay open: a ragged one reopens when a row is wider
             # than it, as on a local store.)
             store.engine.cache.new_epoch()
-    store.committed = meta.commit
     if pinned is not None:
         return meta.commit  # it reads the save's rows, which nothing changes
     if store.read_only and store.schema is not None:

@@ -113,7 +113,8 @@ class Sharing(Commits):
     shared = True
 
     def __init__(self, store: Store, writer: str) -> None:
-        super().__init__(store, length=store.length, cursor=store.cursor)
+        super().__init__(store, store.meta, length=store.length, cursor=store.cursor)
+        self.committed = store.committed
         self.writer = writer
         self.slot: int | None = None
         """The slot this writer appends into."""
@@ -282,14 +283,14 @@ class Sharing(Commits):
     def publish_saved(self, saved: Saved, *, tag: str | None) -> None:
         store = self.store
         self._publish_save(saved, tag=tag)
-        named = {f"{STATE_GROUP}/{slot}" for slot in store.named_save_slots()}
+        named = {f"{STATE_GROUP}/{slot}" for slot in self.meta.save_slots()}
         for group in self.state_groups_unnamed(named):
             store.engine.location.delete_prefix(group)
 
     def drop_version(self, tag: str) -> None:
         # Other writers publish too: the record changes by compare-and-swap only.
         dropped = self._drop_version(tag)
-        if dropped.slot not in self.store.named_save_slots():
+        if dropped.slot not in self.meta.save_slots():
             self.store.engine.location.delete_prefix(dropped.group)
 
     def publish_meta(self) -> None:
@@ -309,7 +310,7 @@ class Sharing(Commits):
 
     @property
     def ring(self) -> Ring:
-        ring = self.store.committed.ring
+        ring = self.committed.ring
         assert ring is not None
         return ring
 
@@ -368,7 +369,7 @@ class Sharing(Commits):
         document = self.store.engine.root_if_changed()
         if document is not None:
             self.adopt(self._parse(document))
-        return self.store.committed
+        return self.committed
 
     def adopt(self, meta: StoreMeta) -> None:
         """Show the rows of ``meta``'s commit (those of every writer)."""
@@ -379,8 +380,8 @@ class Sharing(Commits):
             )
         before = store.committed
         new_schema = store.schema is None and meta.schema is not None
-        store.meta = dataclasses.replace(store.meta, **_shared_fields(meta))
-        store.committed = meta.commit
+        self.meta = dataclasses.replace(self.meta, **_shared_fields(meta))
+        self.committed = meta.commit
         self.cursor = meta.commit.cursor
         if new_schema:
             assert meta.schema is not None
@@ -438,7 +439,7 @@ class Sharing(Commits):
 
     @property
     def block_rows(self) -> int:
-        return self.store.meta.block_rows or 1
+        return self.meta.block_rows or 1
 
     def _is_alive(self, writer: str) -> bool:
         alive = self._alive.get(writer)
@@ -888,14 +889,14 @@ class Sharing(Commits):
         is tried again too when the record moved meanwhile: a collection emptied a slot
         the older record named."""
         for attempt in range(_READ_RETRIES):
-            before = self.store.committed
+            before = self.committed
             damaged: StoreCorruptedError | None = None
             try:
                 out = read()
             except StoreCorruptedError as err:
                 damaged = err
             self.refresh()
-            after = self.store.committed
+            after = self.committed
             if after.generation == before.generation or before.reads_alike(
                 after, rows, self.block_rows
             ):

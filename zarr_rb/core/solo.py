@@ -37,6 +37,7 @@ from zarr_rb.core.format import (
     LeaseFloor,
     Saved,
     Schema,
+    StoreMeta,
     commit_from_mask,
     leaves_by_key,
 )
@@ -64,10 +65,11 @@ Write = tuple[np.ndarray, Mapping[Key, torch.Tensor]]
 class SoloCommits(Commits):
     """The positions and commits of a store of one writer (see the module's docstring)."""
 
-    def __init__(self, store: Store, *, late_writes: bool) -> None:
-        meta = store.meta
+    def __init__(self, store: Store, meta: StoreMeta, *, late_writes: bool) -> None:
         per_row = store.elements_per_row(meta.schema)
-        super().__init__(store, length=meta.commit.length * per_row, cursor=meta.commit.cursor)
+        super().__init__(
+            store, meta, length=meta.commit.length * per_row, cursor=meta.commit.cursor
+        )
         self._written_from = meta.commit.cursor
         """Where the rows written since the last commit (or since the cursor was moved)
         start: the commit records how far from there they are committed."""
@@ -91,7 +93,7 @@ class SoloCommits(Commits):
             if lease is None or lease.held:
                 # The writer before may have stalled while saving: into the group it
                 # saves into next, which this record tells.
-                named = store.named_save_slots() | avoided
+                named = meta.save_slots() | avoided
                 avoided.add(next(slot for slot in itertools.count() if slot not in named))
             self._avoided_saves = avoided
         self._known_empty: np.ndarray | None = None
@@ -117,7 +119,7 @@ class SoloCommits(Commits):
         store = self.store
         with store.writing("creating the arrays"):
             store.create_arrays(schema.leaves, schema.batch_shape, block_rows, samples=samples)
-        store.meta = dataclasses.replace(store.meta, schema=schema, block_rows=block_rows)
+        self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows)
         store.attach_schema(schema, block_rows)
         self.publish_meta()
 
@@ -144,7 +146,7 @@ class SoloCommits(Commits):
         fmt = store.meta.format
         if any(leaf.value != "tensor" for leaf in leaves):
             fmt = max(fmt, FORMAT_NON_TENSOR)
-        store.meta = dataclasses.replace(store.meta, schema=grown, format=fmt)
+        self.meta = dataclasses.replace(self.meta, schema=grown, format=fmt)
         store.leaves = leaves_by_key(grown.leaves)
         for leaf in leaves:
             store.write_cache.add_key(
@@ -246,6 +248,9 @@ class SoloCommits(Commits):
 
     def empty(self) -> None:
         store = self.store
+        if self.meta.saved is not None:
+            # The rows of the last save are gone: so is the save.
+            self.meta = dataclasses.replace(self.meta, saved=None)
         if store.ledger is None:
             commit = dataclasses.replace(
                 store.committed,
@@ -357,7 +362,7 @@ class SoloCommits(Commits):
         )
 
     def overwrote_since(self, epoch: int) -> bool:
-        return epoch < self.store.committed.epoch
+        return epoch < self.committed.epoch
 
     def next_save_slot(self, named: set[int]) -> int:
         taken = named | self._avoided_saves
@@ -372,7 +377,7 @@ class SoloCommits(Commits):
         saved = dataclasses.replace(saved, pinned=True, slots=commit.slots, holes=commit.holes)
         if tag is not None:
             versions = {**store.meta.versions, tag: saved}
-            store.meta = dataclasses.replace(store.meta, versions=versions)
+            self.meta = dataclasses.replace(self.meta, versions=versions)
         self.publish(commit, saved=saved)
         self._drop_unnamed_states()
 
@@ -380,12 +385,12 @@ class SoloCommits(Commits):
         store = self.store
         versions = dict(store.meta.versions)
         del versions[tag]
-        store.meta = dataclasses.replace(store.meta, versions=versions)
+        self.meta = dataclasses.replace(self.meta, versions=versions)
         self.publish(store.committed)
         self._drop_unnamed_states()
 
     def publish_meta(self) -> None:
-        self.publish(self.store.committed)
+        self.publish(self.committed)
 
     def read(self, read: Callable[[], _R], rows: np.ndarray) -> _R:
         return read()
@@ -405,7 +410,7 @@ class SoloCommits(Commits):
 
     @property
     def rows_reached(self) -> int:
-        return max(self.store.rows_written, self.store.committed.length)
+        return max(self.store.rows_written, self.committed.length)
 
     # --- copy-on-write, slots, commits ----------------------------------------------------
 
@@ -424,11 +429,11 @@ class SoloCommits(Commits):
         return SlotMap.identity(store.rows, store.meta.block_rows or 1)
 
     def _committed_slots(self) -> SlotMap:
-        return self._slots_of(self.store.committed)
+        return self._slots_of(self.committed)
 
     def _pinned_slots(self) -> list[SlotMap]:
         """The maps of the saves whose rows the store keeps (their slots are not free)."""
-        return [self._slots_of(saved.commit()) for saved in self.store.meta.pinned()]
+        return [self._slots_of(saved.commit()) for saved in self.meta.pinned()]
 
     def _zeros_where_unwritten(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
@@ -448,7 +453,7 @@ class SoloCommits(Commits):
         hit, _ = self.store.write_cache.staged_rows(rows)
         # Past the committed rows: cells never written. (Inside them, a cell that cannot be
         # read was lost to a crash or a failed write: it stays unreadable, not zero.)
-        fresh = rows >= self.store.committed.length
+        fresh = rows >= self.committed.length
         empty = {key: ~(self.store.ledger.readable(rows, key) | hit) & fresh for key in missing}
         if all(cells.all() for cells in empty.values()):
             return self.store.whole_rows(rows, values), []
@@ -582,7 +587,7 @@ class SoloCommits(Commits):
         # are that save's); one the last commit refers to, where the write goes over rows
         # that hold data. A slot no record refers to is written in place.
         pinned = np.isin(slots, np.concatenate([none, *(m.slots for m in self._pinned_slots())]))
-        history = self.store.committed.history
+        history = self.committed.history
         if history is not None:  # nor one holding an archive's rows (after an empty, a load)
             pinned |= history.used_slots(block_rows, block_map.capacity)[slots]
         committed = np.isin(slots, self._committed_slots().slots)
@@ -638,8 +643,8 @@ class SoloCommits(Commits):
         used = np.zeros(slots.capacity, dtype=bool)
         for kept in (slots, self._committed_slots(), *self._pinned_slots()):
             used[kept.slots[kept.slots < slots.capacity]] = True
-        if self.store.committed.history is not None:  # an archive's rows are never written over
-            used |= self.store.committed.history.used_slots(slots.block_rows, slots.capacity)
+        if self.committed.history is not None:  # an archive's rows are never written over
+            used |= self.committed.history.used_slots(slots.block_rows, slots.capacity)
         return used
 
     @property
@@ -660,7 +665,7 @@ class SoloCommits(Commits):
         if not self.late_writes_alone:
             return 0
         if self._own_from is None:
-            lease = self.store.committed.lease
+            lease = self.committed.lease
             if lease is not None and not lease.held:
                 self._own_from = lease.floor  # its writer closed: nothing of it lands late
             else:
@@ -673,7 +678,7 @@ class SoloCommits(Commits):
         own = self._own_floor()
         if self.late_writes_alone and not self._holding:
             self._lease = LeaseFloor(floor=own, held=True, avoid=self._avoid())
-            self.publish(self.store.committed, rows=False)
+            self.publish(self.committed, rows=False)
             self._holding = True
         return own
 
@@ -683,7 +688,7 @@ class SoloCommits(Commits):
         if not self._holding:
             return
         self._lease = LeaseFloor(floor=self._own_floor(), held=False, avoid=self._avoid())
-        self.publish(self.store.committed, rows=False)
+        self.publish(self.committed, rows=False)
         self._holding = False
 
     def _avoid(self) -> tuple[int, ...]:
@@ -707,7 +712,7 @@ class SoloCommits(Commits):
                 # over from this one takes its slots past these (and this one's late
                 # writes, were it stalled, land in slots no one else writes).
                 reserved = reserved.with_capacity(slots.capacity)
-                self.publish(dataclasses.replace(self.store.committed, slots=reserved), rows=False)
+                self.publish(dataclasses.replace(self.committed, slots=reserved), rows=False)
             return chosen
         # Metadata only (chunks are made as they are written): room for a whole ring more,
         # so that kept saves do not make every write grow the arrays.
@@ -724,11 +729,11 @@ class SoloCommits(Commits):
                     "took the store over on S3 reserved slots of its own); nothing was written. "
                     "Save the buffer into a new store (zarr_rb.save(rb, new_path)) and write there",
                 )
-        if self.store.meta.format < FORMAT_VERSION:
+        if self.meta.format < FORMAT_VERSION:
             # Readers that know no slot map refuse the store (FormatVersionError) from
             # before its arrays grow, rather than take them for damaged.
-            self.store.meta = dataclasses.replace(self.store.meta, format=FORMAT_VERSION)
-            self.publish(self.store.committed, rows=False)
+            self.meta = dataclasses.replace(self.meta, format=FORMAT_VERSION)
+            self.publish(self.committed, rows=False)
         with self.store.writing("adding slots to the arrays"):
             for key in self.store.leaves:
                 self.store.array(key).grow_rows(capacity * slots.block_rows)
@@ -747,7 +752,7 @@ class SoloCommits(Commits):
     def _commit(self) -> None:
         """Publish every row that is on disk and within the storage's length."""
         if self.store.schema is None:
-            self.publish(dataclasses.replace(self.store.committed, length=0, holes=()))
+            self.publish(dataclasses.replace(self.committed, length=0, holes=()))
             return
         assert self.store.ledger is not None
         # Rows waiting in RAM keep their previous, still intact, committed content.
@@ -756,7 +761,7 @@ class SoloCommits(Commits):
         readable[self.store.length_rows :] = False
         # Rows past the committed ones are published as a prefix: rows after one that is
         # not on disk (a failed write kept in RAM) wait for it, rather than leave a hole.
-        first_missing = _first_unset(readable, self.store.committed.length, self.store.length_rows)
+        first_missing = _first_unset(readable, self.committed.length, self.store.length_rows)
         if first_missing is not None:
             readable[first_missing:] = False
         self._publish_mask(readable, rewrite=self._rewrote_published)
@@ -799,12 +804,12 @@ class SoloCommits(Commits):
         assert self.store.ledger is not None
         commit = commit_from_mask(
             readable,
-            generation=self.store.committed.generation + 1,
+            generation=self.committed.generation + 1,
             cursor=self._committable_cursor(readable),
             length=length,
         )
         commit = dataclasses.replace(
-            commit, epoch=self.store.committed.epoch + rewrite, slots=self._slots_record()
+            commit, epoch=self.committed.epoch + rewrite, slots=self._slots_record()
         )
         waiting = None
         if self.store.archive:
@@ -816,17 +821,17 @@ class SoloCommits(Commits):
             in_ram, _ = self.store.write_cache.staged_rows(pending)
             done = ~in_ram & commit.readable(pending)
             waiting = pending[~done]
-            history = self.store.committed.history or RunMap.empty()
+            history = self.committed.history or RunMap.empty()
             commit = dataclasses.replace(
                 commit, history=history.appended(self.positions.physical(pending[done]))
             )
         if (
-            commit.length == self.store.committed.length
-            and commit.holes == self.store.committed.holes
-            and commit.cursor == self.store.committed.cursor
-            and commit.epoch == self.store.committed.epoch
-            and commit.slots == self.store.committed.slots
-            and commit.history == self.store.committed.history
+            commit.length == self.committed.length
+            and commit.holes == self.committed.holes
+            and commit.cursor == self.committed.cursor
+            and commit.epoch == self.committed.epoch
+            and commit.slots == self.committed.slots
+            and commit.history == self.committed.history
             and self.store.schema == self._schema_on_disk
         ):
             return
@@ -839,7 +844,7 @@ class SoloCommits(Commits):
     def _drop_unnamed_states(self) -> None:
         """Delete the state groups of saves that no record names (dropped versions, a save
         a crash interrupted before it was published), but the one the next save writes."""
-        saves = (self.store.meta.saved, *self.store.meta.versions.values())
+        saves = (self.meta.saved, *self.meta.versions.values())
         named = {saved.group for saved in saves if saved is not None}
         named.add(f"{STATE_GROUP}/{self.store.next_save_slot()}")
         groups = {
@@ -866,16 +871,16 @@ class SoloCommits(Commits):
             commit = dataclasses.replace(commit, history=RunMap.empty())
         if self.late_writes_alone:
             commit = dataclasses.replace(commit, lease=self._lease)
-        meta = dataclasses.replace(self.store.meta, commit=commit)
+        meta = dataclasses.replace(self.meta, commit=commit)
         if saved is not None:
             meta = dataclasses.replace(meta, saved=saved)
         self.store.check_hold()
         with self.store.writing("publishing a commit"):
             self.store.store_pieces(meta)  # (a failed publish leaves them: garbage, see collect)
             self.store.engine.write_root_attributes({ATTRS_KEY: meta.to_json()})
-            self.store.drop_pieces(self.store.meta, meta)
-        self.store.meta = meta
-        self.store.committed = commit
+            self.store.drop_pieces(self.meta, meta)
+        self.meta = meta
+        self.committed = commit
         if rows:
             self._written_from = commit.cursor
         self._schema_on_disk = meta.schema

@@ -141,10 +141,8 @@ class Store:
         self._create = create
         """A new store, not yet on disk: makes its place there and takes its writer lock
         (see :meth:`ensure_on_disk`)."""
-        self.meta = meta
         self.read_only = read_only
         self.compression = compression
-        self.committed = meta.commit
         self.archive = meta.commit.history is not None
         """Whether commits append to the history (an archive, or one starting)."""
         self._epoch_at_open = meta.commit.epoch
@@ -187,13 +185,25 @@ class Store:
             listed = engine.location.list(MAPS_GROUP)
             self._listed_pieces = {key for key in listed if is_piece_key(key)}
             self._listed_pieces -= piece_keys(meta.run_maps())
-        self.commits: Commits = SoloCommits(self, late_writes=lock is not None and lock.late_writes)
+        self.commits: Commits = SoloCommits(
+            self, meta, late_writes=lock is not None and lock.late_writes
+        )
         """The owner of the positions and the commits: this store's own, until other
         writers join it (:class:`~zarr_rb.core.sharing.Sharing`)."""
         if meta.schema is not None:
             self.attach_schema(meta.schema, meta.block_rows or 1)
 
     # --- schema ----------------------------------------------------------------------------
+
+    @property
+    def meta(self) -> StoreMeta:
+        """The record as this store last read or published it (its commits object's)."""
+        return self.commits.meta
+
+    @property
+    def committed(self) -> Commit:
+        """The commit this store serves (see :attr:`Commits.committed`)."""
+        return self.commits.committed
 
     @property
     def schema(self) -> Schema | None:
@@ -734,9 +744,6 @@ class Store:
         self.move_cursor(0)
         if not self.on_disk:
             return  # nothing was ever written
-        if self.meta.saved is not None:
-            # The rows of the last save are gone: so is the save.
-            self.meta = dataclasses.replace(self.meta, saved=None)
         self.commits.empty()
 
     @_serialized
@@ -859,7 +866,7 @@ class Store:
         state group is then the one of the save before the last (untagged saves alternate
         between two groups, and the state writer rewrites only the chunks that changed),
         never a kept version's, whose state no save rewrites while it is kept."""
-        return self.commits.next_save_slot(self.named_save_slots())
+        return self.commits.next_save_slot(self.meta.save_slots())
 
     def take_save_slot(self) -> int:
         """:meth:`next_save_slot`, for a save about to write its state: a writer on a lease
@@ -867,10 +874,6 @@ class Store:
         were it to stall while saving, then keeps its saves out of that group)."""
         self.commits.hold_for_save()
         return self.next_save_slot()
-
-    def named_save_slots(self) -> set[int]:
-        saves = [self.meta.saved, *self.meta.versions.values()]
-        return {saved.slot for saved in saves if saved is not None}
 
     @_serialized
     def publish_saved(self, saved: Saved, *, tag: str | None = None) -> None:
