@@ -520,6 +520,14 @@ class Commit:
         slots = np.unique(physical[physical >= 0] // block_rows)
         return not np.isin(slots, np.fromiter(taken, dtype=np.int64)).any()
 
+    def serves_alike(self, other: Commit, rows: int) -> bool:
+        """Whether positions ``[0, rows)`` are readable alike in both commits and read the
+        same rows of the arrays (rows a record keeps are never written again)."""
+        positions = np.arange(rows)
+        return np.array_equal(
+            self.readable(positions), other.readable(positions)
+        ) and np.array_equal(self.physical(positions), other.physical(positions))
+
     def readable(self, rows: np.ndarray) -> np.ndarray:
         """Whether each of ``rows`` is readable in this commit (no mask over every row)."""
         out: np.ndarray = rows < self.length

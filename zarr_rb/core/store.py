@@ -798,11 +798,10 @@ class Store:
                 "are with ZarrStorage(path=...), or keep saves that training cannot touch: "
                 "zarr_rb.save(rb, other_path) writes an independent snapshot",
             )
-        moved = kept is not None and (
-            kept.slots != self.committed.slots
-            or kept.holes != self.committed.holes
-            or kept.runs != self.committed.runs
-        )
+        # The live buffer's positions may lead elsewhere than the save's where it holds
+        # none of the save's rows (a block copied on write: the rows the save holds in it
+        # count as moved, as this map cannot tell them from rows written since).
+        moved = kept is not None and not kept.serves_alike(self.committed, rows)
         if live and ((self.length, self.cursor) != (length, cursor) or moved):
             raise LiveBufferError(
                 f"{where} is open for writing in this process by a buffer that went on since "
