@@ -42,6 +42,7 @@ INSTANCES = {
     samplers.PrioritizedSampler: lambda: samplers.PrioritizedSampler(10, 0.7, 0.5),
     samplers.SamplerWithoutReplacement: samplers.SamplerWithoutReplacement,
     samplers.SliceSampler: lambda: samplers.SliceSampler(slice_len=2, traj_key="t"),
+    samplers.StalenessAwareSampler: samplers.StalenessAwareSampler,
 }
 
 DECLARED = [(cls, name) for cls, names in _compat.USED.items() for name in names]

@@ -127,6 +127,7 @@ USED: dict[type, tuple[str, ...]] = {
         "_cache",
         "_gpu_device",
     ),
+    _samplers.StalenessAwareSampler: ("_max_staleness", "_version_key", "_weight_fn"),
 }
 """Private names read, written or called, by the TorchRL class that defines them."""
 
@@ -153,6 +154,9 @@ def _check_declared(obj: Any, name: str) -> None:
 
 is_int = _is_int
 """TorchRL's test for an integer index (Python and numpy ints, 0-d tensors)."""
+
+default_staleness_weight: Any = getattr(_samplers, "_default_staleness_weight", None)
+"""The weight ``StalenessAwareSampler`` gives rows when it is given none (TorchRL 0.14)."""
 
 default_collate = _get_default_collate
 """``default_collate(storage, _is_tensordict=False)``: the ``collate_fn`` a TorchRL buffer

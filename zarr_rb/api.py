@@ -165,6 +165,7 @@ def load(
     collate_fn: Any = None,
     sample_unit: Any = None,
     checkpointer: Any = None,
+    reward_fn: Any = None,
     device: str = "cpu",
     read_only: bool = False,
     storage: Literal["zarr", "memory"] = "zarr",
@@ -188,12 +189,14 @@ def load(
         path: the store: a path or a URL (``s3://bucket/runs/pong.zarr``).
         storage_options: for object stores (see :class:`ZarrStorage`).
         allow_pickle: unpickle the saved transforms and other code (a custom ``collate_fn``,
-            sample unit or checkpointer). Unpickling runs code stored in the buffer: only
-            pass ``True`` for stores you trust.
+            sample unit or checkpointer, a ``HERReplayBuffer``'s ``reward_fn``). Unpickling
+            runs code stored in the buffer: only pass ``True`` for stores you trust.
         transform: a transform built like the saved one; receives the saved state without
             any unpickling (an alternative to ``allow_pickle``).
         collate_fn, sample_unit, checkpointer: the custom ones the buffer was built with,
             instead of unpickling them.
+        reward_fn: the reward function a ``HERReplayBuffer`` was built with, instead of
+            unpickling it.
         device: device of the tensors the storage returns.
         read_only: open the store for reading only: the buffer samples but cannot be
             extended or saved, takes no writer lock and writes nothing, so it can be
@@ -221,6 +224,7 @@ def load(
         "collate_fn": collate_fn,
         "sample_unit": sample_unit,
         "checkpointer": checkpointer,
+        "reward_fn": reward_fn,
     }
     if version is not None and (isinstance(version, bool) or not isinstance(version, (str, int))):
         raise TypeError(f"expected version to be a tag or a save's number, got {version!r}")

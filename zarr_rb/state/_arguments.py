@@ -47,6 +47,10 @@ _STATIC_TRAJECTORIES: dict[str, str] = dict.fromkeys(
 )
 
 EXCLUDED: dict[str, dict[str, str]] = {
+    "HERReplayBuffer": {
+        **_BUFFER,
+        "reward_fn": "code: saved apart (objects/), pickled, or passed to zarr_rb.load again",
+    },
     "ReplayBuffer": _BUFFER,
     "TensorDictReplayBuffer": _BUFFER,
     "PrioritizedReplayBuffer": {**_BUFFER, **_PRIORITIZED_BUFFER},

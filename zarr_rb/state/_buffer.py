@@ -19,6 +19,7 @@ from torchrl.data import (
     TensorDictReplayBuffer,
 )
 from torchrl.data.replay_buffers import checkpointers as _checkpointers
+from torchrl.data.replay_buffers import her as _her
 from torchrl.data.replay_buffers import replay_buffers as _buffers
 from torchrl.data.replay_buffers import sample_units as _units
 
@@ -35,6 +36,9 @@ from zarr_rb.state._arguments import (
 from zarr_rb.state._components import key_from_json, key_to_json
 from zarr_rb.state._node import StateNode
 
+_HER: Any = getattr(_her, "HERReplayBuffer", None)
+"""Hindsight relabelling at sample time (TorchRL 0.14): its ``reward_fn`` is code, saved
+apart (``objects/``), the rest are values."""
 BUFFER_CLASSES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
@@ -42,8 +46,21 @@ BUFFER_CLASSES: dict[str, type] = {
         TensorDictReplayBuffer,
         PrioritizedReplayBuffer,
         TensorDictPrioritizedReplayBuffer,
+        *([_HER] if _HER is not None else []),
     )
 }
+REFUSED: dict[str, str] = {
+    "ReplayBufferEnsemble": "it holds several buffers: save each with zarr_rb.save (each in a "
+    "store of its own) and build the ensemble again around the loaded ones",
+    "RayReplayBuffer": "its buffer lives in a Ray actor: save that buffer in the actor, or "
+    "share the store itself between Ray workers (zarr_rb.ray)",
+    "RemoteTensorDictReplayBuffer": "it is a handle on a buffer of another process "
+    "(torch.distributed.rpc): save that buffer in the process that holds it",
+    "OfflineToOnlineReplayBuffer": "it pairs a dataset with an online buffer: save the online "
+    "buffer (rb.online_buffer) with zarr_rb.save, and build the pair again around the "
+    "loaded one and the dataset",
+}
+"""TorchRL buffer classes that zarr_rb does not save, and why (in the error)."""
 _PRIORITIZED = (PrioritizedReplayBuffer, TensorDictPrioritizedReplayBuffer)
 _TED_CHECKPOINTERS = {
     cls.__name__: (cls, hooks)
@@ -83,10 +100,12 @@ def buffer_settings(rb: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """
     cls = type(rb)
     if BUFFER_CLASSES.get(cls.__name__) is not cls:
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        reason = REFUSED.get(cls.__name__)
+        if reason is not None:
+            raise UnsupportedDataError(f"cannot save a {where}: {reason}")
         supported = ", ".join(sorted(BUFFER_CLASSES))
-        raise UnsupportedDataError(
-            f"cannot save a {cls.__module__}.{cls.__qualname__}; zarr_rb saves {supported}",
-        )
+        raise UnsupportedDataError(f"cannot save a {where}; zarr_rb saves {supported}")
     config: dict[str, Any] = {"class": cls.__name__, "arguments": read_arguments(rb, _ARGUMENTS)}
     if isinstance(rb, _PRIORITIZED):
         config["prioritized_sampler_write_count"] = int(
@@ -104,6 +123,7 @@ def buffer_settings(rb: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "collate_fn": None if compat.same_function(collate, default_collate) else collate,
         "sample_unit": unit if custom_unit else None,
         "checkpointer": checkpointer if custom_checkpointer else None,
+        "reward_fn": rb.reward_fn if _HER is not None and isinstance(rb, _HER) else None,
     }
     return config, objects
 
@@ -232,6 +252,8 @@ def build_buffer(
         compat.put(rb, "_writer", writer)
         writer.register_storage(storage)
     else:
+        if cls is _HER:
+            kwargs["reward_fn"] = objects["reward_fn"]
         rb = cls(sampler=sampler, writer=writer, **kwargs)
     checkpointer = _checkpointer(config.get("checkpointer"), objects.get("checkpointer"))
     if checkpointer is not None:

@@ -257,6 +257,20 @@ _PRIORITIZED = {
     ),
     "device": private("_device"),
 }
+
+
+def _staleness_weight_fn(obj: Any) -> Any:
+    """``None`` for TorchRL's default weight; another function is code, which a save does
+    not hold (the save is refused, naming the argument)."""
+    weight = compat.get(obj, "_weight_fn")
+    return None if weight is compat.default_staleness_weight else weight
+
+
+_STALENESS = {
+    "max_staleness": private("_max_staleness"),
+    "version_key": private("_version_key"),
+    "staleness_weight_fn": Argument(read=_staleness_weight_fn),
+}
 _WRITER = {
     "compilable": private("_compilable"),
     "track_generations": private("_track_generations"),
@@ -299,24 +313,47 @@ ADAPTERS: dict[str, Adapter] = {
                 {**_SLICE, **_PRIORITIZED},
             ),
             ("PromptGroupSampler", _state_dict_save, _state_dict_load),
+            ("StalenessAwareSampler", _state_dict_save, _state_dict_load, _STALENESS),
+            (
+                "StreamingSliceSampler",
+                _both(_slice_save, _state_dict_save),
+                _both(_slice_load, _state_dict_load),
+                _SLICE,
+            ),
         ),
         *_adapters(
             W,
             ("RoundRobinWriter", _round_robin_save, _round_robin_load, _WRITER),
             ("TensorDictRoundRobinWriter", _round_robin_save, _round_robin_load, _WRITER),
             ("TensorDictMaxValueWriter", _max_value_save, _max_value_load, _WRITER),
+            ("ImmutableDatasetWriter", _nothing, _nothing, _WRITER),
         ),
     )
 }
 
 
+REFUSED: dict[str, str] = {
+    "Sampler": "it is the base class of TorchRL's samplers, which no buffer holds itself",
+    "Writer": "it is the base class of TorchRL's writers, which no buffer holds itself",
+    "SamplerEnsemble": "it samples the buffers of a ReplayBufferEnsemble, which is saved "
+    "buffer by buffer (zarr_rb.save each of them)",
+    "WriterEnsemble": "it writes the buffers of a ReplayBufferEnsemble, which is saved "
+    "buffer by buffer (zarr_rb.save each of them)",
+}
+"""TorchRL samplers and writers that zarr_rb does not save, and why (in the error)."""
+
+
 def adapter_for(obj: Any, *, role: str) -> Adapter:
     adapter = ADAPTERS.get(type(obj).__name__)
     if adapter is None or type(obj) is not adapter.cls:
+        where = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        reason = REFUSED.get(type(obj).__name__)
+        if reason is not None:
+            raise UnsupportedDataError(f"cannot save the buffer's {role}, a {where}: {reason}")
         supported = ", ".join(sorted(ADAPTERS))
         raise UnsupportedDataError(
-            f"cannot save the buffer's {role}: {type(obj).__module__}.{type(obj).__qualname__} "
-            f"has no zarr_rb state adapter (supported: {supported})",
+            f"cannot save the buffer's {role}: {where} has no zarr_rb state adapter "
+            f"(supported: {supported})",
         )
     return adapter
 

@@ -1,5 +1,5 @@
 """The parts of a buffer that are code, not data: transforms, a custom ``collate_fn``, a
-custom sample unit or checkpointer.
+custom sample unit or checkpointer, a ``HERReplayBuffer``'s reward function.
 
 They are pickled into uint8 arrays and unpickled only when the caller opts in with
 ``allow_pickle=True`` (unpickling runs code stored in the buffer), or handed in rebuilt by
@@ -17,8 +17,9 @@ import torch
 from zarr_rb.errors import StoreCorruptedError, ZarrRBError
 from zarr_rb.state._node import StateNode
 
-CODE_OBJECTS = ("collate_fn", "sample_unit", "checkpointer")
-"""Buffer settings that are code when they are not TorchRL's defaults."""
+CODE_OBJECTS = ("collate_fn", "sample_unit", "checkpointer", "reward_fn")
+"""Buffer settings that are code when they are not TorchRL's defaults (a
+``HERReplayBuffer``'s ``reward_fn`` always is)."""
 
 
 class PickleNotAllowedError(ZarrRBError, PermissionError):
