@@ -93,6 +93,48 @@ def test_show_writes_the_frames_of_an_episode(pong: PongRun, tmp_path: Path) -> 
     assert picture.size == (84 * 12, 84)
 
 
+def test_show_writes_an_mp4_video_that_decodes_to_the_episode(
+    pong: PongRun, tmp_path: Path
+) -> None:
+    import cv2
+
+    frames = zarr_rb.open(pong.path).episode(2)["observation"][:, -1].numpy()
+    movie = tmp_path / "ep2.mp4"
+    out = run("show", str(pong.path), "--episode", "2", "-o", str(movie), "--fps", "30")
+    assert out.returncode == 0, out.stderr
+    capture = cv2.VideoCapture(str(movie))
+    assert capture.get(cv2.CAP_PROP_FPS) == 30
+    decoded = []
+    while True:
+        ok, picture = capture.read()
+        if not ok:
+            break
+        decoded.append(cv2.cvtColor(picture, cv2.COLOR_BGR2GRAY))
+    capture.release()
+    assert len(decoded) == len(frames)  # every frame, none merged
+    assert decoded[0].shape == frames[0].shape == (84, 84)
+    # MPEG-4 is lossy: each frame is close to the episode's, and closer to it than to others.
+    errors = [np.abs(a.astype(int) - b).mean() for a, b in zip(decoded, frames, strict=True)]
+    assert max(errors) < 8, max(errors)
+
+
+def test_an_mp4_of_odd_sized_colour_frames_keeps_every_pixel(tmp_path: Path) -> None:
+    import cv2
+
+    from zarr_rb.analysis.pictures import write_frames
+
+    frames = np.zeros((5, 35, 47, 3), dtype=np.uint8)
+    frames[:, :, :, 0] = 200  # red, channels last
+    frames[np.arange(5), np.arange(5) * 7, 46] = 255
+    assert write_frames(frames, tmp_path / "x.mp4") == 5
+    capture = cv2.VideoCapture(str(tmp_path / "x.mp4"))
+    ok, first = capture.read()
+    assert ok
+    assert first.shape == (36, 48, 3)  # padded to even sizes, not cropped
+    assert abs(int(first[10, 10, 2]) - 200) < 16  # red is channel 2 in OpenCV's BGR
+    assert int(capture.get(cv2.CAP_PROP_FRAME_COUNT)) == 5
+
+
 def test_plot_writes_a_png(pong: PongRun, tmp_path: Path) -> None:
     target = tmp_path / "returns.png"
     out = run("plot", str(pong.path), "-o", str(target))
@@ -263,11 +305,11 @@ def test_info_on_a_torchrl_dump_says_to_import_it(tmp_path: Path) -> None:
 
 def test_show_and_plot_refuse_a_file_type_they_do_not_write(tmp_path: Path) -> None:
     path = small_store(tmp_path / "s.zarr")
-    movie = tmp_path / "x.mp4"
+    movie = tmp_path / "x.webm"
     out = run("show", str(path), "--episode", "0", "-o", str(movie))
     assert out.returncode == 2
-    assert "'.mp4'" in out.stderr
-    assert ".gif (an animated GIF) or .png (a PNG strip)" in out.stderr
+    assert "'.webm'" in out.stderr
+    assert ".gif (an animated GIF) or .png (a PNG strip) or .mp4 (an MP4 video)" in out.stderr
     assert not movie.exists()
     out = run("plot", str(path), "-o", str(tmp_path / "x.jpg"))
     assert out.returncode == 2

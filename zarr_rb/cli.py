@@ -70,13 +70,18 @@ def _parser() -> argparse.ArgumentParser:
     episodes.add_argument("--csv", metavar="FILE", help="also write every episode to a CSV file")
 
     show = command(
-        "show", _show, "the frames of an episode as an animated GIF (.gif) or a PNG strip (.png)"
+        "show",
+        _show,
+        "the frames of an episode as an animated GIF (.gif), an MP4 video (.mp4) or a PNG "
+        "strip (.png)",
     )
     show.add_argument("path", help=_PATH_HELP)
     show.add_argument("--episode", type=int, required=True, help="episode number (-1: newest)")
     show.add_argument("--key", help="image key, e.g. observation or next.pixels (default: first)")
-    show.add_argument("-o", "--output", required=True, help="the .gif or .png to write")
-    show.add_argument("--fps", type=float, default=15, help="GIF frames per second (default 15)")
+    show.add_argument("-o", "--output", required=True, help="the .gif, .mp4 or .png to write")
+    show.add_argument(
+        "--fps", type=float, default=15, help="frames per second of a GIF or MP4 (default 15)"
+    )
     show.add_argument(
         "--stride", type=int, default=1, help="show every n-th row of the episode (default 1)"
     )

@@ -1,6 +1,7 @@
-"""Pictures of a store: an episode's frames as an animated GIF or a PNG strip (Pillow), and
-its episodes' returns and lengths as a plot (matplotlib). Optional: the ``analysis`` extra
-(``pip install -e '.[analysis]'`` in a checkout of zarr_rb)."""
+"""Pictures of a store: an episode's frames as an animated GIF or a PNG strip (Pillow) or an
+MP4 video (OpenCV, with the FFmpeg its wheels carry), and its episodes' returns and lengths
+as a plot (matplotlib). Optional: the ``analysis`` extra (``pip install -e '.[analysis]'``
+in a checkout of zarr_rb)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 STRIP_FRAMES = 12
 """Frames in a PNG strip (evenly spaced over the episode)."""
-FRAME_SUFFIXES = {".gif": "an animated GIF", ".png": "a PNG strip"}
+FRAME_SUFFIXES = {".gif": "an animated GIF", ".png": "a PNG strip", ".mp4": "an MP4 video"}
 """What :func:`write_frames` writes, by the suffix of the file's name."""
 PLOT_SUFFIXES = {".png": "a PNG"}
 """What :func:`plot_episodes` writes, by the suffix of the file's name."""
@@ -94,16 +95,20 @@ def _image_key(view: View, key: KeyLike | None) -> KeyLike:
 
 
 def write_frames(frames: np.ndarray, path: str | os.PathLike[str], *, fps: float = 15) -> int:
-    """Write ``frames`` as an animated GIF (``.gif``) or a PNG strip of up to
-    :data:`STRIP_FRAMES` of them (``.png``). Returns the number of frames written.
+    """Write ``frames`` as an animated GIF (``.gif``), an MP4 video (``.mp4``) or a PNG
+    strip of up to :data:`STRIP_FRAMES` of them (``.png``). Returns the number of frames
+    written.
 
     Raises:
         ValueError: ``path`` has another suffix (nothing is written), or no frame is given.
+        OSError: the MP4 encoder could not write ``path``.
     """
     suffix = check_suffix(path, FRAME_SUFFIXES, what="frames")
-    image = require("PIL.Image", extra="analysis", what="writing frames as a GIF or PNG")
     if not len(frames):
         raise ValueError("no frame to write: the episode has no row")
+    if suffix == ".mp4":
+        return _write_mp4(frames, path, fps=fps)
+    image = require("PIL.Image", extra="analysis", what="writing frames as a GIF or PNG")
     mode = "RGB" if frames.ndim == 4 else "L"
     if suffix == ".gif":
         pictures = [image.fromarray(frame, mode) for frame in frames]
@@ -119,6 +124,24 @@ def write_frames(frames: np.ndarray, path: str | os.PathLike[str], *, fps: float
     strip = np.concatenate([frames[int(i)] for i in picked], axis=1)
     image.fromarray(strip, mode).save(path, format="PNG")
     return int(picked.size)
+
+
+def _write_mp4(frames: np.ndarray, path: str | os.PathLike[str], *, fps: float) -> int:
+    """Frames as MPEG-4 video (``mp4v``, which every FFmpeg build encodes), in colour, each
+    frame padded with black to an even width and height (the encoder's unit)."""
+    cv2 = require("cv2", extra="analysis", what="writing frames as an MP4 video")
+    height, width = frames.shape[1:3]
+    size = (width + width % 2, height + height % 2)
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, size, True)
+    if not writer.isOpened():
+        raise OSError(f"cannot write {str(path)!r}: OpenCV's MP4 encoder did not open it")
+    try:
+        for frame in frames:
+            bgr = cv2.cvtColor(frame, cv2.COLOR_GRAY2BGR if frame.ndim == 2 else cv2.COLOR_RGB2BGR)
+            writer.write(np.pad(bgr, ((0, height % 2), (0, width % 2), (0, 0))))
+    finally:
+        writer.release()
+    return len(frames)
 
 
 def plot_episodes(episodes: Episodes, path: str | os.PathLike[str], *, title: str) -> int:
