@@ -175,3 +175,66 @@ def test_emptying_a_shared_store_is_refused_before_anything_changes(store_path):
     finally:
         buffer.storage.close()
         other.close()
+
+
+_JOINING_WRITER = """
+import sys, torch
+from tensordict import TensorDict
+from torchrl.data import TensorDictReplayBuffer
+from zarr_rb import ZarrStorage
+rb = TensorDictReplayBuffer(storage=ZarrStorage(16, sys.argv[1], shared=True))
+print("ready", flush=True)
+sys.stdin.readline()
+rb.extend(TensorDict({"x": torch.arange(100, 103)}, [3]))
+print("extended", len(rb), flush=True)
+sys.stdin.readline()
+rb.storage.refresh()
+print("rows", rb[:]["x"].tolist(), flush=True)
+rb.storage.close()
+"""
+
+
+def test_a_load_beside_a_live_shared_writer_never_drops_rows_another_writer_committed(
+    store_path, monkeypatch
+):
+    # The live buffer is at its save, so the load is allowed; another writer commits three
+    # rows between that check and the record's rewrite to the save (the hook lets it, and
+    # waits until it has). The rewrite must refuse, not drop those rows.
+    import subprocess
+    import sys
+
+    import zarr_rb
+    from zarr_rb.core import sharing
+    from zarr_rb.errors import LiveBufferError
+
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(16, store_path, shared=True))
+    rb.extend(rows(0, 4))
+    zarr_rb.save(rb)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _JOINING_WRITER, str(store_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None
+    assert child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        rebase = sharing.Sharing.rebase
+
+        def after_another_commit(self, saved, kept):
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert child.stdout.readline().split() == ["extended", "7"]
+            return rebase(self, saved, kept)
+
+        monkeypatch.setattr(sharing.Sharing, "rebase", after_another_commit)
+        with pytest.raises(LiveBufferError, match="another writer committed"):
+            zarr_rb.load(store_path)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "rows [0, 1, 2, 3, 100, 101, 102]"
+    finally:
+        child.stdin.close()
+        child.wait(timeout=120)
+        rb.storage.close()

@@ -66,6 +66,7 @@ from zarr_rb.core.runs import RunMap
 from zarr_rb.core.write_cache import Key
 from zarr_rb.errors import (
     FencedError,
+    LiveBufferError,
     LockedError,
     NotSupportedError,
     RowsNotCommittedError,
@@ -786,8 +787,11 @@ class Sharing(Commits):
         Raises:
             VersionNotFoundError: the record no longer keeps ``saved`` (dropped or replaced
                 since it was read): its rows may be collected already.
+            LiveBufferError: another writer committed since this writer last read the
+                record (after the load was checked): loading would drop those rows.
         """
         runs = _runs_of(kept)
+        seen = self.committed  # what the load was checked against (Store.check_loadable)
 
         def rebase(meta: StoreMeta) -> StoreMeta:
             if not any((s.slot, s.time) == (saved.slot, saved.time) for s in meta.pinned()):
@@ -795,6 +799,15 @@ class Sharing(Commits):
                     f"store {self.store.url!r} no longer keeps the save being loaded (number "
                     f"{saved.slot}): it was dropped or replaced by a later save meanwhile; "
                     "nothing was changed. zarr_rb.versions(path) lists those kept",
+                )
+            now = meta.commit
+            if (now.length, now.cursor, now.runs) != (seen.length, seen.cursor, seen.runs):
+                raise LiveBufferError(
+                    f"store {self.store.url!r}: another writer committed rows (commit "
+                    f"{now.generation}, length {now.length}) since this load was checked at "
+                    f"commit {seen.generation}; loading the save would drop them, so nothing "
+                    "was changed. Save again (zarr_rb.save(rb)) to load the buffer as it is "
+                    "now, or read the save with zarr_rb.load(path, read_only=True)",
                 )
             commit = dataclasses.replace(
                 meta.commit,
