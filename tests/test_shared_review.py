@@ -152,29 +152,83 @@ def test_a_store_shared_before_its_first_write_takes_rows_and_keys_from_one_writ
         assert torch.equal(reader[:]["x"], twin[:]["x"])
 
 
-def test_emptying_a_shared_store_is_refused_before_anything_changes(store_path):
-    # Emptying would drop the other writers' rows: refused, and this writer's own rows,
-    # committed or not yet, its length and its cursor are as they were.
-    buffer = TensorDictReplayBuffer(storage=ZarrStorage(16, store_path, shared=True))
-    other = ZarrStorage(16, store_path, shared=True)
-    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16))
+_WRITER_ON_COMMAND = """
+import sys, torch
+from tensordict import TensorDict
+from torchrl.data import TensorDictReplayBuffer
+from zarr_rb import ZarrStorage
+rb = TensorDictReplayBuffer(storage=ZarrStorage(16, sys.argv[1], shared=True), batch_size=4)
+print("ready", flush=True)
+for line in sys.stdin:
+    command, *args = line.split()
+    if command == "extend":
+        first, count = map(int, args)
+        x = torch.arange(first, first + count)
+        rb.extend(TensorDict({"x": x, "y": x * 10}, [count]))
+    elif command == "refresh":
+        rb.storage.refresh()
+    print(len(rb), rb[:]["x"].tolist() if len(rb) else [], flush=True)
+rb.storage.close()
+"""
+
+
+def test_emptying_a_shared_buffer_empties_it_for_every_writer(store_path):
+    # As emptying one process's handle of TorchRL's shared-memory storage: every writer
+    # sees no row, the next rows go to 0; the buffer's sampler works on what comes next
+    # (emptying was refused after TorchRL had reset the writer and sampler: the buffer
+    # was left unable to sample).
+    import subprocess
+    import sys
+
+    from torchrl.data import TensorDictPrioritizedReplayBuffer
+
+    import zarr_rb
+
+    buffer = TensorDictPrioritizedReplayBuffer(
+        alpha=0.7, beta=0.5, storage=ZarrStorage(16, store_path, shared=True), batch_size=4
+    )
+    twin = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(16))
+    buffer.extend(rows(0, 6))
+    twin.extend(rows(0, 6))
+    zarr_rb.save(buffer)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_ON_COMMAND, str(store_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None
+    assert child.stdout is not None
+
+    def other(command: str) -> str:
+        child.stdin.write(command + "\n")
+        child.stdin.flush()
+        return child.stdout.readline().strip()
+
     try:
-        for data in (rows(0, 6), rows(100, 3)):
-            buffer.extend(data)
-            twin.extend(data)
-        with pytest.raises(NotSupportedError, match=r"shared by several writers.*new store"):
-            buffer.empty()
-        assert len(buffer) == len(twin) == 9
-        assert buffer.storage.cursor == 9  # was reset to 0 before the refusal
-        buffer.extend(rows(200, 2))
+        assert child.stdout.readline().strip() == "ready"
+        assert other("extend 100 3") == "9 [0, 1, 2, 3, 4, 5, 100, 101, 102]"
+        twin.extend(rows(100, 3))
+        buffer.storage.refresh()
+        assert len(buffer) == 9
+        buffer.empty()
+        twin.empty()
+        assert len(buffer) == len(twin) == 0
+        assert other("refresh") == "0 []"
+        assert other("extend 200 2") == "2 [200, 201]"
         twin.extend(rows(200, 2))
-        everything = torch.arange(11)
+        buffer.extend(rows(300, 3))
+        twin.extend(rows(300, 3))
+        everything = torch.arange(5)
         assert torch.equal(buffer.storage.get(everything)["x"], twin.storage.get(everything)["x"])
-        buffer.storage.close()
-        assert torch.equal(other.get(everything)["x"], twin.storage.get(everything)["x"])
+        assert other("refresh") == "5 [200, 201, 300, 301, 302]"
+        assert buffer.sample()["x"].shape == (4,)
+        with pytest.raises(zarr_rb.NoSavedBufferError):  # its rows are gone: so is the save
+            zarr_rb.load(store_path, read_only=True)
     finally:
+        child.stdin.close()
+        child.wait(timeout=120)
         buffer.storage.close()
-        other.close()
 
 
 _JOINING_WRITER = """

@@ -134,10 +134,6 @@ class Commits(abc.ABC):
         """Forget writes waiting to be retried (the rows in RAM are the store's)."""
 
     @abc.abstractmethod
-    def check_emptiable(self) -> None:
-        """Raise if the store may not drop every row (asked before anything changes)."""
-
-    @abc.abstractmethod
     def empty(self) -> None:
         """Publish a commit of no rows (the store reset its length and cursor)."""
 

@@ -255,15 +255,24 @@ class Sharing(Commits):
     def set_length(self, length: int) -> None:
         pass  # the record's: rows are counted as commits place them, never set
 
-    def check_emptiable(self) -> None:
-        raise NotSupportedError(
-            f"store {self.store.url!r} is shared by several writers: emptying it would drop "
-            "the rows of the others; start a new store instead (mode='w' once no writer "
-            "has it)",
-        )
-
     def empty(self) -> None:
-        self.check_emptiable()  # Store.empty asked first; never reached
+        """Empty the buffer for every writer, as emptying one process's handle of TorchRL's
+        shared-memory storage does: no position holds a row, the next rows go to 0, and the
+        last save goes (its rows are gone); tagged versions and an archive's history stay."""
+
+        def empty(meta: StoreMeta) -> StoreMeta:
+            runs = RunMap.empty()
+            commit = dataclasses.replace(
+                meta.commit,
+                length=0,
+                cursor=0,
+                runs=runs,
+                holes=runs.holes(0),
+                epoch=meta.commit.epoch + 1,
+            )
+            return dataclasses.replace(meta, commit=commit, saved=None)
+
+        self.update(empty)
 
     def use_save(self, saved: Saved, commit: Commit) -> None:
         # A store with runs, which this writer holds alone (a save made before it became

@@ -243,9 +243,6 @@ class SoloCommits(Commits):
         self._written_from = cursor
         self._extended.restart()
 
-    def check_emptiable(self) -> None:
-        pass  # its rows are all this writer's
-
     def empty(self) -> None:
         store = self.store
         if self.meta.saved is not None:

@@ -738,7 +738,6 @@ class Store:
         readable, the cursor is back at 0, the epoch moves and the last save is dropped
         (its rows are gone)."""
         self.check_writable()
-        self.commits.check_emptiable()
         self.discard()
         self.commits.set_length(0)
         self.move_cursor(0)
