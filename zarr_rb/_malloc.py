@@ -10,19 +10,16 @@ is nothing to do.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 from collections.abc import Callable
 
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    """glibc's ``malloc_trim``, looked up among the symbols this process has loaded."""
     try:
-        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc (or no dlopen of the process)
         return None
     return trim
 
