@@ -19,6 +19,7 @@ from tensordict import TensorDict
 from torchrl.data import ReplayBuffer, TensorDictReplayBuffer
 from torchrl.data.replay_buffers import samplers as S  # noqa: N812
 from torchrl.data.replay_buffers import writers as W  # noqa: N812
+from torchrl.data.replay_buffers.her import HERReplayBuffer
 from torchrl.data.replay_buffers.offline_to_online import OfflineToOnlineReplayBuffer
 
 import zarr_rb
@@ -203,5 +204,52 @@ def test_a_staleness_weight_of_its_own_is_refused_by_name(tmp_path: Path) -> Non
     rb = TensorDictReplayBuffer(storage=ZarrStorage(ROWS, tmp_path / "rb.zarr"), sampler=sampler)
     rb.extend(rows(0, 8))
     with pytest.raises(UnsupportedDataError, match=r"StalenessAwareSampler.*staleness_weight_fn"):
+        zarr_rb.save(rb)
+    rb.storage.close()
+
+
+def test_a_her_buffer_with_a_lambda_saves_and_loads_with_its_function_given(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(ROWS, path)
+    rb = HERReplayBuffer(lambda td: -td["achieved_goal"][..., :1], storage=storage, batch_size=8)
+    fill(rb, "HERReplayBuffer")
+    zarr_rb.save(rb)  # was a PicklingError: a lambda cannot be pickled
+    storage.close()
+    with pytest.raises(PickleNotAllowedError, match=r"could not be pickled.*reward_fn=\.\.\."):
+        zarr_rb.load(path, allow_pickle=True)
+    loaded = zarr_rb.load(path, reward_fn=reward)
+    assert loaded.reward_fn is reward
+    loaded.storage.close()
+
+
+@pytest.mark.parametrize("refused", ["ReplayBufferEnsemble", "OfflineToOnlineReplayBuffer"])
+def test_zarr_rb_save_of_a_buffer_refused_by_name_says_why(refused: str) -> None:
+    cls = exported()[refused]
+    instance = cls.__new__(cls)  # the class is checked before any attribute is read
+    with pytest.raises(UnsupportedDataError, match=REFUSED_BUFFERS[refused][:40]):
+        zarr_rb.save(instance)
+
+
+def test_a_staleness_sampler_with_its_default_settings_loads(tmp_path: Path) -> None:
+    path = tmp_path / "rb.zarr"
+    rb = TensorDictReplayBuffer(
+        storage=ZarrStorage(ROWS, path), sampler=S.StalenessAwareSampler(), batch_size=4
+    )
+    rb.extend(rows(0, 8))
+    zarr_rb.save(rb)  # max_staleness=-1 ("no limit") was saved, then refused at the load
+    rb.storage.close()
+    loaded = zarr_rb.load(path)
+    assert loaded.sampler.max_staleness == -1
+    loaded.storage.close()
+
+
+def test_a_setting_a_load_would_refuse_is_refused_at_the_save(tmp_path: Path) -> None:
+    path = tmp_path / "rb.zarr"
+    sampler = S.StalenessAwareSampler(max_staleness=2**40)
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(ROWS, path), sampler=sampler, batch_size=4)
+    rb.extend(rows(0, 8))
+    with pytest.raises(UnsupportedDataError, match="sampler setting 1099511627776"):
         zarr_rb.save(rb)
     rb.storage.close()

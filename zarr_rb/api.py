@@ -40,6 +40,7 @@ from zarr_rb.errors import (
 )
 from zarr_rb.locations import StoreURL, is_remote, open_location
 from zarr_rb.state import LOAD_ATTEMPTS, load_buffer, save_buffer
+from zarr_rb.state._buffer import check_buffer_class
 from zarr_rb.storage import ZarrStorage
 
 __all__ = ["Version", "drop_version", "load", "save", "versions"]
@@ -92,6 +93,7 @@ def save(
             f"expected a version tag of letters, digits, '.', '_' and '-' (at most 100, "
             f"starting with a letter or digit), got {tag!r}"
         )
+    check_buffer_class(rb)  # a class refused by name says why, whatever its storage
     if not isinstance(rb.storage, ZarrStorage):
         if tag is not None:
             raise NotSupportedError(

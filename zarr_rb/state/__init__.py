@@ -11,6 +11,7 @@ from zarr_rb import _compat as compat
 from zarr_rb._holes import guard_sampler
 from zarr_rb.core.format import Saved
 from zarr_rb.engine import Engine
+from zarr_rb.errors import UnsupportedDataError
 from zarr_rb.state._arguments import versions
 from zarr_rb.state._buffer import (
     buffer_arguments,
@@ -52,9 +53,23 @@ def check_savable(rb: Any) -> None:
     """Raise :class:`~zarr_rb.errors.UnsupportedDataError` now if ``rb`` could not be saved
     (a buffer class or a component without an adapter, an argument that cannot be read
     back), before anything is written."""
-    buffer_settings(rb)
+    config, _ = buffer_settings(rb)
+    _check_savable_sizes(rb, config, what="buffer")
     for role, obj in _components(rb).items():
-        adapter_for(obj, role=role).config(obj)
+        _check_savable_sizes(rb, adapter_for(obj, role=role).config(obj), what=role)
+
+
+def _check_savable_sizes(rb: Any, config: Any, *, what: str) -> None:
+    """The integer settings a load accepts (see :func:`_check_sizes`), checked at the save:
+    a save that could not be loaded is refused before anything is written."""
+    limit = max(int(getattr(rb.storage, "max_size", 0) or 0), _MAX_SETTING)
+    try:
+        _check_sizes(config, limit=limit, what=what)
+    except ValueError as err:
+        raise UnsupportedDataError(
+            f"cannot save the buffer: {err} (a load accepts integer settings up to "
+            f"{_MAX_SETTING}, or the storage's max_size)",
+        ) from None
 
 
 def save_buffer(rb: Any, engine: Engine, group: str) -> int:
@@ -64,10 +79,12 @@ def save_buffer(rb: Any, engine: Engine, group: str) -> int:
     writer fails without touching the store.
     """
     config, objects = buffer_settings(rb)
+    _check_savable_sizes(rb, config, what="buffer")
     components = {}
     for role, obj in _components(rb).items():
         adapter = adapter_for(obj, role=role)
         components[role] = (obj, adapter, adapter.config(obj))
+        _check_savable_sizes(rb, components[role][2], what=role)
     # The save's identity: a load compares it before and after reading the slot, which a
     # save two saves later rewrites.
     attrs: dict[str, Any] = {"buffer": config, "versions": versions(), "save": uuid.uuid4().hex}
@@ -98,8 +115,9 @@ def _check_sizes(config: Any, *, limit: int, what: str) -> None:
     elif isinstance(config, list):
         for value in config:
             _check_sizes(value, limit=limit, what=what)
-    elif isinstance(config, int) and not 0 <= config <= limit:
-        raise ValueError(f"{what} setting {config} is outside [0, {limit}]")
+    elif isinstance(config, int) and not -limit <= config <= limit:
+        # (negative settings allocate nothing: -1 often means "no limit")
+        raise ValueError(f"{what} setting {config} is outside [-{limit}, {limit}]")
 
 
 def load_buffer(

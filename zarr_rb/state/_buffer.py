@@ -91,13 +91,9 @@ _LEGACY_SETTINGS = ("class", "checkpointer", "prioritized_sampler_write_count")
 constructor arguments."""
 
 
-def buffer_settings(rb: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The settings of ``rb`` as JSON, and its non-default code objects (``None``: default).
-
-    Raises:
-        UnsupportedDataError: ``rb`` is not one of the buffer classes zarr_rb rebuilds, or
-            an argument of it cannot be saved.
-    """
+def check_buffer_class(rb: Any) -> None:
+    """Raise :class:`UnsupportedDataError` if ``rb`` is not of a buffer class zarr_rb
+    rebuilds (with the reason, for those refused by name); before anything else is read."""
     cls = type(rb)
     if BUFFER_CLASSES.get(cls.__name__) is not cls:
         where = f"{cls.__module__}.{cls.__qualname__}"
@@ -106,6 +102,17 @@ def buffer_settings(rb: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             raise UnsupportedDataError(f"cannot save a {where}: {reason}")
         supported = ", ".join(sorted(BUFFER_CLASSES))
         raise UnsupportedDataError(f"cannot save a {where}; zarr_rb saves {supported}")
+
+
+def buffer_settings(rb: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The settings of ``rb`` as JSON, and its non-default code objects (``None``: default).
+
+    Raises:
+        UnsupportedDataError: ``rb`` is not one of the buffer classes zarr_rb rebuilds, or
+            an argument of it cannot be saved.
+    """
+    cls = type(rb)
+    check_buffer_class(rb)
     config: dict[str, Any] = {"class": cls.__name__, "arguments": read_arguments(rb, _ARGUMENTS)}
     if isinstance(rb, _PRIORITIZED):
         config["prioritized_sampler_write_count"] = int(

@@ -43,12 +43,19 @@ def _class_name(obj: Any) -> str:
 
 def save_code_objects(objects: dict[str, Any], node: StateNode) -> None:
     """Pickle the non-default code objects of a buffer (``None`` values are defaults)."""
-    saved = {}
+    saved, unpicklable = {}, {}
     for name, obj in objects.items():
-        if obj is not None:
+        if obj is None:
+            continue
+        try:
             _pickle_into(node, name, obj)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            # A lambda or a closure: the load is given it again (its name says which).
+            unpicklable[name] = _class_name(obj)
+        else:
             saved[name] = _class_name(obj)
     node.attrs["saved"] = saved
+    node.attrs["unpicklable"] = unpicklable
 
 
 def load_code_objects(
@@ -57,11 +64,18 @@ def load_code_objects(
     """The code objects to rebuild the buffer with: the caller's (``given``), else the saved
     ones unpickled (with ``allow_pickle``); ``None`` for TorchRL's defaults."""
     saved: dict[str, str] = node.attrs.get("saved", {})
+    unpicklable: dict[str, str] = node.attrs.get("unpicklable", {})
     out: dict[str, Any] = dict.fromkeys(CODE_OBJECTS)
     missing = []
     for name in CODE_OBJECTS:
         if given.get(name) is not None:
             out[name] = given[name]
+        elif name in unpicklable:
+            raise PickleNotAllowedError(
+                f"the saved buffer was built with a {name} that could not be pickled when it "
+                f"was saved ({unpicklable[name]}: a lambda or a closure); pass {name}=... "
+                "to zarr_rb.load",
+            )
         elif name in saved:
             if not allow_pickle:
                 missing.append(f"{name} ({saved[name]})")
