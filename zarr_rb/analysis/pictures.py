@@ -100,12 +100,19 @@ def write_frames(frames: np.ndarray, path: str | os.PathLike[str], *, fps: float
     written.
 
     Raises:
-        ValueError: ``path`` has another suffix (nothing is written), or no frame is given.
+        ValueError: ``path`` has another suffix (nothing is written), no frame is given, or
+            ``fps`` is not positive.
+        FileNotFoundError: the folder of ``path`` does not exist.
         OSError: the MP4 encoder could not write ``path``.
     """
     suffix = check_suffix(path, FRAME_SUFFIXES, what="frames")
     if not len(frames):
         raise ValueError("no frame to write: the episode has no row")
+    if not fps > 0:
+        raise ValueError(f"expected a positive number of frames per second, got {fps}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"cannot write {str(path)!r}: there is no folder {folder!r}")
     if suffix == ".mp4":
         return _write_mp4(frames, path, fps=fps)
     image = require("PIL.Image", extra="analysis", what="writing frames as a GIF or PNG")
