@@ -172,25 +172,13 @@ rb.storage.close()
 """
 
 
-def test_emptying_a_shared_buffer_empties_it_for_every_writer(store_path):
-    # As emptying one process's handle of TorchRL's shared-memory storage: every writer
-    # sees no row, the next rows go to 0; the buffer's sampler works on what comes next
-    # (emptying was refused after TorchRL had reset the writer and sampler: the buffer
-    # was left unable to sample).
+def _writer_on_command(store_path):
+    """A shared writer of ``store_path`` in a child process, ready; and a function that
+    sends it a command (``extend FIRST COUNT`` or ``refresh``) and returns its reply (its
+    length and rows)."""
     import subprocess
     import sys
 
-    from torchrl.data import TensorDictPrioritizedReplayBuffer
-
-    import zarr_rb
-
-    buffer = TensorDictPrioritizedReplayBuffer(
-        alpha=0.7, beta=0.5, storage=ZarrStorage(16, store_path, shared=True), batch_size=4
-    )
-    twin = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(16))
-    buffer.extend(rows(0, 6))
-    twin.extend(rows(0, 6))
-    zarr_rb.save(buffer)
     child = subprocess.Popen(
         [sys.executable, "-c", _WRITER_ON_COMMAND, str(store_path)],
         stdin=subprocess.PIPE,
@@ -205,8 +193,29 @@ def test_emptying_a_shared_buffer_empties_it_for_every_writer(store_path):
         child.stdin.flush()
         return child.stdout.readline().strip()
 
+    assert child.stdout.readline().strip() == "ready"
+    return child, other
+
+
+def test_emptying_a_shared_buffer_empties_it_for_every_writer(store_path):
+    # As emptying one process's handle of TorchRL's shared-memory storage: every writer
+    # sees no row, the next rows go to 0; the buffer's sampler works on what comes next
+    # (emptying was refused after TorchRL had reset the writer and sampler: the buffer
+    # was left unable to sample).
+
+    from torchrl.data import TensorDictPrioritizedReplayBuffer
+
+    import zarr_rb
+
+    buffer = TensorDictPrioritizedReplayBuffer(
+        alpha=0.7, beta=0.5, storage=ZarrStorage(16, store_path, shared=True), batch_size=4
+    )
+    twin = TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(16))
+    buffer.extend(rows(0, 6))
+    twin.extend(rows(0, 6))
+    zarr_rb.save(buffer)
+    child, other = _writer_on_command(store_path)
     try:
-        assert child.stdout.readline().strip() == "ready"
         assert other("extend 100 3") == "9 [0, 1, 2, 3, 4, 5, 100, 101, 102]"
         twin.extend(rows(100, 3))
         buffer.storage.refresh()
@@ -231,31 +240,12 @@ def test_emptying_a_shared_buffer_empties_it_for_every_writer(store_path):
         buffer.storage.close()
 
 
-_JOINING_WRITER = """
-import sys, torch
-from tensordict import TensorDict
-from torchrl.data import TensorDictReplayBuffer
-from zarr_rb import ZarrStorage
-rb = TensorDictReplayBuffer(storage=ZarrStorage(16, sys.argv[1], shared=True))
-print("ready", flush=True)
-sys.stdin.readline()
-rb.extend(TensorDict({"x": torch.arange(100, 103)}, [3]))
-print("extended", len(rb), flush=True)
-sys.stdin.readline()
-rb.storage.refresh()
-print("rows", rb[:]["x"].tolist(), flush=True)
-rb.storage.close()
-"""
-
-
 def test_a_load_beside_a_live_shared_writer_never_drops_rows_another_writer_committed(
     store_path, monkeypatch
 ):
     # The live buffer is at its save, so the load is allowed; another writer commits three
     # rows between that check and the record's rewrite to the save (the hook lets it, and
     # waits until it has). The rewrite must refuse, not drop those rows.
-    import subprocess
-    import sys
 
     import zarr_rb
     from zarr_rb.core import sharing
@@ -264,30 +254,18 @@ def test_a_load_beside_a_live_shared_writer_never_drops_rows_another_writer_comm
     rb = TensorDictReplayBuffer(storage=ZarrStorage(16, store_path, shared=True))
     rb.extend(rows(0, 4))
     zarr_rb.save(rb)
-    child = subprocess.Popen(
-        [sys.executable, "-c", _JOINING_WRITER, str(store_path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdin is not None
-    assert child.stdout is not None
+    child, other = _writer_on_command(store_path)
     try:
-        assert child.stdout.readline().strip() == "ready"
         rebase = sharing.Sharing.rebase
 
         def after_another_commit(self, saved, kept):
-            child.stdin.write("\n")
-            child.stdin.flush()
-            assert child.stdout.readline().split() == ["extended", "7"]
+            assert other("extend 100 3") == "7 [0, 1, 2, 3, 100, 101, 102]"
             return rebase(self, saved, kept)
 
         monkeypatch.setattr(sharing.Sharing, "rebase", after_another_commit)
         with pytest.raises(LiveBufferError, match="another writer committed"):
             zarr_rb.load(store_path)
-        child.stdin.write("\n")
-        child.stdin.flush()
-        assert child.stdout.readline().strip() == "rows [0, 1, 2, 3, 100, 101, 102]"
+        assert other("refresh") == "7 [0, 1, 2, 3, 100, 101, 102]"
     finally:
         child.stdin.close()
         child.wait(timeout=120)
