@@ -241,6 +241,8 @@ def _print_report(report: Any, console: Any) -> None:
         "saved": report.saved,
         "writers": "; ".join(writers) or "none (no process holds the store)",
     }
+    if report.objects is not None:
+        lines["objects"] = report.objects
     indent = " " * 10
     for label, value in lines.items():
         text = textwrap.fill(

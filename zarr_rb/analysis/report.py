@@ -20,7 +20,7 @@ import numpy as np
 from zarr_rb._io import load_json
 from zarr_rb.analysis._keys import Key, dotted, public_key
 from zarr_rb.analysis.episodes import Episodes, find_episodes, find_keys
-from zarr_rb.core.format import FORMAT_VERSION, STATE_GROUP, StoreMeta, mask_to_ranges
+from zarr_rb.core.format import FORMAT_VERSION, STATE_GROUP, Commit, StoreMeta, mask_to_ranges
 from zarr_rb.errors import NoEpisodeFlagsError, StoreCorruptedError
 
 if TYPE_CHECKING:
@@ -109,6 +109,8 @@ class StoreReport:
     episodes: str
     saved: str
     writers: list[dict[str, Any]]
+    objects: str | None = None
+    """How the data objects of a store on S3 are written (``None``: a local store)."""
 
 
 def describe(
@@ -162,6 +164,24 @@ def describe(
         episodes=episodes,
         saved=_saved_line(source),
         writers=source.holders(),
+        objects=_objects_line(source.url, commit),
+    )
+
+
+def _objects_line(url: str, commit: Commit) -> str | None:
+    """How the last commit's writer wrote the data objects of a store on S3."""
+    if not url.startswith("s3://"):
+        return None
+    if commit.object_era is not None:
+        return (
+            "created once, never written over (conditional PUTs): readers keep cached "
+            "objects across commits that delete none"
+        )
+    if commit.runs is not None or commit.ring is not None:
+        return "written over in place (shared writers): readers revalidate cached objects"
+    return (
+        "written over in place (a writer whose server did not refuse a second create, or "
+        "no commit by a single writer since): readers revalidate cached objects"
     )
 
 

@@ -474,6 +474,14 @@ class Commit:
     lease: LeaseFloor | None = None
     """The slots the writer on a lease owns (``None``: not recorded, as held at the
     capacity)."""
+    object_era: str | None = None
+    """Set when the store's data objects are created once and never written over (a
+    single writer on S3, see ``docs/design/ring.md``, step 5): a random token, drawn
+    anew by every commit after which an object an earlier record named may have been
+    deleted (and created again), and by every writer's first commit. A reader's cache
+    keeps each object it fetched for as long as the token stays. ``None``: objects may
+    be written over; a cache revalidates them at every new commit. Shared stores never
+    set it."""
 
     def physical(self, rows: np.ndarray) -> np.ndarray:
         """The rows of the data arrays that hold positions ``rows`` in this commit."""
@@ -500,7 +508,14 @@ class Commit:
             record["history"] = self.history.to_json()
         if self.lease is not None:
             record["lease"] = self.lease.to_json()
+        if self.object_era is not None and self.ring is None and self.runs is None:
+            record["object_era"] = self.object_era
         return record
+
+    def keeps_objects_of(self, earlier: Commit) -> bool:
+        """Whether every data object the ``earlier`` commit named holds, as long as it
+        exists, what it held then (no object was deleted or written over since)."""
+        return self.object_era is not None and self.object_era == earlier.object_era
 
     def reads_alike(self, later: Commit, rows: np.ndarray, block_rows: int) -> bool:
         """Whether positions ``rows``, read through this commit of a shared store, read
@@ -734,7 +749,25 @@ def parse_commit(value: object, *, rows: int, pieces: PieceSource | None = None)
         runs=parse_map(value.get("runs"), rows=rows, pieces=pieces),
         history=parse_history(value.get("history"), pieces=pieces),
         lease=parse_lease(value.get("lease"), rows=rows),
+        object_era=_parse_object_era(value),
     )
+
+
+_OBJECT_ERA = re.compile(r"[0-9a-f]{16,64}")
+
+
+def _parse_object_era(value: Mapping[str, Any]) -> str | None:
+    """``Commit.object_era`` of a record (``None`` in a shared store's, whatever it says)."""
+    era = value.get("object_era")
+    if era is None or value.get("ring") is not None or value.get("runs") is not None:
+        return None
+    _expect(
+        isinstance(era, str) and _OBJECT_ERA.fullmatch(era) is not None,
+        "object_era to be hex digits",
+        era,
+    )
+    assert isinstance(era, str)
+    return era
 
 
 def parse_lease(value: object, *, rows: int) -> LeaseFloor | None:

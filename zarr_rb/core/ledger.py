@@ -145,6 +145,15 @@ class Ledger:
             out |= _lookup(cells, rows)
         return out
 
+    def held(self) -> np.ndarray:
+        """Rows that hold data on disk that a commit declares or may declare readable
+        (published, intact, or with cells of some keys written): their slot's objects
+        hold data to keep."""
+        held: np.ndarray = self.published | self.intact
+        for cells in self._cells.values():
+            held = held | cells
+        return held
+
     def published_as(self, readable: np.ndarray) -> None:
         """What the last commit publishes: ``readable``, a mask over any number of rows."""
         self.published = self.fit(readable).copy()

@@ -46,7 +46,8 @@ def reread_commit(store: Store) -> Commit:
             "its last save, or keep a save with zarr_rb.save(rb, tag=...) to read it while "
             "training goes on",
         )
-    moved = meta.commit.generation != store.committed.generation
+    earlier = store.committed
+    moved = meta.commit.generation != earlier.generation
     before = store.schema
     store.commits.picked_up(meta)
     if meta.schema is not None and before is None:
@@ -56,10 +57,11 @@ def reread_commit(store: Store) -> Commit:
         store.leaves = leaves_by_key(meta.schema.leaves)  # keys added by the writer
     if moved:
         store.version += 1
-        if store.engine.cache is not None:
+        if store.engine.cache is not None and not meta.commit.keeps_objects_of(earlier):
             # Objects cached before now may have been rewritten: each is revalidated (once)
             # on its next use. (Arrays stay open: a ragged one reopens when a row is wider
-            # than it, as on a local store.)
+            # than it, as on a local store.) Not when objects are created once and none
+            # was deleted since: an object then holds what it held when it was fetched.
             store.engine.cache.new_epoch()
     if pinned is not None:
         return meta.commit  # it reads the save's rows, which nothing changes

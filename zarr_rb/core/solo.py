@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import secrets
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -110,6 +111,9 @@ class SoloCommits(Commits):
         record's, until this writer holds its own (see :class:`LeaseFloor`)."""
         self._holding = False
         """Whether the record says this writer holds slots from ``_own_from`` on."""
+        self._deletions_published: int | None = None
+        """``Engine.deletions`` when this writer last published a record (``None``: it
+        published none yet)."""
 
     # --- the interface ---------------------------------------------------------------------
 
@@ -592,8 +596,13 @@ class SoloCommits(Commits):
         # A slot another writer may still write (one that held the store before): moved.
         foreign = slots < self._first_own_slot()
         move = pinned | (committed & has_live) | foreign
+        creates_once = self.store.creates_once
+        if creates_once:
+            # No object is written over: a block whose slot holds rows to keep (any of
+            # them, written or not now) moves as well, the rows it keeps copied along.
+            move |= np.isin(touched_blocks, np.flatnonzero(ledger.held()) // block_rows)
         in_place = ledger.mask()
-        for block in touched_blocks[has_live & ~pinned & ~committed & ~foreign].tolist():
+        for block in touched_blocks[has_live & ~move].tolist():
             in_place[block * block_rows : (block + 1) * block_rows] = True
         in_place &= live
         blocks = touched_blocks[move]
@@ -606,7 +615,13 @@ class SoloCommits(Commits):
         copies: list[Write] = []
         # Arrays whose shards are the blocks: the block's objects are copied as stored, and
         # the write goes over them (it rewrites the inner chunks it touches, as in place).
-        whole = [key for key in self.store.leaves if self.store.array(key).chunk_rows == block_rows]
+        # (Not when objects are created once: the rows kept and the rows written make the
+        # slot's objects together, each created whole.)
+        whole = [
+            key
+            for key in self.store.leaves
+            if self.store.array(key).chunk_rows == block_rows and not creates_once
+        ]
         with self.store.writing("copying blocks to other slots"):
             for key in whole:
                 for source, target in zip(before.tolist(), fresh.tolist(), strict=True):
@@ -868,6 +883,8 @@ class SoloCommits(Commits):
             commit = dataclasses.replace(commit, history=RunMap.empty())
         if self.late_writes_alone:
             commit = dataclasses.replace(commit, lease=self._lease)
+        deletions = self.store.engine.deletions
+        commit = dataclasses.replace(commit, object_era=self._object_era(deletions))
         meta = dataclasses.replace(self.meta, commit=commit)
         if saved is not None:
             meta = dataclasses.replace(meta, saved=saved)
@@ -881,6 +898,19 @@ class SoloCommits(Commits):
         if rows:
             self._written_from = commit.cursor
         self._schema_on_disk = meta.schema
+        self._deletions_published = deletions
+
+    def _object_era(self, deletions: int) -> str | None:
+        """:attr:`Commit.object_era` of the next record: the last commit's, unless this
+        writer deleted or wrote over objects since its last record (or published none:
+        the writer before may have done so after its last commit); ``None`` when objects
+        may be written over."""
+        if not self.store.creates_once:
+            return None
+        era = self.committed.object_era
+        if era is None or deletions != self._deletions_published:
+            era = secrets.token_hex(8)
+        return era
 
 
 def _first_unset(mask: np.ndarray, start: int, stop: int) -> int | None:

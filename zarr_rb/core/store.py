@@ -138,6 +138,8 @@ class Store:
         self._flush_on_exit = False
         """A user was dropped inside a call: the call commits its rows as it ends."""
         self._lock = lock
+        self._creates_once: bool | None = None
+        """Whether the location refuses to create an object that exists (asked once)."""
         self._create = create
         """A new store, not yet on disk: makes its place there and takes its writer lock
         (see :meth:`ensure_on_disk`)."""
@@ -605,12 +607,26 @@ class Store:
         (a lease): slots another writer may be writing are then never written."""
         return self._lock is not None and self._lock.late_writes
 
+    @property
+    def creates_once(self) -> bool:
+        """Whether this writer creates each data object once, never writing over one (a
+        single writer on a lease, on a server that refuses to create an object that
+        exists: see ``docs/design/ring.md``, step 5). Its writes then cover every row of
+        each slot they go to (:meth:`SoloCommits._copy_on_write` moves every block written
+        into a slot that may hold an object)."""
+        if self._creates_once is None:
+            self._creates_once = self.engine.location.creates_once()
+        return self.late_writes and not self.is_shared and self._creates_once
+
     def write_rows(self, writes: Sequence[Write], *, physical: bool = False) -> None:
         """Write rows to the slots the writer's map gives their blocks (``physical``: the
         rows are rows of the data arrays already: a shared writer's)."""
         assert self.commits.positions is not None
         if physical:
             self.check_hold()  # (its slots were taken with room in the arrays: Sharing._take)
+        elif self.creates_once:
+            self._create_rows(writes)
+            return
         with self.writing("writing rows"):
             futures = []
             try:
@@ -629,6 +645,39 @@ class Store:
                 for future in futures:
                     try:
                         future.result()
+                    except ValueError as err:
+                        errors.append(err)
+            if errors:
+                raise errors[0]
+
+    def _create_rows(self, writes: Sequence[Write]) -> None:
+        """:meth:`write_rows`, every object created once: the rows of each key together."""
+        assert self.commits.positions is not None
+        by_key: dict[Key, list[tuple[np.ndarray, torch.Tensor]]] = {}
+        for rows, values in writes:
+            at = self.commits.physical(rows)
+            for key, tensor in values.items():
+                by_key.setdefault(key, []).append((at, tensor))
+        with self.writing("writing rows"):
+            started = []
+            try:
+                for key, pieces in by_key.items():
+                    array = self.array(key)
+                    width = None
+                    if array.ragged:
+                        pieces = [(at, _whole_chunks(tensor, array)) for at, tensor in pieces]
+                        width = max(int(tensor.shape[1]) for _, tensor in pieces)
+                        if not width:
+                            continue  # empty rows: nothing to write
+                        array.grow(width)
+                        pieces = [(at, _padded(tensor, width)) for at, tensor in pieces]
+                    writes_of_key = [(at, to_numpy(tensor)) for at, tensor in pieces]
+                    started.append(array.create_rows(writes_of_key, width=width))
+            finally:
+                errors = []
+                for finish in started:  # (every key's PUTs in flight at once)
+                    try:
+                        finish()
                     except ValueError as err:
                         errors.append(err)
             if errors:
@@ -1344,6 +1393,15 @@ def _place(tensor: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> N
         tensor[where, :span] = values[:, :span]
     else:
         tensor[where] = values
+
+
+def _padded(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Ragged rows padded with zeros to ``width`` along their length."""
+    if tensor.shape[1] == width:
+        return tensor
+    padded = tensor.new_zeros((tensor.shape[0], width, *tensor.shape[2:]))
+    padded[:, : tensor.shape[1]] = tensor
+    return padded
 
 
 def _whole_chunks(tensor: torch.Tensor, array: RowArray) -> torch.Tensor:

@@ -54,7 +54,13 @@ zarr-python's (``.partial``). They are never part of a commit."""
 WRITERS_DIR = ".zarr_rb.writers"
 """One object per writer of a shared store, ``<dir>/<writer id>``: its lock file (local)
 or its lease (object store), which tells the others whether it is alive."""
-NOT_DATA = (LOCK_FILE, CAS_LOCK_FILE, LEASE_KEY, WRITERS_DIR)
+NO_VALUE = b"\x02"
+"""TensorStore's storage generation of an object that does not exist: a write
+conditional on it creates the object only if there is none."""
+PROBE_DIR = ".zarr_rb.probe"
+"""Objects a writer creates and deletes at once, to learn whether the store refuses to
+create an object that exists (``Location.creates_once``)."""
+NOT_DATA = (LOCK_FILE, CAS_LOCK_FILE, LEASE_KEY, WRITERS_DIR, PROBE_DIR)
 
 
 def is_temporary(name: str) -> bool:
@@ -241,6 +247,12 @@ class Location(abc.ABC):
         """The shared writers that hold the store now."""
         names = {key.partition("/")[2] for key in self.list(WRITERS_DIR)}
         return sorted(name for name in names if name and self.writer_alive(name))
+
+    def creates_once(self) -> bool:
+        """Whether this location refuses to create an object that exists (a conditional
+        create, ``If-None-Match: *`` on S3): a writer then creates each data object once
+        and never writes over it (see :mod:`zarr_rb.engine.once`)."""
+        return False
 
     def remove_leftovers(self) -> builtins.list[str]:
         """Delete what interrupted writes left behind (only the writer calls this)."""

@@ -51,7 +51,9 @@ from zarr_rb.errors import (
 from zarr_rb.locations import _sigv4
 from zarr_rb.locations.base import (
     LEASE_KEY,
+    NO_VALUE,
     NOT_DATA,
+    PROBE_DIR,
     ROOT_METADATA,
     Generation,
     Location,
@@ -155,6 +157,7 @@ class S3Location(Location):
         self._kv = self.run(
             lambda: ts.KvStore.open(self.kvstore(""), context=self._context).result(), "open"
         )
+        self._creates_once: bool | None = None
 
     def __repr__(self) -> str:
         return f"S3Location({self.url!r})"
@@ -322,6 +325,20 @@ class S3Location(Location):
 
     def create_root(self) -> None:
         pass  # an object store has no directories
+
+    def creates_once(self) -> bool:
+        """Asked of the server once: an object created twice by conditional PUTs, whose
+        second must be refused (AWS S3, MinIO, SeaweedFS 3.97+ refuse it; a server that
+        ignores the condition overwrites silently, and the writer then writes as before)."""
+        if self._creates_once is None:
+            key = f"{PROBE_DIR}/{os.urandom(8).hex()}"
+            try:
+                first = self.write_if(key, b"first", generation=NO_VALUE)
+                second = self.write_if(key, b"second", generation=NO_VALUE)
+            finally:
+                self.delete(key)
+            self._creates_once = first is not None and second is None
+        return self._creates_once
 
     def acquire_writer(self) -> WriterHold:
         from zarr_rb.locations.lease import Lease

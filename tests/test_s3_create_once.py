@@ -1,0 +1,252 @@
+"""Data objects created once on S3 (``docs/design/ring.md``, step 5), through a proxy that
+sees every request: no data object is ever written over, a late PUT onto one is refused,
+a lost response is retried into a refusal that counts as written, a server that ignores
+the condition is written as before, and a reader's cache keeps what it fetched across
+commits that delete nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+import tensorstore as ts
+import torch
+from conftest import assert_identical
+from s3_proxy import S3Proxy
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, RoundRobinWriter, TensorDictReplayBuffer
+
+import zarr_rb
+from zarr_rb import Compression, ZarrStorage
+from zarr_rb.core.metadata import read_root
+from zarr_rb.locations.base import NO_VALUE
+
+CAPACITY = 40
+BLOCK = Compression(block_rows=8)
+
+
+def batch(start: int, n: int) -> TensorDict:
+    """Rows whose every key is a function of their step number."""
+    t = torch.arange(start, start + n)
+    return TensorDict(
+        {
+            # 1 KiB rows: sharded, and read from the store (not from a writer's RAM mirror).
+            "obs": ((t[:, None] * 7 + torch.arange(1024)) % 251).to(torch.uint8).view(n, 4, 16, 16),
+            "action": t % 5,
+            # Blocks of zeros (the fill value): stored all the same.
+            "done": (t % 10 == 9)[:, None],
+        },
+        batch_size=[n],
+    )
+
+
+@pytest.fixture
+def proxy(s3_server):
+    proxy = S3Proxy(s3_server.endpoint, s3_server.bucket)
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def options(s3_options, proxy):
+    return {**s3_options, "endpoint_url": proxy.endpoint}
+
+
+def prefix_of(url: str) -> str:
+    """The store's keys in the bucket, as the proxy names them."""
+    return url.split("/", 3)[3].rstrip("/") + "/"
+
+
+def writer(url: str, options: dict) -> TensorDictReplayBuffer:
+    storage = ZarrStorage(CAPACITY, url, storage_options=options, compression=BLOCK)
+    return TensorDictReplayBuffer(storage=storage, batch_size=8)
+
+
+def twin() -> TensorDictReplayBuffer:
+    return TensorDictReplayBuffer(
+        storage=LazyTensorStorage(CAPACITY), writer=RoundRobinWriter(), batch_size=8
+    )
+
+
+def check_rows(storage, model) -> None:
+    """Every row of ``[0, len)`` as the model has it."""
+    assert len(storage) == len(model.storage)
+    rows = torch.arange(len(storage))
+    assert_identical(storage.get(rows).exclude("index"), model.storage.get(rows).exclude("index"))
+
+
+def object_history(proxy: S3Proxy, prefix: str) -> dict[str, list[tuple[str, int, bool]]]:
+    """Per data object: the PUTs and DELETEs that reached the server, in order."""
+    out: dict[str, list[tuple[str, int, bool]]] = collections.defaultdict(list)
+    for method, key, status, conditional in proxy.log:
+        data = key.startswith(prefix + "data/") and not key.endswith("zarr.json")
+        if data and method in ("PUT", "DELETE"):
+            out[key].append((method, status, conditional))
+    return out
+
+
+def overwrites(history: dict[str, list[tuple[str, int, bool]]]) -> list[str]:
+    """Objects a PUT replaced while they existed (created, not deleted since)."""
+    found = []
+    for key, requests in history.items():
+        exists = False
+        for method, status, _ in requests:
+            if method == "DELETE":
+                exists = False
+            elif status < 300:
+                if exists:
+                    found.append(key)
+                exists = True
+    return found
+
+
+def workload(
+    rb: TensorDictReplayBuffer, model: TensorDictReplayBuffer, reader: ZarrStorage, seed: int
+) -> None:
+    """Extends of every size (the ring wraps several times), flushes and a save; after
+    each flush every row checked through the writer and through a reader of the store."""
+    draw = random.Random(seed)
+    step = 0
+    for _ in range(14):
+        n = draw.choice([1, 3, 8, 13, 21])
+        rb.extend(batch(step, n))
+        model.extend(batch(step, n))
+        step += n
+        if draw.random() < 0.6:
+            rb.storage.flush()
+            check_rows(rb.storage, model)
+            reader.refresh()
+            check_rows(reader, model)
+    zarr_rb.save(rb)  # collects the slots no record refers to
+    check_rows(rb.storage, model)
+    reader.refresh()
+    check_rows(reader, model)
+
+
+def test_no_data_object_is_ever_written_over(s3_url, options, proxy):
+    rb, model = writer(s3_url, options), twin()
+    rb.extend(batch(0, 5))
+    model.extend(batch(0, 5))
+    rb.storage.flush()
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    workload(rb, model, reader, seed=1)
+    assert rb.storage._store.creates_once
+    rb.storage.close()
+    reopened = writer(s3_url, options)
+    check_rows(reopened.storage, model)
+    workload(reopened, model, reader, seed=2)
+    reopened.storage.close()
+    reader.close()
+
+    history = object_history(proxy, prefix_of(s3_url))
+    puts = [r for requests in history.values() for r in requests if r[0] == "PUT"]
+    assert len(puts) > 50
+    assert all(conditional for _, _, conditional in puts)  # every PUT a conditional create
+    assert overwrites(history) == []
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    check_rows(reader, model)
+    reader.close()
+
+
+def test_a_server_that_ignores_the_condition_is_written_as_before(s3_url, options, proxy):
+    proxy.ignore_if_none_match = True
+    rb, model = writer(s3_url, options), twin()
+    rb.extend(batch(0, 5))
+    model.extend(batch(0, 5))
+    rb.storage.flush()
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    workload(rb, model, reader, seed=3)
+    reader.close()
+    assert not rb.storage._store.creates_once
+    record = read_root(rb.storage._store.engine)
+    assert "object_era" not in record["attributes"]["zarr_rb"]["commit"]
+    rb.storage.close()
+    history = object_history(proxy, prefix_of(s3_url))
+    # Written as before: objects written over in place, which this check sees.
+    assert overwrites(history) != []
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    check_rows(reader, model)
+    reader.close()
+
+
+def test_a_late_put_onto_an_object_another_writer_created_is_refused(s3_url, options, proxy):
+    rb, model = writer(s3_url, options), twin()
+    rb.extend(batch(0, 24))
+    model.extend(batch(0, 24))
+    rb.storage.flush()
+    key = next(k for k in object_history(proxy, prefix_of(s3_url)) if "/obs/" in k).removeprefix(
+        prefix_of(s3_url)
+    )
+    # What a stalled writer's PUT in flight sends: a conditional create, other bytes.
+    kvstore = ts.KvStore.open(rb.storage._store.engine.location.kvstore("")).result()
+    before = kvstore.read(key).result().value
+    result = kvstore.write(key, b"late bytes of a stalled writer", if_equal=NO_VALUE).result()
+    assert not result.generation  # refused
+    assert kvstore.read(key).result().value == before
+    rb.storage.close()
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    check_rows(reader, model)
+    reader.close()
+
+
+def test_a_lost_response_is_retried_into_a_refusal_that_counts_as_written(s3_url, options, proxy):
+    prefix = prefix_of(s3_url)
+    lost: list[str] = []
+
+    def lose_the_first_data_put(method: str, key: str) -> bool:
+        if method == "PUT" and key.startswith(prefix + "data/obs/c/") and not lost:
+            lost.append(key)
+            return True
+        return False
+
+    proxy.lose_response = lose_the_first_data_put
+    rb, model = writer(s3_url, options), twin()
+    rb.extend(batch(0, 16))
+    model.extend(batch(0, 16))
+    rb.storage.flush()
+    assert lost
+    requests = object_history(proxy, prefix)[lost[0]]
+    assert requests[:2] == [("PUT", 200, True), ("PUT", 412, True)]  # landed, then refused
+    assert all(method == "PUT" for method, _, _ in requests)  # and never deleted
+    check_rows(rb.storage, model)
+    rb.storage.close()
+
+
+def test_a_readers_cache_keeps_objects_until_a_commit_deletes_some(s3_url, options, proxy):
+    rb, model = writer(s3_url, options), twin()
+    rb.extend(batch(0, 32))
+    model.extend(batch(0, 32))
+    rb.storage.flush()
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    check_rows(reader, model)  # fetched into its cache
+    prefix = prefix_of(s3_url)
+
+    def data_gets() -> int:
+        return sum(
+            1
+            for method, key, _, _ in proxy.log
+            if method == "GET" and key.startswith(prefix + "data/")
+        )
+
+    rb.extend(batch(32, 8))  # a new block: no object deleted
+    model.extend(batch(32, 8))
+    rb.storage.flush()
+    gets = data_gets()
+    reader.refresh()
+    rows = torch.arange(32)
+    assert_identical(reader.get(rows).exclude("index"), model.storage.get(rows).exclude("index"))
+    assert data_gets() == gets  # no revalidation: every object read was cached
+
+    # The ring wraps past a save (which collects what no record names): objects are
+    # deleted, the record says so, and the reader revalidates and reads the new rows.
+    for start in range(40, 120, 8):
+        rb.extend(batch(start, 8))
+        model.extend(batch(start, 8))
+        rb.storage.flush()
+        zarr_rb.save(rb)
+        reader.refresh()
+        check_rows(reader, model)
+    reader.close()
+    rb.storage.close()
