@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import random
 
+import numpy as np
 import pytest
 import tensorstore as ts
 import torch
@@ -70,6 +71,17 @@ def twin() -> TensorDictReplayBuffer:
     )
 
 
+def started(
+    url: str, options: dict, rows: int
+) -> tuple[TensorDictReplayBuffer, TensorDictReplayBuffer, ZarrStorage]:
+    """A writer that committed ``rows`` rows, its model, and a reader of the store."""
+    rb, model = writer(url, options), twin()
+    rb.extend(batch(0, rows))
+    model.extend(batch(0, rows))
+    rb.storage.flush()
+    return rb, model, ZarrStorage(path=url, read_only=True, storage_options=options)
+
+
 def check_rows(storage, model) -> None:
     """Every row of ``[0, len)`` as the model has it."""
     assert len(storage) == len(model.storage)
@@ -126,11 +138,7 @@ def workload(
 
 
 def test_no_data_object_is_ever_written_over(s3_url, options, proxy):
-    rb, model = writer(s3_url, options), twin()
-    rb.extend(batch(0, 5))
-    model.extend(batch(0, 5))
-    rb.storage.flush()
-    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    rb, model, reader = started(s3_url, options, 5)
     workload(rb, model, reader, seed=1)
     assert rb.storage._store.creates_once
     rb.storage.close()
@@ -152,11 +160,7 @@ def test_no_data_object_is_ever_written_over(s3_url, options, proxy):
 
 def test_a_server_that_ignores_the_condition_is_written_as_before(s3_url, options, proxy):
     proxy.ignore_if_none_match = True
-    rb, model = writer(s3_url, options), twin()
-    rb.extend(batch(0, 5))
-    model.extend(batch(0, 5))
-    rb.storage.flush()
-    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    rb, model, reader = started(s3_url, options, 5)
     workload(rb, model, reader, seed=3)
     reader.close()
     assert not rb.storage._store.creates_once
@@ -214,12 +218,8 @@ def test_a_lost_response_is_retried_into_a_refusal_that_counts_as_written(s3_url
     rb.storage.close()
 
 
-def test_a_readers_cache_keeps_objects_until_a_commit_deletes_some(s3_url, options, proxy):
-    rb, model = writer(s3_url, options), twin()
-    rb.extend(batch(0, 32))
-    model.extend(batch(0, 32))
-    rb.storage.flush()
-    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+def test_a_readers_cache_refetches_only_the_objects_created_since(s3_url, options, proxy):
+    rb, model, reader = started(s3_url, options, 32)
     check_rows(reader, model)  # fetched into its cache
     prefix = prefix_of(s3_url)
 
@@ -230,23 +230,31 @@ def test_a_readers_cache_keeps_objects_until_a_commit_deletes_some(s3_url, optio
             if method == "GET" and key.startswith(prefix + "data/")
         )
 
-    rb.extend(batch(32, 8))  # a new block: no object deleted
-    model.extend(batch(32, 8))
-    rb.storage.flush()
-    gets = data_gets()
-    reader.refresh()
-    rows = torch.arange(32)
-    assert_identical(reader.get(rows).exclude("index"), model.storage.get(rows).exclude("index"))
-    assert data_gets() == gets  # no revalidation: every object read was cached
-
-    # The ring wraps past a save (which collects what no record names): objects are
-    # deleted, the record says so, and the reader revalidates and reads the new rows.
-    for start in range(40, 120, 8):
+    # The ring wraps, the writer saves (which deletes the objects no record names) and
+    # takes slots again whose objects it deletes and creates anew: after each commit the
+    # reader reads the rows of the other slots from its cache, without a request, and the
+    # rows of the new slots as written.
+    block_rows = rb.storage._store.meta.block_rows
+    for start in range(32, 160, 8):
         rb.extend(batch(start, 8))
         model.extend(batch(start, 8))
         rb.storage.flush()
-        zarr_rb.save(rb)
+        if start % 24 == 0:
+            zarr_rb.save(rb)
+        before = reader._store.committed
         reader.refresh()
-        check_rows(reader, model)
+        commit = reader._store.committed
+        created = commit.slots_created_since(before)
+        assert created is not None
+        assert len(created) > 0
+        positions = torch.arange(len(reader))
+        slots = commit.physical(positions.numpy()) // block_rows
+        kept = positions[~torch.from_numpy(np.isin(slots, created))]
+        assert kept.numel() > 0
+        gets = data_gets()
+        expected = model.storage.get(kept).exclude("index")
+        assert_identical(reader.get(kept).exclude("index"), expected)
+        assert data_gets() == gets  # from the cache: no revalidation
+        check_rows(reader, model)  # and the new slots' rows as written
     reader.close()
     rb.storage.close()

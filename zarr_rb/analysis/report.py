@@ -175,7 +175,7 @@ def _objects_line(url: str, commit: Commit) -> str | None:
     if commit.object_era is not None:
         return (
             "created once, never written over (conditional PUTs): readers keep cached "
-            "objects across commits that delete none"
+            "objects across commits"
         )
     if commit.runs is not None or commit.ring is not None:
         return "written over in place (shared writers): readers revalidate cached objects"

@@ -420,6 +420,28 @@ class Ring:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ObjectEra:
+    """What readers of a store whose objects are created once need to keep their caches
+    (:attr:`Commit.object_era`): a random ``token``, drawn anew by a writer's first record
+    (the writer before may have created objects after its last one), when an array was
+    created again at a path, and when ``slots`` would grow past :data:`ERA_SLOTS`; and
+    ``slots``, every slot whose objects were created since the token was drawn, in order,
+    repeats kept. A reader that read a record of the same token invalidates the cached
+    objects of the slots added since; any other change revalidates every cached object."""
+
+    token: str
+    slots: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token": self.token, "slots": list(self.slots)}
+
+
+ERA_SLOTS = 1024
+"""The most slots an :class:`ObjectEra` lists (the record stays small; readers then
+revalidate their caches once, at the next token)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class LeaseFloor:
     """Where the writer of a store held by a lease (S3) may write: slots below ``floor``
     are never written again (a writer that held the store before may still write them
@@ -474,14 +496,12 @@ class Commit:
     lease: LeaseFloor | None = None
     """The slots the writer on a lease owns (``None``: not recorded, as held at the
     capacity)."""
-    object_era: str | None = None
+    object_era: ObjectEra | None = None
     """Set when the store's data objects are created once and never written over (a
-    single writer on S3, see ``docs/design/ring.md``, step 5): a random token, drawn
-    anew by every commit after which an object an earlier record named may have been
-    deleted (and created again), and by every writer's first commit. A reader's cache
-    keeps each object it fetched for as long as the token stays. ``None``: objects may
-    be written over; a cache revalidates them at every new commit. Shared stores never
-    set it."""
+    single writer on S3, see ``docs/design/ring.md``, step 5): which slots had objects
+    created since a reader's cache may last have been made whole. ``None``: objects may be
+    written over; a cache revalidates them at every new commit. Shared stores never set
+    it."""
 
     def physical(self, rows: np.ndarray) -> np.ndarray:
         """The rows of the data arrays that hold positions ``rows`` in this commit."""
@@ -509,13 +529,17 @@ class Commit:
         if self.lease is not None:
             record["lease"] = self.lease.to_json()
         if self.object_era is not None and self.ring is None and self.runs is None:
-            record["object_era"] = self.object_era
+            record["object_era"] = self.object_era.to_json()
         return record
 
-    def keeps_objects_of(self, earlier: Commit) -> bool:
-        """Whether every data object the ``earlier`` commit named holds, as long as it
-        exists, what it held then (no object was deleted or written over since)."""
-        return self.object_era is not None and self.object_era == earlier.object_era
+    def slots_created_since(self, earlier: Commit) -> tuple[int, ...] | None:
+        """The slots whose objects were created (anew) since the ``earlier`` commit: every
+        other object it named holds what it held then, as long as it exists. ``None``:
+        not known (objects may have been written over; revalidate every one)."""
+        now, before = self.object_era, earlier.object_era
+        if now is None or before is None or now.token != before.token:
+            return None
+        return now.slots[len(before.slots) :]
 
     def reads_alike(self, later: Commit, rows: np.ndarray, block_rows: int) -> bool:
         """Whether positions ``rows``, read through this commit of a shared store, read
@@ -749,25 +773,32 @@ def parse_commit(value: object, *, rows: int, pieces: PieceSource | None = None)
         runs=parse_map(value.get("runs"), rows=rows, pieces=pieces),
         history=parse_history(value.get("history"), pieces=pieces),
         lease=parse_lease(value.get("lease"), rows=rows),
-        object_era=_parse_object_era(value),
+        object_era=_parse_object_era(value, rows=rows),
     )
 
 
-_OBJECT_ERA = re.compile(r"[0-9a-f]{16,64}")
+_OBJECT_ERA_TOKEN = re.compile(r"[0-9a-f]{16,64}")
 
 
-def _parse_object_era(value: Mapping[str, Any]) -> str | None:
+def _parse_object_era(value: Mapping[str, Any], *, rows: int) -> ObjectEra | None:
     """``Commit.object_era`` of a record (``None`` in a shared store's, whatever it says)."""
     era = value.get("object_era")
     if era is None or value.get("ring") is not None or value.get("runs") is not None:
         return None
+    _expect(isinstance(era, Mapping), "object_era to be an object", era)
+    assert isinstance(era, Mapping)
+    token = era.get("token")
     _expect(
-        isinstance(era, str) and _OBJECT_ERA.fullmatch(era) is not None,
-        "object_era to be hex digits",
-        era,
+        isinstance(token, str) and _OBJECT_ERA_TOKEN.fullmatch(token) is not None,
+        "object_era token to be hex digits",
+        token,
     )
-    assert isinstance(era, str)
-    return era
+    assert isinstance(token, str)
+    slots = _parse_int_list(era.get("slots", []), "object_era slots", max_len=ERA_SLOTS)
+    _expect(
+        all(slot < max_ring_capacity(rows) for slot in slots), "object_era slots in range", slots
+    )
+    return ObjectEra(token=token, slots=slots)
 
 
 def parse_lease(value: object, *, rows: int) -> LeaseFloor | None:

@@ -30,12 +30,14 @@ from zarr_rb.core.commits import Commits
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.format import (
     ATTRS_KEY,
+    ERA_SLOTS,
     FORMAT_NON_TENSOR,
     FORMAT_VERSION,
     STATE_GROUP,
     Commit,
     LeafSpec,
     LeaseFloor,
+    ObjectEra,
     Saved,
     Schema,
     StoreMeta,
@@ -111,9 +113,12 @@ class SoloCommits(Commits):
         record's, until this writer holds its own (see :class:`LeaseFloor`)."""
         self._holding = False
         """Whether the record says this writer holds slots from ``_own_from`` on."""
-        self._deletions_published: int | None = None
-        """``Engine.deletions`` when this writer last published a record (``None``: it
-        published none yet)."""
+        self._replaced_published: int | None = None
+        """``Engine.arrays_replaced`` when this writer last published a record (``None``:
+        it published none yet)."""
+        self._created_slots: list[int] = []
+        """Slots this writer created objects in since its last record (objects created
+        once: the next record's ``object_era`` lists them for readers' caches)."""
 
     # --- the interface ---------------------------------------------------------------------
 
@@ -562,6 +567,10 @@ class SoloCommits(Commits):
         except BaseException:
             self.block_map.assign(moved, before)  # the blocks' rows are where they were
             raise
+        if self.store.creates_once:
+            written = np.concatenate([np.empty(0, np.int64), *(r for r, _ in [*copies, *writes])])
+            slots = np.unique(self.physical(written) // self.block_map.block_rows)
+            self._created_slots.extend(slots.tolist())
         self.store.ledger.finish_write(touched, was_intact, keys)
 
     def _copy_on_write(
@@ -883,8 +892,8 @@ class SoloCommits(Commits):
             commit = dataclasses.replace(commit, history=RunMap.empty())
         if self.late_writes_alone:
             commit = dataclasses.replace(commit, lease=self._lease)
-        deletions = self.store.engine.deletions
-        commit = dataclasses.replace(commit, object_era=self._object_era(deletions))
+        replaced = self.store.engine.arrays_replaced
+        commit = dataclasses.replace(commit, object_era=self._object_era(replaced))
         meta = dataclasses.replace(self.meta, commit=commit)
         if saved is not None:
             meta = dataclasses.replace(meta, saved=saved)
@@ -898,19 +907,26 @@ class SoloCommits(Commits):
         if rows:
             self._written_from = commit.cursor
         self._schema_on_disk = meta.schema
-        self._deletions_published = deletions
+        self._replaced_published = replaced
+        self._created_slots.clear()
 
-    def _object_era(self, deletions: int) -> str | None:
-        """:attr:`Commit.object_era` of the next record: the last commit's, unless this
-        writer deleted or wrote over objects since its last record (or published none:
-        the writer before may have done so after its last commit); ``None`` when objects
-        may be written over."""
+    def _object_era(self, replaced: int) -> ObjectEra | None:
+        """:attr:`Commit.object_era` of the next record: the last commit's, with the slots
+        this writer created objects in since; a new token (and no slot) at this writer's
+        first record (the writer before may have created objects after its last one), after
+        an array was created again, and when the slots would be too many; ``None`` when
+        objects may be written over."""
         if not self.store.creates_once:
             return None
         era = self.committed.object_era
-        if era is None or deletions != self._deletions_published:
-            era = secrets.token_hex(8)
-        return era
+        created = tuple(self._created_slots)
+        if (
+            era is None
+            or replaced != self._replaced_published
+            or len(era.slots) + len(created) > ERA_SLOTS
+        ):
+            return ObjectEra(token=secrets.token_hex(8))
+        return ObjectEra(token=era.token, slots=era.slots + created)
 
 
 def _first_unset(mask: np.ndarray, start: int, stop: int) -> int | None:

@@ -56,7 +56,7 @@ from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.solo import SoloCommits, Write
 from zarr_rb.core.write_cache import Key, WriteBuffer
-from zarr_rb.engine import Engine, RowArray
+from zarr_rb.engine import Engine, RowArray, once
 from zarr_rb.engine.tensorstore import is_run
 from zarr_rb.errors import (
     FencedError,
@@ -672,16 +672,23 @@ class Store:
                         array.grow(width)
                         pieces = [(at, _padded(tensor, width)) for at, tensor in pieces]
                     writes_of_key = [(at, to_numpy(tensor)) for at, tensor in pieces]
-                    started.append(array.create_rows(writes_of_key, width=width))
+                    started.append((array, array.create_rows(writes_of_key, width=width)))
             finally:
-                errors = []
-                for finish in started:  # (every key's PUTs in flight at once)
-                    try:
-                        finish()
-                    except ValueError as err:
-                        errors.append(err)
-            if errors:
-                raise errors[0]
+                # (Every key's requests in flight at once; those started are waited for.)
+                once.finish_all([creation for _, creation in started])
+            for array, creation in started:
+                array.forget(creation)
+
+    def forget_slots(self, slots: Sequence[int]) -> None:
+        """Drop the cached objects of ``slots`` (a reader: their objects were created
+        anew since it cached them)."""
+        cache = self.engine.cache
+        if cache is None or not slots or self.schema is None:
+            return
+        block_rows = self.meta.block_rows or 1
+        rows = np.asarray(sorted(set(slots)), dtype=np.int64) * block_rows
+        for key in self.leaves:
+            cache.invalidate(self.array(key).chunk_keys(rows, run=False))
 
     def ensure_capacity(self, slots: int) -> None:
         """Give the data arrays rows for ``slots`` slots (a shared store whose writers took

@@ -13,7 +13,7 @@ Design: ``docs/design/ring.md``, "Step 5".
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorstore as ts
@@ -39,7 +39,8 @@ def shadow_of(array: ts.TensorStore) -> ts.TensorStore:
 
 class Creation:
     """The conditional PUTs of every object written into a ``shadow`` (an array of
-    :func:`shadow_of`) to ``target``, started; :meth:`finish` waits for them.
+    :func:`shadow_of`) to ``target``, started as it is made; :func:`finish_all` waits for
+    them.
 
     An object ``target`` already holds is kept when its bytes are the ones to create (a
     retried request whose first attempt landed); otherwise it is deleted and created
@@ -57,34 +58,38 @@ class Creation:
         assert memory is not None
         self._target = target
         self._where = where
-        keys = [key.decode() for key in memory.list().result() if key != b"zarr.json"]
-        self._values = {key: bytes(memory.read(key).result().value) for key in keys}
+        listed = [key.decode() for key in memory.list().result() if key != b"zarr.json"]
+        reads = {key: memory.read(key) for key in listed}
+        self._values = {key: bytes(read.result().value) for key, read in reads.items()}
         self._created = {
             key: target.write(key, value, if_equal=NO_VALUE) for key, value in self._values.items()
         }
+        self.keys = listed
+        """The keys created (relative to the array's)."""
 
-    def finish(self) -> tuple[list[str], list[str]]:
-        """Wait for the PUTs; returns the keys created (relative to the array), and those
-        deleted first.
-
-        Raises:
-            FencedError: an object appeared again between its deletion and its creation:
-                another writer writes this writer's slots.
-        """
+    def _steps(self) -> Iterator[None]:
+        """The requests after the first PUTs, in rounds (each round's requests in flight
+        at once, and with the other creations' of :func:`finish_all`)."""
         target, values = self._target, self._values
         found: dict[str, Any] = {
             key: target.read(key)
             for key, future in self._created.items()
             if not future.result().generation  # refused: the object exists
         }
+        yield
         replaced = [
             key
             for key, future in found.items()
             if (result := future.result()).state != "value" or bytes(result.value) != values[key]
         ]
-        for key in replaced:
-            target.delete_range(ts.KvStore.KeyRange(key, key + "\x00")).result()
+        deletions = [
+            target.delete_range(ts.KvStore.KeyRange(key, key + "\x00")) for key in replaced
+        ]
+        yield
+        for deletion in deletions:
+            deletion.result()
         again = {key: target.write(key, values[key], if_equal=NO_VALUE) for key in replaced}
+        yield
         for key, future in again.items():
             if not future.result().generation:
                 raise FencedError(
@@ -94,4 +99,17 @@ class Creation:
                     "this write was committed; close this storage and reopen the store",
                     holder={},
                 )
-        return list(values), replaced
+
+
+def finish_all(creations: Sequence[Creation]) -> None:
+    """Wait for every creation, their rounds of requests side by side (a refused PUT costs
+    a few round trips for the whole write, not per array).
+
+    Raises:
+        FencedError: an object appeared again between its deletion and its creation:
+            another writer writes this writer's slots.
+        ValueError: a request failed (TensorStore's error).
+    """
+    rounds = [creation._steps() for creation in creations]
+    while rounds:
+        rounds = [steps for steps in rounds if next(steps, StopIteration) is not StopIteration]

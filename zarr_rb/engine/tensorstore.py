@@ -109,9 +109,9 @@ class Engine:
         publishes, so that no two writers ever publish the same bytes."""
         self.cache: EncodedCache | None = None
         """Encoded objects in RAM that arrays are read from (remote locations)."""
-        self.deletions = 0
-        """Data objects this engine deleted (or overwrote) so far: a store whose objects
-        are created once tells readers when some may have changed (``Commit.deletions``)."""
+        self.arrays_replaced = 0
+        """Arrays this engine created again at a path (their objects deleted): a store
+        whose objects are created once then draws a new ``ObjectEra`` for readers."""
         if location.cache_bytes > 0:
             source = location.run(
                 lambda: ts.KvStore.open(location.kvstore(""), context=location.context).result(),
@@ -294,7 +294,7 @@ class Engine:
         self._ensure_groups(path.rpartition("/")[0])
         if replace:
             # Chunks of an array previously at this path would be read as this one's.
-            self.deleted()
+            self.arrays_replaced += 1
             self.location.delete_prefix(path)
         if self.cache is not None:
             self.cache.invalidate(self.cache.keys_under(path))
@@ -302,10 +302,6 @@ class Engine:
 
     def create_group(self, path: str) -> None:
         self._ensure_groups(path)
-
-    def deleted(self) -> None:
-        """Data objects are about to be deleted or overwritten (counted: ``deletions``)."""
-        self.deletions += 1
 
     def open_array(self, path: str, *, read_only: bool, ragged: bool = False) -> RowArray:
         spec: dict[str, Any] = {
@@ -331,7 +327,6 @@ class Engine:
                 location=self.location,
                 ragged=ragged,
                 reopen=reopen,
-                deleted=self.deleted,
             )
         metadata = join(path, ROOT_METADATA)
         cached_spec = {**spec, "kvstore": cache.kvstore(path)}
@@ -350,7 +345,6 @@ class Engine:
             reopen=reopen,
             cache=cache,
             reopen_cached=reopen_cached,
-            deleted=self.deleted,
         )
 
     # --- state groups: small arrays and JSON attributes -------------------------------------
@@ -563,11 +557,8 @@ class RowArray:
         reopen: Callable[[], ts.TensorStore] | None = None,
         cache: EncodedCache | None = None,
         reopen_cached: Callable[[], ts.TensorStore] | None = None,
-        deleted: Callable[[], None] = lambda: None,
     ) -> None:
         self._array = array
-        self._deleted = deleted
-        """Called before this array deletes or overwrites objects."""
         self._cache = cache
         self._reopen_cached = reopen_cached
         self._cached_array = None if reopen_cached is None else reopen_cached()
@@ -775,13 +766,13 @@ class RowArray:
 
     def create_rows(
         self, writes: Sequence[tuple[np.ndarray, np.ndarray]], *, width: int | None = None
-    ) -> Callable[[], None]:
+    ) -> once.Creation:
         """Start writing ``values`` to ``rows`` for each pair of ``writes``, every object
         they make created once (see :mod:`zarr_rb.engine.once`): encoded in RAM, then
-        created on the store by a conditional PUT. The objects are made of these rows
-        alone, never merged with what the store holds: the writes cover every row of a
-        slot that holds data. Rows of a ragged array up to ``width`` (widen it first with
-        :meth:`grow`). Returns what waits for the PUTs (and replaces leftovers)."""
+        created on the store by a conditional PUT (wait with :func:`once.finish_all`). The
+        objects are made of these rows alone, never merged with what the store holds: the
+        writes cover every row of a slot that holds data. Rows of a ragged array up to
+        ``width`` (widen it first with :meth:`grow`)."""
         announce("write", self._location.path_of(self.path))
         shadow = once.shadow_of(self._array)
         futures = []
@@ -795,17 +786,17 @@ class RowArray:
         creation = once.Creation(
             shadow, target, where=lambda key: str(self._location.path_of(join(self.path, key)))
         )
+        keys = [join(self.path, key) for key in creation.keys]
+        self._location.written(keys)
+        if self._cache is not None:  # (again once written: see forget)
+            self._cache.invalidate(keys)
+        return creation
 
-        def finish() -> None:
-            created, replaced = creation.finish()
-            if replaced:
-                self._deleted()
-            keys = [join(self.path, key) for key in created]
-            self._location.written(keys)
-            if self._cache is not None:
-                self._cache.invalidate(keys)
-
-        return finish
+    def forget(self, creation: once.Creation) -> None:
+        """Drop the objects of a finished ``creation`` from the cache (a read between its
+        start and its end may have fetched an object it replaced)."""
+        if self._cache is not None:
+            self._cache.invalidate([join(self.path, key) for key in creation.keys])
 
     def copy_chunk(self, source: int, target: int) -> None:
         """Copy write chunk (shard) ``source`` along the rows, every part of it, onto chunk
@@ -814,7 +805,6 @@ class RowArray:
         the array's own key-value store, as its writes: made durable by the next commit."""
         kvstore = self._array.kvstore
         assert kvstore is not None
-        self._deleted()  # (the target slot's objects are written over)
         prefix = len(self.path) + 1
         copied = []
         for tail in self._tail_positions(None):
@@ -853,8 +843,6 @@ class RowArray:
         prefix = len(self.path) + 1
         tails = self._tail_positions(None)
         keys = [self.chunk_key(chunk, tail) for chunk in chunks for tail in tails]
-        if keys:
-            self._deleted()
         for key in keys:
             announce("remove", self._location.path_of(key))
             _delete(kvstore, key[prefix:])
