@@ -32,9 +32,9 @@ def _by_row(pong: PongRun) -> TensorDict:
     return out
 
 
-@pytest.mark.parametrize("context", [None, "fork"], ids=["default", "fork"])
+@pytest.mark.parametrize("context", ["spawn", "fork"])
 def test_a_dataloader_epoch_with_two_workers_sees_every_row_once(
-    pong: PongRun, context: str | None
+    pong: PongRun, context: str
 ) -> None:
     dataset = zarr_rb.open(pong.path).dataset(keys=KEYS)  # TensorStore runs in this process
     assert len(dataset) == pong.CAPACITY
@@ -118,6 +118,16 @@ def test_a_forked_child_gets_a_typed_error_instead_of_an_abort(pong: PongRun) ->
     assert child.exitcode == 0
     assert message.startswith("NotSupportedError")
     assert "'spawn'" in message
+
+
+def test_an_emptied_store_is_an_empty_epoch(tmp_path: Path) -> None:
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(100, tmp_path / "empty.zarr"))
+    rb.extend(TensorDict({"obs": torch.ones(10, 3)}, [10]))
+    rb.empty()
+    rb.storage.close()
+    dataset = zarr_rb.open(tmp_path / "empty.zarr").dataset()
+    assert len(dataset) == 0
+    assert list(DataLoader(dataset, batch_size=8, collate_fn=torch.stack)) == []
 
 
 def test_bad_positions_and_keys(pong: PongRun) -> None:

@@ -19,9 +19,9 @@ def tensorstore_usable() -> bool:
     return _started_in is None or _started_in == os.getpid()
 
 
-def starting_tensorstore(where: str) -> None:
-    """Called before TensorStore starts in this process (a context is made for ``where``)."""
-    global _started_in
+def refuse_if_forked(where: str) -> None:
+    """Raise :class:`~zarr_rb.errors.NotSupportedError` in a fork of a process that used
+    TensorStore, before ``where`` uses it (a store opened before the fork too)."""
     if not tensorstore_usable():
         raise NotSupportedError(
             f"{where}: this process was forked from one that used TensorStore, whose threads "
@@ -29,4 +29,10 @@ def starting_tensorstore(where: str) -> None:
             "(multiprocessing.get_context('spawn'), DataLoader(multiprocessing_context="
             "'spawn')). zarr_rb.open(path).dataset() reads local stores in forked workers too"
         )
+
+
+def starting_tensorstore(where: str) -> None:
+    """Called before TensorStore starts in this process (a context is made for ``where``)."""
+    global _started_in
+    refuse_if_forked(where)
     _started_in = os.getpid()

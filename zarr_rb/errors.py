@@ -37,6 +37,7 @@ __all__ = [
     "ServerBusyError",
     "SlotsExhaustedError",
     "StateChangedError",
+    "StoreClosedError",
     "StoreCorruptedError",
     "StoreExistsError",
     "StoreNotFoundError",
@@ -128,6 +129,11 @@ class UnsupportedDataError(ZarrRBError, TypeError):
 class UnstackableError(UnsupportedDataError, RuntimeError):
     """The elements of a list written at once cannot be stacked into one batch (TorchRL's
     storages raise ``RuntimeError`` there too)."""
+
+
+class StoreClosedError(ZarrRBError, ValueError):
+    """A storage was used after :meth:`~zarr_rb.ZarrStorage.close` (``ValueError``, as I/O on
+    a closed file)."""
 
 
 class ReadOnlyError(ZarrRBError, PermissionError):

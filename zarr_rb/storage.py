@@ -25,8 +25,9 @@ import torch
 from tensordict import NonTensorStack, TensorDict, TensorDictBase
 from torchrl.data.replay_buffers.storages import TensorStorage
 
-from zarr_rb import _compat, _convert, _index, _rows, _shared, _torchrl_state
+from zarr_rb import _compat, _convert, _dataloader, _index, _rows, _shared, _torchrl_state
 from zarr_rb._checkpointer import ZarrStorageCheckpointer
+from zarr_rb._fork import refuse_if_forked
 from zarr_rb._holes import guard_sampler, random_readable_indices
 from zarr_rb._lazy import LazyColumn
 from zarr_rb._views import Gather, LeafSource, RowsOnlySource
@@ -481,14 +482,19 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         """Pickles as a handle: the store's location and the storage's settings, never its
         open files or rows. Unpickled in this process, it shares the open store; in
         another process, it opens the store there, as one more writer (a writer's storage
-        sent to a new process makes its store shared first) or as a reader."""
+        sent to a new process makes its store shared first) or as a reader. A
+        ``DataLoader`` worker always gets a reader: it only reads."""
         store = self._store
+        _dataloader.check_open(self)
+        for_worker = _dataloader.pickled_for_a_worker()
         if not store.read_only:
             store.ensure_on_disk()  # another process opens it by its path
-        if not store.read_only and not store.is_shared and _shared.spawning():
+        if not store.read_only and not store.is_shared and _shared.spawning() and not for_worker:
             store.become_shared()
         self.flush()
         state = _compat.storage_state(self)
+        if for_worker:  # the buffers reading it (samplers, transforms) are not a worker's
+            state.pop("_attached_entities_list", None)
         for name in (
             "_store",
             "_finalizer",
@@ -500,8 +506,8 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             state.pop(name, None)
         state[_HANDLE] = {
             "path": self.url,
-            "read_only": self.read_only,
-            "shared": store.is_shared,
+            "read_only": self.read_only or for_worker,
+            "shared": store.is_shared and not for_worker,
         }
         return state
 
@@ -732,6 +738,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
 
     @_io_boundary
     def get(self, index: Any) -> Any:
+        refuse_if_forked(self._where)  # TensorStore would abort the process
         if not self.initialized and self._store.is_shared:
             self._pick_up_other_writers()
         if not self.initialized:
@@ -774,6 +781,12 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         if self._build_device is None and isinstance(device, torch.device):
             out = _convert.to_device(out, device)
         return out
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """``[self[i] for i in indices]`` in one read of the store: how a PyTorch
+        ``DataLoader`` fetches a batch (``DataLoader(rb.storage, batch_size=256,
+        num_workers=2, collate_fn=torch.stack)``; see :mod:`zarr_rb._dataloader`)."""
+        return _dataloader.items(self, indices)
 
     def _gather(self, index: torch.Tensor, schema: Schema, length: int) -> Any:
         """Rows at a row index (a sampler's output), in the order asked, repeats included.

@@ -64,6 +64,7 @@ from zarr_rb.errors import (
     ReadOnlyError,
     RowsNotCommittedError,
     SaveOverwrittenError,
+    StoreClosedError,
     StoreCorruptedError,
     StoreWriteError,
     ZarrRBError,
@@ -488,7 +489,7 @@ class Store:
                 "read_only=False (one writer per store) to write",
             )
         if self.closed:
-            raise ValueError(f"store {self.url!r} is closed")
+            raise StoreClosedError(f"store {self.url!r} is closed")
         if self.fenced is not None:
             raise FencedError(str(self.fenced), holder=self.fenced.holder)
 
