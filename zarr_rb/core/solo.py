@@ -558,12 +558,12 @@ class SoloCommits(Commits):
             touched[rows] = True
         keys = {key for _, values in writes for key in values}
         was_intact = self.store.ledger.intact & touched
-        moved, before, copies, in_place = self._copy_on_write(writes, touched)
+        moved, before, copies, in_place, seeds = self._copy_on_write(writes, touched)
         # Rows rewritten in slots no record refers to (moved since the last commit): not
         # whole while the write runs (a failed write leaves them to be written again).
         self.store.ledger.start_write(in_place)
         try:
-            self.store.write_rows([*copies, *writes])
+            self.store.write_rows([*copies, *writes], seeds=seeds)
         except BaseException:
             self.block_map.assign(moved, before)  # the blocks' rows are where they were
             raise
@@ -575,13 +575,15 @@ class SoloCommits(Commits):
 
     def _copy_on_write(
         self, writes: Sequence[Write], touched: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, list[Write], np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, list[Write], np.ndarray, list[tuple[int, int]]]:
         """Move the blocks whose rows ``writes`` writes over to free slots, but those that
         are in a slot no record refers to already (moved since the last commit).
 
         Returns the blocks moved, the slots they were in, the writes that copy the rows of
         those blocks that ``writes`` leaves alone (of each key: the rows holding data of
-        it) into their new slots, and the rows (a mask) written over where they are.
+        it) into their new slots, the rows (a mask) written over where they are, and the
+        ``(slot, new slot)`` whose objects of the arrays sharded by block the write starts
+        from, copied as stored, when objects are created once (else they are copied now).
         """
         ledger = self.store.ledger
         assert ledger is not None
@@ -616,7 +618,7 @@ class SoloCommits(Commits):
         in_place &= live
         blocks = touched_blocks[move]
         if not blocks.size:
-            return none, none, [], in_place
+            return none, none, [], in_place, []
         fresh = self._free_slots(blocks.size)
         before = block_map.slots[blocks].copy()
         positions = (blocks[:, None] * block_rows + np.arange(block_rows)).ravel()
@@ -624,17 +626,17 @@ class SoloCommits(Commits):
         copies: list[Write] = []
         # Arrays whose shards are the blocks: the block's objects are copied as stored, and
         # the write goes over them (it rewrites the inner chunks it touches, as in place).
-        # (Not when objects are created once: the rows kept and the rows written make the
-        # slot's objects together, each created whole.)
-        whole = [
-            key
-            for key in self.store.leaves
-            if self.store.array(key).chunk_rows == block_rows and not creates_once
-        ]
-        with self.store.writing("copying blocks to other slots"):
-            for key in whole:
-                for source, target in zip(before.tolist(), fresh.tolist(), strict=True):
-                    self.store.array(key).copy_chunk(source, target)
+        # When objects are created once, the write starts from those copies instead
+        # (``seeds``): the rows kept and the rows written make each object, created whole.
+        whole = [key for key in self.store.leaves if self.store.array(key).chunk_rows == block_rows]
+        seeds: list[tuple[int, int]] = []
+        if creates_once:
+            seeds = list(zip(before.tolist(), fresh.tolist(), strict=True))
+        else:
+            with self.store.writing("copying blocks to other slots"):
+                for key in whole:
+                    for source, target in zip(before.tolist(), fresh.tolist(), strict=True):
+                        self.store.array(key).copy_chunk(source, target)
         others = [key for key in self.store.leaves if key not in whole]
         for group in self.store.plain_then_ragged(others):
             requests = {}
@@ -655,7 +657,7 @@ class SoloCommits(Commits):
             for key, values in self.store.read_disk(requests, lengths).items():
                 copies.append((requests[key], {key: values}))
         block_map.assign(blocks, fresh)
-        return blocks, before, copies, in_place
+        return blocks, before, copies, in_place, seeds
 
     def _used_slots(self) -> np.ndarray:
         """Boolean mask over the slots of a store of one writer: those the writer's map,

@@ -619,15 +619,24 @@ class Store:
             self._creates_once = self.engine.location.creates_once()
         return self.late_writes and not self.is_shared and self._creates_once
 
-    def write_rows(self, writes: Sequence[Write], *, physical: bool = False) -> None:
+    def write_rows(
+        self,
+        writes: Sequence[Write],
+        *,
+        physical: bool = False,
+        seeds: Sequence[tuple[int, int]] = (),
+    ) -> None:
         """Write rows to the slots the writer's map gives their blocks (``physical``: the
-        rows are rows of the data arrays already: a shared writer's)."""
+        rows are rows of the data arrays already: a shared writer's). ``seeds``: when
+        objects are created once, ``(slot, new slot)`` whose objects (of the arrays
+        sharded by block) the new slot's start from, as stored."""
         assert self.commits.positions is not None
         if physical:
             self.check_hold()  # (its slots were taken with room in the arrays: Sharing._take)
         elif self.creates_once:
-            self._create_rows(writes)
+            self._create_rows(writes, seeds)
             return
+        assert not seeds
         with self.writing("writing rows"):
             futures = []
             try:
@@ -651,10 +660,12 @@ class Store:
             if errors:
                 raise errors[0]
 
-    def _create_rows(self, writes: Sequence[Write]) -> None:
+    def _create_rows(self, writes: Sequence[Write], seeds: Sequence[tuple[int, int]]) -> None:
         """:meth:`write_rows`, every object created once: the rows of each key together."""
         assert self.commits.positions is not None
-        by_key: dict[Key, list[tuple[np.ndarray, torch.Tensor]]] = {}
+        block_rows = self.meta.block_rows or 1
+        seeded = [k for k in self.leaves if seeds and self.array(k).chunk_rows == block_rows]
+        by_key: dict[Key, list[tuple[np.ndarray, torch.Tensor]]] = {key: [] for key in seeded}
         for rows, values in writes:
             at = self.commits.physical(rows)
             for key, tensor in values.items():
@@ -665,15 +676,17 @@ class Store:
                 for key, pieces in by_key.items():
                     array = self.array(key)
                     width = None
-                    if array.ragged:
+                    if array.ragged and pieces:
                         pieces = [(at, _whole_chunks(tensor, array)) for at, tensor in pieces]
                         width = max(int(tensor.shape[1]) for _, tensor in pieces)
-                        if not width:
+                        if not width and key not in seeded:
                             continue  # empty rows: nothing to write
                         array.grow(width)
                         pieces = [(at, _padded(tensor, width)) for at, tensor in pieces]
-                    writes_of_key = [(at, to_numpy(tensor)) for at, tensor in pieces]
-                    started.append((array, array.create_rows(writes_of_key, width=width)))
+                    writes_of_key = [(at, to_numpy(tensor)) for at, tensor in pieces if width != 0]
+                    key_seeds = seeds if key in seeded else ()
+                    creation = array.create_rows(writes_of_key, width=width, seeds=key_seeds)
+                    started.append((array, creation))
             finally:
                 # (Every key's requests in flight at once; those started are waited for.)
                 once.finish_all([creation for _, creation in started])

@@ -765,16 +765,38 @@ class RowArray:
         return self._region(rows, width).write(values)
 
     def create_rows(
-        self, writes: Sequence[tuple[np.ndarray, np.ndarray]], *, width: int | None = None
+        self,
+        writes: Sequence[tuple[np.ndarray, np.ndarray]],
+        *,
+        width: int | None = None,
+        seeds: Sequence[tuple[int, int]] = (),
     ) -> once.Creation:
         """Start writing ``values`` to ``rows`` for each pair of ``writes``, every object
         they make created once (see :mod:`zarr_rb.engine.once`): encoded in RAM, then
         created on the store by a conditional PUT (wait with :func:`once.finish_all`). The
         objects are made of these rows alone, never merged with what the store holds: the
         writes cover every row of a slot that holds data. Rows of a ragged array up to
-        ``width`` (widen it first with :meth:`grow`)."""
+        ``width`` (widen it first with :meth:`grow`). ``seeds``: ``(slot, new slot)``
+        pairs (write chunks along the rows) whose objects the new slot's start from, as
+        stored (the write goes over them, as over the objects of a slot in place)."""
         announce("write", self._location.path_of(self.path))
         shadow = once.shadow_of(self._array)
+        if seeds:
+            source, memory = self._array.kvstore, shadow.kvstore
+            assert source is not None
+            assert memory is not None
+            prefix = len(self.path) + 1
+            tails = self._tail_positions(None)
+            pairs = [
+                (self.chunk_key(old, tail)[prefix:], self.chunk_key(new, tail)[prefix:])
+                for old, new in seeds
+                for tail in tails
+            ]
+            reads = [(new, source.read(old)) for old, new in pairs]
+            for new, read in reads:
+                found = read.result()
+                if found.state == "value":
+                    memory.write(new, found.value).result()
         futures = []
         for rows, values in writes:
             first: Any = slice(int(rows[0]), int(rows[0]) + rows.size) if is_run(rows) else rows
