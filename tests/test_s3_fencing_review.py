@@ -36,7 +36,7 @@ from zarr_rb import Compression, ZarrStorage
 from zarr_rb.core.format import Commit, LeaseFloor, StoreMeta, max_ring_capacity
 from zarr_rb.core.ring import SPARE_FACTOR, max_slots
 from zarr_rb.core.store import Store
-from zarr_rb.engine.tensorstore import RowArray
+from zarr_rb.engine.rows import RowArray
 from zarr_rb.errors import FencedError, StoreWriteError, ZarrRBError
 
 WAIT_FOR_LEASE = """

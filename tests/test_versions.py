@@ -293,7 +293,7 @@ def test_a_writer_collects_what_each_drop_frees_without_listing_the_store(tmp_pa
     """Versions dropped while the writer goes on free the slots they kept: each drop
     deletes them, and finds them without listing the arrays' objects (a listing costs
     the store's size): a writer lists them once at most, none for a store it made."""
-    from zarr_rb.engine.tensorstore import RowArray
+    from zarr_rb.engine.rows import RowArray
 
     listings = []
     stored_chunks = RowArray.stored_chunks

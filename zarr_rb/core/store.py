@@ -57,7 +57,7 @@ from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.solo import SoloCommits, Write
 from zarr_rb.core.write_cache import Key, WriteBuffer
 from zarr_rb.engine import Engine, RowArray, once
-from zarr_rb.engine.tensorstore import is_run
+from zarr_rb.engine.rows import is_run
 from zarr_rb.errors import (
     FencedError,
     LiveBufferError,

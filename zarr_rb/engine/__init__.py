@@ -10,7 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from zarr_rb.engine.tensorstore import Engine, RowArray
+    from zarr_rb.engine.rows import RowArray
+    from zarr_rb.engine.tensorstore import Engine
 
 __all__ = ["Engine", "RowArray"]
 
@@ -18,6 +19,7 @@ __all__ = ["Engine", "RowArray"]
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module("zarr_rb.engine.tensorstore"), name)
+    module = "zarr_rb.engine.rows" if name == "RowArray" else "zarr_rb.engine.tensorstore"
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
