@@ -12,6 +12,11 @@
   writes there, so that the late writes of a stalled writer before it land in slots no
   one else writes (see :class:`~zarr_rb.core.format.LeaseFloor`).
 
+One object, :class:`SoloCommits`, owns all of it; its code is in three modules by concern:
+this one (the interface, commits, saves), :mod:`~zarr_rb.core.solo_writes` (staging and
+copy-on-write) and :mod:`~zarr_rb.core.solo_slots` (free slots, reservations, collection),
+the classes it derives from.
+
 See ``docs/design/ring.md``, "Step 1" and "Owners".
 """
 
@@ -20,23 +25,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import secrets
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 
-from zarr_rb.core.commits import Commits
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.format import (
     ATTRS_KEY,
     ERA_SLOTS,
     FORMAT_NON_TENSOR,
-    FORMAT_VERSION,
     STATE_GROUP,
     Commit,
     LeafSpec,
-    LeaseFloor,
     ObjectEra,
     Saved,
     Schema,
@@ -46,26 +48,19 @@ from zarr_rb.core.format import (
 )
 from zarr_rb.core.history import Extended
 from zarr_rb.core.reader import reread_commit
-from zarr_rb.core.ring import SPARE_FACTOR, SlotMap, max_slots
+from zarr_rb.core.ring import SlotMap
 from zarr_rb.core.runs import RunMap
-from zarr_rb.core.write_cache import Block, Key
-from zarr_rb.errors import NotSupportedError, SlotsExhaustedError
+from zarr_rb.core.solo_writes import SoloWrites, block_write, without_cells
+from zarr_rb.core.write_cache import Key
+from zarr_rb.errors import NotSupportedError
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store
 
 _R = TypeVar("_R")
 
-_MAX_STAGED_BLOCKS = 8
-STAGED_RAGGED_BYTES = 128 * 2**20
-"""A block of rows of different lengths waits in RAM padded to its longest row; rows so
-long that their block would take more than this are written at once instead."""
 
-Write = tuple[np.ndarray, Mapping[Key, torch.Tensor]]
-"""Rows (sorted, unique) and the values of some or all leaves for them."""
-
-
-class SoloCommits(Commits):
+class SoloCommits(SoloWrites):
     """The positions and commits of a store of one writer (see the module's docstring)."""
 
     def __init__(self, store: Store, meta: StoreMeta, *, late_writes: bool) -> None:
@@ -79,46 +74,13 @@ class SoloCommits(Commits):
         self._extended = Extended()
         """An archive's positions extended since the last commit (its history grows by
         those a commit publishes)."""
-        self._retries: list[Write] = []
-        """Writes of some keys that failed: written again by the next flush."""
         self._schema_on_disk = meta.schema
         """The schema of the last published record (keys added since are published next)."""
-        self._rewrote_published = False
-        """Rows the last commit declared readable were written over (in other slots) since:
-        the next commit moves the epoch."""
-        self._avoided_saves: set[int] = set()
-        """State groups this writer never saves into: those writers that held the store
-        before it may still write late (a lease lost while saving), as the record this one
-        took the store over at names them (see :class:`LeaseFloor`)."""
-        if late_writes and not store.read_only:
-            lease = meta.commit.lease
-            avoided = set(lease.avoid) if lease is not None else set()
-            if lease is None or lease.held:
-                # The writer before may have stalled while saving: into the group it
-                # saves into next, which this record tells.
-                named = meta.save_slots() | avoided
-                avoided.add(next(slot for slot in itertools.count() if slot not in named))
-            self._avoided_saves = avoided
-        self._known_empty: np.ndarray | None = None
-        """Slots that held no object when :meth:`collect` last ran and were not handed
-        out since (``None``: not known; the next collection lists the arrays)."""
-        self._own_from: int | None = None
-        """The first slot this writer reserved for itself, when a writer that held the
-        store before it may still write (a lease it lost while it stalled: see
-        ``WriterHold.late_writes``): slots below it are that writer's, so this one moves
-        the blocks it writes out of them. ``None``: not fixed yet (when this writer first
-        writes: the floor of a record whose writer closed cleanly, else its capacity)."""
-        self._lease = meta.commit.lease
-        """What this writer's commits record of the slots a writer on a lease owns: the
-        record's, until this writer holds its own (see :class:`LeaseFloor`)."""
-        self._holding = False
-        """Whether the record says this writer holds slots from ``_own_from`` on."""
+        self._init_slots(store, meta, late_writes=late_writes)
+        self._init_writes()
         self._replaced_published: int | None = None
         """``Engine.arrays_replaced`` when this writer last published a record (``None``:
         it published none yet)."""
-        self._created_slots: list[int] = []
-        """Slots this writer created objects in since its last record (objects created
-        once: the next record's ``object_era`` lists them for readers' caches)."""
 
     # --- the interface ---------------------------------------------------------------------
 
@@ -204,7 +166,7 @@ class SoloCommits(Commits):
                 self._extended.add(rows, cursor, store.rows)
         if self._retries:
             # Failed writes waiting to be written again must not land over these newer rows.
-            self._retries = _without_cells(self._retries, rows, values.keys())
+            self._retries = without_cells(self._retries, rows, values.keys())
         values, zeros = self._zeros_where_unwritten(rows, values)
         store.update_mirror(rows, values)
         if values.keys() == store.leaves.keys():
@@ -234,7 +196,7 @@ class SoloCommits(Commits):
     def flush(self) -> None:
         store = self.store
         assert store.write_cache is not None
-        writes = [_block_rows(block) for block in store.write_cache]
+        writes = [block_write(block) for block in store.write_cache]
         store.write_cache.clear()
         if writes:
             self._write_or_keep(writes)
@@ -287,47 +249,6 @@ class SoloCommits(Commits):
                 ledger.published & ~rows, length=store.committed.length, rewrite=True
             )
         return withdrawn
-
-    def collect(self) -> int:
-        if not isinstance(self.positions, SlotMap) or self.positions.is_identity:
-            return 0
-        store = self.store
-        slots = self.block_map
-        spare = SPARE_FACTOR * slots.blocks
-        if slots.capacity <= spare:
-            return 0  # the arrays never grew past the slots the ring reuses
-        eligible = ~self._used_slots()
-        # (Slots below this writer's own are never written again: they go too.)
-        eligible[self._own_floor() : spare] = False
-        known = self._known_empty
-        if known is not None:
-            size = slots.capacity
-            known = np.concatenate([known, np.zeros(max(0, size - known.size), bool)])
-            free = np.flatnonzero(eligible & ~known[:size]).tolist()
-            if not free:
-                return 0
-            if len(free) > SPARE_FACTOR * slots.blocks:
-                known = None  # many slots not known to be empty: listing them costs less
-        whole = store.whole_block_arrays()
-        emptied: set[int] = set()
-        with store.writing("deleting slots no record refers to"):
-            stale = {
-                key: free
-                if known is not None
-                else sorted(
-                    store.array(key).stored_chunks() & set(np.flatnonzero(eligible).tolist())
-                )
-                for key in whole
-            }
-            if any(slot >= self._own_floor() for chunks in stale.values() for slot in chunks):
-                # A DELETE is a write: one that lands late must not reach a writer that took
-                # the store over at a record that leaves it these slots.
-                self._first_own_slot()
-            for key, chunks in stale.items():
-                store.array(key).drop_chunks(chunks)
-                emptied.update(chunks)
-        self._known_empty = eligible
-        return len(emptied)
 
     def start_history(self) -> None:
         pass  # the next commit starts the history (see publish)
@@ -419,358 +340,6 @@ class SoloCommits(Commits):
         return max(self.store.rows_written, self.committed.length)
 
     # --- copy-on-write, slots, commits ----------------------------------------------------
-
-    @property
-    def block_map(self) -> SlotMap:
-        """The block map of a store of one writer."""
-        assert isinstance(self.positions, SlotMap)
-        return self.positions
-
-    def _slots_of(self, commit: Commit) -> SlotMap:
-        """The block map of ``commit`` (the identity when it records none)."""
-        store = self.store
-        assert store.schema is not None
-        if commit.slots is not None:
-            return commit.slots
-        return SlotMap.identity(store.rows, store.meta.block_rows or 1)
-
-    def _committed_slots(self) -> SlotMap:
-        return self._slots_of(self.committed)
-
-    def _pinned_slots(self) -> list[SlotMap]:
-        """The maps of the saves whose rows the store keeps (their slots are not free)."""
-        return [self._slots_of(saved.commit()) for saved in self.meta.pinned()]
-
-    def _zeros_where_unwritten(
-        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
-    ) -> tuple[Mapping[Key, torch.Tensor], list[Write]]:
-        """A write that leaves keys out: cells of those keys that were never written (rows
-        past the committed ones) get zeros, as in TorchRL's storages, whose unwritten cells
-        read as zeros; cells that hold data keep it.
-
-        Returns the values to write (whole rows when every left-out cell was empty) and,
-        otherwise, writes of zeros into the empty cells alone.
-        """
-        missing = [key for key in self.store.leaves if key not in values]
-        if not missing or not rows.size:
-            return values, []
-        assert self.store.write_cache is not None
-        assert self.store.ledger is not None
-        hit, _ = self.store.write_cache.staged_rows(rows)
-        # Past the committed rows: cells never written. (Inside them, a cell that cannot be
-        # read was lost to a crash or a failed write: it stays unreadable, not zero.)
-        fresh = rows >= self.committed.length
-        empty = {key: ~(self.store.ledger.readable(rows, key) | hit) & fresh for key in missing}
-        if all(cells.all() for cells in empty.values()):
-            return self.store.whole_rows(rows, values), []
-        zeros: list[Write] = []
-        for key, cells in empty.items():
-            if cells.any():
-                leaf = self.store.leaf(key)
-                shape = (int(cells.sum()), *self.store.element_shape(leaf))
-                zeros.append(
-                    (rows[cells], {key: torch.zeros(shape, dtype=TORCH_DTYPES[leaf.dtype])})
-                )
-        return values, zeros
-
-    def _write_or_keep(self, writes: Sequence[Write]) -> None:
-        """Write to disk; what a failed write held is kept for the next flush to retry."""
-        try:
-            self._write_to_disk(writes)
-        except BaseException:
-            self._keep_for_retry(writes)
-            raise
-
-    def _stage_rows(
-        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, sequential: bool
-    ) -> list[Write]:
-        """Stage whole rows in RAM by block; returns what must be written now.
-
-        ``sequential``: the rows are a writer's extend, ending just before :attr:`cursor`.
-        Only the block it ends in may then stay in RAM: every other staged block (one it
-        went past, partly on disk already after a flush in its middle, or the block an
-        earlier extend ended in) is written now, so that the rows a commit publishes
-        always run up to the cursor it records, with no row left behind in RAM.
-        """
-        assert self.store.write_cache is not None
-        if self._too_long_to_stage(values):
-            # Written now, after the rows of their blocks that wait in RAM (older values).
-            waiting = {int(i) for i in np.unique(rows // self.store.write_cache.block_rows)}
-            older = [block for block in self.store.write_cache if block.index in waiting]
-            if older:
-                self._write_or_keep(
-                    [_block_rows(self.store.write_cache.pop(b.index)) for b in older]
-                )
-            return [(rows, values)]
-        direct, full = self.store.write_cache.stage(rows, values)
-        if sequential and rows.size:
-            block_rows = self.store.write_cache.block_rows
-            last = (self.cursor - 1) % self.store.write_cache.rows // block_rows
-            passed = {block.index for block in self.store.write_cache} - {last}
-            full = sorted(set(full) | passed)
-        blocks = [self.store.write_cache.pop(index) for index in full]
-        if len(self.store.write_cache) > _MAX_STAGED_BLOCKS:
-            # Too many partially filled blocks: write the oldest ones as they are.
-            oldest = [block.index for block in self.store.write_cache][
-                : len(self.store.write_cache) - _MAX_STAGED_BLOCKS
-            ]
-            blocks.extend(self.store.write_cache.pop(index) for index in oldest)
-        writes: list[Write] = [_block_rows(block) for block in blocks]
-        # Slices of the caller's tensors: views, not copies.
-        writes.extend(
-            (rows[start:stop], {key: value[start:stop] for key, value in values.items()})
-            for start, stop in direct
-        )
-        return writes
-
-    def _too_long_to_stage(self, values: Mapping[Key, torch.Tensor]) -> bool:
-        assert self.store.write_cache is not None
-        block_rows = self.store.write_cache.block_rows
-        return any(
-            self.store.leaf(key).ragged and block_rows * value[:1].nbytes > STAGED_RAGGED_BYTES
-            for key, value in values.items()
-        )
-
-    def _keep_for_retry(self, writes: Sequence[Write]) -> None:
-        """Keep the rows of failed writes, so that the next flush writes them again: whole
-        rows wait in RAM (and are served from there), writes of some keys are queued."""
-        assert self.store.write_cache is not None
-        for rows, values in writes:
-            if values.keys() == self.store.leaves.keys():
-                self.store.write_cache.stage(rows, values, force=True)
-            else:
-                self._retries.append((rows, values))
-
-    def _write_to_disk(self, writes: Sequence[Write]) -> None:
-        """Write rows. A block whose rows hold data (committed, or written since) is
-        written by copy-on-write: into a free slot, with the rows of the block this write
-        leaves alone; the next commit switches the block to it, and until then the block's
-        old slot stays as it was (a crash or a failed write leaves it whole). Rows never
-        written go straight into their block's slot."""
-        assert self.store.ledger is not None
-        assert self.positions is not None
-        self.store.check_hold()
-        self.store.ledger.grow(
-            max((int(rows.max()) + 1 for rows, _ in writes if rows.size), default=0)
-        )
-        touched = self.store.ledger.mask()
-        for rows, _ in writes:
-            touched[rows] = True
-        keys = {key for _, values in writes for key in values}
-        was_intact = self.store.ledger.intact & touched
-        moved, before, copies, in_place, seeds = self._copy_on_write(writes, touched)
-        # Rows rewritten in slots no record refers to (moved since the last commit): not
-        # whole while the write runs (a failed write leaves them to be written again).
-        self.store.ledger.start_write(in_place)
-        try:
-            self.store.write_rows([*copies, *writes], seeds=seeds)
-        except BaseException:
-            self.block_map.assign(moved, before)  # the blocks' rows are where they were
-            raise
-        if self.store.creates_once:
-            written = np.concatenate([np.empty(0, np.int64), *(r for r, _ in [*copies, *writes])])
-            slots = np.unique(self.physical(written) // self.block_map.block_rows)
-            self._created_slots.extend(slots.tolist())
-        self.store.ledger.finish_write(touched, was_intact, keys)
-
-    def _copy_on_write(
-        self, writes: Sequence[Write], touched: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, list[Write], np.ndarray, list[tuple[int, int]]]:
-        """Move the blocks whose rows ``writes`` writes over to free slots, but those that
-        are in a slot no record refers to already (moved since the last commit).
-
-        Returns the blocks moved, the slots they were in, the writes that copy the rows of
-        those blocks that ``writes`` leaves alone (of each key: the rows holding data of
-        it) into their new slots, the rows (a mask) written over where they are, and the
-        ``(slot, new slot)`` whose objects of the arrays sharded by block the write starts
-        from, copied as stored, when objects are created once (else they are copied now).
-        """
-        ledger = self.store.ledger
-        assert ledger is not None
-        block_map = self.block_map
-        none = np.empty(0, dtype=np.int64)
-        if (ledger.published & touched).any():
-            self._rewrote_published = True
-        block_rows = block_map.block_rows
-        live = (ledger.intact | ledger.published) & touched
-        touched_blocks = np.unique(np.flatnonzero(touched) // block_rows)
-        slots = block_map.slots[touched_blocks]
-        # A slot a kept save refers to is never written (its rows past this writer's length
-        # are that save's); one the last commit refers to, where the write goes over rows
-        # that hold data. A slot no record refers to is written in place.
-        pinned = np.isin(slots, np.concatenate([none, *(m.slots for m in self._pinned_slots())]))
-        history = self.committed.history
-        if history is not None:  # nor one holding an archive's rows (after an empty, a load)
-            pinned |= history.used_slots(block_rows, block_map.capacity)[slots]
-        committed = np.isin(slots, self._committed_slots().slots)
-        has_live = np.isin(touched_blocks, np.flatnonzero(live) // block_rows)
-        # A slot another writer may still write (one that held the store before): moved.
-        foreign = slots < self._first_own_slot()
-        move = pinned | (committed & has_live) | foreign
-        creates_once = self.store.creates_once
-        if creates_once:
-            # No object is written over: a block whose slot holds rows to keep (any of
-            # them, written or not now) moves as well, the rows it keeps copied along.
-            move |= np.isin(touched_blocks, np.flatnonzero(ledger.held()) // block_rows)
-        in_place = ledger.mask()
-        for block in touched_blocks[has_live & ~move].tolist():
-            in_place[block * block_rows : (block + 1) * block_rows] = True
-        in_place &= live
-        blocks = touched_blocks[move]
-        if not blocks.size:
-            return none, none, [], in_place, []
-        fresh = self._free_slots(blocks.size)
-        before = block_map.slots[blocks].copy()
-        positions = (blocks[:, None] * block_rows + np.arange(block_rows)).ravel()
-        positions = positions[positions < ledger.extent]
-        copies: list[Write] = []
-        # Arrays whose shards are the blocks: the block's objects are copied as stored, and
-        # the write goes over them (it rewrites the inner chunks it touches, as in place).
-        # When objects are created once, the write starts from those copies instead
-        # (``seeds``): the rows kept and the rows written make each object, created whole.
-        whole = [key for key in self.store.leaves if self.store.array(key).chunk_rows == block_rows]
-        seeds: list[tuple[int, int]] = []
-        if creates_once:
-            seeds = list(zip(before.tolist(), fresh.tolist(), strict=True))
-        else:
-            with self.store.writing("copying blocks to other slots"):
-                for key in whole:
-                    for source, target in zip(before.tolist(), fresh.tolist(), strict=True):
-                        self.store.array(key).copy_chunk(source, target)
-        others = [key for key in self.store.leaves if key not in whole]
-        for group in self.store.plain_then_ragged(others):
-            requests = {}
-            for key in group:
-                written = [rows for rows, values in writes if key in values]
-                keep = ledger.readable(positions, key)
-                if written:
-                    keep &= ~np.isin(positions, np.concatenate(written))
-                if keep.any():
-                    requests[key] = positions[keep]
-            lengths = {
-                key: self.store.read_disk({self.store.leaf(key).lengths_key: rows})[
-                    self.store.leaf(key).lengths_key
-                ].numpy()
-                for key, rows in requests.items()
-                if self.store.leaf(key).ragged
-            }
-            for key, values in self.store.read_disk(requests, lengths).items():
-                copies.append((requests[key], {key: values}))
-        block_map.assign(blocks, fresh)
-        return blocks, before, copies, in_place, seeds
-
-    def _used_slots(self) -> np.ndarray:
-        """Boolean mask over the slots of a store of one writer: those the writer's map,
-        the last commit, a kept save or an archive's history refers to."""
-        slots = self.block_map
-        used = np.zeros(slots.capacity, dtype=bool)
-        for kept in (slots, self._committed_slots(), *self._pinned_slots()):
-            used[kept.slots[kept.slots < slots.capacity]] = True
-        if self.committed.history is not None:  # an archive's rows are never written over
-            used |= self.committed.history.used_slots(slots.block_rows, slots.capacity)
-        return used
-
-    @property
-    def late_writes_alone(self) -> bool:
-        """A single writer whose slots are reserved in the record before it writes."""
-        return self.store.late_writes
-
-    def write_past(self, slot: int) -> None:
-        """Write no slot below ``slot`` (a writer that held the store before may still
-        write there: see ``_own_from``); 0: every slot is this writer's."""
-        self._own_from = slot
-        if slot == 0:
-            self._known_empty = np.zeros(0, bool)  # nor left objects in slots it adds
-
-    def _own_floor(self) -> int:
-        """The first slot this writer may write into: 0 unless a writer that held the
-        store before it may still write (see ``_own_from``)."""
-        if not self.late_writes_alone:
-            return 0
-        if self._own_from is None:
-            lease = self.committed.lease
-            if lease is not None and not lease.held:
-                self._own_from = lease.floor  # its writer closed: nothing of it lands late
-            else:
-                self._own_from = self._committed_slots().capacity
-        return self._own_from
-
-    def _first_own_slot(self) -> int:
-        """:meth:`_own_floor`, recorded as held before this writer's first write: a writer
-        that takes the store over from this one (were it to stall) starts past them."""
-        own = self._own_floor()
-        if self.late_writes_alone and not self._holding:
-            self._lease = LeaseFloor(floor=own, held=True, avoid=self._avoid())
-            self.publish(self.committed, rows=False)
-            self._holding = True
-        return own
-
-    def _release_slots(self) -> None:
-        """After this writer's last write (a clean close): the next writer on the lease
-        takes its slots again, from the same floor."""
-        if not self._holding:
-            return
-        self._lease = LeaseFloor(floor=self._own_floor(), held=False, avoid=self._avoid())
-        self.publish(self.committed, rows=False)
-        self._holding = False
-
-    def _avoid(self) -> tuple[int, ...]:
-        return tuple(sorted(self._avoided_saves))
-
-    def _free_slots(self, count: int) -> np.ndarray:
-        """``count`` slots of this writer that neither the last commit nor the writer's
-        map refers to; the arrays grow (their metadata only) when there are not enough."""
-        slots = self.block_map
-        own = self._own_floor()
-        free = np.flatnonzero(~self._used_slots())
-        free = free[free >= own]
-        if free.size >= count:
-            chosen = free[:count]
-            if self._known_empty is not None:  # written from now on
-                self._known_empty[chosen[chosen < self._known_empty.size]] = False
-            reserved = self._committed_slots()
-            if self.late_writes_alone and chosen.size and int(chosen.max()) >= reserved.capacity:
-                # Reserved before anything is written there (also when the arrays grew for
-                # them before and that reservation failed): a writer that took the store
-                # over from this one takes its slots past these (and this one's late
-                # writes, were it stalled, land in slots no one else writes).
-                reserved = reserved.with_capacity(slots.capacity)
-                self.publish(dataclasses.replace(self.committed, slots=reserved), rows=False)
-            return chosen
-        # Metadata only (chunks are made as they are written): room for a whole ring more,
-        # so that kept saves do not make every write grow the arrays.
-        # (Past this writer's own first slot at once: it may lie far past the record's.)
-        capacity = max(
-            SPARE_FACTOR * slots.blocks, slots.capacity + max(count, slots.blocks), own + count
-        )
-        if capacity > max_slots(slots.blocks):
-            capacity = max_slots(slots.blocks)
-            if capacity - max(own, slots.capacity) < count:
-                raise SlotsExhaustedError(
-                    f"store {self.store.url!r}: its arrays hold {slots.capacity} slots of "
-                    f"{slots.block_rows} rows, as many as a record may name (each writer that "
-                    "took the store over on S3 reserved slots of its own); nothing was written. "
-                    "Save the buffer into a new store (zarr_rb.save(rb, new_path)) and write there",
-                )
-        if self.meta.format < FORMAT_VERSION:
-            # Readers that know no slot map refuse the store (FormatVersionError) from
-            # before its arrays grow, rather than take them for damaged.
-            self.meta = dataclasses.replace(self.meta, format=FORMAT_VERSION)
-            self.publish(self.committed, rows=False)
-        with self.store.writing("adding slots to the arrays"):
-            for key in self.store.leaves:
-                self.store.array(key).grow_rows(capacity * slots.block_rows)
-        self.positions = slots.with_capacity(capacity)
-        known = self._known_empty
-        if known is not None:  # slots up to the old capacity may hold objects, new ones not
-            self._known_empty = np.concatenate(
-                [
-                    known,
-                    np.zeros(slots.capacity - known.size, bool),
-                    np.ones(capacity - slots.capacity, bool),
-                ]
-            )
-        return self._free_slots(count)  # reserved there
 
     def _commit(self) -> None:
         """Publish every row that is on disk and within the storage's length."""
@@ -950,29 +519,3 @@ def _runs(mask: np.ndarray, step: int) -> Iterator[tuple[int, int]]:
     for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
         for first in range(start, stop, step):
             yield first, min(stop, (first // step + 1) * step)
-
-
-def _without_cells(writes: Sequence[Write], rows: np.ndarray, keys: Iterable[Key]) -> list[Write]:
-    """``writes`` without the cells of ``keys`` in ``rows`` (a newer write holds them)."""
-    keys = set(keys)
-    out: list[Write] = []
-    for written, values in writes:
-        kept = ~np.isin(written, rows)
-        index = torch.from_numpy(np.flatnonzero(kept))
-        covered = {key: value[index] for key, value in values.items() if key in keys}
-        others = {key: value for key, value in values.items() if key not in keys}
-        if covered and kept.any():
-            out.append((written[kept], covered))
-        if others:
-            out.append((written, others))
-    return out
-
-
-def _block_rows(block: Block) -> Write:
-    """The rows a block holds and their values (all of them when the block is full)."""
-    offsets = np.flatnonzero(block.dirty[: block.length])
-    start = block.index * block.dirty.size
-    if offsets.size == block.length:
-        return start + offsets, {key: v[: block.length] for key, v in block.values.items()}
-    index = torch.from_numpy(offsets)
-    return start + offsets, {key: v[index] for key, v in block.values.items()}

@@ -54,7 +54,8 @@ from zarr_rb.core.reader import read_committed
 from zarr_rb.core.ring import SlotMap
 from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
-from zarr_rb.core.solo import SoloCommits, Write
+from zarr_rb.core.solo import SoloCommits
+from zarr_rb.core.solo_writes import Write
 from zarr_rb.core.write_cache import Key, WriteBuffer
 from zarr_rb.engine import Engine, RowArray, once
 from zarr_rb.engine.rows import is_run
