@@ -23,6 +23,7 @@ from torchrl.data import ReplayBuffer
 
 import zarr_rb
 import zarr_rb.core.sharing as sharing_module
+import zarr_rb.core.sharing_slots as slots_module
 from zarr_rb import Compression, ZarrStorage
 from zarr_rb.core.store import Store
 
@@ -52,7 +53,7 @@ def version_stamps(path: str, version: str) -> list[int]:
 @pytest.fixture
 def few_spare_slots(monkeypatch):
     """Shared stores made with twice their blocks as slots, none more."""
-    monkeypatch.setattr(sharing_module, "SPARE_SLOTS", 0)
+    monkeypatch.setattr(slots_module, "SPARE_SLOTS", 0)
 
 
 def _grow_and_keep(
@@ -80,7 +81,7 @@ def test_dropped_versions_of_a_shared_store_give_their_slots_back(tmp_path, few_
     assert grown >= 10 * ROWS // BLOCK_ROWS  # ten rings held by ten versions
     for turn in range(9):
         zarr_rb.drop_version(str(path), f"v{turn}")
-    spare = sharing_module.initial_capacity(ROWS // BLOCK_ROWS)
+    spare = slots_module.initial_capacity(ROWS // BLOCK_ROWS)
     left = slot_objects(path)
     # The slots writers take first, and those past them that v9 and the head refer to.
     assert len(left - set(range(spare))) <= 2 * ROWS // BLOCK_ROWS
@@ -124,7 +125,7 @@ def test_dropped_versions_of_a_shared_store_on_s3_give_their_slots_back(
     other.close()
     for turn in range(5):
         zarr_rb.drop_version(s3_url, f"v{turn}", storage_options=s3_options)
-    spare = sharing_module.initial_capacity(ROWS // BLOCK_ROWS)
+    spare = slots_module.initial_capacity(ROWS // BLOCK_ROWS)
     left = stored()
     assert len(left - set(range(spare))) <= 3 * ROWS // BLOCK_ROWS < len(grown - set(range(spare)))
     loaded = zarr_rb.load(s3_url, version="v5", read_only=True, storage_options=s3_options)
@@ -144,7 +145,7 @@ def test_a_save_that_replaces_the_last_collects_the_slots_it_held(tmp_path, few_
         rb.extend(stamped(0, turn * ROWS, ROWS))
         zarr_rb.save(rb, progress=False)  # untagged: each replaces the last
     # At most the head's ring, the last save's and the slots taken first hold objects.
-    spare = sharing_module.initial_capacity(ROWS // BLOCK_ROWS)
+    spare = slots_module.initial_capacity(ROWS // BLOCK_ROWS)
     assert len(slot_objects(path) - set(range(spare))) <= 2 * ROWS // BLOCK_ROWS
     assert stamps(storage) == list(range(7 * ROWS, 8 * ROWS))
     storage.close()
@@ -270,8 +271,8 @@ class SharedWritersKeepingVersions(SharedWriters):
     def setup(self, rows: int, block_rows: int) -> None:
         # Arrays made with a slot more than the blocks: they grow, and slots come free past
         # those writers take first, within a few steps.
-        self._initial_capacity = sharing_module.initial_capacity
-        sharing_module.initial_capacity = lambda blocks: blocks + 1
+        self._initial_capacity = slots_module.initial_capacity
+        slots_module.initial_capacity = lambda blocks: blocks + 1
         super().setup(rows, block_rows)
         self.versions: dict[str, list[int]] = {}
         self.tags = 0
@@ -344,7 +345,7 @@ class SharedWritersKeepingVersions(SharedWriters):
             super().teardown()
         finally:
             if hasattr(self, "_initial_capacity"):
-                sharing_module.initial_capacity = self._initial_capacity
+                slots_module.initial_capacity = self._initial_capacity
 
 
 class _KilledError(Exception):

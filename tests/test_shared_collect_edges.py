@@ -21,7 +21,7 @@ from test_shared_collect import (
 from torchrl.data import ReplayBuffer
 
 import zarr_rb
-import zarr_rb.core.sharing as sharing_module
+import zarr_rb.core.sharing_slots as slots_module
 from zarr_rb import ZarrStorage
 from zarr_rb.core.store import Store
 
@@ -205,7 +205,7 @@ def test_retired_slots_among_those_taken_first_are_collected_too(tmp_path, few_s
     store = storage._store
     _keep_only(storage, "v1")  # v0's slots (the first ring's) come free
     ring = store.committed.ring
-    spare = sharing_module.initial_capacity(ROWS // 4)
+    spare = slots_module.initial_capacity(ROWS // 4)
     head = set((store.committed.physical(np.arange(ROWS)) // 4).tolist())
     retired = sorted(set(range(spare)) - head)[:3]
     assert retired

@@ -44,11 +44,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
-from zarr_rb.core.commits import Commits
+from zarr_rb.core import sharing_slots
 from zarr_rb.core.format import (
     ATTRS_KEY,
     FORMAT_VERSION,
-    RECENT_TAKES,
     STATE_GROUP,
     Commit,
     LeafSpec,
@@ -56,23 +55,21 @@ from zarr_rb.core.format import (
     Saved,
     Schema,
     StoreMeta,
-    max_ring_capacity,
     preview_rows,
 )
 from zarr_rb.core.metadata import check_is_store, parse_record, read_root
 from zarr_rb.core.pieces import forget_pieces
 from zarr_rb.core.ring import SlotMap
 from zarr_rb.core.runs import RunMap
+from zarr_rb.core.sharing_slots import SharingSlots, runs_of
 from zarr_rb.core.write_cache import Key
 from zarr_rb.errors import (
-    FencedError,
     LiveBufferError,
     LockedError,
     NotSupportedError,
     RowsNotCommittedError,
     SchemaMismatchError,
     ServerBusyError,
-    SlotsExhaustedError,
     StoreCorruptedError,
     VersionExistsError,
     VersionNotFoundError,
@@ -91,23 +88,13 @@ _READ_RETRIES = 50
 _SHARED_WRITE_ATTEMPTS = 50
 """Writes of some keys of given rows of a shared store, before giving up on rows that other
 writers keep writing."""
-COLLECT_BATCH = 256
-"""Free slots a collection holds (as open slots of its own) per record it publishes."""
-SPARE_SLOTS = 64
-"""Slots a shared store's arrays have beyond twice its blocks: open slots of writers, and
-slots whose rows are not all overwritten yet (their metadata only: no chunk is made)."""
 
 
 def new_writer_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def initial_capacity(blocks: int) -> int:
-    """Slots the arrays of a shared store of ``blocks`` blocks are made with."""
-    return 2 * blocks + SPARE_SLOTS
-
-
-class Sharing(Commits):
+class Sharing(SharingSlots):
     """The positions and commits of a store that other writers write too: this writer's
     open slot, its commits by compare-and-swap (see the module's docstring)."""
 
@@ -117,22 +104,11 @@ class Sharing(Commits):
         super().__init__(store, store.meta, length=store.length, cursor=store.cursor)
         self.committed = store.committed
         self.writer = writer
-        self.slot: int | None = None
-        """The slot this writer appends into."""
-        self.filled = 0
-        """Rows of :attr:`slot` written (committed or not)."""
-        self._full: list[int] = []
-        """Slots filled since the last commit: no longer open once it is published."""
-        self._alive: dict[str, bool] = {writer: True}
-        self._kept: dict[tuple[int, float, int, int], np.ndarray | None] = {}
-        """The slots of each kept save (see :meth:`_slots_kept_by`), by save."""
+        self._init_slots(writer)
         self._state_groups: set[int] = set()
         """The numbers of the state groups this writer saved into (see new_save_slot)."""
         self._mine: np.ndarray | None = None
         """Positions this writer is committing (their mirrors are its own to update)."""
-        self._emptied: tuple[Ring, np.ndarray] | None = None
-        """Slots known to hold no object, as of the ring of a record (see :meth:`collect`):
-        a slot taken since may hold some again."""
 
     @classmethod
     def start(cls, store: Store, writer: str) -> Sharing:
@@ -165,7 +141,9 @@ class Sharing(Commits):
             if meta.schema is None:
                 blocks = -(-schema.rows // block_rows)
                 ring = meta.commit.ring or Ring()
-                ring = dataclasses.replace(ring, capacity=initial_capacity(blocks), legacy=False)
+                ring = dataclasses.replace(
+                    ring, capacity=sharing_slots.initial_capacity(blocks), legacy=False
+                )
                 commit = dataclasses.replace(meta.commit, ring=ring, runs=RunMap.empty())
                 return dataclasses.replace(
                     meta, schema=schema, block_rows=block_rows, commit=commit, format=FORMAT_VERSION
@@ -445,214 +423,6 @@ class Sharing(Commits):
         if changed.any():
             store.mirror_changed(changed)
 
-    # --- slots -----------------------------------------------------------------------------
-
-    @property
-    def block_rows(self) -> int:
-        return self.meta.block_rows or 1
-
-    def _is_alive(self, writer: str) -> bool:
-        alive = self._alive.get(writer)
-        if alive is None:
-            alive = self.store.engine.location.writer_alive(writer)
-            if alive:
-                return True  # not cached: it may die by the next question
-            self._alive[writer] = False
-        return alive
-
-    def room(self, count: int) -> np.ndarray:
-        """Rows of the data arrays for ``count`` new rows: the rest of this writer's open
-        slot, then of the slots it takes."""
-        block_rows = self.block_rows
-        pieces = []
-        while count > 0:
-            if self.slot is None or self.filled == block_rows:
-                if self.slot is not None:
-                    self._full.append(self.slot)
-                self._take()
-            assert self.slot is not None
-            taken = min(count, block_rows - self.filled)
-            start = self.slot * block_rows + self.filled
-            pieces.append(np.arange(start, start + taken, dtype=np.int64))
-            self.filled += taken
-            count -= taken
-        return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
-
-    def _take(self) -> None:
-        """Take a free slot (growing the arrays' capacity when none is left)."""
-        chosen: list[int] = []
-
-        def take(meta: StoreMeta) -> StoreMeta:
-            ring = meta.commit.ring
-            assert ring is not None
-            self._check_open(ring)
-            opened = [(w, s) for w, s in ring.open if w == self.writer or self._is_alive(w)]
-            if self.store.late_writes:
-                # A writer taken for gone may be a stalled one whose writes land later.
-                gone = [s for w, s in ring.open if (w, s) not in opened]
-                ring = dataclasses.replace(ring, retired=(*ring.retired, *gone))
-            used = self._used_slots(meta, opened, ring)
-            free = np.flatnonzero(~used)
-            capacity = ring.capacity
-            if free.size:
-                slot = int(free[0])
-            else:
-                slot, capacity = capacity, max(2 * capacity, capacity + SPARE_SLOTS)
-                capacity = min(capacity, max_ring_capacity(self.store.rows))
-                if slot >= capacity:
-                    raise SlotsExhaustedError(
-                        f"store {self.store.url!r}: its arrays hold {slot} slots, as many as "
-                        "a record may name; nothing was written. Save the buffer into a new "
-                        "store (zarr_rb.save(rb, new_path)) and write there",
-                    )
-            chosen[:] = [slot]
-            ring = dataclasses.replace(
-                ring,
-                capacity=capacity,
-                open=(*opened, (self.writer, slot)),
-                takes=ring.takes + 1,
-                recent=(*ring.recent, slot)[-RECENT_TAKES:],
-            )
-            return dataclasses.replace(meta, commit=dataclasses.replace(meta.commit, ring=ring))
-
-        meta = self.update(take)
-        assert meta.commit.ring is not None
-        self.store.ensure_capacity(meta.commit.ring.capacity)
-        self.slot, self.filled = chosen[0], 0
-
-    def _used_slots(self, meta: StoreMeta, opened: list[tuple[str, int]], ring: Ring) -> np.ndarray:
-        """The slots that a run of the record, an open slot or a kept save refers to, and
-        those ``ring`` keeps from late writes (retired ones, those below ``fresh_from``)."""
-        used = self._referenced_slots(meta, opened, ring)
-        used |= _kept_out(ring)
-        return used
-
-    def _referenced_slots(
-        self, meta: StoreMeta, opened: list[tuple[str, int]], ring: Ring
-    ) -> np.ndarray:
-        """The slots that a run of the record, an archive's history, one of ``opened`` or
-        a kept save refers to."""
-        runs = meta.commit.runs or RunMap.empty()
-        used = runs.used_slots(self.block_rows, ring.capacity)
-        if meta.commit.history is not None:  # an archive keeps every row extended
-            used |= meta.commit.history.used_slots(self.block_rows, ring.capacity)
-        for _, slot in opened:
-            used[slot] = True
-        kept = {}
-        for saved in meta.pinned():
-            key = (saved.slot, saved.time, saved.length, ring.capacity)
-            kept[key] = self._kept.get(key)
-            if kept[key] is None:
-                kept[key] = self._slots_kept_by(saved, ring.capacity)
-            used |= kept[key]
-        self._kept = kept
-        return used
-
-    def _slots_kept_by(self, saved: Saved, capacity: int) -> np.ndarray:
-        """The slots holding the rows a kept save covered (a save made before the store
-        became shared: its rows stay until it is replaced or dropped)."""
-        assert self.store.schema is not None
-        commit = saved.commit(self.store.schema.elements_per_row)
-        return _runs_of(commit).used_slots(self.block_rows, capacity)
-
-    # --- collection ------------------------------------------------------------------------
-
-    def collect(self) -> int:
-        """Delete the objects of slots nothing refers to, past the first
-        ``initial_capacity`` (those writers take first): the disk that kept saves held,
-        given back once they are replaced or dropped, and that of retired slots once no
-        run refers to them. Returns how many slots it emptied.
-
-        A free slot is held (an open slot of this writer, published by compare-and-swap)
-        while its objects are deleted, then given back: no writer takes it meanwhile. A
-        slot kept out of reach (retired, below ``fresh_from``) is never taken: its objects
-        go without. The first collection of a writer lists the arrays; later ones delete
-        the slots that came free since (a slot taken since may hold objects again)."""
-        store = self.store
-        keys = store.whole_block_arrays()
-        meta = self.read_record()
-        ring = meta.commit.ring
-        assert ring is not None
-        spare = initial_capacity(-(-store.rows // self.block_rows))
-        kept_out = _kept_out(ring)
-        if not keys or (ring.capacity <= spare and not kept_out.any()):
-            return 0
-        stored = self._maybe_stored(ring, keys)
-        referenced = self._referenced_slots(meta, list(ring.open), ring)
-        candidates = stored & ~referenced
-        emptied = np.flatnonzero(candidates & kept_out)  # never taken again: wherever they are
-        if emptied.size:
-            store.check_hold()
-            store.drop_slots(keys, emptied.tolist())
-        candidates[:spare] = False  # free ones that writers take first keep their objects
-        free = np.flatnonzero(candidates & ~kept_out)
-        for start in range(0, free.size, COLLECT_BATCH):
-            held = self._hold(free[start : start + COLLECT_BATCH].tolist())
-            try:
-                store.check_hold()
-                store.drop_slots(keys, held)
-            finally:
-                # Free again, emptied or not (a slot taken is written whole before use).
-                self._give_back(held)
-            emptied = np.concatenate([emptied, np.asarray(held, dtype=np.int64)])
-        # Known empty from here: the slots just emptied, and those with no object that no
-        # writer has open (an open one may be written without being taken again).
-        empty = ~stored
-        empty[[slot for _, slot in ring.open]] = False
-        empty[emptied] = True
-        self._emptied = (ring, empty)
-        return int(emptied.size)
-
-    def _maybe_stored(self, ring: Ring, keys: list[Key]) -> np.ndarray:
-        """Boolean mask over the slots of ``ring``: those that may hold objects."""
-        if self._emptied is not None:
-            seen, empty = self._emptied
-            taken = ring.taken_since(seen)
-            if taken is not None:
-                known = np.zeros(ring.capacity, dtype=bool)
-                known[: min(empty.size, ring.capacity)] = empty[: ring.capacity]
-                known[[slot for slot in taken if slot < ring.capacity]] = False
-                return ~known
-        stored = np.zeros(ring.capacity, dtype=bool)
-        listed = [slot for slot in self.store.stored_slots(keys) if slot < ring.capacity]
-        stored[listed] = True
-        return stored
-
-    def _hold(self, slots: list[int]) -> list[int]:
-        """Open ``slots`` as this writer's (those still free in the record as it is now),
-        so that no writer takes them; returns those held."""
-        held: list[int] = []
-
-        def hold(meta: StoreMeta) -> StoreMeta | None:
-            ring = meta.commit.ring
-            assert ring is not None
-            self._check_open(ring)
-            used = self._used_slots(meta, list(ring.open), ring)
-            held[:] = [slot for slot in slots if slot < ring.capacity and not used[slot]]
-            if not held:
-                return None
-            opened = (*ring.open, *((self.writer, slot) for slot in held))
-            ring = dataclasses.replace(ring, open=opened)
-            return dataclasses.replace(meta, commit=dataclasses.replace(meta.commit, ring=ring))
-
-        self.update(hold)
-        return held
-
-    def _give_back(self, slots: list[int]) -> None:
-        """Free ``slots``, which :meth:`_hold` opened (empty now)."""
-        given = set(slots)
-
-        def give_back(meta: StoreMeta) -> StoreMeta | None:
-            ring = meta.commit.ring
-            assert ring is not None
-            kept = tuple((w, s) for w, s in ring.open if not (w == self.writer and s in given))
-            if kept == ring.open:
-                return None  # (retired by a writer that took this one for gone)
-            ring = dataclasses.replace(ring, open=kept)
-            return dataclasses.replace(meta, commit=dataclasses.replace(meta.commit, ring=ring))
-
-        self.update(give_back)
-
     def commit_rows(
         self,
         physical: np.ndarray,
@@ -799,7 +569,7 @@ class Sharing(Commits):
             LiveBufferError: another writer committed since this writer last read the
                 record (after the load was checked): loading would drop those rows.
         """
-        runs = _runs_of(kept)
+        runs = runs_of(kept)
         seen = self.committed  # what the load was checked against (Store.check_loadable)
 
         def rebase(meta: StoreMeta) -> StoreMeta:
@@ -888,21 +658,6 @@ class Sharing(Commits):
         self.slot, self.filled = None, 0
         self._full.clear()
 
-    def _check_open(self, ring: Ring) -> None:
-        """This writer's slots must still be its own (others drop them only once they took
-        it for gone: it must then write nothing more)."""
-        mine = [*self._full, *([self.slot] if self.slot is not None else [])]
-        held = set(ring.slots_of(self.writer))
-        lost = [slot for slot in mine if slot not in held]
-        if lost:
-            raise FencedError(
-                f"store {self.store.url!r}: slot(s) {lost} of this writer were given back "
-                "by another writer, which took this one for gone (its lease expired: the "
-                "process stalled for longer than the lease lasts); its rows there were not "
-                "committed. Reopen the store to write again",
-                holder={},
-            )
-
     # --- reads -----------------------------------------------------------------------------
 
     def read_checked(self, read: Callable[[], _R], rows: np.ndarray) -> _R:
@@ -932,15 +687,6 @@ class Sharing(Commits):
         )
 
 
-def _kept_out(ring: Ring) -> np.ndarray:
-    """Boolean mask over the slots of ``ring`` that no writer takes again (a writer that
-    lost its hold may still write them: see ``Ring``)."""
-    out = np.zeros(ring.capacity, dtype=bool)
-    out[: ring.fresh_from] = True
-    out[list(ring.retired)] = True
-    return out
-
-
 class RowsMovedError(Exception):
     """Rows a write to given positions read were written by another writer meanwhile."""
 
@@ -958,7 +704,7 @@ def _to_runs(meta: StoreMeta, *, late_writes: bool) -> StoreMeta | None:
         return dataclasses.replace(meta, commit=dataclasses.replace(commit, ring=Ring()))
     block_rows = meta.block_rows or 1
     blocks = -(-meta.schema.rows // block_rows)
-    runs = _runs_of(commit)
+    runs = runs_of(commit)
     capacity = blocks if commit.slots is None else commit.slots.capacity
     fresh_from = 0
     if late_writes:
@@ -970,12 +716,6 @@ def _to_runs(meta: StoreMeta, *, late_writes: bool) -> StoreMeta | None:
         commit, ring=ring, runs=runs, slots=None, holes=runs.holes(commit.length), lease=None
     )
     return dataclasses.replace(meta, commit=commit, format=FORMAT_VERSION)
-
-
-def _runs_of(commit: Commit) -> RunMap:
-    """The positions ``commit`` declares readable, as runs of the rows that hold them."""
-    positions = np.flatnonzero(commit.readable_mask(commit.length))
-    return RunMap.of(positions, commit.physical(positions))
 
 
 def _shared_fields(meta: StoreMeta) -> dict[str, Any]:
