@@ -258,3 +258,50 @@ def test_a_readers_cache_refetches_only_the_objects_created_since(s3_url, option
         check_rows(reader, model)  # and the new slots' rows as written
     reader.close()
     rb.storage.close()
+
+
+@pytest.mark.parametrize("meanwhile", ["refresh", "read"])
+def test_a_record_published_mid_write_leaves_no_slot_cached_stale(s3_url, options, meanwhile):
+    """Writes of some keys wait for the next commit; a later one that needs more slots
+    publishes a record reserving them (the same generation: no row committed) whose era
+    lists the slots written so far. A reader that picks that record up (a refresh, or the
+    check after any read) drops their cached objects then, not at the next generation."""
+    rb, model = writer(s3_url, options), twin()
+    reader = None
+    step = 0
+    for _ in range(3):  # the ring turns twice: slots 0-4, then 5-9, then 0-4 again
+        rb.extend(batch(step, CAPACITY))
+        model.extend(batch(step, CAPACITY))
+        step += CAPACITY
+        rb.storage.flush()
+        reader = reader or ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+        reader.refresh()
+        check_rows(reader, model)  # every slot named so far cached
+    assert reader is not None
+    # Slots 5-9 are free and cached by the reader with older rows; writes of one key move
+    # each block into one of them, uncommitted.
+    generation = rb.storage._store.committed.generation
+    for block in range(5):
+        rows = torch.arange(block * 8, block * 8 + 8)
+        patch = TensorDict({"action": torch.full((8,), 100 + block)}, batch_size=[8])
+        rb.storage.set(rows, patch)
+        model.storage.set(rows, patch)
+    # No slot is free for block 0 again: the arrays grow, a record reserves the new slot.
+    rows = torch.arange(0, 8)
+    patch = TensorDict({"action": torch.full((8,), 200)}, batch_size=[8])
+    rb.storage.set(rows, patch)
+    model.storage.set(rows, patch)
+    assert rb.storage._store.committed.generation == generation  # nothing committed yet
+    if meanwhile == "refresh":
+        reader.refresh()
+    else:
+        reader.get(torch.arange(8))
+    era = reader._store.committed.object_era
+    assert era is not None
+    assert set(era.slots[-5:]) == {5, 6, 7, 8, 9}  # the reserving record was picked up
+    rb.storage.flush()
+    reader.refresh()
+    check_rows(rb.storage, model)
+    check_rows(reader, model)
+    reader.close()
+    rb.storage.close()

@@ -57,16 +57,18 @@ def reread_commit(store: Store) -> Commit:
         store.leaves = leaves_by_key(meta.schema.leaves)  # keys added by the writer
     if moved:
         store.version += 1
-        if store.engine.cache is not None:
-            created = meta.commit.slots_created_since(earlier)
-            if created is None:
-                # Objects cached before now may have been rewritten: each is revalidated
-                # (once) on its next use. (Arrays stay open: a ragged one reopens when a
-                # row is wider than it, as on a local store.)
-                store.engine.cache.new_epoch()
-            else:
-                # Objects created once: only those of slots created since are new.
-                store.forget_slots(created)
+    # Every record picked up becomes the one the next is compared with: one of the same
+    # generation (a writer reserving slots mid-write) may list slots created since too.
+    if store.engine.cache is not None and (moved or meta.commit.object_era != earlier.object_era):
+        created = meta.commit.slots_created_since(earlier)
+        if created is None:
+            # Objects cached before now may have been rewritten: each is revalidated (once)
+            # on its next use. (Arrays stay open: a ragged one reopens when a row is wider
+            # than it, as on a local store.)
+            store.engine.cache.new_epoch()
+        else:
+            # Objects created once: only those of slots created since are new.
+            store.forget_slots(created)
     if pinned is not None:
         return meta.commit  # it reads the save's rows, which nothing changes
     if store.read_only and store.schema is not None:
