@@ -602,8 +602,12 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             last_row = _compat.last_cursor_index(self)
             if last_row is not None:
                 next_cursor = (last_row + 1) % schema.rows
-        store.write(rows, leaves, cursor=next_cursor)
-        _compat.bump_revision(self)
+        try:
+            store.write(rows, leaves, cursor=next_cursor)
+        finally:
+            # Also when it failed: its rows are kept (a flush writes them again), and a
+            # read made before it must not be served again.
+            _compat.bump_revision(self)
 
     def _rows_to_write(self, cursor: Any, data: Any) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:
         """The sorted unique rows ``cursor`` writes, and the leaves ``data`` puts there."""
