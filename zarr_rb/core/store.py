@@ -1430,9 +1430,4 @@ def _whole_chunks(tensor: torch.Tensor, array: RowArray) -> torch.Tensor:
     """Ragged rows padded with zeros to whole chunks along their length (no chunk is
     partly written, which would read it back first)."""
     width = tensor.shape[1]
-    whole = -(-width // array.chunk_length) * array.chunk_length
-    if whole == width:
-        return tensor
-    padded = tensor.new_zeros((tensor.shape[0], whole, *tensor.shape[2:]))
-    padded[:, :width] = tensor
-    return padded
+    return _padded(tensor, -(-width // array.chunk_length) * array.chunk_length)
