@@ -422,12 +422,14 @@ class Ring:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ObjectEra:
     """What readers of a store whose objects are created once need to keep their caches
-    (:attr:`Commit.object_era`): a random ``token``, drawn anew by a writer's first record
-    (the writer before may have created objects after its last one), when an array was
-    created again at a path, and when ``slots`` would grow past :data:`ERA_SLOTS`; and
-    ``slots``, every slot whose objects were created since the token was drawn, in order,
-    repeats kept. A reader that read a record of the same token invalidates the cached
-    objects of the slots added since; any other change revalidates every cached object."""
+    (:attr:`Commit.object_era`): a random ``token``, drawn anew by a single writer's first
+    record (the writer before may have created objects after its last one), by a shared
+    writer that finds a record without one, when an array was created again at a path, and
+    when ``slots`` would grow past :data:`ERA_SLOTS`; and ``slots``, every slot whose
+    objects were created since the token was drawn, in order, repeats kept (shared writers
+    each add theirs by compare-and-swap of the record). A reader that read a record of the
+    same token invalidates the cached objects of the slots added since; any other change
+    revalidates every cached object."""
 
     token: str
     slots: tuple[int, ...] = ()
@@ -497,11 +499,10 @@ class Commit:
     """The slots the writer on a lease owns (``None``: not recorded, as held at the
     capacity)."""
     object_era: ObjectEra | None = None
-    """Set when the store's data objects are created once and never written over (a
-    single writer on S3, see ``docs/design/ring.md``, step 5): which slots had objects
-    created since a reader's cache may last have been made whole. ``None``: objects may be
-    written over; a cache revalidates them at every new commit. Shared stores never set
-    it."""
+    """Set when the store's data objects are created once and never written over (its
+    writers on S3, see ``docs/design/ring.md``, step 5): which slots had objects created
+    since a reader's cache may last have been made whole. ``None``: objects may be written
+    over; a cache revalidates them at every new commit."""
 
     def physical(self, rows: np.ndarray) -> np.ndarray:
         """The rows of the data arrays that hold positions ``rows`` in this commit."""
@@ -528,7 +529,7 @@ class Commit:
             record["history"] = self.history.to_json()
         if self.lease is not None:
             record["lease"] = self.lease.to_json()
-        if self.object_era is not None and self.ring is None and self.runs is None:
+        if self.object_era is not None:
             record["object_era"] = self.object_era.to_json()
         return record
 
@@ -781,9 +782,9 @@ _OBJECT_ERA_TOKEN = re.compile(r"[0-9a-f]{16,64}")
 
 
 def _parse_object_era(value: Mapping[str, Any], *, rows: int) -> ObjectEra | None:
-    """``Commit.object_era`` of a record (``None`` in a shared store's, whatever it says)."""
+    """``Commit.object_era`` of a record."""
     era = value.get("object_era")
-    if era is None or value.get("ring") is not None or value.get("runs") is not None:
+    if era is None:
         return None
     _expect(isinstance(era, Mapping), "object_era to be an object", era)
     assert isinstance(era, Mapping)

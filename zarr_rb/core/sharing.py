@@ -47,10 +47,12 @@ import torch
 from zarr_rb.core import sharing_slots
 from zarr_rb.core.format import (
     ATTRS_KEY,
+    ERA_SLOTS,
     FORMAT_VERSION,
     STATE_GROUP,
     Commit,
     LeafSpec,
+    ObjectEra,
     Ring,
     Saved,
     Schema,
@@ -109,6 +111,8 @@ class Sharing(SharingSlots):
         """The numbers of the state groups this writer saved into (see new_save_slot)."""
         self._mine: np.ndarray | None = None
         """Positions this writer is committing (their mirrors are its own to update)."""
+        self._replaced_seen = store.engine.arrays_replaced
+        """:attr:`Engine.arrays_replaced` as of this writer's last new era token."""
 
     @classmethod
     def start(cls, store: Store, writer: str) -> Sharing:
@@ -320,6 +324,9 @@ class Sharing(SharingSlots):
                     self.adopt(meta)
                     return meta
                 commit = dataclasses.replace(edited.commit, generation=meta.commit.generation + 1)
+                if commit.object_era is not None and not store.creates_once:
+                    # This writer writes objects over: readers must revalidate their caches.
+                    commit = dataclasses.replace(commit, object_era=None)
                 edited = dataclasses.replace(edited, commit=commit)
                 store.check_hold()
                 with store.writing("publishing a commit"):
@@ -391,8 +398,13 @@ class Sharing(SharingSlots):
         ledger.intact = readable.copy()
         if store.engine.cache is not None:
             # Before the changed rows are read again: objects cached before now may hold
-            # what those rows held before other writers rewrote them.
-            store.engine.cache.new_epoch()
+            # what those rows held before other writers rewrote them; where every object is
+            # created once, only those of the slots created since.
+            created = meta.commit.slots_created_since(before)
+            if created is None:
+                store.engine.cache.new_epoch()
+            else:
+                store.forget_slots(created)
         if store.mirrored:
             self._refresh_mirror(before, meta.commit, old, new)
 
@@ -441,7 +453,11 @@ class Sharing(SharingSlots):
         """
         rows = self.store.rows
         placed: list[np.ndarray] = []
-        full = list(self._full)
+        once = self.store.creates_once
+        # Slots this write leaves: those it filled, and (objects created once) its last.
+        full = [*self._full, *([self.slot] if once and self.slot is not None else [])]
+        created = tuple(dict.fromkeys((physical // self.block_rows).tolist())) if once else ()
+        next_slot: list[int] = []
 
         def publish(meta: StoreMeta) -> StoreMeta:
             commit = meta.commit
@@ -479,14 +495,41 @@ class Sharing(SharingSlots):
                 ring=dataclasses.replace(ring, open=opened),
                 history=history,
             )
-            return dataclasses.replace(meta, commit=commit)
+            if not once:
+                return dataclasses.replace(meta, commit=commit)
+            # The slot the next write goes to, taken now (no compare-and-swap of its own),
+            # and the slots this one created objects in, for readers' caches.
+            commit = dataclasses.replace(commit, object_era=self._era_with(commit, created))
+            meta, slot = self.with_slot_taken(dataclasses.replace(meta, commit=commit))
+            next_slot[:] = [slot]
+            return meta
 
         try:
-            self.update(publish)
+            meta = self.update(publish)
         finally:
             self._mine = None
-        del self._full[: len(full)]
+        del self._full[: len(self._full) if once else len(full)]
+        if next_slot:
+            assert meta.commit.ring is not None
+            self.store.ensure_capacity(meta.commit.ring.capacity)
+            self.slot, self.filled = next_slot[0], 0
         return placed[0]
+
+    def _era_with(self, commit: Commit, created: tuple[int, ...]) -> ObjectEra:
+        """``commit``'s :class:`ObjectEra` with the slots this writer just created objects
+        in; a new token (no slot listed: readers revalidate their caches once) where the
+        record has none (its writers wrote objects over, or none created any yet), where an
+        array was created again at a path, and where the list would grow too long."""
+        era = commit.object_era
+        replaced = self.store.engine.arrays_replaced
+        if (
+            era is None
+            or replaced != self._replaced_seen
+            or len(era.slots) + len(created) > ERA_SLOTS
+        ):
+            self._replaced_seen = replaced
+            return ObjectEra(token=secrets.token_hex(8))
+        return ObjectEra(token=era.token, slots=era.slots + created)
 
     def _publish_save(self, saved: Saved, *, tag: str | None) -> None:
         """Publish a save made at the record as it is now: the rows it covers are those

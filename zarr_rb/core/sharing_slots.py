@@ -92,8 +92,13 @@ class SharingSlots(Commits):
 
     def room(self, count: int) -> np.ndarray:
         """Rows of the data arrays for ``count`` new rows: the rest of this writer's open
-        slot, then of the slots it takes."""
+        slot, then of the slots it takes. A writer that creates objects once starts every
+        write in a slot it has not written yet (see :meth:`Sharing.commit_rows`)."""
         block_rows = self.block_rows
+        if self.filled and self.store.creates_once:
+            assert self.slot is not None
+            self._full.append(self.slot)  # its objects are made: it takes no more rows
+            self.slot = None
         pieces = []
         while count > 0:
             if self.slot is None or self.filled == block_rows:
@@ -113,42 +118,50 @@ class SharingSlots(Commits):
         chosen: list[int] = []
 
         def take(meta: StoreMeta) -> StoreMeta:
-            ring = meta.commit.ring
-            assert ring is not None
-            self._check_open(ring)
-            opened = [(w, s) for w, s in ring.open if w == self.writer or self._is_alive(w)]
-            if self.store.late_writes:
-                # A writer taken for gone may be a stalled one whose writes land later.
-                gone = [s for w, s in ring.open if (w, s) not in opened]
-                ring = dataclasses.replace(ring, retired=(*ring.retired, *gone))
-            used = self._used_slots(meta, opened, ring)
-            free = np.flatnonzero(~used)
-            capacity = ring.capacity
-            if free.size:
-                slot = int(free[0])
-            else:
-                slot, capacity = capacity, max(2 * capacity, capacity + SPARE_SLOTS)
-                capacity = min(capacity, max_ring_capacity(self.store.rows))
-                if slot >= capacity:
-                    raise SlotsExhaustedError(
-                        f"store {self.store.url!r}: its arrays hold {slot} slots, as many as "
-                        "a record may name; nothing was written. Save the buffer into a new "
-                        "store (zarr_rb.save(rb, new_path)) and write there",
-                    )
+            assert meta.commit.ring is not None
+            self._check_open(meta.commit.ring)
+            meta, slot = self.with_slot_taken(meta)
             chosen[:] = [slot]
-            ring = dataclasses.replace(
-                ring,
-                capacity=capacity,
-                open=(*opened, (self.writer, slot)),
-                takes=ring.takes + 1,
-                recent=(*ring.recent, slot)[-RECENT_TAKES:],
-            )
-            return dataclasses.replace(meta, commit=dataclasses.replace(meta.commit, ring=ring))
+            return meta
 
         meta = self.update(take)
         assert meta.commit.ring is not None
         self.store.ensure_capacity(meta.commit.ring.capacity)
         self.slot, self.filled = chosen[0], 0
+
+    def with_slot_taken(self, meta: StoreMeta) -> tuple[StoreMeta, int]:
+        """``meta`` with a free slot opened as this writer's (the arrays' capacity grown
+        when none is left; the open slots of writers gone dropped), and that slot."""
+        ring = meta.commit.ring
+        assert ring is not None
+        opened = [(w, s) for w, s in ring.open if w == self.writer or self._is_alive(w)]
+        if self.store.late_writes:
+            # A writer taken for gone may be a stalled one whose writes land later.
+            gone = [s for w, s in ring.open if (w, s) not in opened]
+            ring = dataclasses.replace(ring, retired=(*ring.retired, *gone))
+        used = self._used_slots(meta, opened, ring)
+        free = np.flatnonzero(~used)
+        capacity = ring.capacity
+        if free.size:
+            slot = int(free[0])
+        else:
+            slot, capacity = capacity, max(2 * capacity, capacity + SPARE_SLOTS)
+            capacity = min(capacity, max_ring_capacity(self.store.rows))
+            if slot >= capacity:
+                raise SlotsExhaustedError(
+                    f"store {self.store.url!r}: its arrays hold {slot} slots, as many as "
+                    "a record may name; nothing was written. Save the buffer into a new "
+                    "store (zarr_rb.save(rb, new_path)) and write there",
+                )
+        ring = dataclasses.replace(
+            ring,
+            capacity=capacity,
+            open=(*opened, (self.writer, slot)),
+            takes=ring.takes + 1,
+            recent=(*ring.recent, slot)[-RECENT_TAKES:],
+        )
+        commit = dataclasses.replace(meta.commit, ring=ring)
+        return dataclasses.replace(meta, commit=commit), slot
 
     def _used_slots(self, meta: StoreMeta, opened: list[tuple[str, int]], ring: Ring) -> np.ndarray:
         """The slots that a run of the record, an open slot or a kept save refers to, and

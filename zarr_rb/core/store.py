@@ -612,13 +612,15 @@ class Store:
     @property
     def creates_once(self) -> bool:
         """Whether this writer creates each data object once, never writing over one (a
-        single writer on a lease, on a server that refuses to create an object that
-        exists: see ``docs/design/ring.md``, step 5). Its writes then cover every row of
-        each slot they go to (:meth:`SoloCommits._copy_on_write` moves every block written
-        into a slot that may hold an object)."""
+        writer on a lease, on a server that refuses to create an object that exists: see
+        ``docs/design/ring.md``, step 5). Its writes then cover every row of each slot they
+        go to (:meth:`SoloCommits._copy_on_write` moves every block written into a slot
+        that may hold an object; a shared writer writes each write into fresh slots)."""
+        if not self.late_writes:
+            return False
         if self._creates_once is None:
             self._creates_once = self.engine.location.creates_once()
-        return self.late_writes and not self.is_shared and self._creates_once
+        return self._creates_once
 
     def write_rows(
         self,
@@ -634,8 +636,8 @@ class Store:
         assert self.commits.positions is not None
         if physical:
             self.check_hold()  # (its slots were taken with room in the arrays: Sharing._take)
-        elif self.creates_once:
-            self._create_rows(writes, seeds)
+        if self.creates_once:
+            self._create_rows(writes, seeds, physical=physical)
             return
         assert not seeds
         with self.writing("writing rows"):
@@ -661,14 +663,16 @@ class Store:
             if errors:
                 raise errors[0]
 
-    def _create_rows(self, writes: Sequence[Write], seeds: Sequence[tuple[int, int]]) -> None:
+    def _create_rows(
+        self, writes: Sequence[Write], seeds: Sequence[tuple[int, int]], *, physical: bool
+    ) -> None:
         """:meth:`write_rows`, every object created once: the rows of each key together."""
         assert self.commits.positions is not None
         block_rows = self.meta.block_rows or 1
         seeded = [k for k in self.leaves if seeds and self.array(k).chunk_rows == block_rows]
         by_key: dict[Key, list[tuple[np.ndarray, torch.Tensor]]] = {key: [] for key in seeded}
         for rows, values in writes:
-            at = self.commits.physical(rows)
+            at = rows if physical else self.commits.physical(rows)
             for key, tensor in values.items():
                 by_key.setdefault(key, []).append((at, tensor))
         with self.writing("writing rows"):
@@ -686,7 +690,11 @@ class Store:
                         pieces = [(at, _padded(tensor, width)) for at, tensor in pieces]
                     writes_of_key = [(at, to_numpy(tensor)) for at, tensor in pieces if width != 0]
                     key_seeds = seeds if key in seeded else ()
-                    creation = array.create_rows(writes_of_key, width=width, seeds=key_seeds)
+                    # A shared writer's slots are mostly taken again once free: with the
+                    # objects of the rows they held (deleted first, in one round).
+                    creation = array.create_rows(
+                        writes_of_key, width=width, seeds=key_seeds, clear=physical
+                    )
                     started.append((array, creation))
             finally:
                 # (Every key's requests in flight at once; those started are waited for.)

@@ -13,7 +13,7 @@ Design: ``docs/design/ring.md``, "Step 5".
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import tensorstore as ts
@@ -49,10 +49,18 @@ class Creation:
 
     Args:
         where: the key as the store names it (for messages).
+        clear: delete each object first, then create it: one round of requests instead of
+            three where leftovers are likely (a shared writer's slots, taken again once
+            free), one more where there are none.
     """
 
     def __init__(
-        self, shadow: ts.TensorStore, target: ts.KvStore, *, where: Callable[[str], str]
+        self,
+        shadow: ts.TensorStore,
+        target: ts.KvStore,
+        *,
+        where: Callable[[str], str],
+        clear: bool = False,
     ) -> None:
         memory = shadow.kvstore
         assert memory is not None
@@ -61,16 +69,26 @@ class Creation:
         listed = [key.decode() for key in memory.list().result() if key != b"zarr.json"]
         reads = {key: memory.read(key) for key in listed}
         self._values = {key: bytes(read.result().value) for key, read in reads.items()}
-        self._created = {
-            key: target.write(key, value, if_equal=NO_VALUE) for key, value in self._values.items()
-        }
+        # (A DELETE of one key each: a range would LIST first.)
+        self._cleared = [target.write(key, None) for key in listed] if clear else []
+        self._created = {} if clear else self._create(listed)
         self.keys = listed
         """The keys created (relative to the array's)."""
 
+    def _create(self, keys: Iterable[str]) -> dict[str, Any]:
+        """Start the conditional PUTs of ``keys``."""
+        values = self._values
+        return {key: self._target.write(key, values[key], if_equal=NO_VALUE) for key in keys}
+
     def _steps(self) -> Iterator[None]:
-        """The requests after the first PUTs, in rounds (each round's requests in flight
+        """The requests after the first round, in rounds (each round's requests in flight
         at once, and with the other creations' of :func:`finish_all`)."""
         target, values = self._target, self._values
+        if self._cleared:
+            for deletion in self._cleared:
+                deletion.result()
+            self._created = self._create(self.keys)
+            yield
         found: dict[str, Any] = {
             key: target.read(key)
             for key, future in self._created.items()
@@ -82,13 +100,11 @@ class Creation:
             for key, future in found.items()
             if (result := future.result()).state != "value" or bytes(result.value) != values[key]
         ]
-        deletions = [
-            target.delete_range(ts.KvStore.KeyRange(key, key + "\x00")) for key in replaced
-        ]
+        deletions = [target.write(key, None) for key in replaced]
         yield
         for deletion in deletions:
             deletion.result()
-        again = {key: target.write(key, values[key], if_equal=NO_VALUE) for key in replaced}
+        again = self._create(replaced)
         yield
         for key, future in again.items():
             if not future.result().generation:

@@ -299,6 +299,7 @@ class RowArray:
         *,
         width: int | None = None,
         seeds: Sequence[tuple[int, int]] = (),
+        clear: bool = False,
     ) -> once.Creation:
         """Start writing ``values`` to ``rows`` for each pair of ``writes``, every object
         they make created once (see :mod:`zarr_rb.engine.once`): encoded in RAM, then
@@ -307,7 +308,8 @@ class RowArray:
         writes cover every row of a slot that holds data. Rows of a ragged array up to
         ``width`` (widen it first with :meth:`grow`). ``seeds``: ``(slot, new slot)``
         pairs (write chunks along the rows) whose objects the new slot's start from, as
-        stored (the write goes over them, as over the objects of a slot in place)."""
+        stored (the write goes over them, as over the objects of a slot in place).
+        ``clear``: delete the objects first (slots that likely hold leftovers)."""
         announce("write", self._location.path_of(self.path))
         shadow = once.shadow_of(self._array)
         if seeds:
@@ -335,7 +337,10 @@ class RowArray:
         target = self._array.kvstore
         assert target is not None
         creation = once.Creation(
-            shadow, target, where=lambda key: str(self._location.path_of(join(self.path, key)))
+            shadow,
+            target,
+            where=lambda key: str(self._location.path_of(join(self.path, key))),
+            clear=clear,
         )
         keys = [join(self.path, key) for key in creation.keys]
         self._location.written(keys)

@@ -1,0 +1,237 @@
+"""Shared writers on S3 create each data object once too (``docs/design/ring.md``, step 5):
+every write of a shared writer goes into fresh slots, whose objects it creates by
+conditional PUTs, so no object is ever written over; records carry the slots created, so a
+reader keeps the rest of its cache without a request.
+
+Through the proxy of ``test_s3_create_once`` that logs every request.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_identical
+from s3_proxy import S3Proxy
+from shared_workers import stamped, torn
+from tensordict import TensorDict
+from test_s3_create_once import (
+    BLOCK,
+    CAPACITY,
+    batch,
+    check_rows,
+    object_history,
+    overwrites,
+    prefix_of,
+    twin,
+)
+from torchrl.data import TensorDictReplayBuffer
+
+import zarr_rb
+from zarr_rb import ZarrStorage
+from zarr_rb.core.metadata import read_root
+
+
+@pytest.fixture
+def proxy(s3_server):
+    proxy = S3Proxy(s3_server.endpoint, s3_server.bucket)
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def options(s3_options, proxy):
+    return {**s3_options, "endpoint_url": proxy.endpoint}
+
+
+def first_writer(url: str, options: dict) -> TensorDictReplayBuffer:
+    storage = ZarrStorage(CAPACITY, url, storage_options=options, compression=BLOCK, shared=True)
+    return TensorDictReplayBuffer(storage=storage, batch_size=8)
+
+
+def another_writer(url: str, options: dict) -> TensorDictReplayBuffer:
+    storage = ZarrStorage(path=url, storage_options=options, shared=True)
+    return TensorDictReplayBuffer(storage=storage, batch_size=8)
+
+
+def record_of(rb: TensorDictReplayBuffer) -> dict:
+    return read_root(rb.storage._store.engine)["attributes"]["zarr_rb"]["commit"]
+
+
+def interleaved(
+    writers: list[TensorDictReplayBuffer],
+    model: TensorDictReplayBuffer,
+    reader: ZarrStorage,
+    *,
+    step: int,
+    seed: int,
+    rounds: int = 24,
+) -> int:
+    """Extends of every size by writers drawn at random (the ring wraps several times),
+    each checked against the model's indices; now and then every row of ``[0, len)``
+    checked through every writer and a reader. Returns the next step."""
+    draw = random.Random(seed)
+    for _ in range(rounds):
+        rb = draw.choice(writers)
+        n = draw.choice([1, 3, 8, 13, 21])
+        got = rb.extend(batch(step, n))
+        expected = model.extend(batch(step, n))
+        assert torch.equal(got, expected)  # placed at commit time, as TorchRL would
+        step += n
+        if draw.random() < 0.4:
+            for each in writers:
+                each.storage.flush()  # (picks up the other writers' commits)
+                check_rows(each.storage, model)
+            reader.refresh()
+            check_rows(reader, model)
+    return step
+
+
+def test_shared_writers_never_write_an_object_over(s3_url, options, proxy):
+    a, model = first_writer(s3_url, options), twin()
+    a.extend(batch(0, 5))
+    model.extend(batch(0, 5))
+    b = another_writer(s3_url, options)
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    step = interleaved([a, b], model, reader, step=5, seed=1)
+    assert a.storage._store.creates_once
+    assert b.storage._store.creates_once
+    zarr_rb.save(a)  # collects the slots no record refers to
+    step = interleaved([a, b], model, reader, step=step, seed=2)
+    assert "object_era" in record_of(a)
+    for rb in (a, b):
+        rb.storage.close()
+    reader.close()
+
+    history = object_history(proxy, prefix_of(s3_url))
+    puts = [r for requests in history.values() for r in requests if r[0] == "PUT"]
+    assert len(puts) > 50
+    assert all(conditional for _, _, conditional in puts)  # every PUT a conditional create
+    assert overwrites(history) == []
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    check_rows(reader, model)
+    reader.close()
+
+
+def test_writes_to_given_rows_by_shared_writers_create_objects_once(s3_url, options, proxy):
+    a, model = first_writer(s3_url, options), twin()
+    step = 0
+    for start in range(0, 2 * CAPACITY, 13):
+        a.extend(batch(start, 13))
+        model.extend(batch(start, 13))
+        step = start + 13
+    b = another_writer(s3_url, options)
+    draw = random.Random(3)
+    for _ in range(10):
+        rows = torch.tensor(sorted(draw.sample(range(CAPACITY), draw.choice([1, 5, 11]))))
+        patch = TensorDict({"action": torch.full((rows.numel(),), step)}, batch_size=[len(rows)])
+        draw.choice([a, b]).storage[rows] = patch  # keys left out keep their values
+        model.storage[rows] = patch
+        step += 1
+    for rb in (a, b):
+        rb.storage.flush()
+        check_rows(rb.storage, model)
+        rb.storage.close()
+    assert overwrites(object_history(proxy, prefix_of(s3_url))) == []
+
+
+def test_a_readers_cache_keeps_the_objects_of_slots_not_created_since(s3_url, options, proxy):
+    a, model = first_writer(s3_url, options), twin()
+    a.extend(batch(0, 32))
+    model.extend(batch(0, 32))
+    b = another_writer(s3_url, options)
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    check_rows(reader, model)  # fetched into its cache
+    prefix = prefix_of(s3_url)
+
+    def data_gets() -> int:
+        return sum(
+            1
+            for method, key, _, _ in proxy.log
+            if method == "GET" and key.startswith(prefix + "data/")
+        )
+
+    block_rows = a.storage._store.meta.block_rows
+    for start in range(32, 160, 8):
+        rb = a if start % 16 else b
+        rb.extend(batch(start, 8))
+        model.extend(batch(start, 8))
+        if start % 40 == 0:
+            zarr_rb.save(rb)
+        before = reader._store.committed
+        reader.refresh()
+        commit = reader._store.committed
+        created = commit.slots_created_since(before)
+        assert created is not None
+        assert len(created) > 0
+        positions = torch.arange(len(reader))
+        slots = commit.physical(positions.numpy()) // block_rows
+        kept = positions[~torch.from_numpy(np.isin(slots, created))]
+        assert kept.numel() > 0
+        gets = data_gets()
+        expected = model.storage.get(kept).exclude("index")
+        assert_identical(reader.get(kept).exclude("index"), expected)
+        assert data_gets() == gets  # from the cache: no revalidation
+        check_rows(reader, model)  # and the new slots' rows as written
+    reader.close()
+    for rb in (a, b):
+        rb.storage.close()
+
+
+def test_shared_writers_on_a_server_that_ignores_the_condition_write_as_before(
+    s3_url, options, proxy
+):
+    proxy.ignore_if_none_match = True
+    a, model = first_writer(s3_url, options), twin()
+    a.extend(batch(0, 5))
+    model.extend(batch(0, 5))
+    b = another_writer(s3_url, options)
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    interleaved([a, b], model, reader, step=5, seed=4, rounds=12)
+    assert not a.storage._store.creates_once
+    assert "object_era" not in record_of(a)
+    for rb in (a, b):
+        rb.storage.close()
+    reader.close()
+    # Written as before: open slots written over in place, which this check sees.
+    assert overwrites(object_history(proxy, prefix_of(s3_url))) != []
+
+
+def _extend_in_child(url: str, options: dict, writer: int, batches: int) -> None:
+    storage = ZarrStorage(path=url, storage_options=options, shared=True)
+    rb = TensorDictReplayBuffer(storage=storage)
+    for i in range(batches):
+        rb.extend(stamped(writer, i * 7, 7))
+    storage.close()
+
+
+def test_spawned_shared_writers_create_objects_once(s3_url, options, proxy):
+    storage = ZarrStorage(400, s3_url, storage_options=options, compression=BLOCK, shared=True)
+    rb = TensorDictReplayBuffer(storage=storage)
+    rb.extend(stamped(0, 0, 10))
+    context = multiprocessing.get_context("spawn")
+    children = [
+        context.Process(target=_extend_in_child, args=(s3_url, options, writer, 12))
+        for writer in (1, 2, 3)
+    ]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(timeout=300)
+        assert child.exitcode == 0
+    storage.flush()
+    assert len(rb) == 10 + 3 * 12 * 7
+    rows = rb[:]
+    assert torn(rows) == 0
+    stamps = sorted(rows["stamp"].tolist())
+    expected = sorted(
+        list(range(10)) + [w * 1_000_000 + s for w in (1, 2, 3) for s in range(12 * 7)]
+    )
+    assert stamps == expected
+    storage.close()
+    history = object_history(proxy, prefix_of(s3_url))
+    assert all(c for requests in history.values() for m, _, c in requests if m == "PUT")
+    assert overwrites(history) == []
