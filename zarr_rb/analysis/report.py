@@ -177,11 +177,10 @@ def _objects_line(url: str, commit: Commit) -> str | None:
             "created once, never written over (conditional PUTs): readers keep cached "
             "objects across commits"
         )
-    if commit.runs is not None or commit.ring is not None:
-        return "written over in place (shared writers): readers revalidate cached objects"
     return (
         "written over in place (a writer whose server did not refuse a second create, or "
-        "no commit by a single writer since): readers revalidate cached objects"
+        "no commit since by a writer that creates them once): readers revalidate cached "
+        "objects"
     )
 
 

@@ -457,6 +457,7 @@ class Sharing(SharingSlots):
         # Slots this write leaves: those it filled, and (objects created once) its last.
         full = [*self._full, *([self.slot] if once and self.slot is not None else [])]
         created = tuple(dict.fromkeys((physical // self.block_rows).tolist())) if once else ()
+        replaced = self.store.engine.arrays_replaced
         next_slot: list[int] = []
 
         def publish(meta: StoreMeta) -> StoreMeta:
@@ -499,7 +500,8 @@ class Sharing(SharingSlots):
                 return dataclasses.replace(meta, commit=commit)
             # The slot the next write goes to, taken now (no compare-and-swap of its own),
             # and the slots this one created objects in, for readers' caches.
-            commit = dataclasses.replace(commit, object_era=self._era_with(commit, created))
+            era = _era_with(commit.object_era, created, anew=replaced != self._replaced_seen)
+            commit = dataclasses.replace(commit, object_era=era)
             meta, slot = self.with_slot_taken(dataclasses.replace(meta, commit=commit))
             next_slot[:] = [slot]
             return meta
@@ -513,23 +515,8 @@ class Sharing(SharingSlots):
             assert meta.commit.ring is not None
             self.store.ensure_capacity(meta.commit.ring.capacity)
             self.slot, self.filled = next_slot[0], 0
-        return placed[0]
-
-    def _era_with(self, commit: Commit, created: tuple[int, ...]) -> ObjectEra:
-        """``commit``'s :class:`ObjectEra` with the slots this writer just created objects
-        in; a new token (no slot listed: readers revalidate their caches once) where the
-        record has none (its writers wrote objects over, or none created any yet), where an
-        array was created again at a path, and where the list would grow too long."""
-        era = commit.object_era
-        replaced = self.store.engine.arrays_replaced
-        if (
-            era is None
-            or replaced != self._replaced_seen
-            or len(era.slots) + len(created) > ERA_SLOTS
-        ):
             self._replaced_seen = replaced
-            return ObjectEra(token=secrets.token_hex(8))
-        return ObjectEra(token=era.token, slots=era.slots + created)
+        return placed[0]
 
     def _publish_save(self, saved: Saved, *, tag: str | None) -> None:
         """Publish a save made at the record as it is now: the rows it covers are those
@@ -728,6 +715,16 @@ class Sharing(SharingSlots):
             f"store {self.store.url!r}: rows kept being rewritten by other writers while "
             f"being read ({_READ_RETRIES} attempts)",
         )
+
+
+def _era_with(era: ObjectEra | None, created: tuple[int, ...], *, anew: bool) -> ObjectEra:
+    """``era`` (a record's) with the slots a writer just created objects in; a new token
+    (no slot listed: readers revalidate their caches once) where the record has none (its
+    writers wrote objects over, or none created any yet), where ``anew`` (an array was
+    created again at a path), and where the list would grow too long."""
+    if era is None or anew or len(era.slots) + len(created) > ERA_SLOTS:
+        return ObjectEra(token=secrets.token_hex(8))
+    return ObjectEra(token=era.token, slots=era.slots + created)
 
 
 class RowsMovedError(Exception):
