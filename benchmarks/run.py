@@ -1,7 +1,7 @@
 """zarr_rb against TorchRL's storages, side by side, on real Atari frames.
 
-One command runs every part on the same data and prints every table of the README's
-Performance section (``--parts`` picks some)::
+One command runs every part on the same data and prints every table of the
+documentation's Performance page, ``docs/performance.md`` (``--parts`` picks some)::
 
     python benchmarks/run.py                       # every part: about 5 minutes on 2 cores
     python benchmarks/run.py --parts datasets --scale 4   # four times the rows

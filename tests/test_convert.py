@@ -625,8 +625,9 @@ def test_export_memory_stays_bounded_by_its_blocks(tmp_path: Path) -> None:
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
 def test_export_of_a_store_the_size_of_the_demo_stays_below_1_gb(tmp_path: Path) -> None:
     """100,000 transitions, 5.3 GiB of frames, as the demo writes: the export holds a few
-    blocks above what the imports hold (0.92 GB peak RSS in all on the README's machine,
-    was 1.02-1.43 GB; the imports of torch and TorchRL alone differ between builds)."""
+    blocks above what the imports hold (0.92 GB peak RSS in all on the machine of the figure
+    in docs/saving-and-loading.md, was 1.02-1.43 GB; the imports of torch and TorchRL alone
+    differ between builds)."""
     imported, peak = _export_peak_rss(tmp_path, 100_000)
     assert peak - imported < 2 * COPY_BLOCK_BYTES + 32 * 2**20, (imported, peak)
 

@@ -90,8 +90,8 @@ def test_frames_the_codec_cannot_shrink_are_stored_raw(store_path):
 
 
 def rows_with_zarr_python(store_path, key: str) -> np.ndarray:
-    """Rows ``[0, len)`` of a leaf as the README tells a reader with zarr-python alone to
-    find them: through the commit's slot map, when there is one."""
+    """Rows ``[0, len)`` of a leaf as ``docs/reading-without-zarr_rb.md`` tells a reader with
+    zarr-python alone to find them: through the commit's slot map, when there is one."""
     group = zarr.open_group(store_path, mode="r")
     commit = group.attrs["zarr_rb"]["commit"]
     positions = np.arange(commit["length"])

@@ -216,7 +216,7 @@ def test_export_writes_the_saved_length_and_cursor(tmp_path: Path) -> None:
 
 
 def test_save_then_load_in_the_same_process(tmp_path: Path) -> None:
-    """The README's flow: the loaded buffer shares the saved one's store."""
+    """The documented flow: the loaded buffer shares the saved one's store."""
     path = tmp_path / "rb.zarr"
     rb = TensorDictPrioritizedReplayBuffer(
         alpha=0.7, beta=0.5, storage=ZarrStorage(N, path), batch_size=8

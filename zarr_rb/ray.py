@@ -2,8 +2,8 @@
 
 Ray is an optional extra (``pip install 'zarr-rb[ray]'``), imported only when used.
 Nothing here is needed to use a store from Ray: any actor may open
-``ZarrStorage(path=url, mode="r+", shared=True)`` itself (see the README's "Many
-writers"). :func:`writer_actor` is that, ready-made, for data produced elsewhere::
+``ZarrStorage(path=url, mode="r+", shared=True)`` itself (see ``docs/many-writers.md``).
+:func:`writer_actor` is that, ready-made, for data produced elsewhere::
 
     writer = zarr_rb.ray.writer_actor("s3://bucket/runs/pong.zarr", storage_options=...)
     ray.get(writer.extend.remote(batch))      # from any task or actor

@@ -124,7 +124,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             blocks of rows and publishes every extend before it returns, so every writer's
             ``len`` and samples include it. A storage handed to another process (pickled for
             ``multiprocessing``: collectors, ``mp.Process``) becomes shared by itself. See
-            the README's "Many writers".
+            ``docs/many-writers.md``.
         shared_init: as for TorchRL's storages: the first write may come from any process
             (always true of a ZarrStorage).
         ragged: tensor entries to store as rows of different lengths (along their first
