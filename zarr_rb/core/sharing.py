@@ -34,59 +34,40 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import random
 import secrets
-import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 
 from zarr_rb.core import sharing_slots
 from zarr_rb.core.format import (
-    ATTRS_KEY,
     ERA_SLOTS,
     FORMAT_VERSION,
-    STATE_GROUP,
     Commit,
     LeafSpec,
     ObjectEra,
     Ring,
-    Saved,
     Schema,
     StoreMeta,
     preview_rows,
 )
-from zarr_rb.core.metadata import check_is_store, parse_record, read_root
-from zarr_rb.core.pieces import forget_pieces
-from zarr_rb.core.ring import SlotMap
 from zarr_rb.core.runs import RunMap
-from zarr_rb.core.sharing_slots import SharingSlots, runs_of
+from zarr_rb.core.sharing_saves import SharingSaves
+from zarr_rb.core.sharing_slots import runs_of
 from zarr_rb.core.write_cache import Key
 from zarr_rb.errors import (
-    LiveBufferError,
     LockedError,
     NotSupportedError,
-    RowsNotCommittedError,
     SchemaMismatchError,
-    ServerBusyError,
-    StoreCorruptedError,
-    VersionExistsError,
-    VersionNotFoundError,
 )
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store
 
 _R = TypeVar("_R")
-Edit = Callable[[StoreMeta], StoreMeta | None]
-"""A change of the commit record, applied to the record as it is now (``None``: none)."""
-
-BUSY_SERVER_SECONDS = 60.0
-"""How long a commit is retried while an object store answers with server errors."""
-_READ_RETRIES = 50
 _SHARED_WRITE_ATTEMPTS = 50
 """Writes of some keys of given rows of a shared store, before giving up on rows that other
 writers keep writing."""
@@ -96,7 +77,7 @@ def new_writer_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-class Sharing(SharingSlots):
+class Sharing(SharingSaves):
     """The positions and commits of a store that other writers write too: this writer's
     open slot, its commits by compare-and-swap (see the module's docstring)."""
 
@@ -256,35 +237,6 @@ class Sharing(SharingSlots):
 
         self.update(empty)
 
-    def use_save(self, saved: Saved, commit: Commit) -> None:
-        # A store with runs, which this writer holds alone (a save made before it became
-        # shared): its positions go back to the rows the save kept, at once.
-        self.store.check_writable()
-        self.store.discard()
-        self.rebase(saved, commit)
-
-    def overwrote_since(self, epoch: int) -> bool:
-        return False  # a save keeps its rows through the runs it names
-
-    def next_save_slot(self, named: set[int]) -> int:
-        return self.new_save_slot(named)
-
-    def hold_for_save(self) -> None:
-        pass  # slots are held one by one, in the record, as they are taken
-
-    def publish_saved(self, saved: Saved, *, tag: str | None) -> None:
-        store = self.store
-        self._publish_save(saved, tag=tag)
-        named = {f"{STATE_GROUP}/{slot}" for slot in self.meta.save_slots()}
-        for group in self.state_groups_unnamed(named):
-            store.engine.location.delete_prefix(group)
-
-    def drop_version(self, tag: str) -> None:
-        # Other writers publish too: the record changes by compare-and-swap only.
-        dropped = self._drop_version(tag)
-        if dropped.slot not in self.meta.save_slots():
-            self.store.engine.location.delete_prefix(dropped.group)
-
     def publish_meta(self) -> None:
         raise NotSupportedError(
             f"store {self.store.url!r} is shared by several writers: its settings are "
@@ -297,143 +249,6 @@ class Sharing(SharingSlots):
     @property
     def rows_reached(self) -> int:
         return self.store.rows  # other writers fill the whole ring
-
-    # --- the record ------------------------------------------------------------------------
-
-    @property
-    def ring(self) -> Ring:
-        ring = self.committed.ring
-        assert ring is not None
-        return ring
-
-    def update(self, edit: Edit) -> StoreMeta:
-        """Apply ``edit`` to the commit record by compare-and-swap, re-reading and
-        re-applying it after every conflict; the store then shows the record written."""
-        store = self.store
-        attempt = 0
-        deadline = time.monotonic() + BUSY_SERVER_SECONDS
-        while True:
-            try:
-                meta = self.read_record()
-                try:
-                    edited = edit(meta)
-                except BaseException:
-                    self.adopt(meta)  # the record was read: show it (refresh() skips it)
-                    raise
-                if edited is None:
-                    self.adopt(meta)
-                    return meta
-                commit = dataclasses.replace(edited.commit, generation=meta.commit.generation + 1)
-                if commit.object_era is not None and not store.creates_once:
-                    # This writer writes objects over: readers must revalidate their caches.
-                    commit = dataclasses.replace(commit, object_era=None)
-                edited = dataclasses.replace(edited, commit=commit)
-                store.check_hold()
-                with store.writing("publishing a commit"):
-                    written = store.store_pieces(edited)
-                    if store.engine.try_write_root_attributes({ATTRS_KEY: edited.to_json()}):
-                        store.drop_pieces(meta, edited)
-                        self.adopt(edited)
-                        return edited
-                    # Named by this attempt alone: no record names them, no other writer
-                    # knows them.
-                    forget_pieces(edited.run_maps(), written)
-                    for key in written:
-                        store.engine.location.delete(key)
-            except ServerBusyError:
-                # Object stores may answer many conditional writes of one object at once
-                # with server errors: the record is read again, the edit applied again.
-                if time.monotonic() > deadline:
-                    raise
-            attempt += 1
-            time.sleep(random.uniform(0, min(0.05, 0.0005 * 2**attempt)))
-
-    def read_record(self) -> StoreMeta:
-        return self._parse(read_root(self.store.engine, adopt=True))
-
-    def _parse(self, document: dict[str, Any] | None) -> StoreMeta:
-        where = f"store {self.store.url!r}"
-        if document is None:
-            raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
-        check_is_store(document, where)
-        return parse_record(document, where, engine=self.store.engine, adopt=True)
-
-    def refresh(self) -> Commit:
-        """Pick up what other writers committed (one read of the record, no more when it
-        did not change); returns the record's commit."""
-        document = self.store.engine.root_if_changed()
-        if document is not None:
-            self.adopt(self._parse(document))
-        return self.committed
-
-    def adopt(self, meta: StoreMeta) -> None:
-        """Show the rows of ``meta``'s commit (those of every writer)."""
-        store = self.store
-        if meta.commit.ring is None:
-            raise StoreCorruptedError(
-                f"store {store.url!r} is no longer shared: a single writer took it over"
-            )
-        before = store.committed
-        new_schema = store.schema is None and meta.schema is not None
-        self.meta = dataclasses.replace(self.meta, **_shared_fields(meta))
-        self.committed = meta.commit
-        self.cursor = meta.commit.cursor
-        if new_schema:
-            assert meta.schema is not None
-            store.ensure_arrays()
-            store.attach_schema(meta.schema, meta.block_rows or 1)
-        if store.schema is None:
-            return
-        self.length = meta.commit.length * store.schema.elements_per_row
-        if meta.commit.generation == before.generation and not new_schema:
-            return
-        store.version += 1
-        old = self.positions
-        self.use_map(meta.commit)
-        new = self.positions
-        ledger = store.ledger
-        assert ledger is not None
-        readable = meta.commit.readable_mask(store.rows)
-        ledger.published_as(readable)
-        ledger.intact = readable.copy()
-        if store.engine.cache is not None:
-            # Before the changed rows are read again: objects cached before now may hold
-            # what those rows held before other writers rewrote them; where every object is
-            # created once, only those of the slots created since.
-            created = meta.commit.slots_created_since(before)
-            if created is None:
-                store.engine.cache.new_epoch()
-            else:
-                store.forget_slots(created)
-        if store.mirrored:
-            self._refresh_mirror(before, meta.commit, old, new)
-
-    def _refresh_mirror(
-        self,
-        before: Commit,
-        after: Commit,
-        old: SlotMap | RunMap | None,
-        new: SlotMap | RunMap | None,
-    ) -> None:
-        """Read again the mirrored leaves of the positions whose rows changed between two
-        records: those put in other rows, and those in slots taken (and written) since,
-        though at the same rows of the arrays."""
-        store = self.store
-        taken = None
-        if before.ring is not None and after.ring is not None:
-            taken = after.ring.taken_since(before.ring)
-        if taken is None or not isinstance(old, RunMap) or not isinstance(new, RunMap):
-            store.mirror_changed(np.ones(store.rows, dtype=bool))  # read whole when next needed
-            return
-        changed = np.zeros(store.rows, dtype=bool)
-        changed[new.moved_since(old)] = True
-        if taken:
-            slots = np.unique(np.fromiter(taken, dtype=np.int64))
-            changed[new.positions_in(slots, self.block_rows)] = True
-        if self._mine is not None:
-            changed[self._mine] = False  # this writer's own: it mirrors them itself
-        if changed.any():
-            store.mirror_changed(changed)
 
     def commit_rows(
         self,
@@ -518,117 +333,6 @@ class Sharing(SharingSlots):
             self._replaced_seen = replaced
         return placed[0]
 
-    def _publish_save(self, saved: Saved, *, tag: str | None) -> None:
-        """Publish a save made at the record as it is now: the rows it covers are those
-        of that record (its length, cursor and runs, which it keeps: no writer takes their
-        slots while a record names the save); ``tag``: kept as a version too."""
-        schema = self.store.schema
-        per_row = 1 if schema is None else schema.elements_per_row  # (no schema: no row)
-
-        def save(meta: StoreMeta) -> StoreMeta:
-            commit = meta.commit
-            made = dataclasses.replace(
-                saved,
-                length=commit.length * per_row,
-                cursor=commit.cursor,
-                pinned=True,
-                runs=commit.runs or RunMap.empty(),
-                holes=commit.holes,
-            )
-            if tag is not None and tag in meta.versions:
-                raise VersionExistsError(
-                    f"store {self.store.url!r}: another writer kept a version tagged {tag!r} "
-                    "meanwhile; pick another tag",
-                )
-            versions = meta.versions if tag is None else {**meta.versions, tag: made}
-            return dataclasses.replace(meta, saved=made, versions=versions)
-
-        self.update(save)
-
-    def _drop_version(self, tag: str) -> Saved:
-        """Stop keeping the version ``tag`` (its slots are collected once no record refers
-        to them); returns it.
-
-        Raises:
-            VersionNotFoundError: the record keeps no version ``tag`` (another writer
-                dropped it).
-        """
-        dropped: list[Saved] = []
-
-        def drop(meta: StoreMeta) -> StoreMeta:
-            saved = meta.versions.get(tag)
-            if saved is None:
-                raise VersionNotFoundError(
-                    f"store {self.store.url!r} keeps no version {tag!r} (another writer "
-                    "dropped it); zarr_rb.versions(path) lists those kept",
-                )
-            dropped[:] = [saved]
-            versions = {name: kept for name, kept in meta.versions.items() if name != tag}
-            return dataclasses.replace(meta, versions=versions)
-
-        self.update(drop)
-        return dropped[0]
-
-    def new_save_slot(self, named: set[int]) -> int:
-        """The state group number of this writer's next save: drawn at random, so that
-        writers saving at once never write into one group (a record names a group only
-        once its save is published, so the lowest free number is free for all of them)."""
-        while True:
-            slot = secrets.randbelow(2**31)
-            if slot not in named and slot not in self._state_groups:
-                self._state_groups.add(slot)
-                return slot
-
-    def state_groups_unnamed(self, named: set[str]) -> list[str]:
-        """The state groups of this writer's saves that no record names (replaced, or
-        never published): no other writer writes them, so they can be deleted. They are
-        forgotten here."""
-        groups = {f"{STATE_GROUP}/{slot}": slot for slot in self._state_groups}
-        unnamed = sorted(set(groups) - named)
-        self._state_groups -= {groups[group] for group in unnamed}
-        return unnamed
-
-    def rebase(self, saved: Saved, kept: Commit) -> None:
-        """Put every position back where ``kept`` (the commit of ``saved``, a kept save)
-        has it: its length, cursor and rows (loading it; the rows committed since are
-        dropped).
-
-        Raises:
-            VersionNotFoundError: the record no longer keeps ``saved`` (dropped or replaced
-                since it was read): its rows may be collected already.
-            LiveBufferError: another writer committed since this writer last read the
-                record (after the load was checked): loading would drop those rows.
-        """
-        runs = runs_of(kept)
-        seen = self.committed  # what the load was checked against (Store.check_loadable)
-
-        def rebase(meta: StoreMeta) -> StoreMeta:
-            if not any((s.slot, s.time) == (saved.slot, saved.time) for s in meta.pinned()):
-                raise VersionNotFoundError(
-                    f"store {self.store.url!r} no longer keeps the save being loaded (number "
-                    f"{saved.slot}): it was dropped or replaced by a later save meanwhile; "
-                    "nothing was changed. zarr_rb.versions(path) lists those kept",
-                )
-            now = meta.commit
-            if (now.length, now.cursor, now.runs) != (seen.length, seen.cursor, seen.runs):
-                raise LiveBufferError(
-                    f"store {self.store.url!r}: another writer committed rows (commit "
-                    f"{now.generation}, length {now.length}) since this load was checked at "
-                    f"commit {seen.generation}; loading the save would drop them, so nothing "
-                    "was changed. Save again (zarr_rb.save(rb)) to load the buffer as it is "
-                    "now, or read the save with zarr_rb.load(path, read_only=True)",
-                )
-            commit = dataclasses.replace(
-                meta.commit,
-                length=kept.length,
-                cursor=kept.cursor,
-                runs=runs,
-                holes=runs.holes(kept.length),
-            )
-            return dataclasses.replace(meta, commit=commit)
-
-        self.update(rebase)
-
     def start_history(self) -> None:
         """Keep every row extended from now on (an archive), unless the store does."""
 
@@ -690,32 +394,6 @@ class Sharing(SharingSlots):
 
     # --- reads -----------------------------------------------------------------------------
 
-    def read_checked(self, read: Callable[[], _R], rows: np.ndarray) -> _R:
-        """``read()`` of positions ``rows``, retried while other writers took slots those
-        rows were read from (a seqlock on the record). A read that meets an object gone
-        is tried again too when the record moved meanwhile: a collection emptied a slot
-        the older record named."""
-        for attempt in range(_READ_RETRIES):
-            before = self.committed
-            damaged: StoreCorruptedError | None = None
-            try:
-                out = read()
-            except StoreCorruptedError as err:
-                damaged = err
-            self.refresh()
-            after = self.committed
-            if after.generation == before.generation or before.reads_alike(
-                after, rows, self.block_rows
-            ):
-                if damaged is not None:
-                    raise damaged  # where the record of now has the rows: not a writer's doing
-                return out
-            time.sleep(0.0005 * (attempt + 1))
-        raise RowsNotCommittedError(
-            f"store {self.store.url!r}: rows kept being rewritten by other writers while "
-            f"being read ({_READ_RETRIES} attempts)",
-        )
-
 
 def _era_with(era: ObjectEra | None, created: tuple[int, ...], *, anew: bool) -> ObjectEra:
     """``era`` (a record's) with the slots a writer just created objects in; a new token
@@ -756,18 +434,6 @@ def _to_runs(meta: StoreMeta, *, late_writes: bool) -> StoreMeta | None:
         commit, ring=ring, runs=runs, slots=None, holes=runs.holes(commit.length), lease=None
     )
     return dataclasses.replace(meta, commit=commit, format=FORMAT_VERSION)
-
-
-def _shared_fields(meta: StoreMeta) -> dict[str, Any]:
-    """What a writer takes from the record others write."""
-    return {
-        "schema": meta.schema,
-        "block_rows": meta.block_rows,
-        "saved": meta.saved,
-        "versions": meta.versions,
-        "commit": meta.commit,
-        "format": meta.format,
-    }
 
 
 def check_shareable(store: Store) -> None:

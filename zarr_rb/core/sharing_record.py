@@ -1,0 +1,215 @@
+"""The commit record of a store that several writers write: changed by compare-and-swap
+only (:meth:`SharingRecord.update`), read again to pick up what other writers committed
+(:meth:`SharingRecord.refresh`, :meth:`SharingRecord.adopt`), and the reads checked
+against it (a seqlock, :meth:`SharingRecord.read_checked`).
+
+:class:`SharingRecord` is the part of :class:`~zarr_rb.core.sharing.Sharing` (which derives
+from it) that owns this; see ``docs/design/ring.md``, "Step 2" and "Step 5".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from zarr_rb.core.format import ATTRS_KEY, Commit, Ring, StoreMeta
+from zarr_rb.core.metadata import check_is_store, parse_record, read_root
+from zarr_rb.core.pieces import forget_pieces
+from zarr_rb.core.ring import SlotMap
+from zarr_rb.core.runs import RunMap
+from zarr_rb.core.sharing_slots import SharingSlots
+from zarr_rb.errors import RowsNotCommittedError, ServerBusyError, StoreCorruptedError
+
+_R = TypeVar("_R")
+Edit = Callable[[StoreMeta], StoreMeta | None]
+"""A change of the commit record, applied to the record as it is now (``None``: none)."""
+
+BUSY_SERVER_SECONDS = 60.0
+"""How long a commit is retried while an object store answers with server errors."""
+_READ_RETRIES = 50
+
+
+class SharingRecord(SharingSlots):
+    """The commit record of a shared store as one of its writers sees and changes it (see
+    the module's docstring)."""
+
+    _mine: np.ndarray | None
+    """Positions this writer is committing (their mirrors are its own to update)."""
+
+    @property
+    def ring(self) -> Ring:
+        ring = self.committed.ring
+        assert ring is not None
+        return ring
+
+    def update(self, edit: Edit) -> StoreMeta:
+        """Apply ``edit`` to the commit record by compare-and-swap, re-reading and
+        re-applying it after every conflict; the store then shows the record written."""
+        store = self.store
+        attempt = 0
+        deadline = time.monotonic() + BUSY_SERVER_SECONDS
+        while True:
+            try:
+                meta = self.read_record()
+                try:
+                    edited = edit(meta)
+                except BaseException:
+                    self.adopt(meta)  # the record was read: show it (refresh() skips it)
+                    raise
+                if edited is None:
+                    self.adopt(meta)
+                    return meta
+                commit = dataclasses.replace(edited.commit, generation=meta.commit.generation + 1)
+                if commit.object_era is not None and not store.creates_once:
+                    # This writer writes objects over: readers must revalidate their caches.
+                    commit = dataclasses.replace(commit, object_era=None)
+                edited = dataclasses.replace(edited, commit=commit)
+                store.check_hold()
+                with store.writing("publishing a commit"):
+                    written = store.store_pieces(edited)
+                    if store.engine.try_write_root_attributes({ATTRS_KEY: edited.to_json()}):
+                        store.drop_pieces(meta, edited)
+                        self.adopt(edited)
+                        return edited
+                    # Named by this attempt alone: no record names them, no other writer
+                    # knows them.
+                    forget_pieces(edited.run_maps(), written)
+                    for key in written:
+                        store.engine.location.delete(key)
+            except ServerBusyError:
+                # Object stores may answer many conditional writes of one object at once
+                # with server errors: the record is read again, the edit applied again.
+                if time.monotonic() > deadline:
+                    raise
+            attempt += 1
+            time.sleep(random.uniform(0, min(0.05, 0.0005 * 2**attempt)))
+
+    def read_record(self) -> StoreMeta:
+        return self._parse(read_root(self.store.engine, adopt=True))
+
+    def _parse(self, document: dict[str, Any] | None) -> StoreMeta:
+        where = f"store {self.store.url!r}"
+        if document is None:
+            raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
+        check_is_store(document, where)
+        return parse_record(document, where, engine=self.store.engine, adopt=True)
+
+    def refresh(self) -> Commit:
+        """Pick up what other writers committed (one read of the record, no more when it
+        did not change); returns the record's commit."""
+        document = self.store.engine.root_if_changed()
+        if document is not None:
+            self.adopt(self._parse(document))
+        return self.committed
+
+    def adopt(self, meta: StoreMeta) -> None:
+        """Show the rows of ``meta``'s commit (those of every writer)."""
+        store = self.store
+        if meta.commit.ring is None:
+            raise StoreCorruptedError(
+                f"store {store.url!r} is no longer shared: a single writer took it over"
+            )
+        before = store.committed
+        new_schema = store.schema is None and meta.schema is not None
+        self.meta = dataclasses.replace(self.meta, **_shared_fields(meta))
+        self.committed = meta.commit
+        self.cursor = meta.commit.cursor
+        if new_schema:
+            assert meta.schema is not None
+            store.ensure_arrays()
+            store.attach_schema(meta.schema, meta.block_rows or 1)
+        if store.schema is None:
+            return
+        self.length = meta.commit.length * store.schema.elements_per_row
+        if meta.commit.generation == before.generation and not new_schema:
+            return
+        store.version += 1
+        old = self.positions
+        self.use_map(meta.commit)
+        new = self.positions
+        ledger = store.ledger
+        assert ledger is not None
+        readable = meta.commit.readable_mask(store.rows)
+        ledger.published_as(readable)
+        ledger.intact = readable.copy()
+        if store.engine.cache is not None:
+            # Before the changed rows are read again: objects cached before now may hold
+            # what those rows held before other writers rewrote them; where every object is
+            # created once, only those of the slots created since.
+            created = meta.commit.slots_created_since(before)
+            if created is None:
+                store.engine.cache.new_epoch()
+            else:
+                store.forget_slots(created)
+        if store.mirrored:
+            self._refresh_mirror(before, meta.commit, old, new)
+
+    def _refresh_mirror(
+        self,
+        before: Commit,
+        after: Commit,
+        old: SlotMap | RunMap | None,
+        new: SlotMap | RunMap | None,
+    ) -> None:
+        """Read again the mirrored leaves of the positions whose rows changed between two
+        records: those put in other rows, and those in slots taken (and written) since,
+        though at the same rows of the arrays."""
+        store = self.store
+        taken = None
+        if before.ring is not None and after.ring is not None:
+            taken = after.ring.taken_since(before.ring)
+        if taken is None or not isinstance(old, RunMap) or not isinstance(new, RunMap):
+            store.mirror_changed(np.ones(store.rows, dtype=bool))  # read whole when next needed
+            return
+        changed = np.zeros(store.rows, dtype=bool)
+        changed[new.moved_since(old)] = True
+        if taken:
+            slots = np.unique(np.fromiter(taken, dtype=np.int64))
+            changed[new.positions_in(slots, self.block_rows)] = True
+        if self._mine is not None:
+            changed[self._mine] = False  # this writer's own: it mirrors them itself
+        if changed.any():
+            store.mirror_changed(changed)
+
+    def read_checked(self, read: Callable[[], _R], rows: np.ndarray) -> _R:
+        """``read()`` of positions ``rows``, retried while other writers took slots those
+        rows were read from (a seqlock on the record). A read that meets an object gone
+        is tried again too when the record moved meanwhile: a collection emptied a slot
+        the older record named."""
+        for attempt in range(_READ_RETRIES):
+            before = self.committed
+            damaged: StoreCorruptedError | None = None
+            try:
+                out = read()
+            except StoreCorruptedError as err:
+                damaged = err
+            self.refresh()
+            after = self.committed
+            if after.generation == before.generation or before.reads_alike(
+                after, rows, self.block_rows
+            ):
+                if damaged is not None:
+                    raise damaged  # where the record of now has the rows: not a writer's doing
+                return out
+            time.sleep(0.0005 * (attempt + 1))
+        raise RowsNotCommittedError(
+            f"store {self.store.url!r}: rows kept being rewritten by other writers while "
+            f"being read ({_READ_RETRIES} attempts)",
+        )
+
+
+def _shared_fields(meta: StoreMeta) -> dict[str, Any]:
+    """What a writer takes from the record others write."""
+    return {
+        "schema": meta.schema,
+        "block_rows": meta.block_rows,
+        "saved": meta.saved,
+        "versions": meta.versions,
+        "commit": meta.commit,
+        "format": meta.format,
+    }
