@@ -32,6 +32,7 @@ from torchrl.data import TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import ZarrStorage
+from zarr_rb.core import runs as runs_module
 from zarr_rb.core.metadata import read_root
 
 
@@ -235,3 +236,49 @@ def test_spawned_shared_writers_create_objects_once(s3_url, options, proxy):
     history = object_history(proxy, prefix_of(s3_url))
     assert all(c for requests in history.values() for m, _, c in requests if m == "PUT")
     assert overwrites(history) == []
+
+
+@pytest.mark.parametrize("map_in", ["record", "pieces"])
+def test_a_commit_whose_answer_was_lost_under_another_writers_commit_counts_once(
+    s3_url, options, proxy, monkeypatch, map_in
+):
+    """The compare-and-swap of a writer's commit lands, its answer is lost, and another
+    writer commits on top before the retry reads the record back: the commit was made,
+    once (applying it again committed its rows twice, or failed on the slots it had
+    released), and the pieces of the map it wrote stay (other records name them)."""
+    if map_in == "pieces":
+        monkeypatch.setattr(runs_module, "SPAN", 8)
+        monkeypatch.setattr(runs_module, "INLINE_RUNS", 0)
+    a, model = first_writer(s3_url, options), twin()
+    a.extend(batch(0, 5))
+    model.extend(batch(0, 5))
+    b = another_writer(s3_url, options)
+    b.extend(batch(100, 3))
+    model.extend(batch(100, 3))
+    root = prefix_of(s3_url) + "zarr.json"
+    armed = [True]
+
+    def lose_and_commit_on_top(method: str, key: str) -> bool:
+        if armed[0] and method == "PUT" and key == root:
+            armed[0] = False
+            b.extend(batch(200, 4))  # before the retry of a's PUT is refused
+            return True
+        return False
+
+    proxy.lose_response = lose_and_commit_on_top
+    got = a.extend(batch(300, 6))
+    assert not armed[0]
+    assert torch.equal(got, model.extend(batch(300, 6)))  # a's landed first
+    model.extend(batch(200, 4))
+    for rb in (a, b):
+        rb.storage.flush()
+        check_rows(rb.storage, model)
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    check_rows(reader, model)
+    reader.close()
+    a.extend(batch(400, 2))  # and a goes on
+    model.extend(batch(400, 2))
+    b.storage.flush()
+    check_rows(b.storage, model)
+    for rb in (a, b):
+        rb.storage.close()

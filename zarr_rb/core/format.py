@@ -368,6 +368,8 @@ class Schema:
 
 RECENT_TAKES = 64
 """Slots taken last that a shared record names (readers check their reads against them)."""
+LAST_COMMITS = 64
+"""Writers whose last commit a shared record names (:attr:`Ring.committed`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -388,6 +390,11 @@ class Ring:
     ``retired`` are the open slots of writers taken for gone, and no slot below
     ``fresh_from`` that no run refers to is taken (the slots a store of one writer had
     when it became shared: that writer's, were it stalled).
+
+    ``committed``: ``(writer, generation)`` of the last record each of the writers that
+    published last published (at most :data:`LAST_COMMITS`, the newest last). A writer
+    whose compare-and-swap was refused although it landed (its answer lost, the request
+    retried) finds its own there, also under records other writers published since.
     """
 
     capacity: int = 0
@@ -397,9 +404,21 @@ class Ring:
     legacy: bool = False
     retired: tuple[int, ...] = ()
     fresh_from: int = 0
+    committed: tuple[tuple[str, int], ...] = ()
 
     def slots_of(self, writer: str) -> list[int]:
         return [slot for who, slot in self.open if who == writer]
+
+    def published_by(self, writer: str, generation: int) -> Ring:
+        """This ring in a record of ``generation`` that ``writer`` publishes."""
+        others = tuple((who, g) for who, g in self.committed if who != writer)
+        committed = (*others, (writer, generation))[-LAST_COMMITS:]
+        return dataclasses.replace(self, committed=committed)
+
+    def names_commit(self, writer: str, generation: int) -> bool:
+        """Whether ``writer``'s record of ``generation`` was published (this ring's record
+        is it, or one published on top of it)."""
+        return (writer, generation) in self.committed
 
     def taken_since(self, before: Ring) -> set[int] | None:
         """Slots taken since ``before`` (``None``: more than the record names)."""
@@ -416,6 +435,7 @@ class Ring:
             "recent": list(self.recent),
             **({"retired": list(self.retired)} if self.retired else {}),
             **({"fresh_from": self.fresh_from} if self.fresh_from else {}),
+            **({"committed": [list(c) for c in self.committed]} if self.committed else {}),
         }
 
 
@@ -869,6 +889,24 @@ def parse_ring(value: object, *, rows: int) -> Ring | None:
     recent = _parse_int_list(value.get("recent", []), "ring recent", max_len=RECENT_TAKES)
     retired = _parse_int_list(value.get("retired", []), "ring retired", max_len=capacity)
     _expect(all(slot < capacity for slot in retired), "retired slots inside the capacity", retired)
+    committed_raw = value.get("committed", [])
+    _expect(
+        isinstance(committed_raw, list) and len(committed_raw) <= LAST_COMMITS,
+        "ring committed list",
+        committed_raw,
+    )
+    assert isinstance(committed_raw, list)
+    committed = []
+    for entry in committed_raw:
+        _expect(
+            isinstance(entry, list)
+            and len(entry) == 2
+            and isinstance(entry[0], str)
+            and _WRITER_ID.fullmatch(entry[0]) is not None,
+            "a last commit [writer id, generation]",
+            entry,
+        )
+        committed.append((entry[0], _parse_int(entry[1], "last commit generation")))
     return Ring(
         capacity=capacity,
         open=tuple(opened),
@@ -876,6 +914,7 @@ def parse_ring(value: object, *, rows: int) -> Ring | None:
         recent=tuple(recent),
         retired=retired,
         fresh_from=_parse_int(value.get("fresh_from", 0), "ring fresh_from", hi=capacity),
+        committed=tuple(committed),
     )
 
 

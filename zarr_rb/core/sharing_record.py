@@ -53,9 +53,19 @@ class SharingRecord(SharingSlots):
         store = self.store
         attempt = 0
         deadline = time.monotonic() + BUSY_SERVER_SECONDS
+        # The record read and the one written by an attempt whose outcome is not known.
+        unsure: tuple[StoreMeta, StoreMeta] | None = None
         while True:
             try:
                 meta = self.read_record()
+                if unsure is not None and self._landed(meta, unsure[1].commit.generation):
+                    # Refused, or answered with a server error, yet published (a retried
+                    # request whose first attempt landed, its answer lost), perhaps under
+                    # records other writers published on top since: not applied again.
+                    store.drop_pieces(*unsure)
+                    self.adopt(meta)
+                    return meta
+                unsure = None
                 try:
                     edited = edit(meta)
                 except BaseException:
@@ -64,18 +74,18 @@ class SharingRecord(SharingSlots):
                 if edited is None:
                     self.adopt(meta)
                     return meta
-                commit = dataclasses.replace(edited.commit, generation=meta.commit.generation + 1)
-                if commit.object_era is not None and not store.creates_once:
-                    # This writer writes objects over: readers must revalidate their caches.
-                    commit = dataclasses.replace(commit, object_era=None)
-                edited = dataclasses.replace(edited, commit=commit)
+                edited = self._as_published(edited, meta.commit.generation + 1)
                 store.check_hold()
                 with store.writing("publishing a commit"):
                     written = store.store_pieces(edited)
+                    unsure = (meta, edited)
                     if store.engine.try_write_root_attributes({ATTRS_KEY: edited.to_json()}):
                         store.drop_pieces(meta, edited)
                         self.adopt(edited)
                         return edited
+                    if self._landed(self.read_record(), edited.commit.generation):
+                        continue  # (taken as published above)
+                    unsure = None
                     # Named by this attempt alone: no record names them, no other writer
                     # knows them.
                     forget_pieces(edited.run_maps(), written)
@@ -83,11 +93,30 @@ class SharingRecord(SharingSlots):
                         store.engine.location.delete(key)
             except ServerBusyError:
                 # Object stores may answer many conditional writes of one object at once
-                # with server errors: the record is read again, the edit applied again.
+                # with server errors: the record is read again (an attempt that landed is
+                # taken as published), the edit applied again.
                 if time.monotonic() > deadline:
                     raise
             attempt += 1
             time.sleep(random.uniform(0, min(0.05, 0.0005 * 2**attempt)))
+
+    def _as_published(self, edited: StoreMeta, generation: int) -> StoreMeta:
+        """``edited`` as this writer publishes it, as the record of ``generation``."""
+        commit = dataclasses.replace(edited.commit, generation=generation)
+        if commit.ring is not None:
+            commit = dataclasses.replace(
+                commit, ring=commit.ring.published_by(self.writer, generation)
+            )
+        if commit.object_era is not None and not self.store.creates_once:
+            # This writer writes objects over: readers must revalidate their caches.
+            commit = dataclasses.replace(commit, object_era=None)
+        return dataclasses.replace(edited, commit=commit)
+
+    def _landed(self, meta: StoreMeta, generation: int) -> bool:
+        """Whether this writer's record of ``generation`` was published: ``meta`` (the
+        record as it is now) is it, or was published on top of it."""
+        ring = meta.commit.ring
+        return ring is not None and ring.names_commit(self.writer, generation)
 
     def read_record(self) -> StoreMeta:
         return self._parse(read_root(self.store.engine, adopt=True))
