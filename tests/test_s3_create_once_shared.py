@@ -69,7 +69,7 @@ def interleaved(
     *,
     step: int,
     seed: int,
-    rounds: int = 24,
+    rounds: int,
 ) -> int:
     """Extends of every size by writers drawn at random (the ring wraps several times),
     each checked against the model's indices; now and then every row of ``[0, len)``
@@ -97,11 +97,11 @@ def test_shared_writers_never_write_an_object_over(s3_url, options, proxy):
     model.extend(batch(0, 5))
     b = another_writer(s3_url, options)
     reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
-    step = interleaved([a, b], model, reader, step=5, seed=1)
+    step = interleaved([a, b], model, reader, step=5, seed=1, rounds=14)
     assert a.storage._store.creates_once
     assert b.storage._store.creates_once
     zarr_rb.save(a)  # collects the slots no record refers to
-    step = interleaved([a, b], model, reader, step=step, seed=2)
+    step = interleaved([a, b], model, reader, step=step, seed=2, rounds=14)
     assert "object_era" in record_of(a)
     for rb in (a, b):
         rb.storage.close()
