@@ -26,10 +26,11 @@ def spawning() -> bool:
     return multiprocessing.context.get_spawning_popen() is not None
 
 
-def append(storage: ZarrStorage, cursor: Any, data: Any) -> None:
+def append(storage: ZarrStorage, cursor: Any, data: Any) -> np.ndarray:
     """An extend of a shared store: the rows go where this writer's blocks have room, and
     the writer's index (the tensor ``rb.extend`` returns) is rewritten in place to say
-    where."""
+    where. Returns the positions of ``cursor``'s rows (an ``add``'s integer cursor cannot
+    be rewritten: its writer's return value is replaced, see :mod:`zarr_rb._writes`)."""
     store = storage._store
     if storage.ndim != 1:
         raise NotSupportedError(
@@ -59,8 +60,10 @@ def append(storage: ZarrStorage, cursor: Any, data: Any) -> None:
         placed = np.empty(rows.size, dtype=np.int64)
         placed[order] = store.append(leaves, rows.size)
         where = np.searchsorted(rows, index)
+    positions: np.ndarray = placed[where]
     if isinstance(cursor, torch.Tensor) and cursor.ndim == 1 and not cursor.is_floating_point():
-        cursor.copy_(torch.from_numpy(placed[where]).to(cursor.device, cursor.dtype))
+        cursor.copy_(torch.from_numpy(positions).to(cursor.device, cursor.dtype))
+    return positions
 
 
 def gather_redrawing(

@@ -267,6 +267,13 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
             store.remove_when_closed(store.engine.location)
         self._attach_store(store)
 
+    def placed_last(self) -> np.ndarray | None:
+        """The positions the last extend of this thread put its rows at, in the order of
+        its index, where a store of several writers placed them (at the record's cursor,
+        not at the writer's); ``None`` before any."""
+        placed: np.ndarray | None = getattr(self._thread_state, "placed", None)
+        return placed
+
     @property
     def _ragged(self) -> _convert.Ragged:
         ragged: _convert.Ragged = self.__dict__.get("_ragged", False)
@@ -586,7 +593,7 @@ class ZarrStorage(TensorStorage):  # type: ignore[misc]
         if isinstance(data, list):
             data = _convert.flip_list(data)
         if store.is_shared and set_cursor and not isinstance(cursor, tuple):
-            _shared.append(self, cursor, data)
+            self._thread_state.placed = _shared.append(self, cursor, data)
             _compat.bump_revision(self)
             return
         # Validate everything before touching the length or the cursor: a rejected
