@@ -14,6 +14,7 @@ import torch
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
 
+@pytest.mark.slow  # (40 s: the benchmark scripts end to end; CI runs it)
 def test_benchmark_suite_smoke(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import run
