@@ -28,7 +28,6 @@ from tensordict import (
 )
 
 from zarr_rb import _rows
-from zarr_rb._io import load_json
 from zarr_rb._lazy import LazyColumn
 from zarr_rb._rows import Entry, PyValues, RaggedRows, as_written
 from zarr_rb.core.format import (
@@ -45,6 +44,7 @@ from zarr_rb.errors import (
     UnstackableError,
     UnsupportedDataError,
 )
+from zarr_rb.util.io import load_json
 
 Key = tuple[str, ...]
 Ragged = bool | frozenset[Key]

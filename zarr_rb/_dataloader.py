@@ -21,8 +21,8 @@ from tensordict import TensorDictBase
 from torch.utils._pytree import tree_map
 
 from zarr_rb import _shared
-from zarr_rb._fork import refuse_if_forked
 from zarr_rb.errors import NotSupportedError, StoreClosedError
+from zarr_rb.util.fork import refuse_if_forked
 
 if TYPE_CHECKING:
     from zarr_rb.storage import ZarrStorage

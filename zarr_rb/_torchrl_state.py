@@ -20,7 +20,7 @@ from tensordict import TensorDict, is_non_tensor, is_tensor_collection
 from torchrl.data.replay_buffers.storages import Storage
 
 from zarr_rb._convert import clone, flip_list, row_nbytes, select
-from zarr_rb._progress import copy_in_blocks
+from zarr_rb.util.progress import copy_in_blocks
 
 if TYPE_CHECKING:
     from zarr_rb.storage import ZarrStorage

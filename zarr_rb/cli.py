@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from zarr_rb._progress import format_bytes
 from zarr_rb.errors import LockedError, ZarrRBError
+from zarr_rb.util.progress import format_bytes
 
 EPILOG = (
     "Stores are local paths or s3://bucket/path URLs (credentials and endpoint from "

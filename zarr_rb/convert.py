@@ -50,7 +50,6 @@ from zarr_rb._checkpointer import (
     open_torchrl_dump,
 )
 from zarr_rb._convert import row_nbytes
-from zarr_rb._progress import copy_in_blocks, format_bytes
 from zarr_rb.api import load, save
 from zarr_rb.core.format import LeafSpec
 from zarr_rb.core.open import Mode
@@ -65,6 +64,7 @@ from zarr_rb.errors import (
 from zarr_rb.locations import is_remote
 from zarr_rb.state import check_savable
 from zarr_rb.storage import ZarrStorage
+from zarr_rb.util.progress import copy_in_blocks, format_bytes
 
 __all__ = ["BLOCK_BYTES", "buffer_like_dump", "export_torchrl", "import_torchrl"]
 

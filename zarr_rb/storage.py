@@ -27,7 +27,6 @@ from torchrl.data.replay_buffers.storages import TensorStorage
 
 from zarr_rb import _compat, _convert, _dataloader, _index, _rows, _shared, _torchrl_state
 from zarr_rb._checkpointer import ZarrStorageCheckpointer
-from zarr_rb._fork import refuse_if_forked
 from zarr_rb._holes import guard_sampler, random_readable_indices
 from zarr_rb._lazy import LazyColumn
 from zarr_rb._views import Gather, LeafSource, RowsOnlySource
@@ -47,6 +46,7 @@ from zarr_rb.errors import (
     UnknownKeyError,
 )
 from zarr_rb.locations import LocalLocation
+from zarr_rb.util.fork import refuse_if_forked
 
 __all__ = ["ZarrStorage"]
 

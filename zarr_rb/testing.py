@@ -6,7 +6,7 @@ They drive zarr_rb's own reliability tests (``tests/test_reliability.py``,
 can check a deployment the same way.
 
 Everything here works on the file operations the engine announces (see
-:func:`zarr_rb._io.observe_io`): every write, removal, fsync and commit publish
+:func:`zarr_rb.util.io.observe_io`): every write, removal, fsync and commit publish
 of a store goes through it.
 """
 
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from zarr_rb import _compat
-from zarr_rb._io import IOKind, observe_io
 from zarr_rb.locations import is_remote, open_location
 from zarr_rb.locations.base import LEASE_KEY, NOT_DATA, is_temporary
+from zarr_rb.util.io import IOKind, observe_io
 
 __all__ = [
     "ALL_KINDS",
