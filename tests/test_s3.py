@@ -30,7 +30,6 @@ from torchrl.data import (
 
 import zarr_rb
 from zarr_rb import ZarrStorage
-from zarr_rb.convert import export_torchrl, import_torchrl
 from zarr_rb.errors import (
     BucketNotFoundError,
     ChunkCorruptedError,
@@ -43,6 +42,7 @@ from zarr_rb.errors import (
     NotSupportedError,
     StoreNotFoundError,
 )
+from zarr_rb.interop import export_torchrl, import_torchrl
 from zarr_rb.locations import open_location
 
 CAPACITY = 100

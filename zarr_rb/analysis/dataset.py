@@ -212,7 +212,7 @@ class TorchRLBatches(Sampler[list[int]]):
         *,
         num_batches: int | None = None,
     ) -> None:
-        from zarr_rb.storage import ZarrStorage
+        from zarr_rb.torchrl.storage import ZarrStorage
 
         if dataset._envs is not None:
             raise NotSupportedError("TorchRLBatches draws from ndim=1 stores")

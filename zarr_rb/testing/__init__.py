@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from zarr_rb import _compat
 from zarr_rb.locations import is_remote, open_location
 from zarr_rb.locations.base import LEASE_KEY, NOT_DATA, is_temporary
+from zarr_rb.torchrl import compat
 from zarr_rb.util.io import IOKind, observe_io
 
 __all__ = [
@@ -242,7 +242,7 @@ class CrashWorkload:
         from torchrl.data import TensorDictPrioritizedReplayBuffer
 
         from zarr_rb.core.layout import Compression
-        from zarr_rb.storage import ZarrStorage
+        from zarr_rb.torchrl.storage import ZarrStorage
 
         storage = ZarrStorage(
             self.capacity,
@@ -256,7 +256,7 @@ class CrashWorkload:
 
     def step(self, rb: Any, rng: np.random.Generator, log: Any = None) -> int:
         """Extend by a random number of rows and set their priorities; the new total."""
-        start = int(_compat.get(rb.writer, "_write_count"))
+        start = int(compat.get(rb.writer, "_write_count"))
         n = int(rng.integers(1, self.max_batch + 1))
         if log is not None:
             log("extending", start + n)
@@ -364,7 +364,7 @@ def check_crashed_store(
     from torchrl.data import PrioritizedSampler
 
     import zarr_rb
-    from zarr_rb.storage import ZarrStorage
+    from zarr_rb.torchrl.storage import ZarrStorage
 
     cap = workload.capacity
     log = _log_values(log_path)
@@ -420,13 +420,13 @@ def check_crashed_store(
     saved_count = None
     if saved is not None:
         rb = zarr_rb.load(path, read_only=True, storage_options=storage_options)
-        saved_count = int(_compat.get(rb.writer, "_write_count"))
+        saved_count = int(compat.get(rb.writer, "_write_count"))
         if saved_count not in log.get("saving", []):
             _fail(f"loaded write count {saved_count} is not one the writer saved")
         if len(rb) != min(saved_count, cap) or rb.storage.cursor != saved_count % cap:
             _fail(f"saved length/cursor {len(rb)}/{rb.storage.cursor} != {saved_count}")
-        if int(_compat.get(rb.writer, "_cursor")) != saved_count % cap:
-            cursor = _compat.get(rb.writer, "_cursor")
+        if int(compat.get(rb.writer, "_cursor")) != saved_count % cap:
+            cursor = compat.get(rb.writer, "_cursor")
             _fail(f"writer cursor {cursor} != {saved_count % cap}")
         n = min(saved_count, cap)
         index = torch.arange(n)
@@ -531,7 +531,7 @@ def inject_io_fault(
     """
     import zarr_rb
     from zarr_rb.errors import StoreWriteError
-    from zarr_rb.storage import ZarrStorage
+    from zarr_rb.torchrl.storage import ZarrStorage
 
     injector = FaultInjector(at=at, error=error, persistent=persistent, under=path)
     opened: list[Any] = []
@@ -568,12 +568,12 @@ def inject_io_fault(
         _faulted_workload(workload, path, opened)
     rb = opened[0]
     zarr_rb.save(rb, progress=False)  # the retry
-    total = int(_compat.get(rb.writer, "_write_count"))
+    total = int(compat.get(rb.writer, "_write_count"))
     rb.storage.close()
     loaded = zarr_rb.load(path)
     got = loaded.storage.get(torch.arange(len(loaded))).exclude("index")
     if (
-        int(_compat.get(loaded.writer, "_write_count")) != total
+        int(compat.get(loaded.writer, "_write_count")) != total
         or not (got == expected_rows(workload, total)).all()
     ):
         _fail(f"fault {at}: after the retry the store does not hold the {total} rows written")
