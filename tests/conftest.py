@@ -14,7 +14,7 @@ from s3_server import S3Server, WeedNotFoundError, start_server, stop_server
 from tensordict import TensorDict, is_tensor_collection
 
 from zarr_rb import LazyColumn
-from zarr_rb._io import observe_io
+from zarr_rb.util.io import observe_io
 
 # The suite runs on small machines: keep torch from spawning a thread per core per test.
 torch.set_num_threads(1)

@@ -29,7 +29,8 @@ from torchrl.data import (
 from torchrl.data.replay_buffers.samplers import ConsumingSampler
 
 import zarr_rb
-from zarr_rb import StoreExistsError, UnsupportedDataError, ZarrStorage, _transfer
+from zarr_rb import StoreExistsError, UnsupportedDataError, ZarrStorage
+from zarr_rb.interop import buffers
 
 STORAGES = {
     "LazyTensorStorage": lambda: LazyTensorStorage(40),
@@ -201,7 +202,7 @@ def test_a_saved_buffer_loads_with_the_same_rows_and_next_samples(
 
 def test_rows_are_streamed_in_blocks(tmp_path, monkeypatch):
     blocks = []
-    copy = _transfer.copy_rows
+    copy = buffers.copy_rows
 
     def counted(source, target, **kwargs):
         real_set = target.set
@@ -213,8 +214,8 @@ def test_rows_are_streamed_in_blocks(tmp_path, monkeypatch):
         target.set = set_block
         return copy(source, target, **kwargs)
 
-    monkeypatch.setattr(_transfer, "copy_rows", counted)
-    monkeypatch.setattr("zarr_rb._torchrl_state.COPY_BLOCK_BYTES", 200)
+    monkeypatch.setattr(buffers, "copy_rows", counted)
+    monkeypatch.setattr("zarr_rb.torchrl.state_dict.COPY_BLOCK_BYTES", 200)
     rb = filled("LazyTensorStorage", "random")
     zarr_rb.save(rb, tmp_path / "blocks.zarr", progress=False)
     assert len(blocks) > 3
@@ -259,7 +260,7 @@ def test_load_into_memory_refuses_an_unknown_storage_name(tmp_path):
 def test_list_storages_whose_first_rows_share_a_length_save_as_ragged(
     tmp_path, monkeypatch, storage_name
 ):
-    monkeypatch.setattr("zarr_rb._torchrl_state.COPY_BLOCK_BYTES", 64)  # a block per row
+    monkeypatch.setattr("zarr_rb.torchrl.state_dict.COPY_BLOCK_BYTES", 64)  # a block per row
     rb = ReplayBuffer(storage=STORAGES[storage_name](), batch_size=2)
     rows = token_rows([5, 5, 5, 5, 7, 9])
     for row in rows.unbind(0):

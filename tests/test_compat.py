@@ -1,5 +1,5 @@
 """Every private TorchRL name zarr_rb relies on still exists in the installed TorchRL, and no
-module but zarr_rb._compat touches one: a TorchRL release that renames one fails here,
+module but zarr_rb.torchrl.compat touches one: a TorchRL release that renames one fails here,
 naming it and the TorchRL version, instead of breaking buffers quietly."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from torchrl.data.replay_buffers import checkpointers, samplers, writers
 from torchrl.data.replay_buffers.storages import ListStorage, Storage, TensorStorage
 
 import zarr_rb
-from zarr_rb import _compat
+from zarr_rb.torchrl import compat
 
-# One live instance of each class _compat.USED names: many of the names are instance
+# One live instance of each class compat.USED names: many of the names are instance
 # attributes, set by the constructor.
 INSTANCES = {
     TensorStorage: lambda: LazyTensorStorage(10),
@@ -45,7 +45,13 @@ INSTANCES = {
     samplers.StalenessAwareSampler: samplers.StalenessAwareSampler,
 }
 
-DECLARED = [(cls, name) for cls, names in _compat.USED.items() for name in names]
+DECLARED = [(cls, name) for cls, names in compat.USED.items() for name in names]
+
+STORAGE_CLASSES = [
+    cls for cls in zarr_rb.ZarrStorage.__mro__ if cls.__module__.startswith("zarr_rb")
+]
+"""ZarrStorage and the classes of zarr_rb it derives from (its bookkeeping, writes, reads):
+TorchRL subclasses, which override TorchRL's hooks and keep their own state."""
 
 
 def _instance(cls: type):
@@ -59,18 +65,18 @@ def _instance(cls: type):
 def test_every_private_name_zarr_rb_uses_exists(cls: type, name: str) -> None:
     obj = _instance(cls)
     assert hasattr(obj, name) or hasattr(cls, name), (
-        f"torchrl {_compat.TORCHRL_VERSION}: {cls.__module__}.{cls.__qualname__}.{name} is "
-        "gone; zarr_rb relies on it (see zarr_rb/_compat.py)"
+        f"torchrl {compat.TORCHRL_VERSION}: {cls.__module__}.{cls.__qualname__}.{name} is "
+        "gone; zarr_rb relies on it (see zarr_rb/torchrl/compat.py)"
     )
 
 
-@pytest.mark.parametrize("name", sorted(_compat.OVERRIDDEN))
+@pytest.mark.parametrize("name", sorted(compat.OVERRIDDEN))
 def test_every_hook_zarr_storage_overrides_is_one_torchrl_calls(name: str) -> None:
     assert hasattr(TensorStorage, name), (
-        f"torchrl {_compat.TORCHRL_VERSION}: TensorStorage.{name} is gone; ZarrStorage "
-        f"overrides it because {_compat.OVERRIDDEN[name]}"
+        f"torchrl {compat.TORCHRL_VERSION}: TensorStorage.{name} is gone; ZarrStorage "
+        f"overrides it because {compat.OVERRIDDEN[name]}"
     )
-    assert name in zarr_rb.ZarrStorage.__dict__
+    assert any(name in vars(cls) for cls in STORAGE_CLASSES)
 
 
 def test_zarr_storage_takes_every_keyword_of_torchrl_lazy_storages() -> None:
@@ -80,7 +86,7 @@ def test_zarr_storage_takes_every_keyword_of_torchrl_lazy_storages() -> None:
     for cls in (LazyMemmapStorage, LazyTensorStorage):
         theirs = set(inspect.signature(cls.__init__).parameters)
         assert theirs <= ours, (
-            f"torchrl {_compat.TORCHRL_VERSION}: {cls.__name__} takes {sorted(theirs - ours)}, "
+            f"torchrl {compat.TORCHRL_VERSION}: {cls.__name__} takes {sorted(theirs - ours)}, "
             "which ZarrStorage does not"
         )
 
@@ -98,25 +104,27 @@ def _torchrl_private_names() -> set[str]:
 
 def test_no_module_but_compat_touches_a_torchrl_private_name() -> None:
     """Attributes ``x._name`` that TorchRL's classes define may only be used in
-    ``_compat.py``, and in ``storage.py`` for the hooks it overrides and its own state."""
+    ``compat.py``, and in the modules of ZarrStorage's classes for the hooks they override
+    and their own state."""
     torchrl_names = _torchrl_private_names()
     package = Path(zarr_rb.__file__).parent
-    own_storage_names = set(_compat.OVERRIDDEN) | set(vars(zarr_rb.ZarrStorage))
+    own_storage_names = set(compat.OVERRIDDEN).union(*(vars(cls) for cls in STORAGE_CLASSES))
+    storage_files = {inspect.getfile(cls) for cls in STORAGE_CLASSES}
     offenders = []
     for path in sorted(package.rglob("*.py")):
-        if path.name == "_compat.py":
+        if path.name == "compat.py":
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr in torchrl_names:
-                allowed = path.name == "storage.py" and node.attr in own_storage_names
+                allowed = str(path) in storage_files and node.attr in own_storage_names
                 if not allowed and not _defined_by_zarr_rb(node.attr):
                     offenders.append(f"{path.relative_to(package)}:{node.lineno} .{node.attr}")
     assert not offenders, "TorchRL private names outside _compat: " + ", ".join(offenders)
 
 
 def _defined_by_zarr_rb(name: str) -> bool:
-    """Whether one of zarr_rb's own classes (other than ZarrStorage, a TorchRL subclass)
+    """Whether one of zarr_rb's own classes (other than ZarrStorage's, TorchRL subclasses)
     defines ``name`` (its own private state)."""
     import importlib
     import pkgutil
@@ -131,7 +139,7 @@ def _defined_by_zarr_rb(name: str) -> bool:
             for obj in vars(module).values()
             if isinstance(obj, type)
             and obj.__module__ == module.__name__
-            and obj is not zarr_rb.ZarrStorage
+            and obj not in STORAGE_CLASSES
         )
     return any(name in vars(cls) or name in getattr(cls, "__annotations__", {}) for cls in classes)
 
@@ -177,20 +185,20 @@ def test_the_import_scan_sees_every_form_of_a_private_import() -> None:
         "from tensordict._td import TensorDict\n"
         "def f():\n    from torchrl.envs import _d\n"
         "from torchrl.data import checkpointers as _public_module\n"
-        "from zarr_rb._compat import _e\n"
+        "from zarr_rb.torchrl.compat import _e\n"
         "import torch._dynamo\n"
     )
     assert [line for line, _ in _private_torchrl_imports(source)] == [1, 2, 3, 7, 8, 10]
 
 
 def test_no_module_but_compat_imports_a_torchrl_private_name() -> None:
-    """``from torchrl... import _name`` anywhere in zarr_rb but ``_compat.py`` (the
+    """``from torchrl... import _name`` anywhere in zarr_rb but ``compat.py`` (the
     attribute scan above does not see imports)."""
     package = Path(zarr_rb.__file__).parent
     offenders = [
         f"{path.relative_to(package)}:{line} {name}"
         for path in sorted(package.rglob("*.py"))
-        if path.name != "_compat.py"
+        if path.name != "compat.py"
         for line, name in _private_torchrl_imports(path.read_text())
     ]
     assert not offenders, "TorchRL private names imported outside _compat: " + ", ".join(offenders)

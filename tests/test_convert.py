@@ -1,4 +1,4 @@
-"""``zarr_rb.convert``: TorchRL's ``rb.dumps`` layout to zarr_rb stores and back.
+"""``zarr_rb.interop.dumps``: TorchRL's ``rb.dumps`` layout to zarr_rb stores and back.
 
 Every test compares the converted buffer with the one it came from: length, ``storage[:]``,
 writer and sampler state, samples drawn with the same seeds, and what both do when they
@@ -44,10 +44,10 @@ from zarr_rb import (
     StoreCorruptedError,
     UnsupportedDataError,
     ZarrStorage,
-    convert,
 )
-from zarr_rb._torchrl_state import COPY_BLOCK_BYTES
-from zarr_rb.convert import export_torchrl, import_torchrl
+from zarr_rb.interop import dumps, export_torchrl, import_torchrl
+from zarr_rb.interop import export as export_module
+from zarr_rb.torchrl.state_dict import COPY_BLOCK_BYTES
 
 MAX_SIZE = 64
 BATCH = 8
@@ -524,7 +524,7 @@ def test_import_streams_in_blocks(
     fill(original)
     original.dumps(tmp_path / "dump")
     nbytes = row_nbytes(original.storage[:1])  # with the "index" key the buffer adds
-    monkeypatch.setattr(convert, "BLOCK_BYTES", 10 * nbytes)
+    monkeypatch.setattr(dumps, "BLOCK_BYTES", 10 * nbytes)
     spy = SetSpy(monkeypatch, ZarrStorage)
     destination = zarr_buffer("prioritized", tmp_path / "rb.zarr")
     import_torchrl(tmp_path / "dump", destination)
@@ -542,7 +542,7 @@ def test_export_streams_in_blocks(
     fill(source)
     zarr_rb.save(source)
     source.storage.close()
-    spy = SetSpy(monkeypatch, convert._MemmapFiles, "write")
+    spy = SetSpy(monkeypatch, export_module._MemmapFiles, "write")
     nbytes = zarr_rb.load(tmp_path / "rb.zarr", read_only=True).storage.schema.row_nbytes
     export_torchrl(tmp_path / "rb.zarr", tmp_path / "dump", block_bytes=7 * nbytes + 3)
     spy.check(rows_per_block=7)
@@ -578,7 +578,7 @@ zarr_rb.save(rb)
 EXPORT_RSS = """
 import sys
 import torch, torchrl.data, zarr_rb
-from zarr_rb.convert import export_torchrl
+from zarr_rb.interop import export_torchrl
 
 def kib(field):  # of this process's memory since exec (ru_maxrss would count the parent's)
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))

@@ -170,7 +170,7 @@ def test_a_full_disk_at_the_first_write_is_a_typed_error_and_the_write_works_onc
 def test_an_export_onto_a_disk_without_room_is_refused_before_it_writes(tmpfs, tmp_path):
     """An export says what it writes and refuses a disk that cannot hold it, before it makes
     the dump (not half-way through a TorchRL layout)."""
-    from zarr_rb.convert import export_torchrl
+    from zarr_rb.interop import export_torchrl
 
     rb = ReplayBuffer(storage=ZarrStorage(256, tmp_path / "rb.zarr"))
     rb.extend(frames(0, 256))  # 1.8 MB of rows

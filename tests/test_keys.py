@@ -337,10 +337,10 @@ def test_a_store_that_already_holds_a_refused_name_still_opens_and_takes_rows(
 ) -> None:
     """Keys are checked when they are new: a store written before a rule existed (a name
     with a newline) keeps working, with its keys and with new ones."""
-    from zarr_rb import _convert
+    from zarr_rb.torchrl import leaves
 
     with monkeypatch.context() as patch:
-        patch.setattr(_convert, "check_new_keys", lambda *args, **kwargs: None)
+        patch.setattr(leaves, "check_new_keys", lambda *args, **kwargs: None)
         storage = ZarrStorage(10, store_path)
         storage.set(torch.arange(N), td(["obs", "a\nb", "Obs"]))
         storage.close()

@@ -61,7 +61,7 @@ def test_compare_and_swap(location):
 def _increment(spec, times: int, start) -> None:
     import time
 
-    from zarr_rb._io import observe_io
+    from zarr_rb.util.io import observe_io
 
     location = open_location(*spec)
     start.wait(60)  # all at once: interpreters take a while to start

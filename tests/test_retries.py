@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
 from zarr_rb import Compression, StoreWriteError, ZarrStorage
-from zarr_rb._io import observe_io
+from zarr_rb.util.io import observe_io
 
 
 def steps(values: torch.Tensor) -> TensorDict:

@@ -30,7 +30,6 @@ from torchrl.data import (
 
 import zarr_rb
 from zarr_rb import ZarrStorage
-from zarr_rb.convert import export_torchrl, import_torchrl
 from zarr_rb.errors import (
     BucketNotFoundError,
     ChunkCorruptedError,
@@ -43,6 +42,7 @@ from zarr_rb.errors import (
     NotSupportedError,
     StoreNotFoundError,
 )
+from zarr_rb.interop import export_torchrl, import_torchrl
 from zarr_rb.locations import open_location
 
 CAPACITY = 100
@@ -543,7 +543,7 @@ def test_objects_that_are_not_a_store_are_refused(s3_url, s3_options):
 
 
 def test_an_interrupted_snapshot_is_no_store_and_is_not_overwritten(s3_url, s3_options):
-    from zarr_rb._io import observe_io
+    from zarr_rb.util.io import observe_io
 
     rb = TensorDictReplayBuffer(
         storage=ZarrStorage(CAPACITY, s3_url, storage_options=s3_options), batch_size=8
@@ -756,7 +756,7 @@ def test_a_closed_writer_leaves_an_expired_lease_which_is_no_data(s3_url, s3_opt
 
 
 def test_a_server_side_snapshot_copies_the_root_record_last(s3_url, s3_options):
-    from zarr_rb._io import observe_io
+    from zarr_rb.util.io import observe_io
 
     rb = TensorDictReplayBuffer(
         storage=ZarrStorage(CAPACITY, s3_url, storage_options=s3_options), batch_size=8

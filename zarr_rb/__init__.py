@@ -19,10 +19,8 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from zarr_rb._lazy import LazyColumn
     from zarr_rb.analysis import ReplayDataset, View, open
     from zarr_rb.api import Version, drop_version, load, save, versions
-    from zarr_rb.convert import export_torchrl, import_torchrl
     from zarr_rb.core.format import FORMAT_VERSION
     from zarr_rb.core.layout import Compression
     from zarr_rb.errors import (
@@ -53,11 +51,14 @@ if TYPE_CHECKING:
         VersionNotFoundError,
         ZarrRBError,
     )
+    from zarr_rb.interop.dumps import import_torchrl
+    from zarr_rb.interop.export import export_torchrl
     from zarr_rb.state import PickleNotAllowedError
-    from zarr_rb.storage import ZarrStorage
+    from zarr_rb.torchrl.columns import LazyColumn
+    from zarr_rb.torchrl.storage import ZarrStorage
     from zarr_rb.verify import DamagedChunk, VerifyReport, verify
 
-__version__ = "0.1.0"
+from zarr_rb._version import __version__
 
 _ERRORS = (
     "ChunkCorruptedError",
@@ -92,14 +93,14 @@ _HOMES: dict[str, str] = {
     "FORMAT_VERSION": "zarr_rb.core.format",
     "Compression": "zarr_rb.core.layout",
     "DamagedChunk": "zarr_rb.verify",
-    "LazyColumn": "zarr_rb._lazy",
+    "LazyColumn": "zarr_rb.torchrl.columns",
     "PickleNotAllowedError": "zarr_rb.state",
     "ReplayDataset": "zarr_rb.analysis",
     "VerifyReport": "zarr_rb.verify",
     "View": "zarr_rb.analysis",
-    "ZarrStorage": "zarr_rb.storage",
-    "export_torchrl": "zarr_rb.convert",
-    "import_torchrl": "zarr_rb.convert",
+    "ZarrStorage": "zarr_rb.torchrl.storage",
+    "export_torchrl": "zarr_rb.interop.export",
+    "import_torchrl": "zarr_rb.interop.dumps",
     "Version": "zarr_rb.api",
     "drop_version": "zarr_rb.api",
     "load": "zarr_rb.api",

@@ -23,8 +23,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from zarr_rb import _compat
-from zarr_rb._transfer import fill_memory, memory_storage, save_foreign
 from zarr_rb.core.format import TAG, Saved
 from zarr_rb.core.open import open_store
 from zarr_rb.core.store import Store
@@ -38,10 +36,12 @@ from zarr_rb.errors import (
     VersionNotFoundError,
     ZarrRBError,
 )
+from zarr_rb.interop.buffers import fill_memory, memory_storage, save_foreign
 from zarr_rb.locations import StoreURL, is_remote, open_location
 from zarr_rb.state import LOAD_ATTEMPTS, load_buffer, save_buffer
 from zarr_rb.state._buffer import check_buffer_class
-from zarr_rb.storage import ZarrStorage
+from zarr_rb.torchrl import compat
+from zarr_rb.torchrl.storage import ZarrStorage
 
 __all__ = ["Version", "drop_version", "load", "save", "versions"]
 
@@ -106,7 +106,9 @@ def save(
                 f"zarr_rb.save of a buffer on {type(rb.storage).__name__} needs the path of "
                 "the store to create",
             )
-        return save_foreign(rb, path, progress=progress, storage_options=storage_options)
+        return save_foreign(
+            rb, path, progress=progress, save_state=save_state, storage_options=storage_options
+        )
     storage = rb.storage
     if storage.read_only:
         raise ReadOnlyError(f"cannot save into read-only store {storage.url!r}")
@@ -391,8 +393,8 @@ def _load_on_store(
     try:
         for _ in range(LOAD_ATTEMPTS):
             saved = _saved_of(storage, version)
-            _compat.set_length(storage, 0)
-            attached = _compat.attached_count(storage)
+            compat.set_length(storage, 0)
+            attached = compat.attached_count(storage)
             try:
                 return _built(
                     storage,
@@ -412,8 +414,8 @@ def _load_on_store(
                 # save is now the newer one, loaded whole again.
                 if version is not None:
                     raise
-                _compat.detach_since(storage, attached)  # the buffer of this attempt
-                _compat.set_length(storage, committed_length)
+                compat.detach_since(storage, attached)  # the buffer of this attempt
+                compat.set_length(storage, committed_length)
                 storage.refresh()
         raise StateChangedError(
             f"store {str(storage.path)!r}: the last save was replaced by a newer one each of "
@@ -421,7 +423,7 @@ def _load_on_store(
             "Load again, or load a tagged version (zarr_rb.save(rb, tag=...))",
         )
     except BaseException:
-        _compat.set_length(storage, committed_length)  # leave the store as it was
+        compat.set_length(storage, committed_length)  # leave the store as it was
         storage.close()
         raise
 

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from zarr_rb._progress import format_bytes
 from zarr_rb.errors import LockedError, ZarrRBError
+from zarr_rb.util.progress import format_bytes
 
 EPILOG = (
     "Stores are local paths or s3://bucket/path URLs (credentials and endpoint from "
@@ -370,7 +370,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _snapshot(args: argparse.Namespace) -> int:
     _check_store(args, args.source)
     from zarr_rb.locations import open_location
-    from zarr_rb.storage import ZarrStorage
+    from zarr_rb.torchrl.storage import ZarrStorage
 
     with ZarrStorage(path=args.source, read_only=True) as source:
         writers = source._store.engine.location.holders()
@@ -392,7 +392,7 @@ def _snapshot(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from zarr_rb.convert import buffer_like_dump, import_torchrl
+    from zarr_rb.interop.dumps import buffer_like_dump, import_torchrl
 
     buffer = buffer_like_dump(args.dump, args.dest)
     try:
@@ -405,7 +405,7 @@ def _import(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     _check_store(args, args.source)
-    from zarr_rb.convert import export_torchrl
+    from zarr_rb.interop.export import export_torchrl
 
     path = export_torchrl(args.source, args.dest, allow_pickle=args.allow_pickle)
     print(f"wrote {path}")

@@ -35,9 +35,9 @@ from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
 from zarr_rb import ZarrStorage
-from zarr_rb._progress import format_bytes
 from zarr_rb.api import save
 from zarr_rb.errors import ZarrRBError
+from zarr_rb.util.progress import format_bytes
 
 __all__ = [
     "ENV_IDS",

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from zarr_rb._optional import require
-from zarr_rb.storage import ZarrStorage
+from zarr_rb.torchrl.storage import ZarrStorage
+from zarr_rb.util.optional import require
 
 __all__ = ["BufferWriter", "require_ray", "writer_actor"]
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb._io import load_json
 from zarr_rb.analysis._keys import Key, shown
 from zarr_rb.core.format import (
     ATTRS_KEY,
@@ -35,6 +34,7 @@ from zarr_rb.errors import (
     StoreCorruptedError,
     StoreNotFoundError,
 )
+from zarr_rb.util.io import load_json
 
 ROOT_METADATA = "zarr.json"
 # The writer lock files of zarr_rb.locations.lock, which imports TensorStore on the way

@@ -27,12 +27,12 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import Dataset, Sampler
 
-from zarr_rb._fork import tensorstore_usable
 from zarr_rb.analysis._keys import KeyLike, public_key
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy
 from zarr_rb.core.format import LeafSpec
 from zarr_rb.errors import NotSupportedError, RowIndexError
 from zarr_rb.locations import StoreURL, is_remote
+from zarr_rb.util.fork import tensorstore_usable
 
 
 class ReplayDataset(Dataset[TensorDict]):
@@ -212,7 +212,7 @@ class TorchRLBatches(Sampler[list[int]]):
         *,
         num_batches: int | None = None,
     ) -> None:
-        from zarr_rb.storage import ZarrStorage
+        from zarr_rb.torchrl.storage import ZarrStorage
 
         if dataset._envs is not None:
             raise NotSupportedError("TorchRLBatches draws from ndim=1 stores")

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zarr_rb._optional import require
 from zarr_rb.analysis._keys import KeyLike, public_key
 from zarr_rb.errors import NotAnImageError
+from zarr_rb.util.optional import require
 
 if TYPE_CHECKING:
     from zarr_rb.analysis.episodes import Episodes

@@ -15,14 +15,14 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from zarr_rb import _compat, _convert, _index
 from zarr_rb.analysis._keys import TENSOR_KEY, Key, KeyLike, public_key, shown
 from zarr_rb.analysis.episodes import Episodes, find_episodes, find_keys
 from zarr_rb.core.dtypes import TORCH_DTYPES, numpy_dtype, to_numpy
 from zarr_rb.core.format import LeafSpec, Schema, mask_to_ranges
 from zarr_rb.errors import UnknownKeyError
 from zarr_rb.locations import StoreURL
-from zarr_rb.storage import ZarrStorage
+from zarr_rb.torchrl import compat, data_kinds, index_forms
+from zarr_rb.torchrl.storage import ZarrStorage
 
 if TYPE_CHECKING:
     import xarray
@@ -80,8 +80,8 @@ def open(
     )
     return View(
         storage,
-        episode_key=None if episode_key is None else _convert.key_tuple(episode_key),
-        reward_key=None if reward_key is None else _convert.key_tuple(reward_key),
+        episode_key=None if episode_key is None else data_kinds.key_tuple(episode_key),
+        reward_key=None if reward_key is None else data_kinds.key_tuple(reward_key),
     )
 
 
@@ -134,7 +134,7 @@ class View:
     @property
     def rows(self) -> int:
         """Rows along the first (time) dimension."""
-        return _compat.length_along_dim0(self.storage) if self.storage.initialized else 0
+        return compat.length_along_dim0(self.storage) if self.storage.initialized else 0
 
     @property
     def shape(self) -> torch.Size:
@@ -219,7 +219,7 @@ class View:
         )
 
     def _key(self, key: KeyLike) -> Key:
-        key = _convert.key_tuple(key)
+        key = data_kinds.key_tuple(key)
         if not any(leaf.key == key for leaf in self._leaves()):
             held = ", ".join(shown(k) for k in self.keys()) or "no key"
             raise UnknownKeyError(f"{self.url!r} has no key {shown(key)}: it holds {held}")
@@ -238,7 +238,7 @@ class View:
         """A key: its column (lazy: ``view["obs"][17]`` reads one row). Rows (an int, a
         slice, an index tensor or a mask): a TensorDict of them; ints and slices stay lazy,
         index tensors and masks read the rows of this view's keys, together."""
-        if _index.is_key(index):
+        if index_forms.is_key(index):
             key = self._key(index)
             return self._lazy()[key or (TENSOR_KEY,)]
         if self.ndim == 1 and isinstance(index, (torch.Tensor, np.ndarray, list)):
@@ -270,7 +270,7 @@ class View:
             sub = dataclasses.replace(
                 schema, kind="tensordict", leaves=tuple(leaves), tensorclass=None, treespec=None
             )
-            out = _convert.build(values, schema=sub, batch_shape=batch_shape, device=None)
+            out = data_kinds.build(values, schema=sub, batch_shape=batch_shape, device=None)
         if envs is not None:
             out = out[torch.arange(rows.size), torch.from_numpy(envs)]
         return out

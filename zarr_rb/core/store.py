@@ -33,7 +33,6 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import torch
 
-from zarr_rb._io import errno_of
 from zarr_rb.core.commits import Commits
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy, to_numpy
 from zarr_rb.core.format import (
@@ -72,6 +71,7 @@ from zarr_rb.errors import (
 )
 from zarr_rb.locations import LocalLocation, Location
 from zarr_rb.locations.base import ROOT_METADATA, WriterHold
+from zarr_rb.util.io import errno_of
 
 ARRAYS_WAIT_SECONDS = 10.0
 """How long a store that just got its schema from another writer waits for its arrays."""

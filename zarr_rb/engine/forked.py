@@ -1,5 +1,5 @@
 """Reads of a local store with zarr-python, for processes forked from one that used
-TensorStore (which cannot run there, see :mod:`zarr_rb._fork`). zarr-python resets its I/O
+TensorStore (which cannot run there, see :mod:`zarr_rb.util.fork`). zarr-python resets its I/O
 loop after a fork.
 
 Only what the last commit declares readable is read, and never a torn transition: the

@@ -15,12 +15,12 @@ from typing import Any, Protocol, cast
 import numpy as np
 import tensorstore as ts
 
-from zarr_rb._io import announce
 from zarr_rb.core.format import describe_runs
 from zarr_rb.engine import once
 from zarr_rb.engine.cache import EncodedCache
 from zarr_rb.errors import ChunkCorruptedError
 from zarr_rb.locations.base import ROOT_METADATA, Location, join
+from zarr_rb.util.io import announce
 
 MAX_CACHED_OBJECT_BYTES = 4 * 2**20
 """Arrays whose stored objects (shards) are at most this large on average are read from

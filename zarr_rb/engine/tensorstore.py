@@ -16,8 +16,6 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from zarr_rb._io import load_json
-from zarr_rb._progress import progress_bar
 from zarr_rb.core.format import describe_runs
 from zarr_rb.core.layout import MAX_CHUNK_ELEMENTS, Compression, LeafLayout
 from zarr_rb.engine.cache import EncodedCache
@@ -35,6 +33,8 @@ from zarr_rb.locations.base import (
     is_store_object,
     join,
 )
+from zarr_rb.util.io import load_json
+from zarr_rb.util.progress import progress_bar
 
 STATE_CHUNK_BYTES = 2**20
 WRITER_KEY = "zarr_rb_writer"

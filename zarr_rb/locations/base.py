@@ -135,7 +135,7 @@ class Location(abc.ABC):
         """Equal for two locations of the same store (one writer per store per process)."""
 
     def path_of(self, key: str) -> PurePath:
-        """What I/O observers are told an operation touches (see ``zarr_rb._io``)."""
+        """What I/O observers are told an operation touches (see ``zarr_rb.util.io``)."""
         return PurePosixPath(self.url) / key
 
     @abc.abstractmethod

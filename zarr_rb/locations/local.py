@@ -23,8 +23,6 @@ from typing import Any
 
 import tensorstore as ts
 
-from zarr_rb._fork import starting_tensorstore
-from zarr_rb._io import announce, fsync
 from zarr_rb.errors import NotAStoreError, ReadOnlyFilesystemError
 from zarr_rb.locations.base import (
     CAS_LOCK_FILE,
@@ -38,6 +36,8 @@ from zarr_rb.locations.base import (
     is_temporary,
 )
 from zarr_rb.locations.lock import SharedLock, WriterLock, lock_holders, shared_writer_alive
+from zarr_rb.util.fork import starting_tensorstore
+from zarr_rb.util.io import announce, fsync
 
 ABSENT: Generation = b"absent"
 

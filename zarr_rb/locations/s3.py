@@ -38,8 +38,6 @@ from typing import Any, TypeVar
 
 import tensorstore as ts
 
-from zarr_rb._fork import starting_tensorstore
-from zarr_rb._io import IOKind, announce
 from zarr_rb.errors import (
     BucketNotFoundError,
     CredentialsError,
@@ -64,6 +62,8 @@ from zarr_rb.locations.base import (
     writer_key,
 )
 from zarr_rb.locations.lock import mixed_writers, single_writer_holds
+from zarr_rb.util.fork import starting_tensorstore
+from zarr_rb.util.io import IOKind, announce
 
 OPTIONS = ("endpoint_url", "key", "secret", "token", "region", "anon")
 """``storage_options`` as fsspec/s3fs name them."""

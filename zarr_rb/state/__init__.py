@@ -7,8 +7,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from zarr_rb import _compat as compat
-from zarr_rb._holes import guard_sampler
 from zarr_rb.core.format import Saved
 from zarr_rb.engine import Engine
 from zarr_rb.errors import UnsupportedDataError
@@ -30,6 +28,8 @@ from zarr_rb.state._objects import (
     save_transforms,
 )
 from zarr_rb.state._read import LOAD_ATTEMPTS, read_one_save
+from zarr_rb.torchrl import compat
+from zarr_rb.torchrl.guards import guard_sampler
 
 __all__ = [
     "LOAD_ATTEMPTS",

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from zarr_rb import _compat as compat
+from zarr_rb._version import __version__
 from zarr_rb.errors import TorchRLVersionError, UnsupportedDataError
+from zarr_rb.torchrl import compat
 
 _BUFFER: dict[str, str] = {
     "storage": "the rows: the store itself, reopened by zarr_rb.load",
@@ -130,7 +131,7 @@ class Argument:
 
 def private(name: str) -> Argument:
     """An argument TorchRL keeps as the private attribute ``name`` (declared in
-    :data:`zarr_rb._compat.USED`)."""
+    :data:`zarr_rb.torchrl.compat.USED`)."""
     return Argument(read=lambda obj: compat.get(obj, name))
 
 
@@ -208,6 +209,4 @@ def missing_class(name: str, *, role: str, saved_version: str | None) -> TorchRL
 
 def versions() -> dict[str, str]:
     """The releases a save is made with."""
-    import zarr_rb
-
-    return {"torchrl": compat.TORCHRL_VERSION, "zarr_rb": zarr_rb.__version__}
+    return {"torchrl": compat.TORCHRL_VERSION, "zarr_rb": __version__}

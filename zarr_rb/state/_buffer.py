@@ -23,7 +23,6 @@ from torchrl.data.replay_buffers import her as _her
 from torchrl.data.replay_buffers import replay_buffers as _buffers
 from torchrl.data.replay_buffers import sample_units as _units
 
-from zarr_rb import _compat as compat
 from zarr_rb.errors import UnsupportedDataError
 from zarr_rb.state._arguments import (
     Argument,
@@ -35,6 +34,7 @@ from zarr_rb.state._arguments import (
 )
 from zarr_rb.state._components import key_from_json, key_to_json
 from zarr_rb.state._node import StateNode
+from zarr_rb.torchrl import compat
 
 _HER: Any = getattr(_her, "HERReplayBuffer", None)
 """Hindsight relabelling at sample time (TorchRL 0.14): its ``reward_fn`` is code, saved
@@ -174,7 +174,7 @@ def _sample_unit(config: Any, custom: Any, *, saved_version: str | None) -> Any:
 def _checkpointer_config(checkpointer: Any) -> tuple[Any, bool]:
     """JSON for a storage checkpointer (``None``: zarr_rb's own), and whether it is custom
     code (saved as a code object)."""
-    from zarr_rb._checkpointer import ZarrStorageCheckpointer
+    from zarr_rb.torchrl.checkpointer import ZarrStorageCheckpointer
 
     hooks = (compat.get(checkpointer, "_save_hooks"), compat.get(checkpointer, "_load_hooks"))
     if type(checkpointer) is ZarrStorageCheckpointer and not any(hooks):

@@ -16,7 +16,6 @@ import torch
 from torchrl.data.replay_buffers import samplers as S  # noqa: N812
 from torchrl.data.replay_buffers import writers as W  # noqa: N812
 
-from zarr_rb import _compat as compat
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.errors import UnsupportedDataError
 from zarr_rb.state._arguments import (
@@ -27,6 +26,7 @@ from zarr_rb.state._arguments import (
     read_arguments,
 )
 from zarr_rb.state._node import StateNode
+from zarr_rb.torchrl import compat
 
 Config = dict[str, Any]
 

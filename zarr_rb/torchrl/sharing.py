@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import multiprocessing.context
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from zarr_rb import _index
-from zarr_rb.errors import NotSupportedError, RowsNotCommittedError
+from zarr_rb.core.store import Store
+from zarr_rb.errors import RowsNotCommittedError
+from zarr_rb.torchrl import index_forms
 
-if TYPE_CHECKING:
-    from zarr_rb.storage import ZarrStorage
+Key = tuple[str, ...]
 
 _REDRAWS = 20
 
@@ -26,22 +26,22 @@ def spawning() -> bool:
     return multiprocessing.context.get_spawning_popen() is not None
 
 
-def append(storage: ZarrStorage, cursor: Any, data: Any) -> np.ndarray:
-    """An extend of a shared store: the rows go where this writer's blocks have room, and
-    the writer's index (the tensor ``rb.extend`` returns) is rewritten in place to say
-    where. Returns the positions of ``cursor``'s rows (an ``add``'s integer cursor cannot
-    be rewritten: its writer's return value is replaced, see :mod:`zarr_rb._writes`)."""
-    store = storage._store
-    if storage.ndim != 1:
-        raise NotSupportedError(
-            f"{storage._where}: shared writers place rows by blocks of a 1-D storage; "
-            f"this one has ndim={storage.ndim}: flatten the batch (data.reshape(-1)) and "
-            "use ndim=1",
-        )
-    rows, leaves = storage._rows_to_write(cursor, data)
-    storage.__dict__["writes_begun"] += 1
+def append(
+    store: Store,
+    cursor: Any,
+    rows: np.ndarray,
+    leaves: dict[Key, torch.Tensor],
+    *,
+    where: str,
+) -> np.ndarray:
+    """Append the validated ``leaves`` of an extend at ``cursor`` (sorted unique ``rows``,
+    as the storage would write them) to a shared store: the rows go where this writer's
+    blocks have room, and the writer's index (the tensor ``rb.extend`` returns) is
+    rewritten in place to say where. Returns the positions of ``cursor``'s rows (an
+    ``add``'s integer cursor cannot be rewritten: its writer's return value is replaced,
+    see :mod:`zarr_rb.torchrl.guards`)."""
     assert store.schema is not None
-    index, _ = _index.write_rows(cursor, store.schema.rows, where=storage._where)
+    index, _ = index_forms.write_rows(cursor, store.schema.rows, where=where)
     # The rows go in the order extended, at the record's cursor (a trajectory stays in
     # one piece), not in the order of this writer's cursor, which other writers moved
     # past: its index may wrap where the record's does not.
@@ -51,37 +51,39 @@ def append(storage: ZarrStorage, cursor: Any, data: Any) -> np.ndarray:
         picked = torch.from_numpy(np.searchsorted(rows, index))
         leaves = {key: value[picked] for key, value in leaves.items()}
         placed = store.append(leaves, index.size)
-        where = np.arange(index.size)
+        position = np.arange(index.size)
     else:
-        order = np.argsort(_index.unique_last(index)[1], kind="stable")
+        order = np.argsort(index_forms.unique_last(index)[1], kind="stable")
         if (np.diff(order) != 1).any():
             picked = torch.from_numpy(order)
             leaves = {key: value[picked] for key, value in leaves.items()}
         placed = np.empty(rows.size, dtype=np.int64)
         placed[order] = store.append(leaves, rows.size)
-        where = np.searchsorted(rows, index)
-    positions: np.ndarray = placed[where]
+        position = np.searchsorted(rows, index)
+    positions: np.ndarray = placed[position]
     if isinstance(cursor, torch.Tensor) and cursor.ndim == 1 and not cursor.is_floating_point():
         cursor.copy_(torch.from_numpy(positions).to(cursor.device, cursor.dtype))
     return positions
 
 
 def gather_redrawing(
-    storage: ZarrStorage,
     index: torch.Tensor,
     gather: Callable[[torch.Tensor], Any],
     draw_again: Callable[[int], torch.Tensor],
+    *,
+    draw: torch.Tensor | None,
+    refresh: Callable[[], None],
 ) -> Any:
-    """``gather(index)``; if rows the sampler just drew were evicted by another writer
-    before they could be read, they are drawn again (``index`` is rewritten in place, so
-    the index the buffer reports is the one read)."""
-    draw = getattr(storage._thread_state, "draw", None)
+    """``gather(index)``; if rows the sampler just drew (``draw``, the index its last draw
+    returned) were evicted by another writer before they could be read, the storage is
+    refreshed and they are drawn again (``index`` is rewritten in place, so the index the
+    buffer reports is the one read)."""
     for _ in range(_REDRAWS):
         try:
             return gather(index)
         except RowsNotCommittedError:
             if draw is None or index is not draw:
                 raise
-            storage.refresh()
+            refresh()
             index.copy_(draw_again(index.numel()))
     return gather(index)

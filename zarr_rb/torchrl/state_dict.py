@@ -13,17 +13,15 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tensordict import TensorDict, is_non_tensor, is_tensor_collection
 from torchrl.data.replay_buffers.storages import Storage
 
-from zarr_rb._convert import clone, flip_list, row_nbytes, select
-from zarr_rb._progress import copy_in_blocks
-
-if TYPE_CHECKING:
-    from zarr_rb.storage import ZarrStorage
+from zarr_rb.torchrl.data_kinds import clone, flip_list, row_nbytes, select
+from zarr_rb.torchrl.reads import StorageReads
+from zarr_rb.util.progress import copy_in_blocks
 
 STATE_KEY = "zarr_rb"
 """Where a ZarrStorage's state dict names its store (ignored by TorchRL's storages)."""
@@ -31,7 +29,7 @@ STATE_KEY = "zarr_rb"
 COPY_BLOCK_BYTES = 64 * 2**20
 
 
-def state_dict(storage: ZarrStorage) -> dict[str, Any]:
+def state_of(storage: StorageReads) -> dict[str, Any]:
     storage.flush()
     rows: Any = {}
     if storage.initialized and not _tensor_columns_only(storage):
@@ -62,7 +60,7 @@ def _row_state(row: Any) -> dict[str, Any]:
     }
 
 
-def load_state_dict(storage: ZarrStorage, state: dict[str, Any]) -> None:
+def load_state(storage: StorageReads, state: dict[str, Any]) -> None:
     ours = state.get(STATE_KEY)
     rows = state["_storage"]
     if isinstance(rows, list):  # ListStorage's form (LazyStackStorage): one element per row
@@ -91,7 +89,7 @@ def load_state_dict(storage: ZarrStorage, state: dict[str, Any]) -> None:
     storage.restore(length=length, cursor=cursor)
 
 
-def _load_rows(storage: ZarrStorage, rows: list[Any], *, cursor: int | None) -> None:
+def _load_rows(storage: StorageReads, rows: list[Any], *, cursor: int | None) -> None:
     if not rows:
         storage.restore(length=0, cursor=0)
         return
@@ -111,17 +109,16 @@ def _load_rows(storage: ZarrStorage, rows: list[Any], *, cursor: int | None) -> 
 _ROWS_PER_BLOCK = 1024
 
 
-def copy_store(source: str | os.PathLike[str], storage: ZarrStorage) -> None:
-    """Copy the committed rows of the store at ``source`` into ``storage``."""
-    from zarr_rb.storage import ZarrStorage
-
-    with ZarrStorage(path=source, ndim=storage.ndim, read_only=True) as other:
+def copy_store(source: str | os.PathLike[str], storage: StorageReads) -> None:
+    """Copy the committed rows of the store at ``source`` into ``storage`` (opened read-only
+    by a storage of ``storage``'s class)."""
+    with type(storage)(path=source, ndim=storage.ndim, read_only=True) as other:
         if other.schema is not None:
-            source = other[:] if _tensor_columns_only(other) else other
-            copy_rows(source, storage, rows=other._store.length_rows)
+            rows = other[:] if _tensor_columns_only(other) else other
+            copy_rows(rows, storage, rows=other.rows_held)
 
 
-def _tensor_columns_only(storage: ZarrStorage) -> bool:
+def _tensor_columns_only(storage: StorageReads) -> bool:
     schema = storage.schema
     return schema is None or all(leaf.value == "tensor" for leaf in schema.leaves)
 
@@ -142,12 +139,10 @@ def copy_rows(
     if rows <= 0:
         return
     if isinstance(source, Storage):
-        from zarr_rb.storage import ZarrStorage
-
         # Rows read (and decoded) by the storage, a block at a time; a ZarrStorage reads an
         # index (a slice of every row would be its lazy view).
         get = source.get
-        if isinstance(source, ZarrStorage):
+        if isinstance(source, StorageReads):
             get = lambda index: source.get(torch.arange(index.start, index.stop))  # noqa: E731
         read = get if prepare is None else lambda index: prepare(get(index))
         first = read(slice(0, 1))
@@ -166,7 +161,7 @@ def copy_rows(
     )
 
 
-def _same_store(url: str, storage: ZarrStorage) -> bool:
+def _same_store(url: str, storage: StorageReads) -> bool:
     """Whether the store recorded as ``url`` in a state dict is ``storage``'s."""
     if isinstance(storage.path, Path):
         return "://" not in url and Path(url).resolve() == storage.path.resolve()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from zarr_rb._malloc import release_free_memory
+from zarr_rb.util.malloc import release_free_memory
 
 
 def progress_bar(total: int, *, desc: str, unit: str, enabled: bool) -> Any:

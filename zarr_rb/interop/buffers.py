@@ -11,9 +11,9 @@ different lengths, a ``LazyStackStorage``) holding the saved rows.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tensordict import is_tensor_collection
@@ -26,16 +26,14 @@ from torchrl.data.replay_buffers.storages import (
 )
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxValueWriter
 
-from zarr_rb import _compat
-from zarr_rb._compat import default_collate as _get_default_collate
-from zarr_rb._convert import key_tuple
-from zarr_rb._torchrl_state import copy_rows
 from zarr_rb.errors import RowsNotCommittedError, UnsupportedDataError
 from zarr_rb.locations import StoreURL, open_location
 from zarr_rb.state import check_savable
-
-if TYPE_CHECKING:
-    from zarr_rb.storage import ZarrStorage
+from zarr_rb.torchrl import compat
+from zarr_rb.torchrl.compat import default_collate as _get_default_collate
+from zarr_rb.torchrl.data_kinds import key_tuple
+from zarr_rb.torchrl.state_dict import copy_rows
+from zarr_rb.torchrl.storage import ZarrStorage
 
 SOURCES = (TensorStorage, ListStorage)
 """TorchRL storages whose buffers :func:`save_foreign` takes (and their subclasses:
@@ -48,12 +46,12 @@ def save_foreign(
     path: StoreURL,
     *,
     progress: bool,
+    save_state: Callable[[Any, ZarrStorage], None],
     storage_options: Mapping[str, Any] | None = None,
 ) -> Path | str:
-    """Save a buffer on one of TorchRL's storages into a new store at ``path``."""
-    from zarr_rb.api import save_state
-    from zarr_rb.storage import ZarrStorage
-
+    """Save a buffer on one of TorchRL's storages into a new store at ``path``: its rows,
+    then its state, by ``save_state(rb, storage)`` with the buffer on the new store's
+    storage (``zarr_rb.save``'s own way of saving a buffer's state)."""
     source = rb.storage
     if not isinstance(source, SOURCES) or isinstance(source, ZarrStorage):
         raise UnsupportedDataError(
@@ -84,16 +82,16 @@ def save_foreign(
             prepare=(lambda block: block.exclude(*left_out)) if left_out else None,
         )
         target.restore(length=len(source), cursor=_cursor(rb, target))
-        previous = _compat.swap_storage(rb, target)
-        collate = _compat.get(rb, "_collate_fn")
-        default = _get_default_collate(previous, _is_tensordict=_compat.get(rb, "_is_tensordict"))
-        if _compat.same_function(collate, default):
-            _compat.put(rb, "_collate_fn", _get_default_collate(target))
+        previous = compat.swap_storage(rb, target)
+        collate = compat.get(rb, "_collate_fn")
+        default = _get_default_collate(previous, _is_tensordict=compat.get(rb, "_is_tensordict"))
+        if compat.same_function(collate, default):
+            compat.put(rb, "_collate_fn", _get_default_collate(target))
         try:
             save_state(rb, target)
         finally:
-            _compat.swap_storage(rb, previous)
-            _compat.put(rb, "_collate_fn", collate)
+            compat.swap_storage(rb, previous)
+            compat.put(rb, "_collate_fn", collate)
     except BaseException:
         target.close()
         if created:
@@ -129,7 +127,7 @@ def _sample_info_keys(rb: Any) -> set[tuple[str, ...]]:
     """Keys TorchRL writes into each sample, recomputed at every sample: the row index,
     the weights of prioritized samplers, the end-of-slice flags of slice samplers."""
     keys: set[tuple[str, ...]] = {("index",), ("priority_weight",)}
-    truncated = getattr(_compat.get(rb, "_sampler"), "truncated_key", None)
+    truncated = getattr(compat.get(rb, "_sampler"), "truncated_key", None)
     if truncated is not None:
         truncated = key_tuple(truncated)
         keys |= {truncated, (*truncated[:-1], "done"), (*truncated[:-1], "terminated")}
@@ -150,7 +148,7 @@ def _sample_info_in_some_rows(rb: Any) -> list[tuple[str, ...]]:
     source = rb.storage
     if not isinstance(source, ListStorage):
         return []
-    stored = _compat.get(source, "_storage")[: len(source)]
+    stored = compat.get(source, "_storage")[: len(source)]
     rows = [row for row in stored if is_tensor_collection(row)]
     left_out = []
     for key in sorted(_sample_info_keys(rb)):
@@ -169,17 +167,17 @@ def _sample_info_in_some_rows(rb: Any) -> list[tuple[str, ...]]:
 
 def _length_rows(source: Storage) -> int:
     if isinstance(source, TensorStorage):
-        return _compat.length_along_dim0(source)
+        return compat.length_along_dim0(source)
     return len(source)
 
 
 def _cursor(rb: Any, target: ZarrStorage) -> int:
     """Where the buffer's writer writes next, as a row of ``target``."""
-    writer = _compat.get(rb, "_writer")
+    writer = compat.get(rb, "_writer")
     cursor = None
     if isinstance(writer, (RoundRobinWriter, TensorDictMaxValueWriter)):
-        cursor = _compat.get(writer, "_cursor")
-    rows = target._store.rows
+        cursor = compat.get(writer, "_cursor")
+    rows = target.rows
     if isinstance(cursor, int) or (isinstance(cursor, torch.Tensor) and cursor.numel() == 1):
         return int(cursor) % rows
     return _length_rows(rb.storage) % rows
@@ -196,7 +194,7 @@ def memory_storage(stored: ZarrStorage, device: Any) -> Storage:
 
 def fill_memory(memory: Storage, stored: ZarrStorage, *, length: int, progress: bool) -> None:
     """Copy the first ``length`` elements of ``stored`` into ``memory``."""
-    if stored._store.unreadable_rows().size:
+    if stored.unreadable_rows().size:
         raise RowsNotCommittedError(
             f"store {str(stored.path)!r} has rows withdrawn by a crash or a repair, which an "
             "in-RAM storage cannot leave out when sampling; load it on ZarrStorage (the "
@@ -205,6 +203,6 @@ def fill_memory(memory: Storage, stored: ZarrStorage, *, length: int, progress: 
     rows = -(-length // (stored.schema.elements_per_row if stored.schema else 1))
     copy_rows(stored, memory, rows=rows, progress=progress, desc="load rows")
     if isinstance(memory, TensorStorage):
-        _compat.set_length(memory, length)
+        compat.set_length(memory, length)
         if length:
-            _compat.set_last_cursor(memory, rows - 1)
+            compat.set_last_cursor(memory, rows - 1)

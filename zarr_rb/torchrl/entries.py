@@ -129,7 +129,7 @@ def encode(leaf: LeafSpec, entry: Entry, *, where: str) -> dict[Key, torch.Tenso
             raise SchemaMismatchError(
                 f"{where}: entry {key!r} holds Python values, the store holds tensors there"
             )
-        dtype = entry.dtype if isinstance(entry, torch.Tensor) else _dtype_of(entry, key)
+        dtype = entry.dtype if isinstance(entry, torch.Tensor) else dtype_of(entry, key)
         if str(dtype).removeprefix("torch.") != leaf.dtype:
             raise SchemaMismatchError(
                 f"{where}: entry {key!r} has dtype {dtype}, the store holds torch.{leaf.dtype}; "
@@ -181,7 +181,7 @@ def encode(leaf: LeafSpec, entry: Entry, *, where: str) -> dict[Key, torch.Tenso
     return {key: torch.tensor(list(entry.items), dtype=TORCH_DTYPES[leaf.dtype]).reshape(n)}
 
 
-def _dtype_of(entry: RaggedRows, key: Key) -> torch.dtype:
+def dtype_of(entry: RaggedRows, key: Key) -> torch.dtype:
     dtypes = {row.dtype for row in entry.rows}
     if len(dtypes) > 1:
         raise UnsupportedDataError(
@@ -244,3 +244,15 @@ def decode(leaf: LeafSpec, values: torch.Tensor, lengths: torch.Tensor | None) -
         return [None] * values.shape[0]
     items: list[Any] = values.reshape(-1).tolist()
     return items
+
+
+ENTRY_KINDS = {
+    "ragged": "rows of different lengths",
+    "str": "strings",
+    "bytes": "bytes",
+    "int": "Python ints",
+    "float": "Python floats",
+    "bool": "Python bools",
+    "none": "None values",
+}
+"""What an entry that no tensor column holds holds, by its leaf's value kind, for messages."""

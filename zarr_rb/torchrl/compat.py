@@ -1,12 +1,15 @@
-"""Every private name of TorchRL that zarr_rb relies on, in one place.
+"""Every private name of TorchRL (and of torch and tensordict under it) that zarr_rb relies
+on, in one place.
 
 TorchRL's storages, samplers, writers and buffers keep their state in private attributes
 and call private hooks on their storage. zarr_rb reads and writes some of that state (to
 save and restore it, to append after a reopened store's last row, to keep samplers off
 rows a crash withdrew) and overrides some hooks (``ZarrStorage`` is a ``TensorStorage``).
-Everything of that kind goes through this module, and ``tests/test_compat.py`` checks each
-name against the installed TorchRL, so that a release that renames one fails loudly,
-naming the name and the TorchRL version, instead of breaking a buffer quietly.
+Everything of that kind goes through this module (so do the few private names of torch and
+tensordict that lazy columns and data kinds need, at its end), and ``tests/test_compat.py``
+checks each TorchRL name against the installed TorchRL, so that a release that renames one
+fails loudly, naming the name and the TorchRL version, instead of breaking a buffer
+quietly.
 """
 
 from __future__ import annotations
@@ -147,7 +150,7 @@ def put(obj: Any, name: str, value: Any) -> None:
 def _check_declared(obj: Any, name: str) -> None:
     if not any(name in USED.get(cls, ()) for cls in type(obj).__mro__):
         raise AssertionError(
-            f"zarr_rb uses {type(obj).__qualname__}.{name}, which zarr_rb._compat.USED does "
+            f"zarr_rb uses {type(obj).__qualname__}.{name}, which zarr_rb.torchrl.compat.USED does "
             "not declare (declare it there, where tests/test_compat.py checks it)",
         )
 
@@ -396,3 +399,35 @@ def is_sampler(obj: Any, name: str) -> bool:
     """Whether ``obj`` is an instance of TorchRL's sampler class ``name``."""
     cls = getattr(_samplers, name)
     return isinstance(obj, cls)
+
+
+# --- torch and tensordict ------------------------------------------------------------------
+
+
+def tensorclass_data(obj: Any) -> Any:
+    """The TensorDict that holds a tensorclass instance's data (its fields, not a copy)."""
+    return obj._tensordict
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The version counter of a tensor: moves at every in-place change of its data."""
+    return int(tensor._version)
+
+
+def op_schema(op: Any) -> Any:
+    """The schema of an aten operator overload (its arguments and which of them it
+    writes into)."""
+    return op._schema
+
+
+def make_wrapper_subclass(cls: type, meta: torch.Tensor, dtype: torch.dtype) -> Any:
+    """A new instance of the tensor subclass ``cls`` with the shape and strides of ``meta``
+    and no data of its own (PyTorch's way of making a wrapper tensor subclass)."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls, meta.shape, strides=meta.stride(), dtype=dtype, device=torch.device("cpu")
+    )
+
+
+FOREACH_COPY: Any = torch.ops.aten._foreach_copy_.default
+"""``torch._foreach_copy_``, which TensorDict's ``update_`` and ``copy_`` run on lists of
+tensors."""

@@ -5,7 +5,7 @@
 reads one row, and a write into it (``storage[:]["done"][5] = True``,
 ``storage[:].set_(key, value)``, ``td.update_(...)``) lands in the store.
 
-A :class:`LazyColumn` is a tensor subclass (``torch.Tensor._make_wrapper_subclass``) that
+A :class:`LazyColumn` is a tensor subclass (a wrapper subclass, see PyTorch's docs) that
 carries a :class:`ColumnSource`, the rows of it it stands for, and the view operations
 applied to them since (``col[3]``, ``col[:, 1]``, ``col.unbind(1)[0]``, ...), so that views
 stay lazy and writable:
@@ -27,6 +27,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 from torch.utils._pytree import tree_map
+
+from zarr_rb.torchrl import compat
 
 ViewOp = tuple[Any, tuple[Any, ...], dict[str, Any], int | None]
 """A view operation: the aten op, its arguments after the tensor, its keyword arguments, and
@@ -130,9 +132,7 @@ class LazyColumn(torch.Tensor):
         dtype: torch.dtype,
     ) -> LazyColumn:
         meta = _replay(torch.empty((rows.size, *element), dtype=dtype, device="meta"), tail)
-        self: LazyColumn = torch.Tensor._make_wrapper_subclass(
-            cls, meta.shape, strides=meta.stride(), dtype=dtype, device=torch.device("cpu")
-        )
+        self: LazyColumn = compat.make_wrapper_subclass(cls, meta, dtype)
         self._source = source
         self._rows = rows
         self._tail = tail
@@ -203,7 +203,7 @@ class LazyColumn(torch.Tensor):
         return self._with(self._rows, (*self._tail, (func, args, kwargs, None)))
 
     def _with(self, rows: np.ndarray, tail: tuple[ViewOp, ...]) -> LazyColumn:
-        return LazyColumn._make(self._source, rows, tail, self._element, self.dtype)
+        return self._make(self._source, rows, tail, self._element, self.dtype)
 
     # --- writes ------------------------------------------------------------------------
 
@@ -261,26 +261,31 @@ class LazyColumn(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        # The column's own methods run on it as ``cls.method(column, ...)``: what a column
+        # holds stays its own (no other code reads a column's rows, source or views).
         kwargs = kwargs or {}
         written = _written_column(func, args, kwargs)
         if written is not None:
             column, position, listed = written
             if listed and len(args[position]) > 1:
                 return _write_each(func, args, kwargs, position)
-            return column._write(func, args, kwargs, leading=position == 0 and not listed)
+            return cls._write(column, func, args, kwargs, leading=position == 0 and not listed)
         if args and isinstance(args[0], LazyColumn) and func.is_view:
-            return args[0]._view(func, args[1:], kwargs)
-        if (
-            func is _aten.index.Tensor
-            and isinstance(args[0], LazyColumn)
-            and not args[0]._tail
-            and _row_index(args[1])
-        ):
-            column = args[0]
-            index = _as_rows(args[1][0])
-            flat = column._rows[index.reshape(-1)]
-            return column._source.read(flat).reshape(*index.shape, *column._element)
+            return cls._view(args[0], func, args[1:], kwargs)
+        if func is _aten.index.Tensor and isinstance(args[0], LazyColumn) and _row_index(args[1]):
+            rows = cls._rows_at(args[0], args[1][0])
+            if rows is not None:
+                return rows
         return func(*tree_map(_plain, args), **tree_map(_plain, kwargs))
+
+    def _rows_at(self, index: torch.Tensor) -> torch.Tensor | None:
+        """``self[index]`` for an index of rows, read from the source (only those rows);
+        ``None`` for a view with operations applied after its rows."""
+        if self._tail:
+            return None
+        rows = _as_rows(index)
+        flat = self._rows[rows.reshape(-1)]
+        return self._source.read(flat).reshape(*rows.shape, *self._element)
 
 
 def _plain(value: Any) -> Any:
@@ -293,7 +298,7 @@ def _written_column(
     """The LazyColumn ``func`` writes into, its position among the arguments, and whether
     it is in a list there (the ``_foreach_*_`` ops TensorDict uses for ``update_``,
     ``copy_``...)."""
-    for position, argument in enumerate(func._schema.arguments):
+    for position, argument in enumerate(compat.op_schema(func).arguments):
         value = args[position] if position < len(args) else kwargs.get(argument.name)
         alias = argument.alias_info
         if alias is None or not alias.is_write:
@@ -312,7 +317,7 @@ def _write_each(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], positi
     LazyColumn takes its own write, the plain tensors theirs."""
     targets = args[position]
     n = len(targets)
-    if func is _aten._foreach_copy_.default:
+    if func is compat.FOREACH_COPY:
         for target, source in zip(targets, args[1], strict=True):
             target.copy_(_plain(source))  # a LazyColumn writes it through
         return None

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from zarr_rb import _compat
 from zarr_rb.core.format import preview_rows
 from zarr_rb.errors import RowIndexError
+from zarr_rb.torchrl import compat
 
 
 def is_key(index: Any) -> bool:
@@ -51,7 +51,7 @@ def write_rows(cursor: Any, rows: int, *, where: str) -> tuple[np.ndarray, tuple
     if isinstance(cursor, slice):
         index = np.arange(*cursor.indices(rows))
         return index, (index.size,)
-    if _compat.is_int(cursor):
+    if compat.is_int(cursor):
         index = np.array([int(cursor)])
         shape: tuple[int, ...] = ()
     else:
@@ -68,7 +68,7 @@ def read_rows(head: Any, length: int, *, where: str) -> tuple[np.ndarray, Any]:
             raise ValueError("negative slice steps are not supported (as in torch)")
         rows = np.arange(start, stop, step, dtype=np.int64)
         return rows, slice(0, rows.size)
-    if _compat.is_int(head):
+    if compat.is_int(head):
         row = int(head) + (length if int(head) < 0 else 0)
         if not 0 <= row < length:
             raise RowIndexError(f"{where}: index {int(head)} is out of range for {length} rows")

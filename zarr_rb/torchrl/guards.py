@@ -1,4 +1,6 @@
-"""Samplers never draw rows that a crash or a repair withdrew.
+"""Guards around TorchRL's samplers and writers on a ZarrStorage.
+
+**Samplers never draw rows that a crash or a repair withdrew.**
 
 After a crash in the middle of a rewrite, or ``verify --repair``, some rows inside a
 store's length hold no intact data until they are written again (holes). TorchRL's
@@ -13,63 +15,68 @@ samplers know nothing of them, so the storage steers each sampler off them:
 
 Nothing here runs while a store has no holes, beyond one check of the row masks per
 sample.
+
+**A write the storage refuses leaves TorchRL's writer as it was.**
+
+TorchRL's writers move before they write: ``RoundRobinWriter`` advances its cursor and
+write count, ``TensorDictMaxValueWriter`` pushes the new rows into its heap, and only then
+call ``storage.set``. When a ZarrStorage refuses the rows (a string UTF-8 cannot encode, a
+value of another type...), the writer would point past rows that were never written, and
+the next write would leave them empty. The writers of buffers on a ZarrStorage get their
+``add`` and ``extend`` routed through :func:`_undone_on_refusal`.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torchrl.data import find_start_stop_traj
 
-from zarr_rb import _compat
 from zarr_rb.core.format import preview_rows
+from zarr_rb.torchrl import compat
+from zarr_rb.torchrl.store_backed import StoreBacked
 
-if TYPE_CHECKING:
-    from zarr_rb.storage import ZarrStorage
 
-
-def guard_sampler(sampler: Any, storage: ZarrStorage) -> None:
+def guard_sampler(sampler: Any, storage: Any) -> None:
     """Make ``sampler`` skip the unreadable rows of ``storage`` (once per sampler; a
     storage other than a ZarrStorage has none)."""
-    from zarr_rb.storage import ZarrStorage
-
-    if not isinstance(storage, ZarrStorage):
+    if not isinstance(storage, StoreBacked):
         return
-    if _compat.is_sampler(sampler, "PrioritizedSampler"):
-        _compat.route_method(
+    if compat.is_sampler(sampler, "PrioritizedSampler"):
+        compat.route_method(
             sampler, "sample", functools.partial(_sample_with_zero_priorities, zarr=storage)
         )
-    if _compat.is_sampler(sampler, "SliceSampler"):
+    if compat.is_sampler(sampler, "SliceSampler"):
         # A prioritized slice sampler needs trajectories that cover every row: there each
         # hole stays a trajectory of its own, which its zero priority keeps from being drawn.
-        keep = _compat.is_sampler(sampler, "PrioritizedSampler")
-        _compat.route_method(
+        keep = compat.is_sampler(sampler, "PrioritizedSampler")
+        compat.route_method(
             sampler,
             "_get_stop_and_length",
             functools.partial(_boundaries_without_holes, zarr=storage, keep_holes=keep),
         )
-    elif _compat.is_sampler(sampler, "SamplerWithoutReplacement"):
-        _compat.route_method(
+    elif compat.is_sampler(sampler, "SamplerWithoutReplacement"):
+        compat.route_method(
             sampler,
             "_get_sample_list",
             functools.partial(_permutation_without_holes, zarr=storage),
         )
 
 
-def random_readable_indices(storage: ZarrStorage, batch_size: int) -> Any:
+def random_readable_indices(storage: StoreBacked, batch_size: int) -> Any:
     """``batch_size`` random element indices of the storage (as TorchRL's
     ``_rand_given_ndim``), drawn among the rows that can be read."""
-    unreadable = storage._store.unreadable_rows()
-    readable = np.setdiff1d(np.arange(storage._store.length_rows), unreadable)
+    unreadable = storage.unreadable_rows()
+    readable = np.setdiff1d(np.arange(storage.rows_held), unreadable)
     if not readable.size:
         raise RuntimeError(
             f"store {str(storage.path)!r}: no row can be sampled: every row is withdrawn "
             f"({preview_rows(unreadable)})",
         )
-    generator = _compat.storage_generator(storage)
+    generator = compat.storage_generator(storage)
     pick = torch.randint(readable.size, (batch_size,), generator=generator)
     rows = torch.from_numpy(readable)[pick]
     if storage.ndim == 1:
@@ -78,7 +85,7 @@ def random_readable_indices(storage: ZarrStorage, batch_size: int) -> Any:
     return (rows, *(torch.randint(n, (batch_size,), generator=generator) for n in trailing))
 
 
-def _element_indices(rows: np.ndarray, storage: ZarrStorage) -> torch.Tensor:
+def _element_indices(rows: np.ndarray, storage: StoreBacked) -> torch.Tensor:
     """Flat element indices of whole rows (TorchRL indexes elements of ndim>1 storages)."""
     per_row = _elements_per_row(storage)
     rows_t = torch.from_numpy(rows)
@@ -87,52 +94,52 @@ def _element_indices(rows: np.ndarray, storage: ZarrStorage) -> torch.Tensor:
     return (rows_t[:, None] * per_row + torch.arange(per_row)).reshape(-1)
 
 
-def _elements_per_row(storage: ZarrStorage) -> int:
+def _elements_per_row(storage: StoreBacked) -> int:
     schema = storage.schema
     return 1 if schema is None else schema.elements_per_row
 
 
-def _sample_with_zero_priorities(sample: Any, *args: Any, zarr: ZarrStorage, **kwargs: Any) -> Any:
-    holes = zarr._store.unreadable_rows()
+def _sample_with_zero_priorities(sample: Any, *args: Any, zarr: StoreBacked, **kwargs: Any) -> Any:
+    holes = zarr.unreadable_rows()
     if holes.size:
-        _compat.exclude_from_priority_trees(sample.__self__, _element_indices(holes, zarr))
+        compat.exclude_from_priority_trees(sample.__self__, _element_indices(holes, zarr))
     return sample(*args, **kwargs)
 
 
 def _permutation_without_holes(
-    draw: Any, storage: Any, len_storage: int, batch_size: int, *, zarr: ZarrStorage
+    draw: Any, storage: Any, len_storage: int, batch_size: int, *, zarr: StoreBacked
 ) -> None:
     draw(storage, len_storage, batch_size)
-    holes = zarr._store.unreadable_rows()
+    holes = zarr.unreadable_rows()
     if holes.size:
-        _compat.drop_from_permutation(draw.__self__, _element_indices(holes, zarr), batch_size)
+        compat.drop_from_permutation(draw.__self__, _element_indices(holes, zarr), batch_size)
 
 
 def _boundaries_without_holes(
-    boundaries: Any, storage: Any, fallback: bool = True, *, zarr: ZarrStorage, keep_holes: bool
+    boundaries: Any, storage: Any, fallback: bool = True, *, zarr: StoreBacked, keep_holes: bool
 ) -> Any:
     """A slice sampler's trajectory boundaries (``boundaries(storage, fallback)``), computed
     with holes read as zeros, then cut at the holes."""
-    if not zarr._store.unreadable_rows().size:
+    if not zarr.unreadable_rows().size:
         return boundaries(storage, fallback)
-    with zarr._reading_holes_as_zeros():
+    with zarr.holes_as_zeros():
         found = boundaries(storage, fallback)
     return _cut_at_holes(found, storage=zarr, keep_holes=keep_holes)
 
 
 def _cut_at_holes(
-    boundaries: Any, *, storage: ZarrStorage, keep_holes: bool
+    boundaries: Any, *, storage: StoreBacked, keep_holes: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Trajectories ``(start, stop, lengths)`` (TorchRL's layout: inclusive ``[N, ndim]``
     coordinates) cut at the storage's holes; each hole row is left out, or kept as a
     trajectory of one row (``keep_holes``)."""
     start, stop, lengths = boundaries
-    holes = storage._store.unreadable_rows()
+    holes = storage.unreadable_rows()
     if not holes.size:
         return start, stop, lengths
     shape = storage.shape
     assert shape is not None
-    full = _compat.is_full(storage)
+    full = compat.is_full(storage)
     rows = shape[0]
     end = torch.zeros(tuple(shape), dtype=torch.bool)
     end[tuple(stop.long().cpu().unbind(-1))] = True
@@ -142,10 +149,45 @@ def _cut_at_holes(
     end[hole_rows] = True  # each hole row is a trajectory of its own, dropped below
     end[before] = True  # the trajectory before a hole ends before it
     cut_start, cut_stop, cut_lengths = find_start_stop_traj(
-        end=end, at_capacity=full, cursor=_compat.last_cursor_index(storage)
+        end=end, at_capacity=full, cursor=compat.last_cursor_index(storage)
     )
     keep = torch.ones(cut_start.shape[0], dtype=torch.bool)
     if not keep_holes:
         keep = ~torch.isin(cut_start[:, 0], hole_rows)
     device = start.device
     return cut_start[keep].to(device), cut_stop[keep].to(device), cut_lengths[keep].to(device)
+
+
+def guard_writer(writer: Any, storage: StoreBacked) -> None:
+    """Route ``writer``'s writes so that a write ``storage`` refuses puts it back (once per
+    writer; writers zarr_rb does not know keep their own ways, and so do the writers of a
+    ``compilable=True`` storage, whose writes ``torch.compile`` traces)."""
+    if compat.writer_state(writer) is None or compat.is_compilable(storage):
+        return
+    for name in ("add", "extend"):
+        compat.route_method(writer, name, functools.partial(_undone_on_refusal, storage=storage))
+
+
+def _undone_on_refusal(method: Any, *args: Any, storage: StoreBacked, **kwargs: Any) -> Any:
+    writer = method.__self__
+    before = compat.writer_state(writer)
+    begun = storage.writes_begun
+    try:
+        index = method(*args, **kwargs)
+    except BaseException:
+        # Put the writer back only if the storage refused the rows before touching anything
+        # (a write that failed on disk keeps its rows for a retry, where the writer put
+        # them, and the length that counts them).
+        if before is not None and storage.writes_begun == begun:
+            compat.restore_writer_state(writer, before)
+        raise
+    # On a store of several writers, an add returns the position its row got: the writer's
+    # cursor, which it returns, is its own, and other writers moved past it (the sampler,
+    # setting priorities, and the caller get that position, as extend's index rewritten in
+    # place).
+    placed = storage.placed_last()  # (set by the writes of a shared store only)
+    if method.__name__ != "add" or placed is None or placed.size != 1:
+        return index
+    if isinstance(index, torch.Tensor):
+        return torch.full_like(index, int(placed[0]))
+    return int(placed[0])

@@ -17,19 +17,16 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torchrl.data.replay_buffers.checkpointers import TensorStorageCheckpointer
 
-from zarr_rb._torchrl_state import copy_rows, copy_store
 from zarr_rb.core.format import ATTRS_KEY
 from zarr_rb.errors import NotSupportedError, StoreCorruptedError, UnsupportedDataError
-from zarr_rb.locations import LocalLocation
 from zarr_rb.locations.base import ROOT_METADATA
-
-if TYPE_CHECKING:
-    from zarr_rb.storage import ZarrStorage
+from zarr_rb.torchrl.reads import StorageReads
+from zarr_rb.torchrl.state_dict import copy_rows, copy_store
 
 POINTER = "zarr_rb_storage.json"
 _SINGLE_TENSOR = "_-single-tensor-_"
@@ -37,7 +34,7 @@ _SINGLE_TENSOR = "_-single-tensor-_"
 TORCHRL_METADATA = "storage_metadata.json"
 
 
-def _is_store(path: Path) -> bool:
+def is_store_dir(path: Path) -> bool:
     try:
         document = json.loads((path / ROOT_METADATA).read_text())
     except (FileNotFoundError, NotADirectoryError, ValueError):
@@ -53,29 +50,28 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
     written in TorchRL's layout.
     """
 
-    def dumps(self, storage: ZarrStorage, path: str | os.PathLike[str]) -> None:
+    def dumps(self, storage: StorageReads, path: str | os.PathLike[str]) -> None:
         if self._save_hooks:
             super().dumps(storage, Path(path))
             return
         path = Path(path).absolute()
-        storage._store.ensure_on_disk()  # a dump is a write: it makes a new store
-        storage.flush()
         if isinstance(storage.path, Path) and storage.path in (path, path.parent):
+            length, cursor, epoch = storage.commit_point()
             if path != storage.path:
                 path.mkdir(exist_ok=True)
             pointer = {
                 "store": os.path.relpath(storage.path, path),
-                "length": len(storage),
-                "cursor": storage.cursor,
-                "epoch": storage._store.committed.epoch,
+                "length": length,
+                "cursor": cursor,
+                "epoch": epoch,
             }
             (path / POINTER).write_text(json.dumps(pointer))
             return
-        if _is_store(path):
+        if is_store_dir(path):
             shutil.rmtree(path)  # a previous dump of ours: replace it
-        storage._store.engine.snapshot_to(LocalLocation(path), progress=False)
+        storage.snapshot_to(path)
 
-    def loads(self, storage: ZarrStorage, path: str | os.PathLike[str]) -> None:
+    def loads(self, storage: StorageReads, path: str | os.PathLike[str]) -> None:
         path = Path(path).absolute()
         pointer_file = path / POINTER
         if pointer_file.is_file():
@@ -85,15 +81,12 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
             if isinstance(storage.path, Path) and source == storage.path.resolve():
                 # Rows dumped in place: still the dumped ones only while nothing wrote over
                 # them (a dump elsewhere is a snapshot, which nothing touches).
-                storage.flush()
-                storage._store.check_loadable(
-                    length=length, cursor=cursor, epoch=int(pointer.get("epoch", 0)), exact=True
+                storage.check_unchanged_since(
+                    length=length, cursor=cursor, epoch=int(pointer.get("epoch", 0))
                 )
-        elif _is_store(path):
+        elif is_store_dir(path):
             source = path
-            from zarr_rb.storage import ZarrStorage as _ZarrStorage
-
-            with _ZarrStorage(path=path, read_only=True) as other:
+            with type(storage)(path=path, read_only=True) as other:
                 length, cursor = len(other), other.cursor
         elif (path / TORCHRL_METADATA).is_file():
             if self._load_hooks:
@@ -109,7 +102,7 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
             copy_store(source, storage)
         storage.restore(length=length, cursor=cursor)
 
-    def _load_torchrl_layout(self, storage: ZarrStorage, path: Path) -> None:
+    def _load_torchrl_layout(self, storage: StorageReads, path: Path) -> None:
         """Stream a dump of TorchRL's tensor storages (a memory-mapped TensorDict, or
         tensor) into ``storage``, in blocks."""
         metadata = _read_metadata(path)
@@ -122,8 +115,7 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
                 )
             # TorchRL's own loader writes each leaf into the storage's writable full view.
             super().loads(storage, path)
-            rows = storage._store.length_rows
-            storage.restore(length=len(storage), cursor=rows % storage._store.rows)
+            storage.restore(length=len(storage), cursor=storage.rows_held % storage.rows)
             return
         source, length = open_torchrl_dump(path)
         per_row = math.prod(source.shape[1 : storage.ndim])

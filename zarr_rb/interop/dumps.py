@@ -1,10 +1,10 @@
-"""Convert replay buffers between zarr_rb stores and TorchRL's own ``rb.dumps`` layout.
+"""Replay buffers from TorchRL's own ``rb.dumps`` layout into zarr_rb stores.
 
 :func:`import_torchrl` turns a directory written by TorchRL's ``rb.dumps(dir)`` (a buffer
 on ``LazyMemmapStorage`` or ``LazyTensorStorage``) into a zarr_rb store that
-:func:`zarr_rb.load` rebuilds on its own. :func:`export_torchrl` goes the other way: a
-store saved with :func:`zarr_rb.save` becomes a directory that TorchRL alone restores
-with ``rb.loads(dir)``.
+:func:`zarr_rb.load` rebuilds on its own. :func:`~zarr_rb.interop.export.export_torchrl`
+goes the other way: a store saved with :func:`zarr_rb.save` becomes a directory that
+TorchRL alone restores with ``rb.loads(dir)``.
 
 Both stream the rows in blocks of about :data:`BLOCK_BYTES` bytes, so memory stays
 bounded whatever the size of the buffer, and show a progress bar while rows are copied.
@@ -12,7 +12,7 @@ bounded whatever the size of the buffer, and show a progress bar while rows are 
 Examples:
     >>> import zarr_rb
     >>> from torchrl.data import TensorDictPrioritizedReplayBuffer
-    >>> from zarr_rb.convert import export_torchrl, import_torchrl
+    >>> from zarr_rb.interop import export_torchrl, import_torchrl
     >>> # A TorchRL checkpoint (rb.dumps("ckpt")) into a zarr_rb store:
     >>> rb = TensorDictPrioritizedReplayBuffer(
     ...     alpha=0.7, beta=0.5, storage=zarr_rb.ZarrStorage(100_000, "runs/run1.zarr"))
@@ -26,47 +26,36 @@ Examples:
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import json
 import math
 import os
-import shutil
-import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler, SamplerWithoutReplacement
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxValueWriter
 
-from zarr_rb import _compat
-from zarr_rb._checkpointer import (
-    TORCHRL_METADATA,
-    ZarrStorageCheckpointer,
-    _is_store,
-    open_torchrl_dump,
-)
-from zarr_rb._convert import row_nbytes
-from zarr_rb._progress import copy_in_blocks, format_bytes
-from zarr_rb.api import load, save
-from zarr_rb.core.format import LeafSpec
+from zarr_rb.api import save
 from zarr_rb.core.open import Mode
 from zarr_rb.errors import (
-    NotAStoreError,
-    NotSupportedError,
     ReadOnlyError,
     SchemaMismatchError,
     StoreCorruptedError,
     UnsupportedDataError,
 )
-from zarr_rb.locations import is_remote
 from zarr_rb.state import check_savable
-from zarr_rb.storage import ZarrStorage
+from zarr_rb.torchrl import compat
+from zarr_rb.torchrl.checkpointer import (
+    TORCHRL_METADATA,
+    ZarrStorageCheckpointer,
+    is_store_dir,
+    open_torchrl_dump,
+)
+from zarr_rb.torchrl.data_kinds import row_nbytes
+from zarr_rb.torchrl.storage import ZarrStorage
+from zarr_rb.util.progress import copy_in_blocks
 
-__all__ = ["BLOCK_BYTES", "buffer_like_dump", "export_torchrl", "import_torchrl"]
+__all__ = ["BLOCK_BYTES", "buffer_like_dump", "import_torchrl"]
 
 BLOCK_BYTES: int = 64 * 2**20
 """Bytes of rows held in RAM at once while copying (at least one row per block)."""
@@ -82,12 +71,12 @@ _WRITER_STATE = "metadata.json"
 # --- shared helpers ----------------------------------------------------------------------------
 
 
-def _check_block_bytes(block_bytes: int | None) -> None:
+def check_block_bytes(block_bytes: int | None) -> None:
     if block_bytes is not None and int(block_bytes) < 1:
         raise ValueError(f"expected block_bytes >= 1 (or None for BLOCK_BYTES), got {block_bytes}")
 
 
-def _resolve_block_bytes(block_bytes: int | None) -> int:
+def resolve_block_bytes(block_bytes: int | None) -> int:
     # BLOCK_BYTES is read at call time so that it can be tuned (and patched) module-wide.
     return BLOCK_BYTES if block_bytes is None else int(block_bytes)
 
@@ -156,7 +145,7 @@ def import_torchrl(
     Examples:
         >>> import zarr_rb
         >>> from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
-        >>> from zarr_rb.convert import import_torchrl
+        >>> from zarr_rb.interop import import_torchrl
         >>> old = TensorDictReplayBuffer(storage=LazyMemmapStorage(1000), batch_size=32)
         >>> # ... old.extend(...) ...
         >>> old.dumps("ckpt")
@@ -165,7 +154,7 @@ def import_torchrl(
         >>> path = import_torchrl("ckpt", new, progress=False)
         >>> rb = zarr_rb.load(path)           # later, from the path alone
     """
-    _check_block_bytes(block_bytes)
+    check_block_bytes(block_bytes)
     source = Path(source_dir).absolute()
     storage = _import_destination(buffer, source)
     _check_torchrl_dump(source)
@@ -181,7 +170,7 @@ def import_torchrl(
     if isinstance(writer, RoundRobinWriter) and len(storage) and storage.schema is not None:
         # TorchRL's storage dump has no cursor: the writer's is the row written next.
         storage.restore(
-            length=len(storage), cursor=int(_compat.get(writer, "_cursor")) % storage.schema.rows
+            length=len(storage), cursor=int(compat.get(writer, "_cursor")) % storage.schema.rows
         )
     return save(buffer, progress=progress)
 
@@ -262,7 +251,7 @@ def _check_torchrl_dump(source: Path) -> None:
             f"{str(source)!r} is a file; import_torchrl expects the directory given to "
             "TorchRL's rb.dumps(dir)",
         )
-    if _is_store(source):
+    if is_store_dir(source):
         raise FileNotFoundError(
             f"{str(source)!r} is a zarr_rb store, not a TorchRL dump (no "
             f"storage/{TORCHRL_METADATA}); open it with zarr_rb.load({str(source)!r})",
@@ -321,10 +310,10 @@ def _check_sampler(sampler: Any, path: Path, where: str) -> None:
         if not prioritized_dump:
             raise _kind_error(where, "sampler", "no prioritized sampler state", sampler)
         capacity = int(_read_json(path / _PRIORITIZED_STATE)["_max_capacity"])
-        if capacity != sampler._max_capacity:
+        if capacity != compat.get(sampler, "_max_capacity"):
             raise SchemaMismatchError(
                 f"{where}: the dumped PrioritizedSampler has max_capacity={capacity}, the "
-                f"destination's has {sampler._max_capacity}; build it with "
+                f"destination's has {compat.get(sampler, '_max_capacity')}; build it with "
                 f"max_capacity={capacity}",
             )
     elif prioritized_dump:
@@ -376,269 +365,8 @@ class _StreamingCheckpointer(ZarrStorageCheckpointer):
             write,
             rows=rows,
             row_nbytes=row_nbytes(source),
-            block_bytes=_resolve_block_bytes(self.block_bytes),
+            block_bytes=resolve_block_bytes(self.block_bytes),
             progress=self.progress,
             desc="import rows",
         )
         storage.restore(length=length, cursor=rows % capacity)
-
-
-# --- export ------------------------------------------------------------------------------------
-
-
-def export_torchrl(
-    source: str | os.PathLike[str],
-    dest_dir: str | os.PathLike[str],
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    allow_pickle: bool = False,
-    transform: Any = None,
-    progress: bool = True,
-    block_bytes: int | None = None,
-) -> Path:
-    """Export a store saved with :func:`zarr_rb.save` to the layout of TorchRL's ``rb.dumps``.
-
-    A replay buffer built the same way on ``LazyMemmapStorage`` then restores it with
-    TorchRL alone, ``rb.loads(dest_dir)``: same length and rows, same sampler state (e.g.
-    priorities), writer cursor, generator state, transform state and batch size. The rows
-    are written as memory-mapped files in ``dest_dir/storage``, in blocks of about
-    ``block_bytes``; ``source`` is not modified.
-
-    What TorchRL's layout cannot hold does not come across: TorchRL restores no storage
-    cursor (a ``SliceSampler`` on a full buffer may then cut trajectories at another row)
-    and a plain-tensor (not TensorDict) storage can only be loaded by TorchRL into a
-    buffer that was already filled once.
-
-    Args:
-        source: a zarr_rb store holding a buffer saved with :func:`zarr_rb.save` (a path,
-            or a URL such as ``s3://bucket/runs/pong.zarr``).
-        dest_dir: a new or empty directory (TorchRL's layout is memory-mapped files).
-        storage_options: for an object-store ``source`` (see :class:`~zarr_rb.ZarrStorage`).
-        allow_pickle: unpickle the saved transforms (see :func:`zarr_rb.load`); only for
-            stores you trust.
-        transform: a transform built like the saved one, to restore its state without
-            unpickling (see :func:`zarr_rb.load`).
-        progress: show a progress bar while rows are copied.
-        block_bytes: bytes of rows held in RAM at once (default :data:`BLOCK_BYTES`).
-
-    Returns:
-        The absolute path of ``dest_dir``.
-
-    Raises:
-        FileNotFoundError: ``source`` does not exist.
-        NotAStoreError: ``source`` is not a zarr_rb store.
-        NoSavedBufferError: ``source`` holds data but no buffer saved with ``zarr_rb.save``.
-        FileExistsError: ``dest_dir`` exists and is not an empty directory.
-        zarr_rb.PickleNotAllowedError: the buffer has transforms; pass ``allow_pickle`` or
-            ``transform``.
-        ValueError: the store has never been written to (TorchRL cannot dump an
-            uninitialised storage).
-        NotSupportedError: the store holds Python values or rows of different lengths,
-            which TorchRL's layout cannot keep.
-
-    Examples:
-        >>> import zarr_rb
-        >>> from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
-        >>> from zarr_rb.convert import export_torchrl
-        >>> rb = TensorDictReplayBuffer(storage=zarr_rb.ZarrStorage(1000, "runs/a.zarr"))
-        >>> # ... rb.extend(...) ...
-        >>> zarr_rb.save(rb)
-        >>> export_torchrl("runs/a.zarr", "ckpt", progress=False)
-        PosixPath('.../ckpt')
-        >>> torchrl_rb = TensorDictReplayBuffer(storage=LazyMemmapStorage(1000))
-        >>> torchrl_rb.loads("ckpt")
-    """
-    from torchrl.data import LazyMemmapStorage
-
-    _check_block_bytes(block_bytes)
-    src: Path | str = str(source) if is_remote(source) else Path(source).absolute()
-    dest = Path(dest_dir).absolute()
-    if isinstance(src, Path):
-        _check_export_source(src)
-    _check_export_destination(dest)
-    rb = load(
-        src,
-        storage_options=storage_options,
-        allow_pickle=allow_pickle,
-        transform=transform,
-        read_only=True,
-    )
-    storage: ZarrStorage = rb.storage
-    created = not dest.exists()
-    try:
-        schema = storage.schema
-        if schema is None:
-            raise ValueError(
-                f"store {str(src)!r} has never been written to, and TorchRL cannot dump an "
-                "uninitialised storage; extend the buffer before exporting it",
-            )
-        kept_apart = [leaf for leaf in schema.leaves if leaf.value not in ("tensor", "lengths")]
-        if kept_apart:
-            raise NotSupportedError(
-                f"store {str(src)!r} holds {_kinds_of(kept_apart)}, which TorchRL's "
-                "memory-mapped layout cannot keep (LazyMemmapStorage keeps one string for "
-                "all rows, and no rows of different lengths); load it into RAM with "
-                "zarr_rb.load(path, storage='memory') instead",
-            )
-        memmap = LazyMemmapStorage(
-            storage.max_size,
-            scratch_dir=dest / "storage",
-            ndim=storage.ndim,
-            auto_cleanup=False,
-        )
-        rows = _compat.length_along_dim0(storage)
-        size = ExportSize(
-            rows=rows, nbytes=rows * schema.row_nbytes, apparent=schema.rows * schema.row_nbytes
-        )
-        _check_room(dest, size)
-        if progress:
-            print(f"export: {size.describe()} into {dest}", file=sys.stderr)
-
-        def read(start: int, stop: int) -> Any:
-            return storage._read(np.arange(start, stop, dtype=np.int64), schema)
-
-        # The first row through TorchRL allocates the files; then every block is written
-        # into them with pwrite, not through their memory maps, whose pages would stay in
-        # this process's memory (its RSS) as long as the maps do: the whole buffer.
-        memmap.set(slice(0, 1), read(0, 1), set_cursor=False)
-        with _MemmapFiles(_compat.get(memmap, "_storage")) as files:
-            copy_in_blocks(
-                read,
-                files.write,
-                rows=rows,
-                row_nbytes=schema.row_nbytes,
-                block_bytes=_resolve_block_bytes(block_bytes),
-                progress=progress,
-                desc="export rows",
-            )
-        _compat.set_length(memmap, len(storage))
-        if rows:
-            _compat.set_last_cursor(memmap, (storage.cursor - 1) % schema.rows)
-        # TorchRL's own ReplayBuffer.dumps writes the layout, around the memory-mapped
-        # copy: the storage only refreshes its metadata (it dumps into its own files).
-        previous = _compat.swap_storage(rb, memmap)
-        try:
-            rb.dumps(dest)
-        finally:
-            _compat.swap_storage(rb, previous)
-    except BaseException:
-        _remove_partial_export(dest, created=created)
-        raise
-    finally:
-        storage.close()
-    return dest
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ExportSize:
-    """What an export writes: ``rows`` rows of ``nbytes`` bytes, into files of ``apparent``
-    bytes (TorchRL's layout holds the storage's whole capacity; the files are sparse past
-    the rows written)."""
-
-    rows: int
-    nbytes: int
-    apparent: int
-
-    def describe(self) -> str:
-        text = f"{self.rows:,} rows, {format_bytes(self.nbytes)}"
-        if self.apparent > self.nbytes:
-            text += (
-                f" (in files of {format_bytes(self.apparent)} apparent size, sparse past the "
-                "rows: TorchRL's layout holds the buffer's whole capacity)"
-            )
-        return text
-
-
-def _check_room(dest: Path, size: ExportSize) -> None:
-    """Refuse an export that the disk under ``dest`` has no room for, before writing."""
-    parent = next(path for path in (dest, *dest.parents) if path.exists())
-    free = shutil.disk_usage(parent).free
-    if size.nbytes > free:
-        raise OSError(
-            errno.ENOSPC,
-            f"export of {size.describe()} into {str(dest)!r} needs more than the "
-            f"{format_bytes(free)} free there; nothing was written. Free space or export "
-            "to another disk",
-        )
-
-
-class _MemmapFiles:
-    """The files behind the memory-mapped leaves of a ``LazyMemmapStorage``, written row
-    blocks at a time with ``pwrite`` (through the page cache, never mapped here)."""
-
-    def __init__(self, storage: Any) -> None:
-        self._targets: list[tuple[Any, int, int]] = []
-        try:
-            for key, tensor in storage.items(include_nested=True, leaves_only=True):
-                row_bytes = tensor[0].numel() * tensor.element_size()
-                fd = os.open(tensor.filename, os.O_WRONLY)
-                self._targets.append((key, fd, row_bytes))
-        except BaseException:
-            self.close()
-            raise
-
-    def write(self, where: slice, block: Any) -> None:
-        for key, fd, row_bytes in self._targets:
-            data = block.get(key).contiguous().reshape(-1).view(torch.uint8).numpy()
-            view = memoryview(data)
-            offset = where.start * row_bytes
-            while view.nbytes:
-                written = os.pwrite(fd, view, offset)
-                view, offset = view[written:], offset + written
-
-    def close(self) -> None:
-        for _, fd, _ in self._targets:
-            os.close(fd)
-        self._targets = []
-
-    def __enter__(self) -> _MemmapFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _check_export_source(src: Path) -> None:
-    if not src.exists():
-        raise FileNotFoundError(
-            f"zarr_rb store {str(src)!r} does not exist; pass the path of a store saved "
-            "with zarr_rb.save",
-        )
-    if src.is_dir() and not _is_store(src) and (src / "storage" / TORCHRL_METADATA).is_file():
-        raise NotAStoreError(
-            f"{str(src)!r} is a TorchRL dump, not a zarr_rb store; convert it with "
-            "zarr_rb.convert.import_torchrl",
-        )
-
-
-def _check_export_destination(dest: Path) -> None:
-    if dest.exists() and not dest.is_dir():
-        raise FileExistsError(
-            f"export destination {str(dest)!r} is a file; pass a new or empty directory",
-        )
-    if dest.is_dir() and any(dest.iterdir()):
-        raise FileExistsError(
-            f"export destination {str(dest)!r} is not empty; pass a new or empty directory "
-            "(or remove it first)",
-        )
-
-
-def _remove_partial_export(dest: Path, *, created: bool) -> None:
-    """Undo a failed export: ``dest`` was new or empty, so all of its content is ours."""
-    if created:
-        shutil.rmtree(dest, ignore_errors=True)
-        return
-    for child in dest.iterdir() if dest.is_dir() else ():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child, ignore_errors=True)
-        else:
-            child.unlink(missing_ok=True)
-
-
-def _kinds_of(leaves: list[LeafSpec]) -> str:
-    """``"rows of different lengths at ('tokens',), str values at ('prompt',)"``."""
-    return ", ".join(
-        f"{'rows of different lengths' if leaf.value == 'ragged' else leaf.value + ' values'} "
-        f"at {leaf.key!r}"
-        for leaf in leaves
-    )
