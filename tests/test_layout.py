@@ -28,18 +28,19 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "util", "_version"),
     ("locations",),
     ("engine", "core"),
-    ("torchrl",),
+    ("torchrl", "storage"),
     ("state",),
-    ("interop", "api", "verify"),
+    ("interop", "convert", "api", "verify"),
     ("analysis", "ray", "testing"),
     ("cli", "demo", "__main__", ""),
 )
 """The layers of ``zarr_rb``, lowest first, by their first name under ``zarr_rb`` (``""``
-is the package's ``__init__``, which names every public name). A module imports from its
-own layer and the layers below it only. ``engine/`` and ``core/`` are one layer while they
-still import each other; ``state/`` (one adapter per TorchRL component) is above
-``torchrl/`` since it saves and restores TorchRL's private state through
-``torchrl/compat.py``."""
+is the package's ``__init__``, which names every public name; ``storage`` and ``convert``
+are the old paths of ``ZarrStorage`` and of the dump conversions, kept as re-exports). A
+module imports from its own layer and the layers below it only. ``engine/`` and ``core/``
+are one layer while they still import each other; ``state/`` (one adapter per TorchRL
+component) is above ``torchrl/`` since it saves and restores TorchRL's private state
+through ``torchrl/compat.py``."""
 
 NO_CYCLES = ("torchrl", "interop", "testing")
 """Packages whose modules must not be in an import cycle (nor may the top-level modules)."""

@@ -73,7 +73,8 @@ def export_torchrl(
         transform: a transform built like the saved one, to restore its state without
             unpickling (see :func:`zarr_rb.load`).
         progress: show a progress bar while rows are copied.
-        block_bytes: bytes of rows held in RAM at once (default :data:`BLOCK_BYTES`).
+        block_bytes: bytes of rows held in RAM at once (default
+            :data:`~zarr_rb.interop.dumps.BLOCK_BYTES`).
 
     Returns:
         The absolute path of ``dest_dir``.

@@ -9,6 +9,7 @@ transform built the same way receives the saved state without any unpickling.
 
 from __future__ import annotations
 
+import io
 import pickle
 from typing import Any
 
@@ -31,8 +32,22 @@ def _pickle_into(node: StateNode, name: str, obj: Any) -> None:
     node.put_tensor(name, torch.frombuffer(bytearray(blob), dtype=torch.uint8))
 
 
+_MOVED = {
+    "zarr_rb._checkpointer": "zarr_rb.torchrl.checkpointer",
+    "zarr_rb.storage": "zarr_rb.torchrl.storage",
+}
+"""Modules of zarr_rb's own classes that saves of earlier versions name, and where those
+classes are now."""
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(_MOVED.get(module, module), name)
+
+
 def _unpickle(node: StateNode, name: str) -> Any:
-    return pickle.loads(node.get_tensor(name).numpy().tobytes())  # the caller opted in
+    data = node.get_tensor(name).numpy().tobytes()
+    return _Unpickler(io.BytesIO(data)).load()  # the caller opted in
 
 
 def _class_name(obj: Any) -> str:

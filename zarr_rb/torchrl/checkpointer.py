@@ -67,6 +67,7 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
             }
             (path / POINTER).write_text(json.dumps(pointer))
             return
+        storage.flush()  # (a flush that fails leaves the previous dump in place)
         if is_store_dir(path):
             shutil.rmtree(path)  # a previous dump of ours: replace it
         storage.snapshot_to(path)

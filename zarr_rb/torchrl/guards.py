@@ -186,7 +186,8 @@ def _undone_on_refusal(method: Any, *args: Any, storage: StoreBacked, **kwargs: 
     # setting priorities, and the caller get that position, as extend's index rewritten in
     # place).
     placed = storage.placed_last()  # (set by the writes of a shared store only)
-    if method.__name__ != "add" or placed is None or placed.size != 1:
+    wrote = storage.writes_begun != begun  # (a max-value writer may write nothing)
+    if method.__name__ != "add" or not wrote or placed is None or placed.size != 1:
         return index
     if isinstance(index, torch.Tensor):
         return torch.full_like(index, int(placed[0]))

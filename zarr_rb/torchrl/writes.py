@@ -4,7 +4,7 @@ form, the first write that makes the store's arrays, patches of some keys
 
 Every write is validated whole before it touches the length, the cursor or the store: a
 refused write leaves the storage as it was (and its writer, see
-:mod:`zarr_rb.torchrl.writer_guard`).
+:mod:`zarr_rb.torchrl.guards`).
 """
 
 from __future__ import annotations
