@@ -841,8 +841,9 @@ class Store:
         """Check that a save (or an in-place dump) made at ``length`` (elements), ``cursor``
         and ``epoch`` can be loaded on this store. ``exact``: its rows must be the ones it
         covered (TorchRL's ``rb.loads``); otherwise only rows this process wrote over count
-        (``zarr_rb.load`` resumes a run whose rows moved on, see the README). ``kept``: the
-        rows of a save the store kept (a save of format 3), whatever was written since.
+        (``zarr_rb.load`` resumes a run whose rows moved on, see
+        ``docs/saving-and-loading.md``). ``kept``: the rows of a save the store kept (a save
+        of format 3), whatever was written since.
 
         Raises:
             SaveOverwrittenError: rows the save covered were written over since.
@@ -867,8 +868,9 @@ class Store:
         since = epoch if exact else max(epoch, self._epoch_at_open)
         if not pinned and self.commits.overwrote_since(since):
             # Rows of the save written over in this process. (A process that reopens a store
-            # after a crash resumes from the save with the rows as they are now, as the
-            # README says: what it gets back are the rows that were committed.)
+            # after a crash resumes from the save with the rows as they are now, as
+            # docs/saving-and-loading.md says: what it gets back are the rows that were
+            # committed.)
             raise SaveOverwrittenError(
                 f"{where}: the rows its last save covered (length {length}) were written over "
                 "since (the ring wrapped past them, rows were rewritten, or the buffer was "
