@@ -9,7 +9,9 @@ Through the proxy of ``test_s3_create_once`` that logs every request.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -280,3 +282,82 @@ def test_a_commit_whose_answer_was_lost_under_another_writers_commit_counts_once
     check_rows(b.storage, model)
     for rb in (a, b):
         rb.storage.close()
+
+
+def _killed_between_deletions_and_creations(url: str, options: dict, start: int) -> None:
+    """A shared writer's second extend: SIGKILLed once it deleted its slot's leftovers,
+    before it created the objects."""
+    from zarr_rb.engine import once
+
+    rounds = once.Creation._steps
+
+    def killed(self):
+        for deletion in self._cleared:
+            deletion.result()
+        if self._cleared:
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield from rounds(self)
+
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(path=url, storage_options=options, shared=True))
+    rb.extend(batch(start, 8))  # committed
+    once.Creation._steps = killed
+    rb.extend(batch(start + 8, 8))
+
+
+def _killed_between_creations_and_commit(url: str, options: dict, start: int) -> None:
+    """A shared writer's second extend: SIGKILLed once its objects were created, before
+    its commit."""
+    from zarr_rb.core import sharing
+
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(path=url, storage_options=options, shared=True))
+    rb.extend(batch(start, 8))  # committed
+
+    def killed(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    sharing.Sharing.commit_rows = killed
+    rb.extend(batch(start + 8, 8))
+
+
+@pytest.mark.slow  # (20 s each, a spawned child; CI runs both)
+@pytest.mark.parametrize(
+    "killed",
+    [_killed_between_deletions_and_creations, _killed_between_creations_and_commit],
+    ids=["after-deletions", "before-commit"],
+)
+def test_a_shared_writer_killed_mid_write_loses_only_that_write(s3_url, options, proxy, killed):
+    """The other writers go on (the killed one's slots retired once its lease expired), a
+    reader with a cache reads every committed row, and no object is written over."""
+    options = {**options, "lease_seconds": 1.0}
+    a, model = first_writer(s3_url, options), twin()
+    step = 0
+    for _ in range(8):  # the ring wraps: free slots hold objects
+        a.extend(batch(step, 13))
+        model.extend(batch(step, 13))
+        step += 13
+    reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
+    check_rows(reader, model)
+    child = multiprocessing.get_context("spawn").Process(
+        target=killed, args=(s3_url, options, 1000)
+    )
+    child.start()
+    child.join(timeout=300)
+    assert child.exitcode == -signal.SIGKILL
+    model.extend(batch(1000, 8))  # its first extend, committed; the second lost
+    b = another_writer(s3_url, options)
+    for _ in range(4):
+        for rb in (a, b):
+            rb.extend(batch(step, 11))
+            model.extend(batch(step, 11))
+            step += 11
+        reader.refresh()
+        check_rows(reader, model)
+    zarr_rb.save(b)
+    for rb in (a, b):
+        rb.storage.flush()
+        check_rows(rb.storage, model)
+        rb.storage.close()
+    reader.refresh()
+    check_rows(reader, model)
+    reader.close()
+    assert overwrites(object_history(proxy, prefix_of(s3_url))) == []
