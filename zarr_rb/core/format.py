@@ -872,41 +872,25 @@ def parse_ring(value: object, *, rows: int) -> Ring | None:
     capacity = _parse_int(value.get("capacity"), "ring capacity", hi=max_ring_capacity(rows))
     open_raw = value.get("open")
     # (Each slot open once: a writer's own, and those a collection holds.)
-    _expect(isinstance(open_raw, list) and len(open_raw) <= capacity, "ring open list", open_raw)
-    assert isinstance(open_raw, list)
-    opened = []
-    for entry in open_raw:
-        _expect(
-            isinstance(entry, list)
-            and len(entry) == 2
-            and isinstance(entry[0], str)
-            and _WRITER_ID.fullmatch(entry[0]) is not None,
-            "an open slot [writer id, slot]",
-            entry,
-        )
-        opened.append((entry[0], _parse_int(entry[1], "open slot", hi=max(capacity - 1, 0))))
+    opened = _parse_writer_pairs(
+        open_raw,
+        "ring open list",
+        "an open slot [writer id, slot]",
+        "open slot",
+        max_len=capacity,
+        hi=max(capacity - 1, 0),
+    )
     _expect(len({slot for _, slot in opened}) == len(opened), "each slot open once", open_raw)
     recent = _parse_int_list(value.get("recent", []), "ring recent", max_len=RECENT_TAKES)
     retired = _parse_int_list(value.get("retired", []), "ring retired", max_len=capacity)
     _expect(all(slot < capacity for slot in retired), "retired slots inside the capacity", retired)
-    committed_raw = value.get("committed", [])
-    _expect(
-        isinstance(committed_raw, list) and len(committed_raw) <= LAST_COMMITS,
+    committed = _parse_writer_pairs(
+        value.get("committed", []),
         "ring committed list",
-        committed_raw,
+        "a last commit [writer id, generation]",
+        "last commit generation",
+        max_len=LAST_COMMITS,
     )
-    assert isinstance(committed_raw, list)
-    committed = []
-    for entry in committed_raw:
-        _expect(
-            isinstance(entry, list)
-            and len(entry) == 2
-            and isinstance(entry[0], str)
-            and _WRITER_ID.fullmatch(entry[0]) is not None,
-            "a last commit [writer id, generation]",
-            entry,
-        )
-        committed.append((entry[0], _parse_int(entry[1], "last commit generation")))
     return Ring(
         capacity=capacity,
         open=tuple(opened),
@@ -916,6 +900,28 @@ def parse_ring(value: object, *, rows: int) -> Ring | None:
         fresh_from=_parse_int(value.get("fresh_from", 0), "ring fresh_from", hi=capacity),
         committed=tuple(committed),
     )
+
+
+def _parse_writer_pairs(
+    raw: object, listed: str, each: str, number: str, *, max_len: int, hi: int = 2**62
+) -> list[tuple[str, int]]:
+    """A record's list of ``[writer id, integer]`` pairs (at most ``max_len``; integers up to
+    ``hi``); ``listed``, ``each`` and ``number`` name the list, a pair and its integer in
+    messages."""
+    _expect(isinstance(raw, list) and len(raw) <= max_len, listed, raw)
+    assert isinstance(raw, list)
+    pairs = []
+    for entry in raw:
+        _expect(
+            isinstance(entry, list)
+            and len(entry) == 2
+            and isinstance(entry[0], str)
+            and _WRITER_ID.fullmatch(entry[0]) is not None,
+            each,
+            entry,
+        )
+        pairs.append((entry[0], _parse_int(entry[1], number, hi=hi)))
+    return pairs
 
 
 def parse_saved(
