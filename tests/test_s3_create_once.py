@@ -218,10 +218,13 @@ def test_a_lost_response_is_retried_into_a_refusal_that_counts_as_written(s3_url
     rb.storage.close()
 
 
-def test_a_readers_cache_refetches_only_the_objects_created_since(s3_url, options, proxy):
-    rb, model, reader = started(s3_url, options, 32)
-    check_rows(reader, model)  # fetched into its cache
-    prefix = prefix_of(s3_url)
+def check_the_next_commit_from_the_cache(
+    reader: ZarrStorage, model: TensorDictReplayBuffer, proxy: S3Proxy, block_rows: int
+) -> None:
+    """The reader picks up the next commit: it lists slots created since, the rows of the
+    other slots read from the reader's cache with no data request, and every row as the
+    model has it."""
+    prefix = prefix_of(reader.url)
 
     def data_gets() -> int:
         return sum(
@@ -229,6 +232,27 @@ def test_a_readers_cache_refetches_only_the_objects_created_since(s3_url, option
             for method, key, _, _ in proxy.log
             if method == "GET" and key.startswith(prefix + "data/")
         )
+
+    before = reader._store.committed
+    reader.refresh()
+    commit = reader._store.committed
+    created = commit.slots_created_since(before)
+    assert created is not None
+    assert len(created) > 0
+    positions = torch.arange(len(reader))
+    slots = commit.physical(positions.numpy()) // block_rows
+    kept = positions[~torch.from_numpy(np.isin(slots, created))]
+    assert kept.numel() > 0
+    gets = data_gets()
+    expected = model.storage.get(kept).exclude("index")
+    assert_identical(reader.get(kept).exclude("index"), expected)
+    assert data_gets() == gets  # from the cache: no revalidation
+    check_rows(reader, model)  # and the new slots' rows as written
+
+
+def test_a_readers_cache_refetches_only_the_objects_created_since(s3_url, options, proxy):
+    rb, model, reader = started(s3_url, options, 32)
+    check_rows(reader, model)  # fetched into its cache
 
     # The ring wraps, the writer saves (which deletes the objects no record names) and
     # takes slots again whose objects it deletes and creates anew: after each commit the
@@ -241,21 +265,7 @@ def test_a_readers_cache_refetches_only_the_objects_created_since(s3_url, option
         rb.storage.flush()
         if start % 24 == 0:
             zarr_rb.save(rb)
-        before = reader._store.committed
-        reader.refresh()
-        commit = reader._store.committed
-        created = commit.slots_created_since(before)
-        assert created is not None
-        assert len(created) > 0
-        positions = torch.arange(len(reader))
-        slots = commit.physical(positions.numpy()) // block_rows
-        kept = positions[~torch.from_numpy(np.isin(slots, created))]
-        assert kept.numel() > 0
-        gets = data_gets()
-        expected = model.storage.get(kept).exclude("index")
-        assert_identical(reader.get(kept).exclude("index"), expected)
-        assert data_gets() == gets  # from the cache: no revalidation
-        check_rows(reader, model)  # and the new slots' rows as written
+        check_the_next_commit_from_the_cache(reader, model, proxy, block_rows)
     reader.close()
     rb.storage.close()
 
