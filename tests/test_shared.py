@@ -327,6 +327,7 @@ def test_multi_sync_collector_workers_write_straight_into_the_store(store_path):
     data = rb[:]
     assert data.numel() == frames
     assert torch.equal(readable_rows(rb.storage), torch.arange(frames))
+    assert torch.equal(data["index"], torch.arange(frames))  # each row's position
     del GymEnv
 
 
@@ -357,6 +358,7 @@ def test_multi_async_collector_workers_write_straight_into_the_store(store_path)
     twin.extend(rb[:])
     assert len(twin) == length
     assert torch.equal(readable_rows(rb.storage), torch.arange(length))
+    assert torch.equal(rb[:]["index"], torch.arange(length))  # each row's position
 
 
 def _cartpole():

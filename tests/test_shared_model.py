@@ -59,8 +59,10 @@ class SharedWriters(RuleBasedStateMachine):
         count = min(count, self.rows)
         data = self._rows(writer, count)
         index = torch.arange(count)
-        self.writers[writer].set(index, data)
-        expected = self._twin_extend(data)
+        # "index" as TorchRL's TensorDict writers set it: the positions the write is given
+        self.writers[writer].set(index, data.clone().set("index", index.clone()))
+        placed = (self.cursor + torch.arange(count)) % self.rows
+        expected = self._twin_extend(data.set("index", placed))
         assert torch.equal(index, expected)  # the index extend returns: where they went
 
     @rule(writer=st.integers(0, WRITERS - 1), picks=st.lists(st.integers(0, 4095), max_size=5))
@@ -70,7 +72,7 @@ class SharedWriters(RuleBasedStateMachine):
         index = torch.tensor(sorted({p % reach for p in picks}), dtype=torch.long)
         if not index.numel():
             return
-        data = self._rows(writer, index.numel())
+        data = self._rows(writer, index.numel()).set("index", index)
         self.writers[writer].set(index, data, set_cursor=False)
         self.twin.set(index, data, set_cursor=False)
 
@@ -101,7 +103,8 @@ class SharedWriters(RuleBasedStateMachine):
 
         Store.write_rows = killed  # type: ignore[method-assign]
         try:
-            storage.set(torch.arange(count), self._rows(writer, count))
+            data = self._rows(writer, count).set("index", torch.arange(count))
+            storage.set(torch.arange(count), data)
         except _KilledError:
             pass
         finally:
@@ -120,7 +123,9 @@ class SharedWriters(RuleBasedStateMachine):
                 continue
             data = storage.get(torch.arange(length))
             assert torn(data[data["stamp"] != 0]) == 0
-            assert torch.equal(data["stamp"], self.twin.get(torch.arange(length))["stamp"])
+            expected = self.twin.get(torch.arange(length))
+            assert torch.equal(data["stamp"], expected["stamp"])
+            assert torch.equal(data["index"], expected["index"])
             assert not storage._store.unreadable_rows().size  # no hole
 
     def teardown(self) -> None:

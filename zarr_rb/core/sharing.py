@@ -54,6 +54,7 @@ from zarr_rb.core.format import (
     StoreMeta,
     preview_rows,
 )
+from zarr_rb.core.index_key import INDEX_KEY, put_positions
 from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing_saves import SharingSaves
 from zarr_rb.core.sharing_slots import runs_of
@@ -201,6 +202,10 @@ class Sharing(SharingSaves):
         values = store.whole_rows(physical, values)
         store.write_rows([(physical, values)], physical=True)
         positions = self.commit_rows(physical)
+        if INDEX_KEY in values:  # marks stand for the positions the commit just gave
+            index = values[INDEX_KEY].clone()
+            put_positions(index.numpy(), positions)
+            values = {**values, INDEX_KEY: index}
         rows = store.rows
         if count > rows:  # a ring's worth at most: the last rows
             values = {key: value[count - rows :] for key, value in values.items()}

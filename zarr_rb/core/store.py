@@ -46,6 +46,7 @@ from zarr_rb.core.format import (
     leaves_by_key,
     preview_rows,
 )
+from zarr_rb.core.index_key import INDEX_KEY, put_positions
 from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.pieces import MAPS_GROUP, is_piece_key, piece_keys, store_pieces
@@ -1199,9 +1200,12 @@ class Store:
                     out[key] = torch.empty((0, *self.element_shape(leaf)), dtype=dtype)
                     continue
                 try:
-                    out[key] = from_numpy(parts[0][2].result(), dtype)
+                    values = parts[0][2].result()
                 except ValueError as err:
                     raise self.array(key).damage_error(self.commits.physical(rows), err) from None
+                if key == INDEX_KEY:
+                    values = put_positions(values, rows)
+                out[key] = from_numpy(values, dtype)
                 continue
             assert lengths is not None
             sizes = lengths[key]

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from zarr_rb.core.format import Commit, LeafSpec, parse_current_record, preview_rows
+from zarr_rb.core.index_key import INDEX_KEY, put_positions
 from zarr_rb.core.pieces import FilePieces
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
 
@@ -77,6 +78,8 @@ class ForkedReader:
             ):
                 self._arrays = self._open()  # the writer added slots since they were opened
             out = {key: np.asarray(a.oindex[physical])[inverse] for key, a in self._arrays.items()}
+            if INDEX_KEY in out:
+                out[INDEX_KEY] = put_positions(out[INDEX_KEY], rows)
             if self._commit().generation == commit.generation:
                 return out
             time.sleep(0.001 * (attempt + 1))

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zarr_rb.core.index_key import INDEX_KEY, POSITION_MARK
 from zarr_rb.core.store import Store
 from zarr_rb.errors import RowsNotCommittedError
 from zarr_rb.torchrl import index_forms
@@ -42,6 +43,7 @@ def append(
     see :mod:`zarr_rb.torchrl.guards`)."""
     assert store.schema is not None
     index, _ = index_forms.write_rows(cursor, store.schema.rows, where=where)
+    leaves = _positions_marked(leaves, rows)
     # The rows go in the order extended, at the record's cursor (a trajectory stays in
     # one piece), not in the order of this writer's cursor, which other writers moved
     # past: its index may wrap where the record's does not.
@@ -64,6 +66,19 @@ def append(
     if isinstance(cursor, torch.Tensor) and cursor.ndim == 1 and not cursor.is_floating_point():
         cursor.copy_(torch.from_numpy(positions).to(cursor.device, cursor.dtype))
     return positions
+
+
+def _positions_marked(leaves: dict[Key, torch.Tensor], rows: np.ndarray) -> dict[Key, torch.Tensor]:
+    """``leaves`` (those of ``rows``) with an ``"index"`` entry that holds the rows it is
+    written at (as TorchRL's TensorDict writers write it) replaced by marks: the commit
+    decides the positions, and readers put them in (see :mod:`zarr_rb.core.index_key`)."""
+    value = leaves.get(INDEX_KEY)
+    if value is None or value.dtype != torch.int64 or value.shape[:1] != (rows.size,):
+        return leaves
+    given = torch.from_numpy(rows).view(-1, *(1,) * (value.ndim - 1)).to(value.device)
+    if not bool((value == given).all()):
+        return leaves  # the writer's own values: stored as they are
+    return {**leaves, INDEX_KEY: torch.full(value.shape, POSITION_MARK, dtype=torch.int64)}
 
 
 def gather_redrawing(

@@ -17,8 +17,9 @@ from tensordict import TensorDictBase
 
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.format import Schema
+from zarr_rb.core.index_key import INDEX_KEY, POSITION_MARK
 from zarr_rb.core.metadata import capacity_of
-from zarr_rb.errors import NotSupportedError, UnknownKeyError
+from zarr_rb.errors import NotSupportedError, UnknownKeyError, UnsupportedDataError
 from zarr_rb.torchrl import compat, data_kinds, index_forms, sharing
 from zarr_rb.torchrl.entries import ENTRY_KINDS
 from zarr_rb.torchrl.leaves import infer_schema, leaves_for_write, new_leaves
@@ -110,11 +111,14 @@ class StorageWrites(StoreBacked):
         schema = store.schema or first
         assert schema is not None
         if isinstance(cursor, tuple):
-            return self._patch_elements(cursor, data, schema)
+            rows, leaves = self._patch_elements(cursor, data, schema)
+            _refuse_marks(leaves, where)
+            return rows, leaves
         index, index_shape = index_forms.write_rows(cursor, schema.rows, where=where)
         all_leaves, new = leaves_for_write(
             data, schema=schema, index_shape=index_shape, where=where, ragged=self._ragged
         )
+        _refuse_marks(all_leaves, where)
         if first is not None:  # the rows passed: the store's arrays are made only now
             self._create(first, samples=all_leaves)
         if new:
@@ -184,6 +188,7 @@ class StorageWrites(StoreBacked):
                     "(rb.update_if_present, a write into storage[:]) cannot change; write "
                     "whole rows (rb.extend, storage[index] = rows) instead",
                 )
+        _refuse_marks(values, where)
         rows = index_forms.check_rows(
             rows.astype(np.int64), self._store.rows, where=where, what="write index"
         )
@@ -210,4 +215,17 @@ class StorageWrites(StoreBacked):
         self.write_leaves(
             index.cpu().numpy(),
             {data_kinds.key_tuple(key): value for key, value in patch.items()},
+        )
+
+
+def _refuse_marks(values: dict[Key, torch.Tensor], where: str) -> None:
+    """Refuse an ``"index"`` entry holding the value that stands for a row's position in a
+    store of several writers (see :mod:`zarr_rb.core.index_key`): it would read back as the
+    position."""
+    value = values.get(INDEX_KEY)
+    if value is not None and value.dtype == torch.int64 and bool((value == POSITION_MARK).any()):
+        raise UnsupportedDataError(
+            f"{where}: entry 'index' holds {POSITION_MARK} (-2**62), the value that stands "
+            "for a row's position in stores of several writers, so it would read back as "
+            "the position; store that value under another key",
         )
