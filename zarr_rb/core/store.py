@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
-import mmap
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -47,8 +45,9 @@ from zarr_rb.core.format import (
     preview_rows,
 )
 from zarr_rb.core.index_key import INDEX_KEY, put_positions
-from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
+from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout
 from zarr_rb.core.ledger import Ledger
+from zarr_rb.core.mirror import Mirror, put_rows, zeros
 from zarr_rb.core.pieces import MAPS_GROUP, is_piece_key, piece_keys, store_pieces
 from zarr_rb.core.reader import read_committed
 from zarr_rb.core.ring import SlotMap
@@ -58,7 +57,6 @@ from zarr_rb.core.solo import SoloCommits
 from zarr_rb.core.solo_writes import Write
 from zarr_rb.core.write_cache import Key, WriteBuffer
 from zarr_rb.engine import Engine, RowArray, once
-from zarr_rb.engine.rows import is_run
 from zarr_rb.errors import (
     FencedError,
     LiveBufferError,
@@ -76,18 +74,6 @@ from zarr_rb.util.io import errno_of
 
 ARRAYS_WAIT_SECONDS = 10.0
 """How long a store that just got its schema from another writer waits for its arrays."""
-MIRROR_LIMIT_BYTES = 256 * 2**20
-"""Small leaves (actions, rewards, flags, trajectory ids) are mirrored in RAM by the writer
-while all of them together, over the rows written so far, take at most this much."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _MirrorChoice:
-    """Leaves the writer may mirror in RAM, and the bytes they may take there."""
-
-    keys: frozenset[Key]
-    row_bytes: int
-    limit: int
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -153,15 +139,10 @@ class Store:
         self._epoch_at_open = meta.commit.epoch
         """Rows written over before this epoch were written over by another process."""
         self._arrays: dict[Key, RowArray] = {}
-        self._mirror: dict[Key, torch.Tensor] = {}
-        self._mirrorable: frozenset[Key] = frozenset()
-        self._mirror_choices: tuple[_MirrorChoice, ...] = ()
-        """Widest first: every fixed-shape leaf (within ``ram_bytes``), the small ones."""
-        self._mirror_cap = 0
-        """The most rows the mirrors may cover (their leaves' limit)."""
-        self._small_leaves: frozenset[Key] = frozenset()
-        self.ram_bytes = 0
-        """RAM the writer may take to mirror every fixed-shape leaf (see :meth:`keep_in_ram`)."""
+        self._mirror = Mirror(
+            rows=0, large_row_bytes=compression.large_row_bytes, read_only=read_only
+        )
+        """The leaves this writer keeps in RAM, and their copies."""
         self.rows_written = 0
         """One past the highest row this process wrote (or staged)."""
         self.leaves: dict[Key, LeafSpec] = {}
@@ -328,43 +309,22 @@ class Store:
         """Let the writer mirror every fixed-shape leaf in RAM (frames too, not only the
         small leaves) while the rows it reached take at most ``nbytes`` there; the largest
         budget asked by the storages sharing this store holds."""
-        if nbytes <= self.ram_bytes:
+        if nbytes <= self._mirror.ram_bytes:
             return  # the mirrors chosen stand
-        self.ram_bytes = int(nbytes)
+        self._mirror.ram_bytes = int(nbytes)
         if self.schema is not None:
             self.update_mirrorable()
 
+    @property
+    def ram_bytes(self) -> int:
+        """RAM the writer may take to mirror every fixed-shape leaf (see :meth:`keep_in_ram`)."""
+        return self._mirror.ram_bytes
+
     def update_mirrorable(self) -> None:
+        """Choose the leaves to mirror in RAM (a new schema, a new budget)."""
         schema = self.schema
         assert schema is not None
-        fixed = [leaf for leaf in schema.leaves if not leaf.ragged]
-        sizes = {leaf.key: row_nbytes(leaf, schema.batch_shape) for leaf in fixed}
-        small = [key for key, size in sizes.items() if size < self.compression.large_row_bytes]
-        self._small_leaves = frozenset(small)
-        self._mirror_choices = tuple(
-            _MirrorChoice(frozenset(keys), sum(sizes[key] for key in keys), limit)
-            for keys, limit in (
-                (list(sizes), self.ram_bytes),
-                (small, max(self.ram_bytes, MIRROR_LIMIT_BYTES)),
-            )
-            if keys and limit
-        )
-        self._choose_mirror()
-
-    def _choose_mirror(self) -> None:
-        """Mirror the widest choice whose rows fit its limit; drop the mirrors of the others."""
-        fitting = [
-            choice
-            for choice in self._mirror_choices
-            if self.commits.rows_reached * choice.row_bytes <= choice.limit
-        ]
-        if self.read_only or not fitting:
-            self._mirrorable, self._mirror_cap = frozenset(), 0
-        else:
-            self._mirrorable = fitting[0].keys
-            self._mirror_cap = fitting[0].limit // max(1, fitting[0].row_bytes)
-        for key in self._mirror.keys() - self._mirrorable:
-            del self._mirror[key]  # read from disk from now on
+        self._mirror.choose(schema.leaves, schema.batch_shape, self.commits.rows_reached)
 
     @_serialized
     def initialize(
@@ -532,21 +492,21 @@ class Store:
         return out
 
     def update_mirror(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
+        """Rows (unique) this writer wrote or placed: into the copies of mirrored leaves."""
         first = self.commits.rows_reached == 0
         if rows.size and int(rows.max()) >= self.rows_written:
             self.rows_written = int(rows.max()) + 1
-            if self._mirrorable:
-                self._choose_mirror()
+            if self._mirror.keys:
+                self._mirror.fit(self.commits.rows_reached)
         if first:
             # A new store: mirrors start with its first rows (none to read back later).
-            for key in self._mirrorable - self._mirror.keys():
-                self._mirror_of(key)
-        for key in self._mirror.keys() & values.keys():
-            _put_rows(self._mirror_covering(key, self.rows_written), rows, values[key])
+            for key in self._mirror.missing():
+                self._mirror.copy_of(key, self._mirror_reach(), self._load_mirror)
+        self._mirror.put(rows, values, self.rows_written)
 
     def mirror_changed(self, rows: np.ndarray) -> None:
         """Rows (a mask) that other writers changed: read their small leaves again."""
-        if not self._mirror:
+        if not self._mirror.held:
             return
         assert self.ledger is not None
         picked = np.flatnonzero(self.ledger.fit(rows) & self.ledger.published)
@@ -554,7 +514,7 @@ class Store:
             self._mirror.clear()  # read whole again when next needed
             return
         if picked.size:
-            values = self.read_disk(dict.fromkeys(self._mirror, picked))
+            values = self.read_disk(dict.fromkeys(self._mirror.held_keys(), picked))
             self.update_mirror(picked, values)
 
     def collect(self) -> int:
@@ -602,7 +562,7 @@ class Store:
     @property
     def mirrored(self) -> bool:
         """Whether this writer mirrors leaves in RAM (which other writers' rows change)."""
-        return bool(self._mirror)
+        return self._mirror.held
 
     @property
     def late_writes(self) -> bool:
@@ -1070,8 +1030,11 @@ class Store:
         index = torch.from_numpy(rows)
         # Plain leaves first: they include the lengths that ragged leaves are read by.
         for group in self.plain_then_ragged(wanted):
-            mirrored = [key for key in group if key in self._mirrorable]
-            out.update({key: self._mirrored_rows(key, index) for key in mirrored})
+            mirrored = [key for key in group if key in self._mirror.keys]
+            reach = self._mirror_reach()
+            out.update(
+                {key: self._mirror.gather(key, index, reach, self._load_mirror) for key in mirrored}
+            )
             requests = {key: rows[on_disk[key]] for key in group if key not in mirrored}
             lengths = {
                 key: out[self.leaf(key).lengths_key][torch.from_numpy(on_disk[key])].numpy()
@@ -1097,56 +1060,27 @@ class Store:
                 out[key] = tensor
         return {key: out[key] for key in keys}
 
-    def _mirror_of(self, key: Key) -> torch.Tensor:
-        """The whole array of a leaf in RAM, read once, then kept up to date by writes."""
-        mirror = self._mirror.get(key)
-        if mirror is None:
-            assert self.write_cache is not None
-            assert self.ledger is not None
-            leaf = self.leaf(key)
-            covered = self._mirror_rows(key, max(self.commits.rows_reached, self.ledger.extent), 0)
-            mirror = _zeros((covered, *self.element_shape(leaf)), TORCH_DTYPES[leaf.dtype])
-            # Only cells known to be on disk: others were never written, or were lost to a
-            # crash or a failed write, and are not readable until they are rewritten.
-            every_row = np.arange(covered)
-            on_disk = np.flatnonzero(self.ledger.readable(every_row, key))
-            _put_rows(mirror, on_disk, self.read_disk({key: on_disk})[key])
-            _, served = self.write_cache.staged_rows(every_row)
-            for block, positions in served:
-                offsets = torch.from_numpy(positions - block.index * self.write_cache.block_rows)
-                mirror[torch.from_numpy(positions)] = block.values[key][offsets]
-            self._mirror[key] = mirror
+    def _mirror_reach(self) -> int:
+        """Rows a new copy of a mirrored leaf covers: those this writer may have reached."""
+        assert self.ledger is not None
+        return max(self.commits.rows_reached, self.ledger.extent)
+
+    def _load_mirror(self, key: Key, covered: int) -> torch.Tensor:
+        """A new copy of a leaf, ``covered`` rows long, as this writer has them."""
+        assert self.write_cache is not None
+        assert self.ledger is not None
+        leaf = self.leaf(key)
+        mirror = zeros((covered, *self.element_shape(leaf)), TORCH_DTYPES[leaf.dtype])
+        # Only cells known to be on disk: others were never written, or were lost to a
+        # crash or a failed write, and are not readable until they are rewritten.
+        every_row = np.arange(covered)
+        on_disk = np.flatnonzero(self.ledger.readable(every_row, key))
+        put_rows(mirror, on_disk, self.read_disk({key: on_disk})[key])
+        _, served = self.write_cache.staged_rows(every_row)
+        for block, positions in served:
+            offsets = torch.from_numpy(positions - block.index * self.write_cache.block_rows)
+            mirror[torch.from_numpy(positions)] = block.values[key][offsets]
         return mirror
-
-    def _mirror_covering(self, key: Key, rows: int) -> torch.Tensor:
-        """The mirror of ``key``, grown to cover ``rows``."""
-        mirror = self._mirror[key]
-        if rows > mirror.shape[0]:
-            grown = _zeros(
-                (self._mirror_rows(key, rows, mirror.shape[0]), *mirror.shape[1:]), mirror.dtype
-            )
-            grown[: mirror.shape[0]] = mirror
-            self._mirror[key] = mirror = grown
-        return mirror
-
-    def _mirror_rows(self, key: Key, rows: int, now: int) -> int:
-        """Rows for a mirror of ``now`` rows to cover ``rows``: small leaves grow by doubling;
-        large ones (mirrored within ``ram_bytes``) take every row they may reach at once,
-        their pages taken from the OS only as rows are written."""
-        if key in self._small_leaves:
-            return min(self.rows, max(rows, min(2 * now, self._mirror_cap)))
-        return min(self.rows, max(rows, self._mirror_cap))
-
-    def _mirrored_rows(self, key: Key, index: torch.Tensor) -> torch.Tensor:
-        """``index`` rows of the mirror of ``key`` (zeros for rows never written)."""
-        mirror = self._mirror_of(key)
-        # index_select: several times faster than mirror[index] on frames, on some CPUs.
-        if not index.numel() or int(index.max()) < mirror.shape[0]:
-            return mirror.index_select(0, index)
-        out = mirror.new_zeros((index.numel(), *mirror.shape[1:]))
-        inside = index < mirror.shape[0]
-        out[inside] = mirror.index_select(0, index[inside])
-        return out
 
     def leaf(self, key: Key) -> LeafSpec:
         return self.leaves[key]
@@ -1386,39 +1320,6 @@ class Store:
         """The directory of a local store, the URL of any other."""
         location = self.engine.location
         return location.root if isinstance(location, LocalLocation) else location.url
-
-
-_MAPPED_BYTES = 2**20
-"""Mirrors of at least this many bytes are private anonymous mappings of their own."""
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros in memory the OS maps on first write: rows of a mirror not yet written take no
-    RAM.
-
-    Large ones are anonymous mappings rather than numpy's ``calloc``: numpy asks the kernel
-    for huge pages (``MADV_HUGEPAGE``) on large arrays, and where the kernel's ``defrag``
-    setting is ``madvise`` (a common default) each first write then waits for memory to be
-    compacted into huge pages, which made filling a 0.5 GB mirror 2-5 times slower than
-    copying the rows into ``torch.empty`` memory. A plain mapping gets huge pages only as the
-    kernel's own settings give them, without that wait.
-    """
-    nbytes = math.prod(shape) * dtype.itemsize
-    if not nbytes:
-        return torch.zeros(shape, dtype=dtype)
-    if nbytes >= _MAPPED_BYTES and hasattr(mmap, "MAP_ANONYMOUS"):
-        # Private: copy-on-write in forked children, as any other memory of the process.
-        pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).reshape(shape)
-    return torch.from_numpy(np.zeros(nbytes, np.uint8)).view(dtype).reshape(shape)
-
-
-def _put_rows(tensor: torch.Tensor, rows: np.ndarray, values: torch.Tensor) -> None:
-    """``tensor[rows] = values`` (``rows`` unique): a copy for a run of rows."""
-    if is_run(rows):
-        tensor[int(rows[0]) : int(rows[0]) + rows.size] = values
-    elif rows.size:
-        tensor.index_copy_(0, torch.from_numpy(rows), values.to(tensor.dtype))
 
 
 def _place(tensor: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
