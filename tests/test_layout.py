@@ -45,8 +45,9 @@ through ``torchrl/compat.py``."""
 NO_CYCLES = ("torchrl", "interop", "testing")
 """Packages whose modules must not be in an import cycle (nor may the top-level modules)."""
 
-NO_PRIVATE_ACCESS = ("torchrl", "interop")
-"""Packages whose modules must not read or write ``obj._name`` of another object."""
+NO_PRIVATE_ACCESS = ("torchrl", "interop", "engine", "locations", "testing", "util")
+"""Packages whose modules must not read or write ``obj._name`` of another object (nor may
+the top-level modules)."""
 
 PRIVATE_NAMES_OF_OTHERS = ("torchrl/compat.py",)
 """The one module that uses the private names of TorchRL's objects (and of torch and
@@ -262,7 +263,9 @@ def test_no_module_imports_from_a_layer_above_its_own() -> None:
 
 
 @pytest.mark.parametrize(
-    "path", _files_of(NO_PRIVATE_ACCESS), ids=lambda p: str(p.relative_to(PACKAGE))
+    "path",
+    [*_files_of(NO_PRIVATE_ACCESS), *sorted(PACKAGE.glob("*.py"))],
+    ids=lambda p: str(p.relative_to(PACKAGE)),
 )
 def test_no_module_reaches_into_another_objects_private_state(path: Path) -> None:
     if str(path.relative_to(PACKAGE)) in PRIVATE_NAMES_OF_OTHERS:

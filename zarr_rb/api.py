@@ -113,23 +113,23 @@ def save(
     if storage.read_only:
         raise ReadOnlyError(f"cannot save into read-only store {storage.url!r}")
     saved = Saved(slot=0, length=len(storage), cursor=storage.cursor)
-    source = storage._store.engine.location
+    source = storage.store.engine.location
     if storage_options is None and is_remote(path or "") and is_remote(storage.url):
         storage_options = storage.storage_options
     target = source if path is None else open_location(path, storage_options)
     if target.identity() == source.identity():
-        _save_into(rb, storage._store, saved, tag=tag)
+        _save_into(rb, storage.store, saved, tag=tag)
         return storage.path
     target.check_usable()
-    storage._store.ensure_on_disk()  # a buffer never written: a snapshot of its empty store
+    storage.store.ensure_on_disk()  # a buffer never written: a snapshot of its empty store
     storage.flush()
-    storage._store.engine.snapshot_to(target, progress=progress)
+    storage.store.engine.snapshot_to(target, progress=progress)
     snapshot = open_store(
         target,
         mode="r+",
         max_size=storage.max_size,
         ndim=storage.ndim,
-        compression=storage._store.compression,
+        compression=storage.store.compression,
     )
     try:
         _save_into(rb, snapshot, saved, tag=tag)
@@ -140,7 +140,7 @@ def save(
 
 def save_state(rb: Any, storage: ZarrStorage) -> None:
     """Save ``rb``'s state into its (new) storage's store, at the storage's length."""
-    _save_into(rb, storage._store, Saved(slot=0, length=len(storage), cursor=storage.cursor))
+    _save_into(rb, storage.store, Saved(slot=0, length=len(storage), cursor=storage.cursor))
 
 
 def _save_into(rb: Any, store: Store, saved: Saved, *, tag: str | None = None) -> None:
@@ -260,8 +260,8 @@ def _saved_of(storage: ZarrStorage, version: str | int | None = None) -> Saved:
     """The store's last save (or ``version``), checked to still hold its rows (see
     :meth:`~zarr_rb.core.store.Store.check_loadable`)."""
     try:
-        saved = _find_save(storage._store, version)
-        storage._store.check_loadable(
+        saved = _find_save(storage.store, version)
+        storage.store.check_loadable(
             length=saved.length,
             cursor=saved.cursor,
             epoch=saved.epoch,
@@ -312,7 +312,7 @@ def _load_into_memory(
     stored = ZarrStorage(path=path, read_only=True, storage_options=storage_options)
 
     def restore(read: Saved) -> None:
-        stored._store.use_save(read)  # the save's rows, whatever was written since
+        stored.store.use_save(read)  # the save's rows, whatever was written since
         fill_memory(memory, stored, length=read.length, progress=progress)
 
     try:
@@ -351,7 +351,7 @@ def _built(
 
     try:
         return load_buffer(
-            stored._store.engine,
+            stored.store.engine,
             saved,
             storage=storage,
             restore_storage=restore_storage,

@@ -373,7 +373,7 @@ def _snapshot(args: argparse.Namespace) -> int:
     from zarr_rb.torchrl.storage import ZarrStorage
 
     with ZarrStorage(path=args.source, read_only=True) as source:
-        writers = source._store.engine.location.holders()
+        writers = source.store.engine.location.holders()
         if writers:
             who = ", ".join(f"pid {w.get('pid')} on {w.get('host')}" for w in writers)
             raise LockedError(
@@ -384,7 +384,7 @@ def _snapshot(args: argparse.Namespace) -> int:
             )
         target = open_location(args.dest)
         target.check_usable()
-        copied = source._store.engine.snapshot_to(target, progress=True)
+        copied = source.store.engine.snapshot_to(target, progress=True)
     print(
         f"wrote {args.dest} ({format_bytes(copied)} copied, the rest linked or copied server-side)"
     )

@@ -52,7 +52,7 @@ def to_dask(view: View) -> dict[KeyLike, Any]:
     schema = view.storage.schema
     if schema is None:
         return {}
-    block = view.storage._store.meta.block_rows or max(1, view.rows)
+    block = view.storage.store.meta.block_rows or max(1, view.rows)
     out: dict[KeyLike, Any] = {}
     for leaf in view._leaves():
         if leaf.value != "tensor":
@@ -60,7 +60,7 @@ def to_dask(view: View) -> dict[KeyLike, Any]:
         shape = (*view.shape, *leaf.shape)
         rows = _Rows(view, leaf.key, shape, numpy_dtype(leaf.dtype))
         chunks = (block, *shape[1:])
-        store = view.storage._store
+        store = view.storage.store
         what = "history" if store.history else "ring"  # one store: two sets of rows
         name = (
             f"zarr_rb-{view.url}-{what}-{store.committed.generation}-{'/'.join(leaf.key)}-"

@@ -52,7 +52,7 @@ class ViewSource:
     """A store opened as a :class:`View` (any location; imports torch)."""
 
     def __init__(self, view: View) -> None:
-        store = view.storage._store
+        store = view.storage.store
         self._view = view
         self._location = store.engine.location
         self.url = view.url

@@ -178,7 +178,7 @@ class View:
     def valid(self) -> np.ndarray:
         """Which rows (along time) may be read: ``False`` for holes."""
         mask = np.ones(self.rows, dtype=bool)
-        mask[self.storage._store.unreadable_rows()] = False
+        mask[self.storage.store.unreadable_rows()] = False
         return mask
 
     @property
@@ -262,7 +262,7 @@ class View:
             for chosen in self._leaves()
             for leaf in ((chosen, chosen.lengths_leaf()) if chosen.ragged else (chosen,))
         ]
-        values = self.storage._store.read(rows, [leaf.key for leaf in leaves])
+        values = self.storage.store.read(rows, [leaf.key for leaf in leaves])
         batch_shape = (rows.size, *schema.batch_shape[1:])
         if schema.kind == "tensor":
             out = TensorDict({TENSOR_KEY: values[()]}, batch_size=batch_shape)
@@ -285,7 +285,7 @@ class View:
         """
         leaf = self._leaf(self._key(key))
         picked = np.arange(self.rows)[slice(None) if rows is None else rows]
-        store = self.storage._store
+        store = self.storage.store
         values = store.read(picked.reshape(-1), [leaf.key], unreadable_as_zeros=True)[leaf.key]
         out = to_numpy(values).view(numpy_dtype(leaf.dtype))
         return out.reshape((*picked.shape, *out.shape[1:]))
@@ -296,7 +296,7 @@ class View:
     # --- episodes ----------------------------------------------------------------------
 
     def _episode_index(self) -> Episodes:
-        stamp = (self.storage._store.version, self.rows)
+        stamp = (self.storage.store.version, self.rows)
         if self._episodes is None or self._episodes[0] != stamp:
             schema = self._schema
             dtypes = {} if schema is None else {leaf.key: leaf.dtype for leaf in schema.leaves}

@@ -80,7 +80,7 @@ class Creation:
         values = self._values
         return {key: self._target.write(key, values[key], if_equal=NO_VALUE) for key in keys}
 
-    def _steps(self) -> Iterator[None]:
+    def steps(self) -> Iterator[None]:
         """The requests after the first round, in rounds (each round's requests in flight
         at once, and with the other creations' of :func:`finish_all`)."""
         target, values = self._target, self._values
@@ -126,6 +126,6 @@ def finish_all(creations: Sequence[Creation]) -> None:
             another writer writes this writer's slots.
         ValueError: a request failed (TensorStore's error).
     """
-    rounds = [creation._steps() for creation in creations]
+    rounds = [creation.steps() for creation in creations]
     while rounds:
         rounds = [steps for steps in rounds if next(steps, StopIteration) is not StopIteration]

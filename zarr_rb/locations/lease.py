@@ -59,14 +59,17 @@ class Lease:
         holder: dict[str, Any],
         generation: bytes,
         key: str = LEASE_KEY,
+        renewed: float | None = None,
     ) -> None:
+        """``renewed``: when the lease was last written (``time.monotonic()``; now if not
+        given)."""
         self.location = location
         self.key = key
         self.needs_claim = key == LEASE_KEY  # a shared writer's lease names no commit
         self.seconds = seconds
         self.holder = holder
         self._lease_generation: Generation = generation
-        self._renewed = time.monotonic()
+        self._renewed = time.monotonic() if renewed is None else renewed
         self._lost: str | None = None
         self._released = threading.Event()
         self._mutex = threading.Lock()
@@ -96,9 +99,14 @@ class Lease:
         generation = location.write_if(key, _record(holder, seconds), generation=current.generation)
         if generation is None:  # another writer took it between our read and our write
             raise _locked(location, _parse(location.read(key)))
-        lease = cls(location, seconds=seconds, holder=holder, generation=generation, key=key)
-        lease._renewed = started
-        return lease
+        return cls(
+            location,
+            seconds=seconds,
+            holder=holder,
+            generation=generation,
+            key=key,
+            renewed=started,
+        )
 
     @property
     def held(self) -> bool:

@@ -255,7 +255,7 @@ class S3Location(Location):
             query = {"list-type": "2", "prefix": base, "max-keys": "1000"}
             if token:
                 query["continuation-token"] = token
-            body = self._http("GET", f"/{self.bucket}", query=query, what="listing")
+            body = self.request("GET", f"/{self.bucket}", query=query, what="listing")
             root = ET.fromstring(body)
             ns = root.tag.partition("}")[0] + "}" if root.tag.startswith("{") else ""
             for item in root.iter(f"{ns}Contents"):
@@ -288,7 +288,7 @@ class S3Location(Location):
         def copy(key: str) -> int:
             announce("write", target.path_of(key))
             source = "/" + join(self.bucket, self.prefix, key)
-            body = target._http(
+            body = target.request(
                 "PUT",
                 "/" + join(target.bucket, target.prefix, key),
                 headers={"x-amz-copy-source": _sigv4.quote(source)},
@@ -413,7 +413,7 @@ class S3Location(Location):
             )
         return _UnclassifiedError(f"{where}: {what} failed ({reason[:300]})")
 
-    def _http(
+    def request(
         self,
         method: str,
         path: str,
@@ -422,6 +422,8 @@ class S3Location(Location):
         headers: Mapping[str, str] | None = None,
         what: str,
     ) -> bytes:
+        """One signed request to the server (retried as ``storage_options['retries']``
+        says); returns the body of its answer. ``what``: for the error it may raise."""
         for attempt in range(max(1, self.options.retries)):
             # As TensorStore does: connection failures and 5xx answers (SlowDown) are
             # retried, 0.1 s to 2 s apart; anything else is final.

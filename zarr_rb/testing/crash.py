@@ -322,8 +322,7 @@ def simulate_crash(storage: Any) -> None:
     RAM are lost, nothing is flushed or committed, and its writer lock is released. The
     store on disk is left exactly as the crash would leave it (the process goes on, so the
     files it wrote are all there, as the OS keeps them after a process dies)."""
-    storage._finalizer.detach()
-    storage._store.abandon()
+    storage.abandon()
 
 
 def _faulted_workload(workload: CrashWorkload, path: Path, opened: list[Any]) -> None:

@@ -198,6 +198,19 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
     def closed(self) -> bool:
         return self._store.closed
 
+    @property
+    def store(self) -> Store:
+        """The store this storage reads and writes (the layer below TorchRL's: what
+        ``zarr_rb.save``, ``zarr_rb.load`` and the analysis view work on)."""
+        return self._store
+
+    def abandon(self) -> None:
+        """Drop this storage as a process killed at this instant would (for tests of
+        crashes, see :func:`zarr_rb.testing.crash.simulate_crash`): the rows it holds in RAM
+        are lost, nothing is flushed or committed, its writer lock is released."""
+        self._finalizer.detach()
+        self._store.abandon()
+
     def cleanup(self) -> bool:
         """Close the storage and delete its store from disk (as ``LazyMemmapStorage.cleanup``).
 
