@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zarr_rb.analysis._keys import Key, KeyLike, dotted, public_key
+from zarr_rb.analysis.rows import StoredRows
 from zarr_rb.core.dtypes import numpy_dtype
 from zarr_rb.core.layout import dimension_names
 from zarr_rb.torchrl.data_kinds import key_tuple
@@ -18,13 +19,11 @@ from zarr_rb.util.optional import require
 if TYPE_CHECKING:
     import xarray
 
-    from zarr_rb.analysis.view import View
-
 
 class _Rows:
     """One key's committed rows as dask reads them (``shape``, ``dtype``, ``[slices]``)."""
 
-    def __init__(self, view: View, key: Key, shape: tuple[int, ...], dtype: np.dtype[Any]):
+    def __init__(self, view: StoredRows, key: Key, shape: tuple[int, ...], dtype: np.dtype[Any]):
         self._view = view
         self._key = key
         self.shape = shape
@@ -46,7 +45,7 @@ class _Rows:
         return np.asarray(self._view.numpy(self._key)[selection])  # other forms: every row
 
 
-def to_dask(view: View) -> dict[KeyLike, Any]:
+def to_dask(view: StoredRows) -> dict[KeyLike, Any]:
     """Each tensor key of ``view`` as a dask array of its committed rows."""
     da = require("dask.array", extra="analysis", what="View.to_dask()")
     schema = view.storage.schema
@@ -54,7 +53,7 @@ def to_dask(view: View) -> dict[KeyLike, Any]:
         return {}
     block = view.storage.store.meta.block_rows or max(1, view.rows)
     out: dict[KeyLike, Any] = {}
-    for leaf in view._leaves():
+    for leaf in view.leaves():
         if leaf.value != "tensor":
             continue  # strings and rows of different lengths are no arrays
         shape = (*view.shape, *leaf.shape)
@@ -73,7 +72,7 @@ def to_dask(view: View) -> dict[KeyLike, Any]:
     return out
 
 
-def to_xarray(view: View) -> xarray.Dataset:
+def to_xarray(view: StoredRows) -> xarray.Dataset:
     """The tensor keys of ``view`` as an ``xarray.Dataset`` on dask, with the dimension
     names the store's arrays carry (``row``, or ``time`` and ``env``; ``<key>_<i>`` for
     element dimensions) and a ``valid`` variable along the first one."""

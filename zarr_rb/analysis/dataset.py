@@ -28,6 +28,7 @@ from tensordict import TensorDict
 from torch.utils.data import Dataset, Sampler
 
 from zarr_rb.analysis._keys import KeyLike, public_key
+from zarr_rb.analysis.rows import StoredRows, open_rows
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy
 from zarr_rb.core.format import LeafSpec
 from zarr_rb.errors import NotSupportedError, RowIndexError
@@ -55,9 +56,7 @@ class ReplayDataset(Dataset[TensorDict]):
         keys: Iterable[KeyLike] | None = None,
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        from zarr_rb.analysis.view import open as open_view
-
-        view = open_view(path, storage_options=storage_options)
+        view = open_rows(path, storage_options=storage_options)
         chosen = view.keys() if keys is None else list(keys)
         self._url = view.url
         self._options = dict(storage_options or {})
@@ -82,9 +81,14 @@ class ReplayDataset(Dataset[TensorDict]):
     def __len__(self) -> int:
         return (self._rows - self._holes.size) * (self._envs or 1)
 
-    def __reduce__(self) -> Any:
-        state = (self._url, self._leaves, self._options, self._rows, self._envs, self._holes)
-        return (_restore, state)
+    @property
+    def envs(self) -> int | None:
+        """Environments of an ``ndim=2`` store (``None`` for ``ndim=1``)."""
+        return self._envs
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled as a handle: each process opens its own reader.
+        return {**self.__dict__, "_readers": {}}
 
     # --- positions and rows ----------------------------------------------------------------
 
@@ -139,10 +143,7 @@ class ReplayDataset(Dataset[TensorDict]):
 
     def _open_reader(self) -> Any:
         if tensorstore_usable():
-            from zarr_rb.analysis.view import open as open_view
-
-            view = open_view(self._url, storage_options=self._options)
-            return view.select(*self.keys)
+            return open_rows(self._url, storage_options=self._options).select(*self.keys)
         if is_remote(self._url):
             raise NotSupportedError(
                 f"store {self._url!r}: a DataLoader worker forked from a process that used "
@@ -173,23 +174,8 @@ class _ForkedRows:
         return TensorDict(out, batch_size=[rows.size])
 
 
-def _restore(
-    url: str,
-    leaves: tuple[LeafSpec, ...],
-    options: dict[str, Any],
-    rows: int,
-    envs: int | None,
-    holes: np.ndarray,
-) -> ReplayDataset:
-    dataset = ReplayDataset.__new__(ReplayDataset)
-    dataset._url, dataset._leaves, dataset._options = url, leaves, options
-    dataset._rows, dataset._envs, dataset._holes = rows, envs, holes
-    dataset._readers = {}
-    return dataset
-
-
-def _tensor_leaf(view: Any, key: KeyLike) -> LeafSpec:
-    leaf: LeafSpec = view._leaf(view._key(key))
+def _tensor_leaf(view: StoredRows, key: KeyLike) -> LeafSpec:
+    leaf: LeafSpec = view.leaf(view.key_of(key))
     if leaf.value != "tensor":
         raise NotSupportedError(
             f"key {key!r} of {view.url!r} holds {leaf.value} rows, which a ReplayDataset does "
@@ -214,7 +200,7 @@ class TorchRLBatches(Sampler[list[int]]):
     ) -> None:
         from zarr_rb.torchrl.storage import ZarrStorage
 
-        if dataset._envs is not None:
+        if dataset.envs is not None:
             raise NotSupportedError("TorchRLBatches draws from ndim=1 stores")
         self._dataset = dataset
         self._sampler = sampler

@@ -84,7 +84,7 @@ def _image_key(view: View, key: KeyLike | None) -> KeyLike:
                 f"{view.url!r} holds no image key (uint8 [C, H, W] or [H, W]); it holds {shown}"
             )
         return found[0]
-    key = public_key(view._key(key))
+    key = public_key(view.key_of(key))
     problem = _image_problem(schema[key])
     if problem is not None:
         raise NotAnImageError(
