@@ -25,7 +25,7 @@ PACKAGE = Path(zarr_rb.__file__).parent
 ROOT = "zarr_rb"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "util", "_version"),
+    ("errors", "util", "_version", "format"),
     ("locations",),
     ("engine", "core"),
     ("torchrl", "storage"),
@@ -37,10 +37,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """The layers of ``zarr_rb``, lowest first, by their first name under ``zarr_rb`` (``""``
 is the package's ``__init__``, which names every public name; ``storage`` and ``convert``
 are the old paths of ``ZarrStorage`` and of the dump conversions, kept as re-exports). A
-module imports from its own layer and the layers below it only. ``engine/`` and ``core/``
-are one layer while they still import each other; ``state/`` (one adapter per TorchRL
-component) is above ``torchrl/`` since it saves and restores TorchRL's private state
-through ``torchrl/compat.py``."""
+module imports from its own layer and the layers below it only. ``format/`` (the store's
+records, pure) is in the lowest layer: it imports nothing but :mod:`zarr_rb.errors`,
+:mod:`zarr_rb.util` and itself. ``engine/`` and ``core/`` are one layer while they still
+import each other; ``state/`` (one adapter per TorchRL component) is above ``torchrl/``
+since it saves and restores TorchRL's private state through ``torchrl/compat.py``."""
 
 NO_CYCLES = ("torchrl", "interop", "testing")
 """Packages whose modules must not be in an import cycle (nor may the top-level modules)."""

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zarr_rb.core import runs as runs_module
 from zarr_rb.core.pieces import (
     MAPS_GROUP,
     MapPieceMissingError,
@@ -18,8 +17,9 @@ from zarr_rb.core.pieces import (
     piece_keys,
     store_pieces,
 )
-from zarr_rb.core.runs import RunMap
 from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.format import runs as runs_module
+from zarr_rb.format.runs import RunMap
 
 SPAN = 8
 

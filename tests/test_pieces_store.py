@@ -40,11 +40,11 @@ from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 import zarr_rb
 from zarr_rb import Compression, ZarrStorage
 from zarr_rb.core import pieces as pieces_module
-from zarr_rb.core import runs as runs_module
 from zarr_rb.core.metadata import parse_record, read_root
 from zarr_rb.core.pieces import MAPS_GROUP, MapPieceMissingError, piece_keys
 from zarr_rb.engine import Engine
 from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.format import runs as runs_module
 from zarr_rb.locations.local import LocalLocation
 
 SPAN = 4
@@ -136,7 +136,7 @@ def test_a_reader_with_the_default_span_reads_pieces_in_another_process(tmp_path
                 f"""
                 import torch
                 from zarr_rb import ZarrStorage
-                from zarr_rb.core import runs
+                from zarr_rb.format import runs
                 assert runs.SPAN != {SPAN}
                 reader = ZarrStorage(path={str(path)!r}, read_only=True)
                 print(reader.get(torch.arange(len(reader)))["step"].tolist())

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from zarr_rb.core.format import Commit, LeafSpec, Saved, Schema, StoreMeta
-from zarr_rb.core.ring import SlotMap
-from zarr_rb.core.runs import RunMap
+from zarr_rb.format.ring import SlotMap
+from zarr_rb.format.runs import RunMap
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store

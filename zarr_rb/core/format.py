@@ -27,18 +27,18 @@ from typing import Any, Literal
 import numpy as np
 
 from zarr_rb.core.pieces import MapPieceMissingError, PieceSource, parse_map
-from zarr_rb.core.ring import SlotMap, invalid_metadata, parse_slot_map
-from zarr_rb.core.runs import RunMap
 from zarr_rb.errors import (
     FormatVersionError,
     KeyNameError,
     StoreCorruptedError,
     UnsupportedDataError,
 )
+from zarr_rb.format.ring import SlotMap, invalid_metadata, parse_slot_map
+from zarr_rb.format.runs import RunMap
 
 FORMAT_VERSION = 3
 """Format 2 added leaves of non-tensor values and rows of different lengths; format 3 the
-slot map of the copy-on-write ring (``commit.slots``, see :mod:`zarr_rb.core.ring`). Stores
+slot map of the copy-on-write ring (``commit.slots``, see :mod:`zarr_rb.format.ring`). Stores
 of formats 1 and 2 open unchanged; a store takes format 3 when it is first written over."""
 FORMAT_NON_TENSOR = 2
 """The format that brought leaves of non-tensor values (a store taking one needs it)."""

@@ -1,6 +1,6 @@
 """Large run maps kept in pieces: objects written once, named by the commit record.
 
-A run map of more than ``INLINE_RUNS`` runs (:mod:`zarr_rb.core.runs`) is cut into pieces of
+A run map of more than ``INLINE_RUNS`` runs (:mod:`zarr_rb.format.runs`) is cut into pieces of
 ``span`` positions; piece ``k`` (the runs of ``[k * span, (k + 1) * span)``, cut at its
 bounds) is the object ``maps/<name>``: zlib of little-endian int64 ``[runs, 3]``, the
 inline form without base64. ``name`` is 32 random hex digits drawn for that write: an
@@ -24,10 +24,10 @@ from typing import Protocol
 
 import numpy as np
 
-from zarr_rb.core import runs as _runs
-from zarr_rb.core.ring import invalid_metadata
-from zarr_rb.core.runs import RunMap, no_overflow, parse_run_map
 from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.format import runs as _runs
+from zarr_rb.format.ring import invalid_metadata
+from zarr_rb.format.runs import RunMap, no_overflow, parse_run_map
 
 MAPS_GROUP = "maps"
 """Where the pieces are, under the store's root."""

@@ -20,10 +20,10 @@ import numpy as np
 from zarr_rb.core.format import ATTRS_KEY, Commit, Ring, StoreMeta
 from zarr_rb.core.metadata import check_is_store, parse_record, read_root
 from zarr_rb.core.pieces import forget_pieces
-from zarr_rb.core.ring import SlotMap
-from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing_slots import SharingSlots
 from zarr_rb.errors import RowsNotCommittedError, ServerBusyError, StoreCorruptedError
+from zarr_rb.format.ring import SlotMap
+from zarr_rb.format.runs import RunMap
 
 _R = TypeVar("_R")
 Edit = Callable[[StoreMeta], StoreMeta | None]

@@ -46,13 +46,10 @@ from zarr_rb.core.format import (
     leaves_by_key,
     preview_rows,
 )
-from zarr_rb.core.index_key import INDEX_KEY, put_positions
 from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.pieces import MAPS_GROUP, is_piece_key, piece_keys, store_pieces
 from zarr_rb.core.reader import read_committed
-from zarr_rb.core.ring import SlotMap
-from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.solo import SoloCommits
 from zarr_rb.core.solo_writes import Write
@@ -70,6 +67,9 @@ from zarr_rb.errors import (
     StoreWriteError,
     ZarrRBError,
 )
+from zarr_rb.format.index_key import INDEX_KEY, put_positions
+from zarr_rb.format.ring import SlotMap
+from zarr_rb.format.runs import RunMap
 from zarr_rb.locations import LocalLocation, Location
 from zarr_rb.locations.base import ROOT_METADATA, WriterHold
 from zarr_rb.util.io import errno_of

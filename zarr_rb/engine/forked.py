@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from zarr_rb.core.format import Commit, LeafSpec, parse_current_record, preview_rows
-from zarr_rb.core.index_key import INDEX_KEY, put_positions
 from zarr_rb.core.pieces import FilePieces
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
+from zarr_rb.format.index_key import INDEX_KEY, put_positions
 
 _RETRIES = 20
 

@@ -1,7 +1,7 @@
 """Where each position of a shared store lives on disk: row runs.
 
 The writers of a shared store append into slots of their own (``block_rows`` consecutive
-rows of the data arrays, see :mod:`zarr_rb.core.ring`) and learn the positions of their
+rows of the data arrays, see :mod:`zarr_rb.format.ring`) and learn the positions of their
 rows only when they commit them: the commit maps ``[cursor, cursor + n)`` to the rows just
 written. Writers interleave, so this map is row-granular: runs ``[first position, first
 physical row, rows]``, sorted by position, that never overlap. A position no run covers
@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb.core.ring import invalid_metadata
 from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.format.ring import invalid_metadata
 
 _EMPTY = np.empty((0, 3), dtype=np.int64)
 
