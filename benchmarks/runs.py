@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb.core import pieces as pieces_module
-from zarr_rb.core.pieces import parse_map, store_pieces
+from zarr_rb.core.pieces import store_pieces
+from zarr_rb.format import pieces as pieces_module
 from zarr_rb.format import runs as runs_module
+from zarr_rb.format.pieces import parse_map
 from zarr_rb.format.runs import RunMap
 
 BLOCK_ROWS = 64

@@ -26,13 +26,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from zarr_rb.core.pieces import MapPieceMissingError, PieceSource, parse_map
 from zarr_rb.errors import (
     FormatVersionError,
     KeyNameError,
     StoreCorruptedError,
     UnsupportedDataError,
 )
+from zarr_rb.format.pieces import MapPieceMissingError, PieceSource, parse_map
 from zarr_rb.format.ring import SlotMap, invalid_metadata, parse_slot_map
 from zarr_rb.format.runs import RunMap
 

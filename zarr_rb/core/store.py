@@ -48,7 +48,7 @@ from zarr_rb.core.format import (
 )
 from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
 from zarr_rb.core.ledger import Ledger
-from zarr_rb.core.pieces import MAPS_GROUP, is_piece_key, piece_keys, store_pieces
+from zarr_rb.core.pieces import store_pieces
 from zarr_rb.core.reader import read_committed
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.solo import SoloCommits
@@ -68,6 +68,7 @@ from zarr_rb.errors import (
     ZarrRBError,
 )
 from zarr_rb.format.index_key import INDEX_KEY, put_positions
+from zarr_rb.format.pieces import MAPS_GROUP, is_piece_key, piece_keys
 from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.runs import RunMap
 from zarr_rb.locations import LocalLocation, Location

@@ -11,7 +11,7 @@ In the commit record (``commit.runs``), the runs are one little-endian ``int64``
 shape ``[runs, 3]``, zlib-compressed and base64-encoded: what any reader decodes with the
 standard library and numpy alone. See ``docs/design/ring.md``, "Step 2". A map of more
 runs than that is kept in pieces of ``span`` positions, objects of their own that the
-record names (:mod:`zarr_rb.core.pieces`, "Step 3"); a map remembers the names of the
+record names (:mod:`zarr_rb.format.pieces`, "Step 3"); a map remembers the names of the
 pieces it was read from or stored as (:attr:`RunMap.names`), and a map derived from it
 keeps the names of the pieces it did not change.
 """
