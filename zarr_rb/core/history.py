@@ -14,8 +14,9 @@ import dataclasses
 
 import numpy as np
 
-from zarr_rb.core.format import Commit, StoreMeta
 from zarr_rb.errors import NoHistoryError
+from zarr_rb.format.commit import Commit
+from zarr_rb.format.record import StoreMeta
 
 _NONE = np.empty(0, dtype=np.int64)
 

@@ -43,17 +43,6 @@ import numpy as np
 import torch
 
 from zarr_rb.core import sharing_slots
-from zarr_rb.core.format import (
-    ERA_SLOTS,
-    FORMAT_VERSION,
-    Commit,
-    LeafSpec,
-    ObjectEra,
-    Ring,
-    Schema,
-    StoreMeta,
-    preview_rows,
-)
 from zarr_rb.core.sharing_saves import SharingSaves
 from zarr_rb.core.sharing_slots import runs_of
 from zarr_rb.core.write_cache import Key
@@ -62,8 +51,13 @@ from zarr_rb.errors import (
     NotSupportedError,
     SchemaMismatchError,
 )
+from zarr_rb.format.commit import ERA_SLOTS, Commit, ObjectEra, Ring
 from zarr_rb.format.index_key import INDEX_KEY, put_positions
+from zarr_rb.format.messages import preview_rows
+from zarr_rb.format.names import FORMAT_VERSION
+from zarr_rb.format.record import StoreMeta
 from zarr_rb.format.runs import RunMap
+from zarr_rb.format.schema import LeafSpec, Schema
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store

@@ -16,10 +16,10 @@ import torch
 from tensordict import TensorDictBase
 
 from zarr_rb.core.dtypes import TORCH_DTYPES
-from zarr_rb.core.format import Schema
 from zarr_rb.core.metadata import capacity_of
 from zarr_rb.errors import NotSupportedError, UnknownKeyError, UnsupportedDataError
 from zarr_rb.format.index_key import INDEX_KEY, POSITION_MARK
+from zarr_rb.format.schema import Schema
 from zarr_rb.torchrl import compat, data_kinds, index_forms, sharing
 from zarr_rb.torchrl.entries import ENTRY_KINDS
 from zarr_rb.torchrl.leaves import infer_schema, leaves_for_write, new_leaves
