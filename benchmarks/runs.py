@@ -1,4 +1,4 @@
-"""The position map of shared stores (row runs, ``zarr_rb/core/runs.py``) at 10^6 and 10^8
+"""The position map of shared stores (row runs, ``zarr_rb/format/runs.py``) at 10^6 and 10^8
 positions: its size in the commit record, and what a commit and a read spend on it.
 
 A full ring is laid out as its writers leave it: with one writer, a run per slot (slots
@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb.core import pieces as pieces_module
-from zarr_rb.core import runs as runs_module
-from zarr_rb.core.pieces import parse_map, store_pieces
-from zarr_rb.core.runs import RunMap
+from zarr_rb.core.pieces import store_pieces
+from zarr_rb.format import pieces as pieces_module
+from zarr_rb.format import runs as runs_module
+from zarr_rb.format.pieces import parse_map
+from zarr_rb.format.runs import RunMap
 
 BLOCK_ROWS = 64
 EXTEND = 50

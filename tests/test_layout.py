@@ -1,6 +1,6 @@
 """The layout of the package holds: no import cycles above the engine, no import up the
-layers, no module reaching into another object's private state, and no file or class too
-long to read.
+layers, no module reaching into another object's private state, no torch and no I/O
+library in the pure records of ``format/``, and no file or class too long to read.
 
 The checks read the sources with ``ast`` (nothing is imported), so they see every import:
 those made only for type checking and those inside functions too. Each check is also
@@ -13,6 +13,7 @@ modules of ``core/`` and ``engine/``); ``python tests/test_layout.py`` prints th
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -24,7 +25,7 @@ PACKAGE = Path(zarr_rb.__file__).parent
 ROOT = "zarr_rb"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "util", "_version"),
+    ("errors", "util", "_version", "format"),
     ("locations",),
     ("engine", "core"),
     ("torchrl", "storage"),
@@ -36,21 +37,40 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """The layers of ``zarr_rb``, lowest first, by their first name under ``zarr_rb`` (``""``
 is the package's ``__init__``, which names every public name; ``storage`` and ``convert``
 are the old paths of ``ZarrStorage`` and of the dump conversions, kept as re-exports). A
-module imports from its own layer and the layers below it only. ``engine/`` and ``core/``
-are one layer while they still import each other; ``state/`` (one adapter per TorchRL
-component) is above ``torchrl/`` since it saves and restores TorchRL's private state
-through ``torchrl/compat.py``."""
+module imports from its own layer and the layers below it only. ``format/`` (the store's
+records, pure) is in the lowest layer: it imports nothing but :mod:`zarr_rb.errors`,
+:mod:`zarr_rb.util` and itself. ``engine/`` and ``core/`` are one layer while they still
+import each other; ``state/`` (one adapter per TorchRL component) is above ``torchrl/``
+since it saves and restores TorchRL's private state through ``torchrl/compat.py``."""
 
-NO_CYCLES = ("torchrl", "interop", "testing", "analysis")
+NO_CYCLES = ("format", "torchrl", "interop", "testing", "analysis")
 """Packages whose modules must not be in an import cycle (nor may the top-level modules)."""
 
-NO_PRIVATE_ACCESS = ("torchrl", "interop", "engine", "locations", "testing", "util", "analysis")
+NO_PRIVATE_ACCESS = (
+    "format",
+    "torchrl",
+    "interop",
+    "engine",
+    "locations",
+    "testing",
+    "util",
+    "analysis",
+)
 """Packages whose modules must not read or write ``obj._name`` of another object (nor may
 the top-level modules)."""
 
 PRIVATE_NAMES_OF_OTHERS = ("torchrl/compat.py",)
 """The one module that uses the private names of TorchRL's objects (and of torch and
 tensordict under it), each declared and tested (``tests/test_compat.py``)."""
+
+PURE = "format"
+"""The package of pure records: no torch, no I/O (see :func:`impure_imports`)."""
+
+PURE_MAY_IMPORT = ("numpy", "zarr_rb.errors", "zarr_rb.util", f"zarr_rb.{PURE}")
+"""What :data:`PURE` imports besides the standard library."""
+
+IO_MODULES = frozenset({"io", "os", "pathlib", "shutil", "socket", "subprocess", "tempfile"})
+"""Modules of the standard library that do I/O, which :data:`PURE` does not import."""
 
 MAX_FILE_LINES = 600
 MAX_CLASS_LINES = 400
@@ -225,6 +245,30 @@ def private_accesses(source: str) -> list[str]:
     return found
 
 
+# --- pure records ----------------------------------------------------------------------
+
+
+def impure_imports(source: str) -> list[str]:
+    """``line: module`` for every import of ``source`` that is neither the standard library
+    (but :data:`IO_MODULES`) nor one of :data:`PURE_MAY_IMPORT` (relative imports are of
+    the package itself)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        for name in names:
+            top = name.partition(".")[0]
+            allowed = any(name == m or name.startswith(m + ".") for m in PURE_MAY_IMPORT)
+            stdlib = top in sys.stdlib_module_names and top not in IO_MODULES
+            if not (allowed or stdlib):
+                found.append(f"{node.lineno}: {name}")
+    return found
+
+
 # --- lengths ---------------------------------------------------------------------------
 
 
@@ -276,7 +320,8 @@ def test_no_module_reaches_into_another_objects_private_state(path: Path) -> Non
 @pytest.mark.parametrize(
     "path",
     [
-        *_files_of(("torchrl", "interop", "testing", "analysis", "engine", "locations")),
+        *_files_of(("format", "torchrl", "interop", "testing", "analysis", "engine")),
+        *_files_of(("locations",)),
         *_files_of(("state", "util")),
         *sorted(PACKAGE.glob("*.py")),
     ],
@@ -285,6 +330,12 @@ def test_no_module_reaches_into_another_objects_private_state(path: Path) -> Non
 def test_no_file_or_class_is_too_long_to_read(path: Path) -> None:
     found = too_long(path.read_text())
     assert not found, f"{path.relative_to(PACKAGE)}: " + ", ".join(found)
+
+
+@pytest.mark.parametrize("path", _files_of((PURE,)), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_format_imports_no_torch_and_no_io(path: Path) -> None:
+    found = impure_imports(path.read_text())
+    assert not found, f"{path.relative_to(PACKAGE)} is not pure: imports " + ", ".join(found)
 
 
 def test_every_module_is_in_a_layer() -> None:
@@ -386,6 +437,21 @@ def test_private_state_of_other_objects_is_found() -> None:
         "6: self._owner._where",
         "6: _module._helper",
     ]
+
+
+def test_impure_imports_are_found() -> None:
+    source = (
+        "from __future__ import annotations\n"
+        "import numpy as np\n"
+        "import re, zlib\n"
+        "from . import runs\n"
+        "from zarr_rb.errors import StoreCorruptedError\n"
+        "from zarr_rb.format.ring import SlotMap\n"
+        "import torch\n"
+        "from pathlib import Path\n"
+        "def f():\n    import zarr_rb.core.store\n"
+    )
+    assert impure_imports(source) == ["7: torch", "8: pathlib", "10: zarr_rb.core.store"]
 
 
 def test_long_files_and_classes_are_found() -> None:

@@ -1,4 +1,4 @@
-"""Run maps kept in pieces (``zarr_rb/core/pieces.py``): what a record names reads back
+"""Run maps kept in pieces (``zarr_rb/format/pieces.py``): what a record names reads back
 as the map it was written from, a change writes only the pieces it touched, and a record
 that names pieces wrongly gets a typed error."""
 
@@ -9,17 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zarr_rb.core import runs as runs_module
-from zarr_rb.core.pieces import (
+from zarr_rb.core.pieces import store_pieces
+from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.format import runs as runs_module
+from zarr_rb.format.pieces import (
     MAPS_GROUP,
     MapPieceMissingError,
     encode_piece,
     parse_map,
     piece_keys,
-    store_pieces,
 )
-from zarr_rb.core.runs import RunMap
-from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.format.runs import RunMap
 
 SPAN = 8
 

@@ -1,7 +1,8 @@
-"""Stores whose run maps are kept in pieces (``zarr_rb/core/pieces.py``): shared writers,
-saves and versions, archives and plain zarr-python readers, with pieces of a few positions
-and every map in pieces (as a buffer of 10^8 rows fed by small extends has them), so that
-every commit writes pieces and drops the ones it replaced.
+"""Stores whose run maps are kept in pieces (``zarr_rb/format/pieces.py``, written by
+``zarr_rb/core/pieces.py``): shared writers, saves and versions, archives and plain
+zarr-python readers, with pieces of a few positions and every map in pieces (as a buffer
+of 10^8 rows fed by small extends has them), so that every commit writes pieces and drops
+the ones it replaced.
 
 Besides the tests written here, this module runs tests of other modules again with small
 pieces (imported below): each checks its store against TorchRL's storages as it does there.
@@ -39,12 +40,12 @@ from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb.core import pieces as pieces_module
-from zarr_rb.core import runs as runs_module
 from zarr_rb.core.metadata import parse_record, read_root
-from zarr_rb.core.pieces import MAPS_GROUP, MapPieceMissingError, piece_keys
 from zarr_rb.engine import Engine
 from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.format import pieces as pieces_module
+from zarr_rb.format import runs as runs_module
+from zarr_rb.format.pieces import MAPS_GROUP, MapPieceMissingError, piece_keys
 from zarr_rb.locations.local import LocalLocation
 
 SPAN = 4
@@ -136,7 +137,7 @@ def test_a_reader_with_the_default_span_reads_pieces_in_another_process(tmp_path
                 f"""
                 import torch
                 from zarr_rb import ZarrStorage
-                from zarr_rb.core import runs
+                from zarr_rb.format import runs
                 assert runs.SPAN != {SPAN}
                 reader = ZarrStorage(path={str(path)!r}, read_only=True)
                 print(reader.get(torch.arange(len(reader)))["step"].tolist())

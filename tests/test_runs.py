@@ -1,4 +1,4 @@
-"""The row runs of shared stores (``zarr_rb/core/runs.py``) against a dense model: one
+"""The row runs of shared stores (``zarr_rb/format/runs.py``) against a dense model: one
 physical row (or none) per position."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zarr_rb.core.runs import RunMap, parse_run_map
 from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.format.runs import RunMap, parse_run_map
 
 BLOCK_ROWS = 4
 

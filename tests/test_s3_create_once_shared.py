@@ -33,8 +33,8 @@ from torchrl.data import TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import ZarrStorage
-from zarr_rb.core import runs as runs_module
 from zarr_rb.core.metadata import read_root
+from zarr_rb.format import runs as runs_module
 
 
 @pytest.fixture

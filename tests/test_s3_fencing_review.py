@@ -33,11 +33,12 @@ from torchrl.data import (
 import zarr_rb
 import zarr_rb.api
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb.core.format import Commit, LeaseFloor, StoreMeta, max_ring_capacity
-from zarr_rb.core.ring import SPARE_FACTOR, max_slots
 from zarr_rb.core.store import Store
 from zarr_rb.engine.rows import RowArray
 from zarr_rb.errors import FencedError, StoreWriteError, ZarrRBError
+from zarr_rb.format.commit import Commit, LeaseFloor, max_ring_capacity
+from zarr_rb.format.record import StoreMeta
+from zarr_rb.format.ring import SPARE_FACTOR, max_slots
 
 WAIT_FOR_LEASE = """
 import time

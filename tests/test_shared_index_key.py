@@ -18,8 +18,8 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb.core.index_key import POSITION_MARK
 from zarr_rb.errors import UnsupportedDataError
+from zarr_rb.format.index_key import POSITION_MARK
 
 
 def rows(start: int, count: int) -> TensorDict:

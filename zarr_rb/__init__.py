@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from zarr_rb.analysis import ReplayDataset, View, open
     from zarr_rb.api import Version, drop_version, load, save, versions
-    from zarr_rb.core.format import FORMAT_VERSION
     from zarr_rb.core.layout import Compression
     from zarr_rb.errors import (
         ChunkCorruptedError,
@@ -51,6 +50,7 @@ if TYPE_CHECKING:
         VersionNotFoundError,
         ZarrRBError,
     )
+    from zarr_rb.format.names import FORMAT_VERSION
     from zarr_rb.interop.dumps import import_torchrl
     from zarr_rb.interop.export import export_torchrl
     from zarr_rb.state import PickleNotAllowedError
@@ -90,7 +90,7 @@ _ERRORS = (
 )
 _HOMES: dict[str, str] = {
     **dict.fromkeys(_ERRORS, "zarr_rb.errors"),
-    "FORMAT_VERSION": "zarr_rb.core.format",
+    "FORMAT_VERSION": "zarr_rb.format.names",
     "Compression": "zarr_rb.core.layout",
     "DamagedChunk": "zarr_rb.verify",
     "LazyColumn": "zarr_rb.torchrl.columns",

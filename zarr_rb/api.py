@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from zarr_rb.core.format import TAG, Saved
 from zarr_rb.core.open import open_store
 from zarr_rb.core.store import Store
 from zarr_rb.errors import (
@@ -36,6 +35,7 @@ from zarr_rb.errors import (
     VersionNotFoundError,
     ZarrRBError,
 )
+from zarr_rb.format.record import TAG, Saved
 from zarr_rb.interop.buffers import fill_memory, memory_storage, save_foreign
 from zarr_rb.locations import StoreURL, is_remote, open_location
 from zarr_rb.state import LOAD_ATTEMPTS, load_buffer, save_buffer

@@ -24,10 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb.core.format import STATE_GROUP, LeafSpec, describe_runs
 from zarr_rb.core.open import open_store
 from zarr_rb.core.store import Store
 from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.format.messages import describe_runs
+from zarr_rb.format.names import STATE_GROUP
+from zarr_rb.format.schema import LeafSpec
 
 __all__ = ["DamagedChunk", "VerifyReport", "verify"]
 

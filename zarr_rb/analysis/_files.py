@@ -20,13 +20,6 @@ from typing import Any
 import numpy as np
 
 from zarr_rb.analysis._keys import Key, shown
-from zarr_rb.core.format import (
-    ATTRS_KEY,
-    LeafSpec,
-    StoreMeta,
-    leaves_by_key,
-    parse_current_record,
-)
 from zarr_rb.core.pieces import FilePieces
 from zarr_rb.errors import (
     NoEpisodeFlagsError,
@@ -34,6 +27,9 @@ from zarr_rb.errors import (
     StoreCorruptedError,
     StoreNotFoundError,
 )
+from zarr_rb.format.names import ATTRS_KEY
+from zarr_rb.format.record import StoreMeta, parse_current_record
+from zarr_rb.format.schema import LeafSpec, leaves_by_key
 from zarr_rb.util.io import load_json
 
 ROOT_METADATA = "zarr.json"

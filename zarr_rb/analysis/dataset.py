@@ -30,8 +30,8 @@ from torch.utils.data import Dataset, Sampler
 from zarr_rb.analysis._keys import KeyLike, public_key
 from zarr_rb.analysis.rows import StoredRows, open_rows
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy
-from zarr_rb.core.format import LeafSpec
 from zarr_rb.errors import NotSupportedError, RowIndexError
+from zarr_rb.format.schema import LeafSpec
 from zarr_rb.locations import StoreURL, is_remote
 from zarr_rb.util.fork import tensorstore_usable
 

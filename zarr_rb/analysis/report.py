@@ -19,8 +19,10 @@ import numpy as np
 
 from zarr_rb.analysis._keys import Key, dotted, public_key
 from zarr_rb.analysis.episodes import Episodes, find_episodes, find_keys
-from zarr_rb.core.format import FORMAT_VERSION, STATE_GROUP, Commit, StoreMeta, mask_to_ranges
 from zarr_rb.errors import NoEpisodeFlagsError, StoreCorruptedError
+from zarr_rb.format.commit import Commit, mask_to_ranges
+from zarr_rb.format.names import FORMAT_VERSION, STATE_GROUP
+from zarr_rb.format.record import StoreMeta
 from zarr_rb.util.io import load_json
 
 if TYPE_CHECKING:

@@ -18,8 +18,9 @@ from tensordict import TensorDict
 
 from zarr_rb.analysis._keys import TENSOR_KEY, Key, KeyLike, public_key, shown
 from zarr_rb.core.dtypes import TORCH_DTYPES, numpy_dtype, to_numpy
-from zarr_rb.core.format import LeafSpec, Schema, mask_to_ranges
 from zarr_rb.errors import UnknownKeyError
+from zarr_rb.format.commit import mask_to_ranges
+from zarr_rb.format.schema import LeafSpec, Schema
 from zarr_rb.locations import StoreURL
 from zarr_rb.torchrl import compat, data_kinds, index_forms
 from zarr_rb.torchrl.storage import ZarrStorage

@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import torch
 
-from zarr_rb.core.format import Commit, LeafSpec, Saved, Schema, StoreMeta
-from zarr_rb.core.ring import SlotMap
-from zarr_rb.core.runs import RunMap
+from zarr_rb.format.commit import Commit
+from zarr_rb.format.record import Saved, StoreMeta
+from zarr_rb.format.ring import SlotMap
+from zarr_rb.format.runs import RunMap
+from zarr_rb.format.schema import LeafSpec, Schema
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store

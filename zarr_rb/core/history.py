@@ -1,7 +1,7 @@
 """An archive's history, seen from the one writer of a store: the positions it extended
 since its last commit, and which of them the next commit publishes.
 
-The history itself is ``commit.history`` (a :class:`~zarr_rb.core.runs.RunMap` from
+The history itself is ``commit.history`` (a :class:`~zarr_rb.format.runs.RunMap` from
 history index to row of the data arrays, see ``docs/design/ring.md``, "Archive mode"); a
 commit appends to it the rows of the positions this module hands it, at the rows the
 commit's slot map gives them. Shared writers append in their commit's compare-and-swap
@@ -14,8 +14,9 @@ import dataclasses
 
 import numpy as np
 
-from zarr_rb.core.format import Commit, StoreMeta
 from zarr_rb.errors import NoHistoryError
+from zarr_rb.format.commit import Commit
+from zarr_rb.format.record import StoreMeta
 
 _NONE = np.empty(0, dtype=np.int64)
 

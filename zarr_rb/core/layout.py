@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from zarr_rb.core.format import LeafSpec
 from zarr_rb.errors import UnsupportedDataError
+from zarr_rb.format.schema import LeafSpec
 
 __all__ = ["Compression"]
 

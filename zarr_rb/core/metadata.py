@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from zarr_rb.core.format import ATTRS_KEY, StoreMeta, parse_current_record
 from zarr_rb.engine import Engine
 from zarr_rb.errors import NotAStoreError, SchemaMismatchError, StoreCorruptedError
+from zarr_rb.format.names import ATTRS_KEY
+from zarr_rb.format.record import StoreMeta, parse_current_record
 
 
 def read_root(engine: Engine, *, adopt: bool = False) -> dict[str, Any] | None:

@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from zarr_rb.core.format import LeafSpec
 from zarr_rb.core.layout import row_nbytes
 from zarr_rb.core.write_cache import Key
 from zarr_rb.engine.rows import is_run
+from zarr_rb.format.schema import LeafSpec
 
 MIRROR_LIMIT_BYTES = 256 * 2**20
 """Small leaves (actions, rewards, flags, trajectory ids) are mirrored in RAM by the writer

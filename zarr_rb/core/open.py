@@ -14,15 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from zarr_rb.core.format import (
-    ATTRS_KEY,
-    DATA_GROUP,
-    LENGTHS_GROUP,
-    STATE_GROUP,
-    Commit,
-    Ring,
-    StoreMeta,
-)
 from zarr_rb.core.history import as_history
 from zarr_rb.core.layout import Compression
 from zarr_rb.core.metadata import check_is_store, check_meta, parse_meta, parse_record, read_root
@@ -36,6 +27,9 @@ from zarr_rb.errors import (
     StoreExistsError,
     StoreNotFoundError,
 )
+from zarr_rb.format.commit import Commit, Ring
+from zarr_rb.format.names import ATTRS_KEY, DATA_GROUP, LENGTHS_GROUP, STATE_GROUP
+from zarr_rb.format.record import StoreMeta
 from zarr_rb.locations import LocalLocation, StoreURL, is_remote, open_location
 from zarr_rb.locations.base import NOT_DATA, ROOT_METADATA, Location, WriterHold
 

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from zarr_rb.core.format import Commit, Schema, leaves_by_key, preview_rows
 from zarr_rb.core.metadata import check_is_store, parse_record, read_root
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError, VersionNotFoundError
+from zarr_rb.format.commit import Commit
+from zarr_rb.format.messages import preview_rows
+from zarr_rb.format.schema import Schema, leaves_by_key
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store

@@ -11,7 +11,7 @@ of its own on a local disk, a lease on an object store).
   written again.
 * **Positions at commit time.** An extend writes its rows there, then one
   compare-and-swap of the record maps positions ``[cursor, cursor + n)`` to them
-  (``commit.runs``, :mod:`zarr_rb.core.runs`), moves the cursor and the length; on a
+  (``commit.runs``, :mod:`zarr_rb.format.runs`), moves the cursor and the length; on a
   conflict the record is read again and the same rows mapped at the new cursor, never
   written again. ``extend`` returns the positions they got: ``len`` counts committed
   rows, exactly, and nothing reserved can be left empty by a dead or slow writer. Writes to
@@ -43,19 +43,6 @@ import numpy as np
 import torch
 
 from zarr_rb.core import sharing_slots
-from zarr_rb.core.format import (
-    ERA_SLOTS,
-    FORMAT_VERSION,
-    Commit,
-    LeafSpec,
-    ObjectEra,
-    Ring,
-    Schema,
-    StoreMeta,
-    preview_rows,
-)
-from zarr_rb.core.index_key import INDEX_KEY, put_positions
-from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing_saves import SharingSaves
 from zarr_rb.core.sharing_slots import runs_of
 from zarr_rb.core.write_cache import Key
@@ -64,6 +51,13 @@ from zarr_rb.errors import (
     NotSupportedError,
     SchemaMismatchError,
 )
+from zarr_rb.format.commit import ERA_SLOTS, Commit, ObjectEra, Ring
+from zarr_rb.format.index_key import INDEX_KEY, put_positions
+from zarr_rb.format.messages import preview_rows
+from zarr_rb.format.names import FORMAT_VERSION
+from zarr_rb.format.record import StoreMeta
+from zarr_rb.format.runs import RunMap
+from zarr_rb.format.schema import LeafSpec, Schema
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store

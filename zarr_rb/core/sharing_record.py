@@ -17,13 +17,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from zarr_rb.core.format import ATTRS_KEY, Commit, Ring, StoreMeta
 from zarr_rb.core.metadata import check_is_store, parse_record, read_root
 from zarr_rb.core.pieces import forget_pieces
-from zarr_rb.core.ring import SlotMap
-from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing_slots import SharingSlots
 from zarr_rb.errors import RowsNotCommittedError, ServerBusyError, StoreCorruptedError
+from zarr_rb.format.commit import Commit, Ring
+from zarr_rb.format.names import ATTRS_KEY
+from zarr_rb.format.record import StoreMeta
+from zarr_rb.format.ring import SlotMap
+from zarr_rb.format.runs import RunMap
 
 _R = TypeVar("_R")
 Edit = Callable[[StoreMeta], StoreMeta | None]

@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
-from zarr_rb.core.format import STATE_GROUP, Commit, Saved, StoreMeta
-from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing_record import SharingRecord
 from zarr_rb.core.sharing_slots import runs_of
 from zarr_rb.errors import LiveBufferError, VersionExistsError, VersionNotFoundError
+from zarr_rb.format.commit import Commit
+from zarr_rb.format.names import STATE_GROUP
+from zarr_rb.format.record import Saved, StoreMeta
+from zarr_rb.format.runs import RunMap
 
 
 class SharingSaves(SharingRecord):

@@ -10,7 +10,7 @@
   as a prefix from the last commit on (rows after one that is not on disk wait).
 * **On a lease** (an object store), a writer reserves its slots in the record before it
   writes there, so that the late writes of a stalled writer before it land in slots no
-  one else writes (see :class:`~zarr_rb.core.format.LeaseFloor`).
+  one else writes (see :class:`~zarr_rb.format.commit.LeaseFloor`).
 
 One object, :class:`SoloCommits`, owns all of it; its code is in three modules by concern:
 this one (the interface, commits, saves), :mod:`~zarr_rb.core.solo_writes` (staging and
@@ -32,27 +32,17 @@ import numpy as np
 import torch
 
 from zarr_rb.core.dtypes import TORCH_DTYPES
-from zarr_rb.core.format import (
-    ATTRS_KEY,
-    ERA_SLOTS,
-    FORMAT_NON_TENSOR,
-    STATE_GROUP,
-    Commit,
-    LeafSpec,
-    ObjectEra,
-    Saved,
-    Schema,
-    StoreMeta,
-    commit_from_mask,
-    leaves_by_key,
-)
 from zarr_rb.core.history import Extended
 from zarr_rb.core.reader import reread_commit
-from zarr_rb.core.ring import SlotMap
-from zarr_rb.core.runs import RunMap
 from zarr_rb.core.solo_writes import SoloWrites, block_write, without_cells
 from zarr_rb.core.write_cache import Key
 from zarr_rb.errors import NotSupportedError
+from zarr_rb.format.commit import ERA_SLOTS, Commit, ObjectEra, commit_from_mask
+from zarr_rb.format.names import ATTRS_KEY, FORMAT_NON_TENSOR, STATE_GROUP
+from zarr_rb.format.record import Saved, StoreMeta
+from zarr_rb.format.ring import SlotMap
+from zarr_rb.format.runs import RunMap
+from zarr_rb.format.schema import LeafSpec, Schema, leaves_by_key
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store

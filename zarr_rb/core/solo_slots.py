@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from zarr_rb.core.commits import Commits
-from zarr_rb.core.format import FORMAT_VERSION, Commit, LeaseFloor, Saved, StoreMeta
-from zarr_rb.core.ring import SPARE_FACTOR, SlotMap, max_slots
 from zarr_rb.errors import SlotsExhaustedError
+from zarr_rb.format.commit import Commit, LeaseFloor
+from zarr_rb.format.names import FORMAT_VERSION
+from zarr_rb.format.record import Saved, StoreMeta
+from zarr_rb.format.ring import SPARE_FACTOR, SlotMap, max_slots
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store

@@ -33,25 +33,11 @@ import torch
 
 from zarr_rb.core.commits import Commits
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy, to_numpy
-from zarr_rb.core.format import (
-    ATTRS_KEY,
-    DATA_GROUP,
-    Commit,
-    LeafSpec,
-    Saved,
-    Schema,
-    StoreMeta,
-    leaves_by_key,
-    preview_rows,
-)
-from zarr_rb.core.index_key import INDEX_KEY, put_positions
 from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.mirror import Mirror, put_rows, zeros
-from zarr_rb.core.pieces import MAPS_GROUP, is_piece_key, piece_keys, store_pieces
+from zarr_rb.core.pieces import store_pieces
 from zarr_rb.core.reader import read_committed
-from zarr_rb.core.ring import SlotMap
-from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.solo import SoloCommits
 from zarr_rb.core.solo_writes import Write
@@ -68,6 +54,15 @@ from zarr_rb.errors import (
     StoreWriteError,
     ZarrRBError,
 )
+from zarr_rb.format.commit import Commit
+from zarr_rb.format.index_key import INDEX_KEY, put_positions
+from zarr_rb.format.messages import preview_rows
+from zarr_rb.format.names import ATTRS_KEY, DATA_GROUP
+from zarr_rb.format.pieces import MAPS_GROUP, is_piece_key, piece_keys
+from zarr_rb.format.record import Saved, StoreMeta
+from zarr_rb.format.ring import SlotMap
+from zarr_rb.format.runs import RunMap
+from zarr_rb.format.schema import LeafSpec, Schema, leaves_by_key
 from zarr_rb.locations import LocalLocation, Location
 from zarr_rb.locations.base import ROOT_METADATA, WriterHold
 from zarr_rb.util.io import errno_of

@@ -17,10 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb.core.format import Commit, LeafSpec, parse_current_record, preview_rows
-from zarr_rb.core.index_key import INDEX_KEY, put_positions
 from zarr_rb.core.pieces import FilePieces
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
+from zarr_rb.format.commit import Commit
+from zarr_rb.format.index_key import INDEX_KEY, put_positions
+from zarr_rb.format.messages import preview_rows
+from zarr_rb.format.record import parse_current_record
+from zarr_rb.format.schema import LeafSpec
 
 _RETRIES = 20
 

@@ -15,10 +15,10 @@ from typing import Any, Protocol, cast
 import numpy as np
 import tensorstore as ts
 
-from zarr_rb.core.format import describe_runs
 from zarr_rb.engine import once
 from zarr_rb.engine.cache import EncodedCache
 from zarr_rb.errors import ChunkCorruptedError
+from zarr_rb.format.messages import describe_runs
 from zarr_rb.locations.base import ROOT_METADATA, Location, join
 from zarr_rb.util.io import announce
 

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from zarr_rb.core.format import describe_runs
 from zarr_rb.core.layout import MAX_CHUNK_ELEMENTS, Compression, LeafLayout
 from zarr_rb.engine.cache import EncodedCache
 from zarr_rb.engine.rows import RowArray, as_bits, short_reason
@@ -26,6 +25,7 @@ from zarr_rb.errors import (
     StoreCorruptedError,
     StoreNotFoundError,
 )
+from zarr_rb.format.messages import describe_runs
 from zarr_rb.locations.base import (
     ROOT_METADATA,
     Generation,

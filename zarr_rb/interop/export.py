@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from zarr_rb.api import load
-from zarr_rb.core.format import LeafSpec
 from zarr_rb.errors import (
     NotAStoreError,
     NotSupportedError,
 )
+from zarr_rb.format.schema import LeafSpec
 from zarr_rb.interop.dumps import check_block_bytes, resolve_block_bytes
 from zarr_rb.locations import is_remote
 from zarr_rb.torchrl import compat

@@ -7,9 +7,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from zarr_rb.core.format import Saved
 from zarr_rb.engine import Engine
 from zarr_rb.errors import UnsupportedDataError
+from zarr_rb.format.record import Saved
 from zarr_rb.state._arguments import versions
 from zarr_rb.state._buffer import (
     buffer_arguments,

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from zarr_rb.core.format import Saved
 from zarr_rb.core.metadata import check_is_store, parse_record, read_root
 from zarr_rb.engine import Engine
 from zarr_rb.errors import (
@@ -23,6 +22,7 @@ from zarr_rb.errors import (
     StoreCorruptedError,
     ZarrRBError,
 )
+from zarr_rb.format.record import Saved
 from zarr_rb.state._node import StateNode
 
 LOAD_ATTEMPTS = 5

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torchrl.data.replay_buffers.checkpointers import TensorStorageCheckpointer
 
-from zarr_rb.core.format import ATTRS_KEY
 from zarr_rb.errors import NotSupportedError, StoreCorruptedError, UnsupportedDataError
+from zarr_rb.format.names import ATTRS_KEY
 from zarr_rb.locations.base import ROOT_METADATA
 from zarr_rb.torchrl.reads import StorageReads
 from zarr_rb.torchrl.state_dict import copy_rows, copy_store

@@ -31,8 +31,9 @@ from tensordict import (
     lazy_stack,
 )
 
-from zarr_rb.core.format import Kind, Schema
 from zarr_rb.errors import StoreCorruptedError, UnstackableError, UnsupportedDataError
+from zarr_rb.format.names import Kind
+from zarr_rb.format.schema import Schema
 from zarr_rb.torchrl import compat
 from zarr_rb.torchrl.entries import Entry, PyValues, RaggedRows, decode
 from zarr_rb.util.io import load_json

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from zarr_rb.core.dtypes import TORCH_DTYPES
-from zarr_rb.core.format import SCALAR_DTYPES, LeafSpec, Value
 from zarr_rb.errors import SchemaMismatchError, StoreCorruptedError, UnsupportedDataError
+from zarr_rb.format.schema import SCALAR_DTYPES, LeafSpec, Value
 
 Key = tuple[str, ...]
 

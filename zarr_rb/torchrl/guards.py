@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torchrl.data import find_start_stop_traj
 
-from zarr_rb.core.format import preview_rows
+from zarr_rb.format.messages import preview_rows
 from zarr_rb.torchrl import compat
 from zarr_rb.torchrl.store_backed import StoreBacked
 

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from zarr_rb.core.format import preview_rows
 from zarr_rb.errors import RowIndexError
+from zarr_rb.format.messages import preview_rows
 from zarr_rb.torchrl import compat
 
 

@@ -14,15 +14,10 @@ from typing import Any
 
 import torch
 
-from zarr_rb.core.format import (
-    Kind,
-    LeafSpec,
-    Schema,
-    check_new_keys,
-    parse_key,
-    stored_dtype,
-)
 from zarr_rb.errors import SchemaMismatchError, UnsupportedDataError
+from zarr_rb.format.dtypes import stored_dtype
+from zarr_rb.format.names import Kind, check_new_keys, parse_key
+from zarr_rb.format.schema import LeafSpec, Schema
 from zarr_rb.torchrl.columns import LazyColumn
 from zarr_rb.torchrl.data_kinds import (
     flatten,

@@ -15,8 +15,8 @@ from tensordict import NonTensorStack, TensorDict, TensorDictBase
 from torch.utils._pytree import tree_map
 
 from zarr_rb.core.dtypes import TORCH_DTYPES
-from zarr_rb.core.format import LeafSpec, Schema
 from zarr_rb.errors import NotSupportedError
+from zarr_rb.format.schema import LeafSpec, Schema
 from zarr_rb.torchrl import compat, data_kinds, index_forms, sharing
 from zarr_rb.torchrl.column_sources import LeafSource, RowsOnlySource
 from zarr_rb.torchrl.columns import LazyColumn

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from zarr_rb.core.index_key import INDEX_KEY, POSITION_MARK
 from zarr_rb.core.store import Store
 from zarr_rb.errors import RowsNotCommittedError
+from zarr_rb.format.index_key import INDEX_KEY, POSITION_MARK
 from zarr_rb.torchrl import index_forms
 
 Key = tuple[str, ...]
@@ -71,7 +71,7 @@ def append(
 def _positions_marked(leaves: dict[Key, torch.Tensor], rows: np.ndarray) -> dict[Key, torch.Tensor]:
     """``leaves`` (those of ``rows``) with an ``"index"`` entry that holds the rows it is
     written at (as TorchRL's TensorDict writers write it) replaced by marks: the commit
-    decides the positions, and readers put them in (see :mod:`zarr_rb.core.index_key`)."""
+    decides the positions, and readers put them in (see :mod:`zarr_rb.format.index_key`)."""
     value = leaves.get(INDEX_KEY)
     if value is None or value.dtype != torch.int64 or value.shape[:1] != (rows.size,):
         return leaves

@@ -21,11 +21,12 @@ import numpy as np
 import torch
 from torchrl.data.replay_buffers.storages import TensorStorage
 
-from zarr_rb.core.format import Saved, Schema
 from zarr_rb.core.layout import Compression
 from zarr_rb.core.metadata import capacity_of
 from zarr_rb.core.store import Store
 from zarr_rb.errors import ReadOnlyError
+from zarr_rb.format.record import Saved
+from zarr_rb.format.schema import Schema
 from zarr_rb.locations import LocalLocation
 from zarr_rb.torchrl import compat, data_kinds
 from zarr_rb.torchrl.gather_cache import GatherCache

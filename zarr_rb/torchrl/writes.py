@@ -16,10 +16,10 @@ import torch
 from tensordict import TensorDictBase
 
 from zarr_rb.core.dtypes import TORCH_DTYPES
-from zarr_rb.core.format import Schema
-from zarr_rb.core.index_key import INDEX_KEY, POSITION_MARK
 from zarr_rb.core.metadata import capacity_of
 from zarr_rb.errors import NotSupportedError, UnknownKeyError, UnsupportedDataError
+from zarr_rb.format.index_key import INDEX_KEY, POSITION_MARK
+from zarr_rb.format.schema import Schema
 from zarr_rb.torchrl import compat, data_kinds, index_forms, sharing
 from zarr_rb.torchrl.entries import ENTRY_KINDS
 from zarr_rb.torchrl.leaves import infer_schema, leaves_for_write, new_leaves
@@ -220,7 +220,7 @@ class StorageWrites(StoreBacked):
 
 def _refuse_marks(values: dict[Key, torch.Tensor], where: str) -> None:
     """Refuse an ``"index"`` entry holding the value that stands for a row's position in a
-    store of several writers (see :mod:`zarr_rb.core.index_key`): it would read back as the
+    store of several writers (see :mod:`zarr_rb.format.index_key`): it would read back as the
     position."""
     value = values.get(INDEX_KEY)
     if value is not None and value.dtype == torch.int64 and bool((value == POSITION_MARK).any()):

@@ -1,7 +1,7 @@
 """Where each position of a shared store lives on disk: row runs.
 
 The writers of a shared store append into slots of their own (``block_rows`` consecutive
-rows of the data arrays, see :mod:`zarr_rb.core.ring`) and learn the positions of their
+rows of the data arrays, see :mod:`zarr_rb.format.ring`) and learn the positions of their
 rows only when they commit them: the commit maps ``[cursor, cursor + n)`` to the rows just
 written. Writers interleave, so this map is row-granular: runs ``[first position, first
 physical row, rows]``, sorted by position, that never overlap. A position no run covers
@@ -11,7 +11,7 @@ In the commit record (``commit.runs``), the runs are one little-endian ``int64``
 shape ``[runs, 3]``, zlib-compressed and base64-encoded: what any reader decodes with the
 standard library and numpy alone. See ``docs/design/ring.md``, "Step 2". A map of more
 runs than that is kept in pieces of ``span`` positions, objects of their own that the
-record names (:mod:`zarr_rb.core.pieces`, "Step 3"); a map remembers the names of the
+record names (:mod:`zarr_rb.format.pieces`, "Step 3"); a map remembers the names of the
 pieces it was read from or stored as (:attr:`RunMap.names`), and a map derived from it
 keeps the names of the pieces it did not change.
 """
@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb.core.ring import invalid_metadata
 from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.format.ring import invalid_metadata
 
 _EMPTY = np.empty((0, 3), dtype=np.int64)
 
@@ -43,6 +43,7 @@ class RunMap:
     ``names``: the piece objects that hold pieces of this map as stored (piece ``k`` holds
     positions ``[k * span, (k + 1) * span)``): ``{k: (name, runs)}``. A memo of where the
     map is stored, filled when it is read from pieces or its pieces are written.
+    ``columns``: the runs as ``(starts, firsts, counts)``, in place of ``runs``.
     """
 
     __slots__ = ("_ends", "_held", "counts", "firsts", "names", "span", "starts")
@@ -53,9 +54,12 @@ class RunMap:
         *,
         span: int = 0,
         names: dict[int, tuple[str, int]] | None = None,
+        columns: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        runs = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
-        self._columns(runs[:, 0], runs[:, 1], runs[:, 2])
+        if columns is None:
+            runs = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
+            columns = (runs[:, 0], runs[:, 1], runs[:, 2])
+        self._columns(*columns)
         self.span = span or SPAN
         self.names: dict[int, tuple[str, int]] = {} if names is None else names
         self._held: np.ndarray | None = None
@@ -79,9 +83,7 @@ class RunMap:
         names: dict[int, tuple[str, int]] | None = None,
     ) -> RunMap:
         """The map of runs ``[starts, firsts, counts]`` (sorted, disjoint, merged)."""
-        out = cls(_EMPTY, span=span, names=names)
-        out._columns(starts, firsts, counts)
-        return out
+        return cls(_EMPTY, span=span, names=names, columns=(starts, firsts, counts))
 
     def _derived(self, runs: np.ndarray, changed: np.ndarray) -> RunMap:
         """A map of ``runs`` that differs from this one in the pieces ``changed`` only (it
@@ -334,7 +336,7 @@ def parse_run_map(value: object, *, rows: int) -> RunMap | None:
     if not isinstance(data, str):
         raise bad("'runs' data to be a base64 string")
     known = _KNOWN.get((count, data))
-    if known is not None and (not len(known) or int(known._ends[-1]) <= rows):
+    if known is not None and known.end <= rows:
         return known
     return _decoded(count, data, rows)
 
