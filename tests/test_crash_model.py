@@ -39,7 +39,7 @@ from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb.core import layout
+from zarr_rb.engine import layout
 from zarr_rb.engine import tensorstore as tensorstore_engine
 from zarr_rb.errors import (
     LiveBufferError,

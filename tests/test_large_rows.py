@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage
 
 from zarr_rb import Compression, UnsupportedDataError, ZarrStorage
-from zarr_rb.core.layout import MAX_CHUNK_ELEMENTS, choose_block_rows, leaf_layout
+from zarr_rb.engine.layout import MAX_CHUNK_ELEMENTS, choose_block_rows, leaf_layout
 from zarr_rb.format.schema import LeafSpec
 
 TARGET_BLOCK_BYTES = 32 * 2**20

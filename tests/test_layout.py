@@ -1,13 +1,10 @@
-"""The layout of the package holds: no import cycles above the engine, no import up the
+"""The layout of the package holds: no import cycle, no import up the
 layers, no module reaching into another object's private state, no torch and no I/O
 library in the pure records of ``format/``, and no file or class too long to read.
 
 The checks read the sources with ``ast`` (nothing is imported), so they see every import:
 those made only for type checking and those inside functions too. Each check is also
 run on a small bad example, to show that it fails where it should.
-
-:func:`informational_cycles` lists the cycles these tests do not hold yet (among the
-modules of ``core/`` and ``engine/``); ``python tests/test_layout.py`` prints them.
 """
 
 from __future__ import annotations
@@ -27,7 +24,8 @@ ROOT = "zarr_rb"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "util", "_version", "format"),
     ("locations",),
-    ("engine", "core"),
+    ("engine",),
+    ("core",),
     ("torchrl", "storage"),
     ("state",),
     ("interop", "convert", "api", "verify"),
@@ -39,12 +37,11 @@ is the package's ``__init__``, which names every public name; ``storage`` and ``
 are the old paths of ``ZarrStorage`` and of the dump conversions, kept as re-exports). A
 module imports from its own layer and the layers below it only. ``format/`` (the store's
 records, pure) is in the lowest layer: it imports nothing but :mod:`zarr_rb.errors`,
-:mod:`zarr_rb.util` and itself. ``engine/`` and ``core/`` are one layer while they still
-import each other; ``state/`` (one adapter per TorchRL component) is above ``torchrl/``
-since it saves and restores TorchRL's private state through ``torchrl/compat.py``."""
-
-NO_CYCLES = ("format", "torchrl", "interop", "testing", "analysis")
-"""Packages whose modules must not be in an import cycle (nor may the top-level modules)."""
+:mod:`zarr_rb.util` and itself. ``engine/`` (arrays, metadata, caches: TensorStore and
+zarr-python) is below ``core/`` (the store: positions, commits, reads), which names it
+through :class:`~zarr_rb.core.commits.StoreAPI` where a store's parts use the store;
+``state/`` (one adapter per TorchRL component) is above ``torchrl/`` since it saves and
+restores TorchRL's private state through ``torchrl/compat.py``."""
 
 NO_PRIVATE_ACCESS = (
     "format",
@@ -184,16 +181,6 @@ def _top(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def must_not_cycle(module: str) -> bool:
-    """Whether ``module`` is one of those no import cycle may pass through: the top-level
-    modules and the modules of :data:`NO_CYCLES`."""
-    top_level = module.count(".") <= 1 and _top(module) not in _PACKAGES
-    return top_level or _top(module) in NO_CYCLES
-
-
-_PACKAGES = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
-
-
 def layer(module: str) -> int:
     top = _top(module)
     for number, names in enumerate(LAYERS):
@@ -210,14 +197,6 @@ def upward_imports(graph: Mapping[str, Iterable[str]]) -> list[str]:
         for imported in sorted(graph[module])
         if layer(imported) > layer(module)
     ]
-
-
-def informational_cycles(graph: Mapping[str, Iterable[str]] | None = None) -> list[list[str]]:
-    """The import cycles the tests let pass for now: those that no module of
-    :func:`must_not_cycle` is part of (in ``core/`` and ``engine/``, which are being
-    separated)."""
-    graph = import_graph() if graph is None else graph
-    return [cycle for cycle in cycles(graph) if not any(map(must_not_cycle, cycle))]
 
 
 # --- private state of other objects ----------------------------------------------------
@@ -295,9 +274,9 @@ def _files_of(packages: Iterable[str]) -> list[Path]:
 # --- the tests -------------------------------------------------------------------------
 
 
-def test_no_import_cycle_passes_through_the_top_of_the_package() -> None:
-    held = [cycle for cycle in cycles(import_graph()) if any(map(must_not_cycle, cycle))]
-    assert not held, "import cycles: " + "; ".join(" <-> ".join(c) for c in held)
+def test_no_import_cycle() -> None:
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
 def test_no_module_imports_from_a_layer_above_its_own() -> None:
@@ -402,9 +381,6 @@ def test_a_cycle_is_found_even_through_a_type_checking_import(tmp_path: Path) ->
         ["zarr_rb.core.a", "zarr_rb.core.b"],
         ["zarr_rb.torchrl.guards", "zarr_rb.torchrl.storage"],
     ]
-    held = [cycle for cycle in cycles(graph) if any(map(must_not_cycle, cycle))]
-    assert held == [["zarr_rb.torchrl.guards", "zarr_rb.torchrl.storage"]]
-    assert informational_cycles(graph) == [["zarr_rb.core.a", "zarr_rb.core.b"]]
 
 
 def test_an_import_up_the_layers_is_found() -> None:
@@ -460,8 +436,3 @@ def test_long_files_and_classes_are_found() -> None:
     assert too_long(f"class Long:\n{body}") == [f"class Long: {MAX_CLASS_LINES + 1} lines"]
     lines = "x = 1\n" * (MAX_FILE_LINES + 1)
     assert too_long(lines) == [f"{MAX_FILE_LINES + 1} lines"]
-
-
-if __name__ == "__main__":
-    for cycle in informational_cycles():
-        print(" <-> ".join(cycle))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from zarr_rb.analysis import ReplayDataset, View, open
     from zarr_rb.api import Version, drop_version, load, save, versions
-    from zarr_rb.core.layout import Compression
+    from zarr_rb.engine.layout import Compression
     from zarr_rb.errors import (
         ChunkCorruptedError,
         EpisodeIndexError,
@@ -91,7 +91,7 @@ _ERRORS = (
 _HOMES: dict[str, str] = {
     **dict.fromkeys(_ERRORS, "zarr_rb.errors"),
     "FORMAT_VERSION": "zarr_rb.format.names",
-    "Compression": "zarr_rb.core.layout",
+    "Compression": "zarr_rb.engine.layout",
     "DamagedChunk": "zarr_rb.verify",
     "LazyColumn": "zarr_rb.torchrl.columns",
     "PickleNotAllowedError": "zarr_rb.state",

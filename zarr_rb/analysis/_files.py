@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from zarr_rb.analysis._keys import Key, shown
-from zarr_rb.core.pieces import FilePieces
+from zarr_rb.engine.forked import FilePieces
 from zarr_rb.errors import (
     NoEpisodeFlagsError,
     NotAStoreError,

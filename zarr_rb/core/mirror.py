@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from zarr_rb.core.layout import row_nbytes
 from zarr_rb.core.write_cache import Key
+from zarr_rb.engine.layout import row_nbytes
 from zarr_rb.engine.rows import is_run
 from zarr_rb.format.schema import LeafSpec
 

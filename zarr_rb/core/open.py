@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from zarr_rb.core.history import as_history
-from zarr_rb.core.layout import Compression
 from zarr_rb.core.metadata import check_is_store, check_meta, parse_meta, parse_record, read_root
 from zarr_rb.core.sharing import Sharing, new_writer_id
 from zarr_rb.core.store import Store
 from zarr_rb.engine import Engine
+from zarr_rb.engine.layout import Compression
 from zarr_rb.errors import (
     LockedError,
     NotAStoreError,

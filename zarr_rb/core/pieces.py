@@ -1,34 +1,17 @@
 """Large run maps kept in pieces, as objects: the writing of pieces (each under a new name,
-written once) and the reading of a local store's pieces as files. The pieces' form in the
-record, and the reading of a map back from them, is :mod:`zarr_rb.format.pieces`.
+written once). The pieces' form in the record, and the reading of a map back from them, is
+:mod:`zarr_rb.format.pieces`; a local store's pieces read as files,
+:class:`zarr_rb.engine.forked.FilePieces`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 from zarr_rb.format import runs as _runs
 from zarr_rb.format.pieces import MAPS_GROUP, encode_piece
 from zarr_rb.format.runs import RunMap
-
-
-class FilePieces:
-    """The pieces of the store at ``root`` on a local disk, read as files (by readers that
-    read the store's files without its location)."""
-
-    def __init__(self, root: Path) -> None:
-        self._root = root
-
-    def read(self, key: str) -> bytes | None:
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            return (self._root / key).read_bytes()
-        return None
-
-    def identity(self) -> tuple[str, ...]:
-        return ("files", str(self._root))
 
 
 def store_pieces(maps: Iterable[RunMap | None], write: Callable[[str, bytes], object]) -> list[str]:

@@ -17,13 +17,13 @@ from zarr_rb.format.messages import preview_rows
 from zarr_rb.format.schema import Schema, leaves_by_key
 
 if TYPE_CHECKING:
-    from zarr_rb.core.store import Store
+    from zarr_rb.core.commits import StoreAPI
 
 Key = tuple[str, ...]
 _READ_RETRIES = 20
 
 
-def reread_commit(store: Store) -> Commit:
+def reread_commit(store: StoreAPI) -> Commit:
     """Re-read the commit record: which rows may be read now, and the keys the writer
     added. The length and cursor the store shows stay (they move on ``Store.refresh``)."""
     where = f"store {store.url!r}"
@@ -81,7 +81,7 @@ def reread_commit(store: Store) -> Commit:
 
 
 def read_committed(
-    store: Store, rows: np.ndarray, keys: list[Key], *, unreadable_as_zeros: bool
+    store: StoreAPI, rows: np.ndarray, keys: list[Key], *, unreadable_as_zeros: bool
 ) -> dict[Key, torch.Tensor]:
     """Rows of a read-only store as the last commit has them, never torn: the commit is
     re-read after the read, and the read retried if it moved meanwhile (a seqlock)."""

@@ -60,7 +60,7 @@ from zarr_rb.format.runs import RunMap
 from zarr_rb.format.schema import LeafSpec, Schema
 
 if TYPE_CHECKING:
-    from zarr_rb.core.store import Store
+    from zarr_rb.core.commits import StoreAPI
 
 _R = TypeVar("_R")
 _SHARED_WRITE_ATTEMPTS = 50
@@ -78,7 +78,7 @@ class Sharing(SharingSaves):
 
     shared = True
 
-    def __init__(self, store: Store, writer: str) -> None:
+    def __init__(self, store: StoreAPI, writer: str) -> None:
         super().__init__(store, store.meta, length=store.length, cursor=store.cursor)
         self.committed = store.committed
         self.writer = writer
@@ -91,7 +91,7 @@ class Sharing(SharingSaves):
         """:attr:`Engine.arrays_replaced` as of this writer's last new era token."""
 
     @classmethod
-    def start(cls, store: Store, writer: str) -> Sharing:
+    def start(cls, store: StoreAPI, writer: str) -> Sharing:
         """Write ``store`` as one of its shared writers, named ``writer`` (its hold is
         taken already); a store of one writer, or shared under format 2, takes runs."""
         check_shareable(store)
@@ -435,7 +435,7 @@ def _to_runs(meta: StoreMeta, *, late_writes: bool) -> StoreMeta | None:
     return dataclasses.replace(meta, commit=commit, format=FORMAT_VERSION)
 
 
-def check_shareable(store: Store) -> None:
+def check_shareable(store: StoreAPI) -> None:
     """A store written by one writer can take more only if no object on disk holds rows
     of two blocks (stores of zarr_rb 0.x before shared writers could have such chunks)."""
     if store.schema is None:

@@ -45,7 +45,7 @@ from zarr_rb.format.runs import RunMap
 from zarr_rb.format.schema import LeafSpec, Schema, leaves_by_key
 
 if TYPE_CHECKING:
-    from zarr_rb.core.store import Store
+    from zarr_rb.core.commits import StoreAPI
 
 _R = TypeVar("_R")
 
@@ -53,7 +53,7 @@ _R = TypeVar("_R")
 class SoloCommits(SoloWrites):
     """The positions and commits of a store of one writer (see the module's docstring)."""
 
-    def __init__(self, store: Store, meta: StoreMeta, *, late_writes: bool) -> None:
+    def __init__(self, store: StoreAPI, meta: StoreMeta, *, late_writes: bool) -> None:
         per_row = store.elements_per_row(meta.schema)
         super().__init__(
             store, meta, length=meta.commit.length * per_row, cursor=meta.commit.cursor

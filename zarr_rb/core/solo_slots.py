@@ -23,13 +23,13 @@ from zarr_rb.format.record import Saved, StoreMeta
 from zarr_rb.format.ring import SPARE_FACTOR, SlotMap, max_slots
 
 if TYPE_CHECKING:
-    from zarr_rb.core.store import Store
+    from zarr_rb.core.commits import StoreAPI
 
 
 class SoloSlots(Commits):
     """The slots of a store of one writer (see the module's docstring)."""
 
-    def _init_slots(self, store: Store, meta: StoreMeta, *, late_writes: bool) -> None:
+    def _init_slots(self, store: StoreAPI, meta: StoreMeta, *, late_writes: bool) -> None:
         self._avoided_saves: set[int] = set()
         """State groups this writer never saves into: those writers that held the store
         before it may still write late (a lease lost while saving), as the record this one

@@ -15,15 +15,12 @@ import torch
 
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.solo_slots import SoloSlots
-from zarr_rb.core.write_cache import Block, Key
+from zarr_rb.core.write_cache import Block, Key, Write
 
 _MAX_STAGED_BLOCKS = 8
 STAGED_RAGGED_BYTES = 128 * 2**20
 """A block of rows of different lengths waits in RAM padded to its longest row; rows so
 long that their block would take more than this are written at once instead."""
-
-Write = tuple[np.ndarray, Mapping[Key, torch.Tensor]]
-"""Rows (sorted, unique) and the values of some or all leaves for them."""
 
 
 class SoloWrites(SoloSlots):

@@ -33,16 +33,15 @@ import torch
 
 from zarr_rb.core.commits import Commits
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy, to_numpy
-from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.mirror import Mirror, put_rows, zeros
 from zarr_rb.core.pieces import store_pieces
 from zarr_rb.core.reader import read_committed
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.solo import SoloCommits
-from zarr_rb.core.solo_writes import Write
-from zarr_rb.core.write_cache import Key, WriteBuffer
+from zarr_rb.core.write_cache import Key, Write, WriteBuffer
 from zarr_rb.engine import Engine, RowArray, once
+from zarr_rb.engine.layout import Compression, choose_block_rows, leaf_layout
 from zarr_rb.errors import (
     FencedError,
     LiveBufferError,

@@ -15,6 +15,8 @@ import numpy as np
 import torch
 
 Key = tuple[str, ...]
+Write = tuple[np.ndarray, Mapping[Key, torch.Tensor]]
+"""Rows (sorted and unique) and the values of some leaves to write there."""
 
 
 @dataclasses.dataclass(slots=True)

@@ -9,6 +9,7 @@ seqlock of :mod:`zarr_rb.core.reader`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Sequence
@@ -17,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb.core.pieces import FilePieces
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
 from zarr_rb.format.commit import Commit
 from zarr_rb.format.index_key import INDEX_KEY, put_positions
@@ -26,6 +26,22 @@ from zarr_rb.format.record import parse_current_record
 from zarr_rb.format.schema import LeafSpec
 
 _RETRIES = 20
+
+
+class FilePieces:
+    """The pieces of the store at ``root`` on a local disk, read as files (by readers that
+    read the store's files without its location)."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+
+    def read(self, key: str) -> bytes | None:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            return (self._root / key).read_bytes()
+        return None
+
+    def identity(self) -> tuple[str, ...]:
+        return ("files", str(self._root))
 
 
 class ForkedReader:

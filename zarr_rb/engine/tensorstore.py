@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from zarr_rb.core.layout import MAX_CHUNK_ELEMENTS, Compression, LeafLayout
 from zarr_rb.engine.cache import EncodedCache
+from zarr_rb.engine.layout import MAX_CHUNK_ELEMENTS, Compression, LeafLayout
 from zarr_rb.engine.rows import RowArray, as_bits, short_reason
 from zarr_rb.errors import (
     ChunkCorruptedError,

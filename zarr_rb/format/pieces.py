@@ -11,7 +11,8 @@ pieces: ``{"runs": n, "span": span, "pieces": [[k, name, runs], ...]}``. See
 
 Here: the record's form of the pieces, and a map read back from the pieces a record names
 through the :class:`PieceSource` its caller gives (the store's location). Writing pieces,
-and reading them as files, is :mod:`zarr_rb.core.pieces`.
+and reading them as files, :mod:`zarr_rb.core.pieces` and
+:class:`zarr_rb.engine.forked.FilePieces`.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class CrashWorkload:
     def buffer(self, path: Path | str, storage_options: dict[str, Any] | None = None) -> Any:
         from torchrl.data import TensorDictPrioritizedReplayBuffer
 
-        from zarr_rb.core.layout import Compression
+        from zarr_rb.engine.layout import Compression
         from zarr_rb.torchrl.storage import ZarrStorage
 
         storage = ZarrStorage(

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from zarr_rb.core.layout import Compression
 from zarr_rb.core.metadata import capacity_of
 from zarr_rb.core.open import Mode, one_path, open_store, resolve_mode
+from zarr_rb.engine.layout import Compression
 from zarr_rb.errors import LockedError, MixedWritersError, StoreNotFoundError
 from zarr_rb.locations import LocalLocation
 from zarr_rb.torchrl import compat, dataloader, sharing

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torchrl.data.replay_buffers.storages import TensorStorage
 
-from zarr_rb.core.layout import Compression
 from zarr_rb.core.metadata import capacity_of
 from zarr_rb.core.store import Store
+from zarr_rb.engine.layout import Compression
 from zarr_rb.errors import ReadOnlyError
 from zarr_rb.format.record import Saved
 from zarr_rb.format.schema import Schema
