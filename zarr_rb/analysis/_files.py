@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb.analysis._keys import Key, shown
+from zarr_rb.analysis._keys import shown
 from zarr_rb.core.format import (
     ATTRS_KEY,
     LeafSpec,
@@ -35,6 +35,7 @@ from zarr_rb.errors import (
     StoreNotFoundError,
 )
 from zarr_rb.util.io import load_json
+from zarr_rb.util.keys import Key
 
 ROOT_METADATA = "zarr.json"
 # The writer lock files of zarr_rb.locations.lock, which imports TensorStore on the way

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from zarr_rb.analysis._keys import TENSOR_KEY, Key, KeyLike, public_key, shown
+from zarr_rb.analysis._keys import TENSOR_KEY, KeyLike, public_key, shown
 from zarr_rb.analysis.episodes import Episodes, find_episodes, find_keys
 from zarr_rb.core.dtypes import TORCH_DTYPES, numpy_dtype, to_numpy
 from zarr_rb.core.format import LeafSpec, Schema, mask_to_ranges
@@ -23,6 +23,7 @@ from zarr_rb.errors import UnknownKeyError
 from zarr_rb.locations import StoreURL
 from zarr_rb.torchrl import compat, data_kinds, index_forms
 from zarr_rb.torchrl.storage import ZarrStorage
+from zarr_rb.util.keys import Key
 
 if TYPE_CHECKING:
     import xarray

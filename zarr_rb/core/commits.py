@@ -31,7 +31,7 @@ from zarr_rb.core.runs import RunMap
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store
-    from zarr_rb.core.write_cache import Key
+    from zarr_rb.util.keys import Key
 
 _R = TypeVar("_R")
 

@@ -13,11 +13,11 @@ import torch
 from zarr_rb.core.format import Commit, Schema, leaves_by_key, preview_rows
 from zarr_rb.core.metadata import check_is_store, parse_record, read_root
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError, VersionNotFoundError
+from zarr_rb.util.keys import Key
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store
 
-Key = tuple[str, ...]
 _READ_RETRIES = 20
 
 

@@ -58,12 +58,12 @@ from zarr_rb.core.index_key import INDEX_KEY, put_positions
 from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing_saves import SharingSaves
 from zarr_rb.core.sharing_slots import runs_of
-from zarr_rb.core.write_cache import Key
 from zarr_rb.errors import (
     LockedError,
     NotSupportedError,
     SchemaMismatchError,
 )
+from zarr_rb.util.keys import Key
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store

@@ -17,8 +17,8 @@ import numpy as np
 from zarr_rb.core.commits import Commits
 from zarr_rb.core.format import RECENT_TAKES, Commit, Ring, Saved, StoreMeta, max_ring_capacity
 from zarr_rb.core.runs import RunMap
-from zarr_rb.core.write_cache import Key
 from zarr_rb.errors import FencedError, SlotsExhaustedError
+from zarr_rb.util.keys import Key
 
 COLLECT_BATCH = 256
 """Free slots a collection holds (as open slots of its own) per record it publishes."""

@@ -51,8 +51,8 @@ from zarr_rb.core.reader import reread_commit
 from zarr_rb.core.ring import SlotMap
 from zarr_rb.core.runs import RunMap
 from zarr_rb.core.solo_writes import SoloWrites, block_write, without_cells
-from zarr_rb.core.write_cache import Key
 from zarr_rb.errors import NotSupportedError
+from zarr_rb.util.keys import Key
 
 if TYPE_CHECKING:
     from zarr_rb.core.store import Store

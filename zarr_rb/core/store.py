@@ -56,7 +56,7 @@ from zarr_rb.core.runs import RunMap
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.solo import SoloCommits
 from zarr_rb.core.solo_writes import Write
-from zarr_rb.core.write_cache import Key, WriteBuffer
+from zarr_rb.core.write_cache import WriteBuffer
 from zarr_rb.engine import Engine, RowArray, once
 from zarr_rb.engine.rows import is_run
 from zarr_rb.errors import (
@@ -73,6 +73,7 @@ from zarr_rb.errors import (
 from zarr_rb.locations import LocalLocation, Location
 from zarr_rb.locations.base import ROOT_METADATA, WriterHold
 from zarr_rb.util.io import errno_of
+from zarr_rb.util.keys import Key
 
 ARRAYS_WAIT_SECONDS = 10.0
 """How long a store that just got its schema from another writer waits for its arrays."""

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
-Key = tuple[str, ...]
+from zarr_rb.util.keys import Key
 
 
 @dataclasses.dataclass(slots=True)

@@ -36,8 +36,7 @@ from zarr_rb.errors import StoreCorruptedError, UnstackableError, UnsupportedDat
 from zarr_rb.torchrl import compat
 from zarr_rb.torchrl.entries import Entry, PyValues, RaggedRows, decode
 from zarr_rb.util.io import load_json
-
-Key = tuple[str, ...]
+from zarr_rb.util.keys import Key
 
 
 def kind_of(data: Any) -> Kind:
