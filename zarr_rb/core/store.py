@@ -72,7 +72,7 @@ from zarr_rb.errors import (
 )
 from zarr_rb.locations import LocalLocation, Location
 from zarr_rb.locations.base import ROOT_METADATA, WriterHold
-from zarr_rb.util.io import errno_of
+from zarr_rb.util.io import errno_of, short_reason
 from zarr_rb.util.keys import Key
 
 ARRAYS_WAIT_SECONDS = 10.0
@@ -752,7 +752,7 @@ class Store:
         except (OSError, ValueError) as err:
             if isinstance(err, ZarrRBError):
                 raise
-            reason = str(err).split(" [source locations=")[0]
+            reason = short_reason(err)
             raise StoreWriteError(
                 errno_of(err),
                 f"store {self.url!r}: {what} failed ({reason}). The store "
@@ -921,7 +921,7 @@ class Store:
         except OSError as err:
             if isinstance(err, ZarrRBError):
                 raise
-            reason = str(err).split(" [source locations=")[0]
+            reason = short_reason(err)
             raise StoreWriteError(
                 errno_of(err),
                 f"store {self.url!r} could not be made ({reason}); nothing was written. Free "

@@ -1,4 +1,5 @@
-"""Watching a store's I/O, and small helpers for it (fsync, bounded JSON parsing).
+"""Watching a store's I/O, and small helpers for it (fsync, the error number and the short
+message of a TensorStore error, bounded JSON parsing).
 
 Every change the engine makes to a store is announced here before it happens:
 ``"write"`` (rows, a chunk, a metadata file), ``"remove"`` (a leftover
@@ -60,6 +61,11 @@ def errno_of(err: BaseException) -> int | None:
 
 
 _OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'|OS error (\d+)")
+
+
+def short_reason(err: BaseException) -> str:
+    """TensorStore's error message without the source locations it appends."""
+    return str(err).split(" [source locations=")[0]
 
 
 MAX_JSON_DEPTH = 64
