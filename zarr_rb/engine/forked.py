@@ -9,7 +9,6 @@ seqlock of :mod:`zarr_rb.core.reader`).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from zarr_rb.core.format import Commit, LeafSpec, parse_current_record, preview_
 from zarr_rb.core.index_key import INDEX_KEY, put_positions
 from zarr_rb.core.pieces import FilePieces
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
+from zarr_rb.util.io import load_json
 
 _RETRIES = 20
 
@@ -47,7 +47,7 @@ class ForkedReader:
 
     def _commit(self) -> Commit:
         def read() -> dict[str, Any]:
-            document: dict[str, Any] = json.loads((self._root / "zarr.json").read_bytes())
+            document: dict[str, Any] = load_json((self._root / "zarr.json").read_bytes())
             return document
 
         try:

@@ -88,3 +88,23 @@ def load_json(raw: bytes) -> Any:
         if steps.size and int(np.cumsum(steps).max()) > MAX_JSON_DEPTH:
             raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     return json.loads(raw.decode("utf-8"))
+
+
+def json_object(raw: bytes | None) -> dict[str, Any]:
+    """The JSON object in ``raw`` (a writer's lock or lease record), or ``{}``: nothing,
+    not valid JSON, nested too deep, or not an object."""
+    try:
+        value = load_json(raw or b"{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def read_json_object(fd: int, size: int = 4096) -> dict[str, Any]:
+    """:func:`json_object` of the first ``size`` bytes of the open file ``fd`` (``{}``:
+    it cannot be read)."""
+    try:
+        raw = os.pread(fd, size, 0)
+    except OSError:
+        return {}
+    return json_object(raw)
