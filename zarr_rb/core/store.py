@@ -47,7 +47,7 @@ from zarr_rb.core.format import (
     preview_rows,
 )
 from zarr_rb.core.index_key import INDEX_KEY, put_positions
-from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, row_nbytes
+from zarr_rb.core.layout import Compression, choose_block_rows, leaf_layout, leaf_row_nbytes
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.pieces import MAPS_GROUP, is_piece_key, piece_keys, store_pieces
 from zarr_rb.core.reader import read_committed
@@ -339,7 +339,7 @@ class Store:
         schema = self.schema
         assert schema is not None
         fixed = [leaf for leaf in schema.leaves if not leaf.ragged]
-        sizes = {leaf.key: row_nbytes(leaf, schema.batch_shape) for leaf in fixed}
+        sizes = {leaf.key: leaf_row_nbytes(leaf, schema.batch_shape) for leaf in fixed}
         small = [key for key, size in sizes.items() if size < self.compression.large_row_bytes]
         self._small_leaves = frozenset(small)
         self._mirror_choices = tuple(

@@ -50,7 +50,7 @@ from zarr_rb.torchrl.checkpointer import (
     open_torchrl_dump,
     read_dump_json,
 )
-from zarr_rb.torchrl.data_kinds import row_nbytes
+from zarr_rb.torchrl.data_kinds import nbytes_per_row
 from zarr_rb.torchrl.storage import ZarrStorage
 from zarr_rb.util.progress import copy_in_blocks
 
@@ -353,7 +353,7 @@ class _StreamingCheckpointer(ZarrStorageCheckpointer):
             read,
             write,
             rows=rows,
-            row_nbytes=row_nbytes(source),
+            row_nbytes=nbytes_per_row(source),
             block_bytes=resolve_block_bytes(self.block_bytes),
             progress=self.progress,
             desc="import rows",
