@@ -4,12 +4,11 @@ loop after a fork.
 
 Only what the last commit declares readable is read, and never a torn transition: the
 commit record is read before and after the rows, and the read repeated if it moved (the
-seqlock of :mod:`zarr_rb.core.reader`).
+seqlock of :mod:`zarr_rb.util.seqlock`, as :mod:`zarr_rb.core.reader` reads).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from zarr_rb.core.index_key import INDEX_KEY, put_positions
 from zarr_rb.core.pieces import FilePieces
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
 from zarr_rb.util.io import load_json
+from zarr_rb.util.seqlock import seqlock_read
 
 _RETRIES = 20
 
@@ -62,8 +62,8 @@ class ForkedReader:
         """``rows`` (any order, repeats allowed) of every leaf, as the last commit has them, in
         their stored dtypes (bfloat16 as its uint16 bits)."""
         unique, inverse = np.unique(rows, return_inverse=True)
-        for attempt in range(_RETRIES):
-            commit = self._commit()
+
+        def read(commit: Commit) -> dict[tuple[str, ...], np.ndarray]:
             readable = commit.readable(unique)
             if not readable.all():
                 raise RowsNotCommittedError(
@@ -80,9 +80,14 @@ class ForkedReader:
             out = {key: np.asarray(a.oindex[physical])[inverse] for key, a in self._arrays.items()}
             if INDEX_KEY in out:
                 out[INDEX_KEY] = put_positions(out[INDEX_KEY], rows)
-            if self._commit().generation == commit.generation:
-                return out
-            time.sleep(0.001 * (attempt + 1))
-        raise RowsNotCommittedError(
-            f"{self._where}: rows kept changing while being read ({_RETRIES} attempts)"
+            return out
+
+        return seqlock_read(
+            self._commit,
+            read,
+            lambda commit, _whole: self._commit().generation == commit.generation,
+            attempts=_RETRIES,
+            gave_up=lambda _: RowsNotCommittedError(
+                f"{self._where}: rows kept changing while being read ({_RETRIES} attempts)"
+            ),
         )
