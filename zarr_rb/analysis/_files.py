@@ -10,7 +10,6 @@ dump, a file), said with what to do.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb.analysis._keys import Key, shown
+from zarr_rb.analysis._keys import shown
 from zarr_rb.engine.forked import FilePieces
 from zarr_rb.errors import (
     NoEpisodeFlagsError,
@@ -30,7 +29,8 @@ from zarr_rb.errors import (
 from zarr_rb.format.names import ATTRS_KEY
 from zarr_rb.format.record import StoreMeta, parse_current_record
 from zarr_rb.format.schema import LeafSpec, leaves_by_key
-from zarr_rb.util.io import load_json
+from zarr_rb.util.io import load_json, read_json_object
+from zarr_rb.util.keys import Key
 
 ROOT_METADATA = "zarr.json"
 # The writer lock files of zarr_rb.locations.lock, which imports TensorStore on the way
@@ -83,7 +83,7 @@ class LocalFiles:
                 continue
             try:
                 inode = os.fstat(fd).st_ino
-                holder = _read_holder(fd)
+                holder = read_json_object(fd)
             finally:
                 os.close(fd)
             exclusive = held.get(inode) if held is not None else "WRITE"
@@ -264,11 +264,3 @@ def _flocked_inodes() -> dict[int, str] | None:
                 inode = int(fields[5].rsplit(":", 1)[1])
                 out[inode] = "WRITE" if out.get(inode) == "WRITE" else fields[3]
     return out
-
-
-def _read_holder(fd: int) -> dict[str, Any]:
-    try:
-        value = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}

@@ -3,8 +3,9 @@ as messages show them, and as the command line takes them (``next.reward``)."""
 
 from __future__ import annotations
 
-Key = tuple[str, ...]
-KeyLike = str | tuple[str, ...]
+from zarr_rb.util.keys import Key
+
+KeyLike = str | Key
 
 TENSOR_KEY = "tensor"
 """The name of the one leaf of a store of bare tensors (whose key is ``()``)."""

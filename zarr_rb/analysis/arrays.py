@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from zarr_rb.analysis._keys import Key, KeyLike, dotted, public_key
+from zarr_rb.analysis._keys import KeyLike, dotted, public_key
 from zarr_rb.analysis.rows import StoredRows
 from zarr_rb.core.dtypes import numpy_dtype
 from zarr_rb.engine.layout import dimension_names
 from zarr_rb.torchrl.data_kinds import key_tuple
+from zarr_rb.util.keys import Key
 from zarr_rb.util.optional import require
 
 if TYPE_CHECKING:

@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from zarr_rb.analysis._keys import Key, shown
+from zarr_rb.analysis._keys import shown
 from zarr_rb.errors import EpisodeIndexError, NoEpisodeFlagsError, UnknownKeyError
+from zarr_rb.util.keys import Key
 
 TRAJ_KEYS: tuple[Key, ...] = (("collector", "traj_ids"), ("episode",))
 DONE_KEYS: tuple[Key, ...] = (("next", "done"), ("done",))

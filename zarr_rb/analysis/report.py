@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from zarr_rb.analysis._keys import Key, dotted, public_key
+from zarr_rb.analysis._keys import dotted, public_key
 from zarr_rb.analysis.episodes import Episodes, find_episodes, find_keys
 from zarr_rb.errors import NoEpisodeFlagsError, StoreCorruptedError
 from zarr_rb.format.commit import Commit, mask_to_ranges
 from zarr_rb.format.names import FORMAT_VERSION, STATE_GROUP
 from zarr_rb.format.record import StoreMeta
 from zarr_rb.util.io import load_json
+from zarr_rb.util.keys import Key
 
 if TYPE_CHECKING:
     from zarr_rb.analysis.view import View

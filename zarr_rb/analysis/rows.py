@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from zarr_rb.analysis._keys import TENSOR_KEY, Key, KeyLike, public_key, shown
+from zarr_rb.analysis._keys import TENSOR_KEY, KeyLike, public_key, shown
 from zarr_rb.core.dtypes import TORCH_DTYPES, numpy_dtype, to_numpy
 from zarr_rb.errors import UnknownKeyError
 from zarr_rb.format.commit import mask_to_ranges
@@ -24,6 +24,7 @@ from zarr_rb.format.schema import LeafSpec, Schema
 from zarr_rb.locations import StoreURL
 from zarr_rb.torchrl import compat, data_kinds, index_forms
 from zarr_rb.torchrl.storage import ZarrStorage
+from zarr_rb.util.keys import Key
 
 _KINDS = {"tensor": "tensor", "ragged": "ragged"}
 _Self = TypeVar("_Self", bound="StoredRows")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tensordict import TensorDict
 
-from zarr_rb.analysis._keys import Key, KeyLike, public_key
+from zarr_rb.analysis._keys import KeyLike, public_key
 from zarr_rb.analysis.arrays import to_dask, to_xarray
 from zarr_rb.analysis.dataset import ReplayDataset
 from zarr_rb.analysis.episodes import Episodes, find_episodes, find_keys
@@ -23,6 +23,7 @@ from zarr_rb.analysis.rows import Column, StoredRows
 from zarr_rb.locations import StoreURL
 from zarr_rb.torchrl import data_kinds
 from zarr_rb.torchrl.storage import ZarrStorage
+from zarr_rb.util.keys import Key
 
 if TYPE_CHECKING:
     import xarray

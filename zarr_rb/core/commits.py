@@ -34,8 +34,9 @@ from zarr_rb.format.schema import LeafSpec, Schema
 
 if TYPE_CHECKING:
     from zarr_rb.core.ledger import Ledger
-    from zarr_rb.core.write_cache import Key, Write, WriteBuffer
+    from zarr_rb.core.write_cache import Write, WriteBuffer
     from zarr_rb.engine import Engine, RowArray
+    from zarr_rb.util.keys import Key
 
 _R = TypeVar("_R")
 

@@ -26,7 +26,7 @@ from collections.abc import Collection, Iterable
 
 import numpy as np
 
-Key = tuple[str, ...]
+from zarr_rb.util.keys import Key
 
 
 class Ledger:

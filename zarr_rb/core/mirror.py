@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from zarr_rb.core.write_cache import Key
-from zarr_rb.engine.layout import row_nbytes
+from zarr_rb.engine.layout import leaf_row_nbytes
 from zarr_rb.engine.rows import is_run
 from zarr_rb.format.schema import LeafSpec
+from zarr_rb.util.keys import Key
 
 MIRROR_LIMIT_BYTES = 256 * 2**20
 """Small leaves (actions, rewards, flags, trajectory ids) are mirrored in RAM by the writer
@@ -71,7 +71,7 @@ class Mirror:
         """Choose the leaves to mirror among a schema's ``leaves``."""
         self._rows = batch_shape[0]
         fixed = [leaf for leaf in leaves if not leaf.ragged]
-        sizes = {leaf.key: row_nbytes(leaf, batch_shape) for leaf in fixed}
+        sizes = {leaf.key: leaf_row_nbytes(leaf, batch_shape) for leaf in fixed}
         small = [key for key, size in sizes.items() if size < self._large_row_bytes]
         self._small = frozenset(small)
         self._choices = tuple(

@@ -4,7 +4,6 @@ transition (a seqlock on the commit record), and the commits it picks up."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -15,11 +14,12 @@ from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError, VersionNo
 from zarr_rb.format.commit import Commit
 from zarr_rb.format.messages import preview_rows
 from zarr_rb.format.schema import Schema, leaves_by_key
+from zarr_rb.util.keys import Key
+from zarr_rb.util.seqlock import seqlock_read
 
 if TYPE_CHECKING:
     from zarr_rb.core.commits import StoreAPI
 
-Key = tuple[str, ...]
 _READ_RETRIES = 20
 
 
@@ -85,41 +85,51 @@ def read_committed(
 ) -> dict[Key, torch.Tensor]:
     """Rows of a read-only store as the last commit has them, never torn: the commit is
     re-read after the read, and the read retried if it moved meanwhile (a seqlock)."""
-    last_error: Exception | None = None
-    for attempt in range(_READ_RETRIES):
-        commit = store.committed
-        assert store.ledger is not None
-        published = store.ledger.published_rows(rows)
+    ledger = store.ledger
+    assert ledger is not None
+
+    def begin() -> tuple[Commit, np.ndarray]:
+        return store.committed, ledger.published_rows(rows)
+
+    def read(before: tuple[Commit, np.ndarray]) -> dict[Key, torch.Tensor]:
+        commit, published = before
         if not published.all() and not unreadable_as_zeros:
             raise RowsNotCommittedError(
                 f"store {store.url!r}: rows {preview_rows(rows[~published])} "
                 f"are not readable in commit {commit.generation} (length {commit.length}, "
                 f"holes {list(commit.holes)}); call refresh() to pick up newer commits",
             )
-        try:
-            out = store.read_disk_all(dict.fromkeys(keys, rows[published]))
-            if not published.all():
-                out = {key: _spread(value, published) for key, value in out.items()}
-        except ValueError as err:  # damaged, or a shard replaced while it was read
-            out, last_error = None, err
+        out = store.read_disk_all(dict.fromkeys(keys, rows[published]))
+        if not published.all():
+            out = {key: _spread(value, published) for key, value in out.items()}
+        return out
+
+    def stands(before: tuple[Commit, np.ndarray], whole: bool) -> bool:
+        commit, published = before
         now = reread_commit(store)
-        # Shared writers commit at every extend: rows that no commit since moved, in
-        # slots no writer took since, were read whole all the same.
-        unchanged = now.generation == commit.generation or commit.reads_alike(
-            now, rows[published], store.meta.block_rows or 1
-        )
-        if (store.pinned is not None or store.history) and out is not None:
+        if whole and (store.pinned is not None or store.history):
             # A save's rows are never written while a record names it (re-read above:
             # it raises if none does any longer): a writer moving on changes nothing.
-            return out
-        if unchanged and out is not None:
-            return out
-        if unchanged and isinstance(last_error, StoreCorruptedError):
-            raise last_error
-        time.sleep(0.001 * (attempt + 1))
-    raise RowsNotCommittedError(
-        f"store {store.url!r}: rows kept changing while being read "
-        f"({_READ_RETRIES} attempts; last error: {last_error})",
+            return True
+        # Shared writers commit at every extend: rows that no commit since moved, in
+        # slots no writer took since, were read whole all the same.
+        return now.generation == commit.generation or commit.reads_alike(
+            now, rows[published], store.meta.block_rows or 1
+        )
+
+    return seqlock_read(
+        begin,
+        read,
+        stands,
+        attempts=_READ_RETRIES,
+        # A store damaged, or a shard replaced while it was read (damaged for good when
+        # the commit stands).
+        retried=(ValueError,),
+        lasting=(StoreCorruptedError,),
+        gave_up=lambda last_error: RowsNotCommittedError(
+            f"store {store.url!r}: rows kept changing while being read "
+            f"({_READ_RETRIES} attempts; last error: {last_error})",
+        ),
     )
 
 

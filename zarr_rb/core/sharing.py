@@ -45,7 +45,6 @@ import torch
 from zarr_rb.core import sharing_slots
 from zarr_rb.core.sharing_saves import SharingSaves
 from zarr_rb.core.sharing_slots import runs_of
-from zarr_rb.core.write_cache import Key
 from zarr_rb.errors import (
     LockedError,
     NotSupportedError,
@@ -58,6 +57,7 @@ from zarr_rb.format.names import FORMAT_VERSION
 from zarr_rb.format.record import StoreMeta
 from zarr_rb.format.runs import RunMap
 from zarr_rb.format.schema import LeafSpec, Schema
+from zarr_rb.util.keys import Key
 
 if TYPE_CHECKING:
     from zarr_rb.core.commits import StoreAPI

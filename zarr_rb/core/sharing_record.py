@@ -26,6 +26,7 @@ from zarr_rb.format.names import ATTRS_KEY
 from zarr_rb.format.record import StoreMeta
 from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.runs import RunMap
+from zarr_rb.util.seqlock import seqlock_read
 
 _R = TypeVar("_R")
 Edit = Callable[[StoreMeta], StoreMeta | None]
@@ -212,25 +213,27 @@ class SharingRecord(SharingSlots):
         rows were read from (a seqlock on the record). A read that meets an object gone
         is tried again too when the record moved meanwhile: a collection emptied a slot
         the older record named."""
-        for attempt in range(_READ_RETRIES):
-            before = self.committed
-            damaged: StoreCorruptedError | None = None
-            try:
-                out = read()
-            except StoreCorruptedError as err:
-                damaged = err
+
+        def stands(before: Commit, _whole: bool) -> bool:
             self.refresh()
             after = self.committed
-            if after.generation == before.generation or before.reads_alike(
+            return after.generation == before.generation or before.reads_alike(
                 after, rows, self.block_rows
-            ):
-                if damaged is not None:
-                    raise damaged  # where the record of now has the rows: not a writer's doing
-                return out
-            time.sleep(0.0005 * (attempt + 1))
-        raise RowsNotCommittedError(
-            f"store {self.store.url!r}: rows kept being rewritten by other writers while "
-            f"being read ({_READ_RETRIES} attempts)",
+            )
+
+        return seqlock_read(
+            lambda: self.committed,
+            lambda _: read(),
+            stands,
+            attempts=_READ_RETRIES,
+            # Damaged where the record of now has the rows: not a writer's doing.
+            retried=(StoreCorruptedError,),
+            lasting=(StoreCorruptedError,),
+            pause=0.0005,
+            gave_up=lambda _: RowsNotCommittedError(
+                f"store {self.store.url!r}: rows kept being rewritten by other writers while "
+                f"being read ({_READ_RETRIES} attempts)",
+            ),
         )
 
 

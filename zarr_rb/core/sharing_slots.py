@@ -15,11 +15,11 @@ from collections.abc import Callable
 import numpy as np
 
 from zarr_rb.core.commits import Commits
-from zarr_rb.core.write_cache import Key
 from zarr_rb.errors import FencedError, SlotsExhaustedError
 from zarr_rb.format.commit import RECENT_TAKES, Commit, Ring, max_ring_capacity
 from zarr_rb.format.record import Saved, StoreMeta
 from zarr_rb.format.runs import RunMap
+from zarr_rb.util.keys import Key
 
 COLLECT_BATCH = 256
 """Free slots a collection holds (as open slots of its own) per record it publishes."""

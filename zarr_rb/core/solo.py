@@ -35,7 +35,6 @@ from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.history import Extended
 from zarr_rb.core.reader import reread_commit
 from zarr_rb.core.solo_writes import SoloWrites, block_write, without_cells
-from zarr_rb.core.write_cache import Key
 from zarr_rb.errors import NotSupportedError
 from zarr_rb.format.commit import ERA_SLOTS, Commit, ObjectEra, commit_from_mask
 from zarr_rb.format.names import ATTRS_KEY, FORMAT_NON_TENSOR, STATE_GROUP
@@ -43,6 +42,7 @@ from zarr_rb.format.record import Saved, StoreMeta
 from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.runs import RunMap
 from zarr_rb.format.schema import LeafSpec, Schema, leaves_by_key
+from zarr_rb.util.keys import Key
 
 if TYPE_CHECKING:
     from zarr_rb.core.commits import StoreAPI

@@ -15,7 +15,8 @@ import torch
 
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.solo_slots import SoloSlots
-from zarr_rb.core.write_cache import Block, Key, Write
+from zarr_rb.core.write_cache import Block, Write
+from zarr_rb.util.keys import Key
 
 _MAX_STAGED_BLOCKS = 8
 STAGED_RAGGED_BYTES = 128 * 2**20

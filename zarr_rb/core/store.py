@@ -39,7 +39,7 @@ from zarr_rb.core.pieces import store_pieces
 from zarr_rb.core.reader import read_committed
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.solo import SoloCommits
-from zarr_rb.core.write_cache import Key, Write, WriteBuffer
+from zarr_rb.core.write_cache import Write, WriteBuffer
 from zarr_rb.engine import Engine, RowArray, once
 from zarr_rb.engine.layout import Compression, choose_block_rows, leaf_layout
 from zarr_rb.errors import (
@@ -64,7 +64,8 @@ from zarr_rb.format.runs import RunMap
 from zarr_rb.format.schema import LeafSpec, Schema, leaves_by_key
 from zarr_rb.locations import LocalLocation, Location
 from zarr_rb.locations.base import ROOT_METADATA, WriterHold
-from zarr_rb.util.io import errno_of
+from zarr_rb.util.io import errno_of, short_reason
+from zarr_rb.util.keys import Key
 
 ARRAYS_WAIT_SECONDS = 10.0
 """How long a store that just got its schema from another writer waits for its arrays."""
@@ -705,7 +706,7 @@ class Store:
         except (OSError, ValueError) as err:
             if isinstance(err, ZarrRBError):
                 raise
-            reason = str(err).split(" [source locations=")[0]
+            reason = short_reason(err)
             raise StoreWriteError(
                 errno_of(err),
                 f"store {self.url!r}: {what} failed ({reason}). The store "
@@ -874,7 +875,7 @@ class Store:
         except OSError as err:
             if isinstance(err, ZarrRBError):
                 raise
-            reason = str(err).split(" [source locations=")[0]
+            reason = short_reason(err)
             raise StoreWriteError(
                 errno_of(err),
                 f"store {self.url!r} could not be made ({reason}); nothing was written. Free "

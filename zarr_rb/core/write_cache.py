@@ -14,7 +14,8 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
-Key = tuple[str, ...]
+from zarr_rb.util.keys import Key
+
 Write = tuple[np.ndarray, Mapping[Key, torch.Tensor]]
 """Rows (sorted and unique) and the values of some leaves to write there."""
 

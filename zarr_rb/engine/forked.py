@@ -4,14 +4,12 @@ loop after a fork.
 
 Only what the last commit declares readable is read, and never a torn transition: the
 commit record is read before and after the rows, and the read repeated if it moved (the
-seqlock of :mod:`zarr_rb.core.reader`).
+seqlock of :mod:`zarr_rb.util.seqlock`, as :mod:`zarr_rb.core.reader` reads).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,8 @@ from zarr_rb.format.index_key import INDEX_KEY, put_positions
 from zarr_rb.format.messages import preview_rows
 from zarr_rb.format.record import parse_current_record
 from zarr_rb.format.schema import LeafSpec
+from zarr_rb.util.io import load_json
+from zarr_rb.util.seqlock import seqlock_read
 
 _RETRIES = 20
 
@@ -66,7 +66,7 @@ class ForkedReader:
 
     def _commit(self) -> Commit:
         def read() -> dict[str, Any]:
-            document: dict[str, Any] = json.loads((self._root / "zarr.json").read_bytes())
+            document: dict[str, Any] = load_json((self._root / "zarr.json").read_bytes())
             return document
 
         try:
@@ -81,8 +81,8 @@ class ForkedReader:
         """``rows`` (any order, repeats allowed) of every leaf, as the last commit has them, in
         their stored dtypes (bfloat16 as its uint16 bits)."""
         unique, inverse = np.unique(rows, return_inverse=True)
-        for attempt in range(_RETRIES):
-            commit = self._commit()
+
+        def read(commit: Commit) -> dict[tuple[str, ...], np.ndarray]:
             readable = commit.readable(unique)
             if not readable.all():
                 raise RowsNotCommittedError(
@@ -99,9 +99,14 @@ class ForkedReader:
             out = {key: np.asarray(a.oindex[physical])[inverse] for key, a in self._arrays.items()}
             if INDEX_KEY in out:
                 out[INDEX_KEY] = put_positions(out[INDEX_KEY], rows)
-            if self._commit().generation == commit.generation:
-                return out
-            time.sleep(0.001 * (attempt + 1))
-        raise RowsNotCommittedError(
-            f"{self._where}: rows kept changing while being read ({_RETRIES} attempts)"
+            return out
+
+        return seqlock_read(
+            self._commit,
+            read,
+            lambda commit, _whole: self._commit().generation == commit.generation,
+            attempts=_RETRIES,
+            gave_up=lambda _: RowsNotCommittedError(
+                f"{self._where}: rows kept changing while being read ({_RETRIES} attempts)"
+            ),
         )

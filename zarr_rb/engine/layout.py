@@ -162,7 +162,9 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def row_nbytes(leaf: LeafSpec, batch_shape: tuple[int, ...]) -> int:
+def leaf_row_nbytes(leaf: LeafSpec, batch_shape: tuple[int, ...]) -> int:
+    """Bytes of one row of one fixed-shape leaf, trailing batch dimensions included (the sum
+    over a schema's leaves is ``Schema.row_nbytes``)."""
     return math.prod(batch_shape[1:]) * leaf.element_nbytes
 
 
@@ -192,7 +194,7 @@ def _usual_block_rows(
     if compression.block_rows is not None:
         block = compression.block_rows
     else:
-        widest = max(row_nbytes(leaf, batch_shape) for leaf in leaves)
+        widest = max(leaf_row_nbytes(leaf, batch_shape) for leaf in leaves)
         block = _MAX_BLOCK_ROWS
         while block > _MIN_BLOCK_ROWS and block * widest > _TARGET_SHARD_BYTES:
             block //= 2
@@ -211,7 +213,7 @@ def _too_wide(
 ) -> bool:
     """Whether rows are too wide for the usual blocks: one row of a leaf is more than a
     block's target bytes, or a chunk of whole rows would pass :data:`MAX_CHUNK_ELEMENTS`."""
-    if max(row_nbytes(leaf, batch_shape) for leaf in leaves) > _TARGET_SHARD_BYTES:
+    if max(leaf_row_nbytes(leaf, batch_shape) for leaf in leaves) > _TARGET_SHARD_BYTES:
         return True
     return not all(
         _fits(
@@ -231,7 +233,7 @@ def _wide_block_rows(
     and what a shared writer reserves."""
     rows = batch_shape[0]
     chunk = compression.chunk_rows
-    widest = max(row_nbytes(leaf, batch_shape) for leaf in leaves)
+    widest = max(leaf_row_nbytes(leaf, batch_shape) for leaf in leaves)
     block = _MAX_BLOCK_ROWS
     while block > 1 and block * widest > _TARGET_SHARD_BYTES:
         block //= 2
@@ -305,7 +307,7 @@ def _whole_rows(
     tail = (*batch_shape[1:], *leaf.shape)
     shape = (rows, *tail)
     part = _at_least_one(tail)
-    nbytes = row_nbytes(leaf, batch_shape)
+    nbytes = leaf_row_nbytes(leaf, batch_shape)
     if nbytes >= compression.large_row_bytes:
         return LeafLayout(shape=shape, chunks=(chunk_rows, *part), shards=(block_rows, *part))
     # Small leaves: a chunk per block, so that writers of different blocks never write

@@ -20,7 +20,7 @@ from zarr_rb.engine.cache import EncodedCache
 from zarr_rb.errors import ChunkCorruptedError
 from zarr_rb.format.messages import describe_runs
 from zarr_rb.locations.base import ROOT_METADATA, Location, join
-from zarr_rb.util.io import announce
+from zarr_rb.util.io import announce, short_reason
 
 MAX_CACHED_OBJECT_BYTES = 4 * 2**20
 """Arrays whose stored objects (shards) are at most this large on average are read from
@@ -451,11 +451,6 @@ def _rows_of(grid: Any) -> int:
     assert shape is not None
     assert shape[0] is not None
     return int(shape[0])
-
-
-def short_reason(err: Exception) -> str:
-    """TensorStore's error message without the source locations it appends."""
-    return str(err).split(" [source locations=")[0]
 
 
 def is_run(rows: np.ndarray) -> bool:

@@ -18,7 +18,7 @@ import tensorstore as ts
 
 from zarr_rb.engine.cache import EncodedCache
 from zarr_rb.engine.layout import MAX_CHUNK_ELEMENTS, Compression, LeafLayout
-from zarr_rb.engine.rows import RowArray, as_bits, short_reason
+from zarr_rb.engine.rows import RowArray, as_bits
 from zarr_rb.errors import (
     ChunkCorruptedError,
     FencedError,
@@ -33,7 +33,7 @@ from zarr_rb.locations.base import (
     is_store_object,
     join,
 )
-from zarr_rb.util.io import load_json
+from zarr_rb.util.io import load_json, short_reason
 from zarr_rb.util.progress import progress_bar
 
 STATE_CHUNK_BYTES = 2**20

@@ -26,7 +26,6 @@ Examples:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -40,7 +39,6 @@ from zarr_rb.core.open import Mode
 from zarr_rb.errors import (
     ReadOnlyError,
     SchemaMismatchError,
-    StoreCorruptedError,
     UnsupportedDataError,
 )
 from zarr_rb.state import check_savable
@@ -50,8 +48,9 @@ from zarr_rb.torchrl.checkpointer import (
     ZarrStorageCheckpointer,
     is_store_dir,
     open_torchrl_dump,
+    read_dump_json,
 )
-from zarr_rb.torchrl.data_kinds import row_nbytes
+from zarr_rb.torchrl.data_kinds import nbytes_per_row
 from zarr_rb.torchrl.storage import ZarrStorage
 from zarr_rb.util.progress import copy_in_blocks
 
@@ -79,16 +78,6 @@ def check_block_bytes(block_bytes: int | None) -> None:
 def resolve_block_bytes(block_bytes: int | None) -> int:
     # BLOCK_BYTES is read at call time so that it can be tuned (and patched) module-wide.
     return BLOCK_BYTES if block_bytes is None else int(block_bytes)
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except ValueError as error:
-        raise StoreCorruptedError(
-            f"{str(path)!r} is not valid JSON ({error}); the TorchRL dump is damaged, "
-            "write it again with rb.dumps(dir)",
-        ) from error
 
 
 # --- import ------------------------------------------------------------------------------------
@@ -206,7 +195,7 @@ def buffer_like_dump(
         components["writer"] = writer
     prioritized = source / "sampler" / _PRIORITIZED_STATE
     if prioritized.is_file():
-        state = _read_json(prioritized)
+        state = read_dump_json(prioritized)
         cls = TensorDictPrioritizedReplayBuffer if tensordict else PrioritizedReplayBuffer
         return cls(
             alpha=float(state["_alpha"]),
@@ -221,7 +210,7 @@ def buffer_like_dump(
 
 def _dumped_max_value_writer(source: Path) -> bool:
     state = source / "writer" / _WRITER_STATE
-    return state.is_file() and "rank_key" in _read_json(state)
+    return state.is_file() and "rank_key" in read_dump_json(state)
 
 
 def _import_destination(buffer: Any, source: Path) -> ZarrStorage:
@@ -309,7 +298,7 @@ def _check_sampler(sampler: Any, path: Path, where: str) -> None:
     if isinstance(sampler, PrioritizedSampler):
         if not prioritized_dump:
             raise _kind_error(where, "sampler", "no prioritized sampler state", sampler)
-        capacity = int(_read_json(path / _PRIORITIZED_STATE)["_max_capacity"])
+        capacity = int(read_dump_json(path / _PRIORITIZED_STATE)["_max_capacity"])
         if capacity != compat.get(sampler, "_max_capacity"):
             raise SchemaMismatchError(
                 f"{where}: the dumped PrioritizedSampler has max_capacity={capacity}, the "
@@ -364,7 +353,7 @@ class _StreamingCheckpointer(ZarrStorageCheckpointer):
             read,
             write,
             rows=rows,
-            row_nbytes=row_nbytes(source),
+            row_nbytes=nbytes_per_row(source),
             block_bytes=resolve_block_bytes(self.block_bytes),
             progress=self.progress,
             desc="import rows",

@@ -30,7 +30,7 @@ from __future__ import annotations
 import abc
 import builtins
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import PurePath, PurePosixPath
 from typing import Any, Protocol, TypeVar
 
@@ -278,8 +278,3 @@ class Location(abc.ABC):
 def join(*parts: str) -> str:
     """Keys joined with ``/`` (empty parts skipped)."""
     return "/".join(part.strip("/") for part in parts if part.strip("/"))
-
-
-def redact(options: Mapping[str, Any]) -> dict[str, Any]:
-    """``storage_options`` fit for a message: secrets replaced by ``***``."""
-    return {k: "***" if k in ("secret", "token") else v for k, v in options.items()}

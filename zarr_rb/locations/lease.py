@@ -39,6 +39,7 @@ from typing import Any
 
 from zarr_rb.errors import FencedError, LockedError
 from zarr_rb.locations.base import LEASE_KEY, WRITERS_DIR, Generation, Location
+from zarr_rb.util.io import json_object
 
 SAFETY = 0.75
 """Fraction of the lease's duration after its last renewal during which the holder may
@@ -84,7 +85,7 @@ class Lease:
         writer's own otherwise), or raise :class:`LockedError` at once if it is held.
         ``about`` goes into the record."""
         current = location.read_versioned(key)
-        record = _parse(current.value)
+        record = json_object(current.value)
         if current.value is not None and _unexpired(record):
             raise _locked(location, record)
         started = time.monotonic()
@@ -98,7 +99,7 @@ class Lease:
         }
         generation = location.write_if(key, _record(holder, seconds), generation=current.generation)
         if generation is None:  # another writer took it between our read and our write
-            raise _locked(location, _parse(location.read(key)))
+            raise _locked(location, json_object(location.read(key)))
         return cls(
             location,
             seconds=seconds,
@@ -135,7 +136,7 @@ class Lease:
     def _current_holder(self) -> dict[str, Any]:
         """Who holds the lease now, as far as it can be read."""
         with contextlib.suppress(OSError):
-            return _parse(self.location.read(self.key))
+            return json_object(self.location.read(self.key))
         return {}
 
     def release(self) -> None:
@@ -186,7 +187,7 @@ class Lease:
 
 def lease_alive(location: Location, key: str) -> bool:
     """Whether the lease at ``key`` is held (its record has not expired)."""
-    return _unexpired(_parse(location.read(key)))
+    return _unexpired(json_object(location.read(key)))
 
 
 def lease_holders(location: Location) -> list[dict[str, Any]]:
@@ -195,7 +196,7 @@ def lease_holders(location: Location) -> list[dict[str, Any]]:
     keys = [LEASE_KEY, *sorted(location.list(WRITERS_DIR))]
     out = []
     for key in keys:
-        record = _parse(location.read(key))
+        record = json_object(location.read(key))
         if _unexpired(record):
             kind = "single writer" if key == LEASE_KEY else "shared writer"
             out.append({k: v for k, v in record.items() if k != "token"} | {"kind": kind})
@@ -209,14 +210,6 @@ def _unexpired(record: dict[str, Any]) -> bool:
 
 def _record(holder: dict[str, Any], seconds: float) -> bytes:
     return json.dumps({**holder, "expires": time.time() + seconds}).encode("utf-8")
-
-
-def _parse(raw: bytes | None) -> dict[str, Any]:
-    try:
-        value = json.loads(raw or b"{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _locked(location: Location, record: dict[str, Any]) -> LockedError:

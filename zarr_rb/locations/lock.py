@@ -27,6 +27,7 @@ from typing import Any
 
 from zarr_rb.errors import LockedError, LocksUnsupportedError, MixedWritersError
 from zarr_rb.locations.base import LOCK_FILE, WRITERS_DIR
+from zarr_rb.util.io import read_json_object
 
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 """What ``flock`` fails with on a filesystem that has no working locks (NFS mounted with
@@ -178,7 +179,7 @@ def lock_holders(root: Path) -> list[dict[str, Any]]:
             continue
         try:
             inode = os.fstat(fd).st_ino
-            holder = _read_holder(fd)
+            holder = read_json_object(fd)
         finally:
             os.close(fd)
         exclusive = held.get(inode) if held is not None else "WRITE"
@@ -267,18 +268,10 @@ def _take(path: Path, operation: int) -> int:
     try:
         flock(fd, operation | fcntl.LOCK_NB, path)
     except BlockingIOError:
-        holder = _read_holder(fd)
+        holder = read_json_object(fd)
         os.close(fd)
         raise _HeldError(holder) from None
     except BaseException:
         os.close(fd)
         raise
     return fd
-
-
-def _read_holder(fd: int) -> dict[str, Any]:
-    try:
-        value = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}

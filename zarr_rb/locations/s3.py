@@ -63,7 +63,7 @@ from zarr_rb.locations.base import (
 )
 from zarr_rb.locations.lock import mixed_writers, single_writer_holds
 from zarr_rb.util.fork import starting_tensorstore
-from zarr_rb.util.io import IOKind, announce
+from zarr_rb.util.io import IOKind, announce, short_reason
 
 OPTIONS = ("endpoint_url", "key", "secret", "token", "region", "anon")
 """``storage_options`` as fsspec/s3fs name them."""
@@ -380,7 +380,7 @@ class S3Location(Location):
         try:
             return call()
         except ValueError as err:
-            typed = self._error(str(err).split(" [source locations=")[0], what)
+            typed = self._error(short_reason(err), what)
             if isinstance(typed, _UnclassifiedError):
                 raise
             raise typed from None

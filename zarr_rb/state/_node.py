@@ -86,6 +86,3 @@ class StateNode:
             return torch.empty(shape, dtype=dtype)
         flat = self.engine.read_state_array(f"{self.path}/{name}", size=size)
         return from_numpy(flat, dtype).reshape(shape).clone()
-
-    def has_tensor(self, name: str) -> bool:
-        return name in self.attrs.get("tensors", {})

@@ -27,6 +27,7 @@ from zarr_rb.format.names import ATTRS_KEY
 from zarr_rb.locations.base import ROOT_METADATA
 from zarr_rb.torchrl.reads import StorageReads
 from zarr_rb.torchrl.state_dict import copy_rows, copy_store
+from zarr_rb.util.io import load_json
 
 POINTER = "zarr_rb_storage.json"
 _SINGLE_TENSOR = "_-single-tensor-_"
@@ -125,14 +126,23 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
         storage.restore(length=length, cursor=rows % source.shape[0])
 
 
-def _read_metadata(path: Path) -> dict[str, Any]:
+def read_dump_json(path: Path) -> Any:
+    """The parsed JSON file ``path`` of a TorchRL dump (``rb.dumps(dir)``).
+
+    Raises:
+        StoreCorruptedError: it is not valid JSON, or nested too deep (the dump is damaged).
+    """
     try:
-        value = json.loads((path / TORCHRL_METADATA).read_text())
+        return load_json(path.read_bytes())
     except ValueError as error:
         raise StoreCorruptedError(
-            f"{str(path / TORCHRL_METADATA)!r} is not valid JSON ({error}); the TorchRL dump "
-            "is damaged, write it again with rb.dumps(dir)",
+            f"{str(path)!r} is not valid JSON ({error}); the TorchRL dump is damaged, "
+            "write it again with rb.dumps(dir)",
         ) from error
+
+
+def _read_metadata(path: Path) -> dict[str, Any]:
+    value = read_dump_json(path / TORCHRL_METADATA)
     if not isinstance(value, dict):
         raise StoreCorruptedError(f"{str(path / TORCHRL_METADATA)!r} is not a JSON object")
     return value

@@ -12,8 +12,7 @@ import torch
 
 from zarr_rb.core.store import Store
 from zarr_rb.errors import NotSupportedError
-
-Key = tuple[str, ...]
+from zarr_rb.util.keys import Key
 
 
 class _EntrySource:

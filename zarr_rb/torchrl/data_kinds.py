@@ -37,8 +37,7 @@ from zarr_rb.format.schema import Schema
 from zarr_rb.torchrl import compat
 from zarr_rb.torchrl.entries import Entry, PyValues, RaggedRows, decode
 from zarr_rb.util.io import load_json
-
-Key = tuple[str, ...]
+from zarr_rb.util.keys import Key
 
 
 def kind_of(data: Any) -> Kind:
@@ -213,9 +212,10 @@ def tensors_of(data: Any) -> list[torch.Tensor]:
     return [t for t in values if isinstance(t, torch.Tensor) and not is_tensor_collection(t)]
 
 
-def row_nbytes(data: Any) -> int:
-    """Bytes of one row (one index along dim 0) of ``data``, from shapes and dtypes only
-    (nothing is read from lazy columns; rows of different lengths: their mean)."""
+def nbytes_per_row(data: Any) -> int:
+    """Bytes of one row (one index along dim 0) of the data ``data`` (not yet a store's: see
+    ``Schema.row_nbytes`` for a store's), from shapes and dtypes only (nothing is read from
+    lazy columns; rows of different lengths: their mean)."""
     total = 0
     for entry in flatten(data).values():
         if isinstance(entry, torch.Tensor):

@@ -26,8 +26,7 @@ import torch
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.errors import SchemaMismatchError, StoreCorruptedError, UnsupportedDataError
 from zarr_rb.format.schema import SCALAR_DTYPES, LeafSpec, Value
-
-Key = tuple[str, ...]
+from zarr_rb.util.keys import Key
 
 _PYTHON_TYPES: dict[type, Value] = {
     str: "str",

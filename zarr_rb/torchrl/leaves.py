@@ -27,9 +27,7 @@ from zarr_rb.torchrl.data_kinds import (
     treespec_of,
 )
 from zarr_rb.torchrl.entries import Entry, RaggedRows, as_written, dtype_of, encode, spec_for
-
-Key = tuple[str, ...]
-
+from zarr_rb.util.keys import Key
 
 Ragged = bool | frozenset[Key]
 """Which tensor entries a new store keeps as rows of different lengths besides those whose

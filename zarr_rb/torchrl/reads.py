@@ -26,8 +26,7 @@ from zarr_rb.torchrl.guards import random_readable_indices
 from zarr_rb.torchrl.store_backed import io_boundary
 from zarr_rb.torchrl.writes import StorageWrites
 from zarr_rb.util.fork import refuse_if_forked
-
-Key = tuple[str, ...]
+from zarr_rb.util.keys import Key
 
 
 class StorageReads(StorageWrites):

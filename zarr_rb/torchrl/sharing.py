@@ -15,8 +15,7 @@ from zarr_rb.core.store import Store
 from zarr_rb.errors import RowsNotCommittedError
 from zarr_rb.format.index_key import INDEX_KEY, POSITION_MARK
 from zarr_rb.torchrl import index_forms
-
-Key = tuple[str, ...]
+from zarr_rb.util.keys import Key
 
 _REDRAWS = 20
 

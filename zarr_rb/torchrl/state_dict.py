@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict, is_non_tensor, is_tensor_collection
 from torchrl.data.replay_buffers.storages import Storage
 
-from zarr_rb.torchrl.data_kinds import clone, flip_list, row_nbytes, select
+from zarr_rb.torchrl.data_kinds import clone, flip_list, nbytes_per_row, select
 from zarr_rb.torchrl.reads import StorageReads
 from zarr_rb.util.progress import copy_in_blocks
 
@@ -146,10 +146,10 @@ def copy_rows(
             get = lambda index: source.get(torch.arange(index.start, index.stop))  # noqa: E731
         read = get if prepare is None else lambda index: prepare(get(index))
         first = read(slice(0, 1))
-        per_row = row_nbytes(flip_list(first) if isinstance(first, list) else first)
+        per_row = nbytes_per_row(flip_list(first) if isinstance(first, list) else first)
     else:
         read = lambda index: clone(select(source, index))  # noqa: E731
-        per_row = row_nbytes(source)
+        per_row = nbytes_per_row(source)
     copy_in_blocks(
         lambda start, stop: read(slice(start, stop)),
         lambda where, block: storage.set(where, block, set_cursor=False),

@@ -29,7 +29,7 @@ from zarr_rb.torchrl.checkpointer import ZarrStorageCheckpointer
 from zarr_rb.torchrl.guards import guard_sampler, guard_writer
 from zarr_rb.torchrl.leaves import ragged_keys
 from zarr_rb.torchrl.reads import StorageReads
-from zarr_rb.torchrl.state_dict import copy_rows, load_state, state_of
+from zarr_rb.torchrl.state_dict import load_state, state_of
 
 __all__ = ["ZarrStorage"]
 
@@ -319,11 +319,6 @@ class ZarrStorage(StorageReads):
         """Load the state of any TorchRL tensor storage, or of a ZarrStorage (no copy when it
         names this very store)."""
         load_state(self, state_dict)
-
-    def copy_rows_from(self, source: Any, *, rows: int, progress: bool = False) -> None:
-        """Copy rows ``[0, rows)`` of ``source`` (anything sliceable by rows: a storage,
-        a memory-mapped TensorDict) into this storage, in blocks of about 64 MiB."""
-        copy_rows(source, self, rows=rows, progress=progress)
 
 
 def _ram_bytes(value: object) -> int:

@@ -32,8 +32,6 @@ from zarr_rb.torchrl import compat, data_kinds
 from zarr_rb.torchrl.gather_cache import GatherCache
 from zarr_rb.torchrl.leaves import Ragged
 
-Key = tuple[str, ...]
-
 _F = TypeVar("_F", bound=Callable[..., Any])
 _S = TypeVar("_S", bound="StoreBacked")
 

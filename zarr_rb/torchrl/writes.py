@@ -24,8 +24,7 @@ from zarr_rb.torchrl import compat, data_kinds, index_forms, sharing
 from zarr_rb.torchrl.entries import ENTRY_KINDS
 from zarr_rb.torchrl.leaves import infer_schema, leaves_for_write, new_leaves
 from zarr_rb.torchrl.store_backed import StoreBacked, io_boundary
-
-Key = tuple[str, ...]
+from zarr_rb.util.keys import Key
 
 
 class StorageWrites(StoreBacked):

@@ -1,4 +1,5 @@
-"""Watching a store's I/O, and small helpers for it (fsync, bounded JSON parsing).
+"""Watching a store's I/O, and small helpers for it (fsync, the error number and the short
+message of a TensorStore error, bounded JSON parsing).
 
 Every change the engine makes to a store is announced here before it happens:
 ``"write"`` (rows, a chunk, a metadata file), ``"remove"`` (a leftover
@@ -62,6 +63,11 @@ def errno_of(err: BaseException) -> int | None:
 _OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'|OS error (\d+)")
 
 
+def short_reason(err: BaseException) -> str:
+    """TensorStore's error message without the source locations it appends."""
+    return str(err).split(" [source locations=")[0]
+
+
 MAX_JSON_DEPTH = 64
 _JSON_STRING = re.compile(rb'"(?:\\.|[^"\\])*"')
 
@@ -82,3 +88,23 @@ def load_json(raw: bytes) -> Any:
         if steps.size and int(np.cumsum(steps).max()) > MAX_JSON_DEPTH:
             raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     return json.loads(raw.decode("utf-8"))
+
+
+def json_object(raw: bytes | None) -> dict[str, Any]:
+    """The JSON object in ``raw`` (a writer's lock or lease record), or ``{}``: nothing,
+    not valid JSON, nested too deep, or not an object."""
+    try:
+        value = load_json(raw or b"{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def read_json_object(fd: int, size: int = 4096) -> dict[str, Any]:
+    """:func:`json_object` of the first ``size`` bytes of the open file ``fd`` (``{}``:
+    it cannot be read)."""
+    try:
+        raw = os.pread(fd, size, 0)
+    except OSError:
+        return {}
+    return json_object(raw)
