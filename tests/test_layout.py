@@ -45,6 +45,8 @@ restores TorchRL's private state through ``torchrl/compat.py``."""
 
 NO_PRIVATE_ACCESS = (
     "format",
+    "core",
+    "state",
     "torchrl",
     "interop",
     "engine",

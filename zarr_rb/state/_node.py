@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -10,6 +11,18 @@ import torch
 
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy, to_numpy
 from zarr_rb.engine import Engine
+
+
+@dataclasses.dataclass
+class _Tree:
+    """What the nodes of one tree share (one save or one load)."""
+
+    bytes_written: int = 0
+    """Bytes written by every node of the tree."""
+    pending: list[Any] = dataclasses.field(default_factory=list)
+    """Array writes started and not waited for."""
+    read_ahead: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """Tensors read ahead by :meth:`StateNode.read_all`, by path."""
 
 
 class StateNode:
@@ -30,12 +43,17 @@ class StateNode:
         self.engine = engine
         self.path = path
         self.attrs = attrs
-        self._root: StateNode = self if parent is None else parent._root
-        self.bytes_written = 0
-        """Bytes written by this node and its children (counted on the root node)."""
-        self._pending: list[Any] = []
-        self._read: dict[str, torch.Tensor] = {}
-        """Tensors read ahead by :meth:`read_all` (kept on the root node), by path."""
+        self._tree = _Tree() if parent is None else parent.tree
+
+    @property
+    def tree(self) -> _Tree:
+        """What this node shares with the others of its tree."""
+        return self._tree
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes written by every node of this node's tree."""
+        return self._tree.bytes_written
 
     def child(self, name: str) -> StateNode:
         attrs = self.attrs.setdefault("children", {}).setdefault(name, {})
@@ -50,25 +68,25 @@ class StateNode:
         }
         flat = to_numpy(tensor.reshape(-1)) if tensor.numel() else np.zeros(1, np.uint8)
         written, futures = self.engine.write_state_array(f"{self.path}/{name}", flat)
-        self._root.bytes_written += written
-        self._root._pending.extend(futures)
+        self._tree.bytes_written += written
+        self._tree.pending.extend(futures)
 
     def wait(self) -> None:
         """Wait for every array write started under this (root) node."""
-        for future in self._root._pending:
+        for future in self._tree.pending:
             future.result()
-        self._root._pending.clear()
+        self._tree.pending.clear()
 
     def read_all(self) -> None:
         """Read every tensor under this node now: a load reads one save whole, then checks
         that it was not replaced meanwhile, before anything is built from it."""
         for name in self.attrs.get("tensors", {}):
-            self._root._read[f"{self.path}/{name}"] = self._read_tensor(name)
+            self._tree.read_ahead[f"{self.path}/{name}"] = self._read_tensor(name)
         for name in self.attrs.get("children", {}):
             self.child(name).read_all()
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        read = self._root._read.get(f"{self.path}/{name}")
+        read = self._tree.read_ahead.get(f"{self.path}/{name}")
         if read is not None:
             return read.clone()
         return self._read_tensor(name)
