@@ -1,15 +1,16 @@
-"""Many writers: aggregate extend throughput of 1, 2 and 4 writer processes into one
-buffer, zarr_rb (shared store) against TorchRL's shared LazyMemmapStorage, in one run.
+"""Many writers: aggregate extend throughput of 1, 2, 4 and 8 writer processes into one
+buffer, zarr_rb (shared store, on local disk and, with ``--s3``, on a SeaweedFS server on
+loopback) against TorchRL's shared LazyMemmapStorage, in one run.
 
 Each writer process extends ``--batches`` batches of ``--batch`` rows. A row is an
 Atari-sized frame stack (4x84x84 uint8) with a stamp, a reward and a done flag, all
 derived from the stamp, so that a torn row (leaves of two writes) is recognised and
 every writer's rows can be counted after the run. Figures: rows per second over the
 whole run (first write to last), the median time of one extend (so the cost of making
-each extend visible to other processes shows against a single writer), rows lost and
-rows torn.
+each extend visible to other processes shows against a single writer), rows lost, rows torn,
+and rows whose ``"index"`` is not their position.
 
-    python benchmarks/writers.py --json benchmarks/writers.json
+    python benchmarks/writers.py --s3 --json benchmarks/writers.json
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
 
 from zarr_rb import ZarrStorage
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # s3_server: SeaweedFS
 
 SPAWN = mp.get_context("spawn")
 STRIDE = 1_000_000
@@ -70,11 +73,17 @@ def work(rb: Any, writer: int, batches: int, size: int, start: Any, times: Any) 
     times.put((writer, time.perf_counter(), spent))
 
 
-def run(kind: str, writers: int, batches: int, size: int, workdir: Path) -> dict[str, Any]:
+def run(
+    kind: str, writers: int, batches: int, size: int, workdir: Path, server: Any = None
+) -> dict[str, Any]:
     capacity = writers * batches * size + 4096  # no row is evicted: every one is counted
     path = workdir / f"{kind}-{writers}"
-    if kind == "zarr_rb":
-        storage: Any = ZarrStorage(capacity, path / "buffer.zarr", shared=True)
+    if kind == "zarr_rb_s3":
+        url = f"s3://{server.bucket}/writers-{writers}-{uuid.uuid4().hex[:8]}.zarr"
+        options = server.storage_options()
+        storage: Any = ZarrStorage(capacity, url, shared=True, storage_options=options)
+    elif kind == "zarr_rb":
+        storage = ZarrStorage(capacity, path / "buffer.zarr", shared=True)
     else:
         storage = LazyMemmapStorage(capacity, scratch_dir=path)
     rb = TensorDictReplayBuffer(storage=storage)
@@ -93,12 +102,10 @@ def run(kind: str, writers: int, batches: int, size: int, workdir: Path) -> dict
         process.join()
     ended = max(result[1] for result in results)
     extends = [t for result in results for t in result[2]]
-    if kind == "zarr_rb":
+    if kind != "LazyMemmapStorage":
         storage.refresh()
-        rows = np.setdiff1d(np.arange(len(storage)), storage._store.unreadable_rows())
-        data = storage.get(torch.from_numpy(rows))
-    else:
-        data = storage.get(torch.arange(len(storage)))
+    positions = torch.arange(len(storage))
+    data = storage.get(positions)
     stamps = data["stamp"]
     ours = stamps[stamps // STRIDE < writers]
     expected = writers * batches * size
@@ -111,8 +118,9 @@ def run(kind: str, writers: int, batches: int, size: int, workdir: Path) -> dict
         "rows_read_back": int(ours.numel()),
         "rows_lost": expected - int(ours.unique().numel()),
         "rows_torn": torn_rows(data),
+        "index_not_position": int((data["index"] != positions).sum()),
     }
-    if kind == "zarr_rb":
+    if kind != "LazyMemmapStorage":
         storage.close()
     shutil.rmtree(path, ignore_errors=True)
     return out
@@ -136,27 +144,41 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--batch", type=int, default=50)
-    parser.add_argument("--writers", default="1,2,4")
+    parser.add_argument("--writers", default="1,2,4,8")
+    parser.add_argument("--s3", action="store_true", help="zarr_rb on SeaweedFS too")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(dir=args.workdir, prefix="writers-"))
     results: dict[str, list[dict[str, Any]]] = {"zarr_rb": [], "LazyMemmapStorage": []}
+    server = None
+    if args.s3:
+        from s3_server import start_server
+
+        server = start_server(workdir / "server")
+        results["zarr_rb_s3"] = []
     try:
         for writers in [int(n) for n in args.writers.split(",")]:
             for kind in results:
-                results[kind].append(run(kind, writers, args.batches, args.batch, workdir))
+                results[kind].append(run(kind, writers, args.batches, args.batch, workdir, server))
         single = one_writer(args.batches, args.batch, workdir)
     finally:
+        if server is not None:
+            from s3_server import stop_server
+
+            stop_server(server)
         shutil.rmtree(workdir, ignore_errors=True)
-    print("| storage | writers | rows/s | extend (median) | rows read back | lost | torn |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| storage | writers | rows/s | extend (median) | rows read back | lost | torn "
+        "| index not position |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for kind, rows in results.items():
         for r in rows:
             print(
                 f"| {kind} | {r['writers']} | {r['rows_per_s']:,.0f} | "
                 f"{r['extend_ms_median']:.1f} ms | {r['rows_read_back']:,} of {r['rows']:,} | "
-                f"{r['rows_lost']} | {r['rows_torn']} |"
+                f"{r['rows_lost']} | {r['rows_torn']} | {r['index_not_position']} |"
             )
     print(f"ZarrStorage, one writer (not shared), extend (median): {single:.1f} ms")
     if args.json is not None:
