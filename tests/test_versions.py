@@ -331,3 +331,35 @@ def test_a_writer_collects_what_each_drop_frees_without_listing_the_store(tmp_pa
     assert stored_slots(url, None) <= 3 * blocks
     assert_identical(rows(rb), rows(twin))
     rb.storage.close()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("storage", ["memory", "zarr"])
+def test_a_version_longer_than_the_buffer_now_loads_whole(tmp_path, storage, shared):
+    """A kept version loads with its own rows and length into any storage, after the
+    buffer was emptied and holds fewer rows than the version."""
+    path = tmp_path / "rb.zarr"
+    rb = TensorDictReplayBuffer(
+        storage=ZarrStorage(CAPACITY, path, compression=LAYOUT, shared=shared)
+    )
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
+    extend((rb, twin), 0, 27)
+    zarr_rb.save(rb, tag="long")
+    expected = rows(twin).clone()
+    rb.empty()
+    extend((rb,), 100, 103)  # three rows now
+    zarr_rb.save(rb)
+    kept = zarr_rb.load(path, version="long", storage=storage, read_only=storage == "zarr")
+    try:
+        assert len(kept) == 27
+        assert_identical(rows(kept), expected)
+        assert int(kept.sample(64)["step"].max()) < 27  # only the version's rows are drawn
+    finally:
+        if storage == "zarr":
+            kept.storage.close()
+    now = zarr_rb.load(path, storage=storage, read_only=storage == "zarr")
+    assert len(now) == 3
+    assert torch.equal(rows(now)["step"], torch.arange(100, 103))
+    if storage == "zarr":
+        now.storage.close()
+    rb.storage.close()

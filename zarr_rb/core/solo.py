@@ -260,6 +260,10 @@ class SoloCommits(SoloWrites):
             store.pinned = saved
             self.use_map(commit)
             ledger.published_as(readable)
+            # The save's length and cursor too, until a refresh (a reader copying a save
+            # longer than the buffer is now reads all of it).
+            self.length = commit.length * store.elements_per_row(store.schema)
+            self.cursor = commit.cursor
             store.version += 1
             return
         store.check_writable()
