@@ -115,7 +115,9 @@ def rows_with_zarr_python(store_path, key: str) -> np.ndarray:
         rows = runs[run, 1] + positions - runs[run, 0]  # [first position, its row, rows]
     values = group[f"data/{key}"].oindex[rows]
     if key == "index":  # what stands for a row's position
-        values[values == -(2**62)] = positions[values == -(2**62)]
+        marked = values == -(2**62)
+        each = positions.reshape(-1, *[1] * (values.ndim - 1))
+        values[marked] = np.broadcast_to(each, values.shape)[marked]
     return values
 
 

@@ -27,12 +27,16 @@ def rows(start: int, count: int) -> TensorDict:
     return TensorDict({"obs": step[:, None].expand(count, 3).float(), "step": step}, [count])
 
 
+def two_writers(path, capacity: int) -> tuple[TensorDictReplayBuffer, TensorDictReplayBuffer]:
+    """Two buffers of TorchRL's TensorDict writers on one shared store (blocks of 4 rows)."""
+    first = ZarrStorage(capacity, path, shared=True, compression=Compression(block_rows=4))
+    second = ZarrStorage(path=path, shared=True)
+    return TensorDictReplayBuffer(storage=first), TensorDictReplayBuffer(storage=second)
+
+
 def test_index_of_rows_placed_by_shared_writers_is_their_position(tmp_path):
     path = tmp_path / "shared.zarr"
-    a = TensorDictReplayBuffer(
-        storage=ZarrStorage(24, path, shared=True, compression=Compression(block_rows=4))
-    )
-    b = TensorDictReplayBuffer(storage=ZarrStorage(path=path, shared=True))
+    a, b = two_writers(path, 24)
     model = TensorDictReplayBuffer(storage=LazyTensorStorage(24))
     step = 0
     for count, rb in [(5, a), (3, b), (7, a), (1, b), (6, a), (9, b), (2, a), (4, b)]:
@@ -167,10 +171,7 @@ def test_forked_reader_reads_positions(tmp_path):
     from zarr_rb.engine.forked import ForkedReader
 
     path = tmp_path / "forked.zarr"
-    a = TensorDictReplayBuffer(
-        storage=ZarrStorage(16, path, shared=True, compression=Compression(block_rows=4))
-    )
-    b = TensorDictReplayBuffer(storage=ZarrStorage(path=path, shared=True))
+    a, b = two_writers(path, 16)
     model = TensorDictReplayBuffer(storage=LazyTensorStorage(16))
     start = 0
     for count, rb in [(3, a), (3, b), (6, a), (3, b), (3, a)]:  # 18 rows: the ring wraps
@@ -186,3 +187,61 @@ def test_forked_reader_reads_positions(tmp_path):
     assert np.array_equal(got[("step",)], model[picked]["step"].numpy())
     for rb in (a, b):
         rb.storage.close()
+
+
+def test_user_index_equal_to_a_writers_cursor_is_kept(tmp_path):
+    """A plain buffer's writer leaves "index" to the data: values that happen to equal
+    its cursor (a step within an episode) are kept, wherever the rows go."""
+    path = tmp_path / "plain.zarr"
+    a = ReplayBuffer(
+        storage=ZarrStorage(16, path, shared=True, compression=Compression(block_rows=4))
+    )
+    b = ReplayBuffer(storage=ZarrStorage(path=path, shared=True))
+    for start, rb in [(0, a), (3, b), (6, b), (9, a)]:
+        data = rows(start, 3)
+        data["index"] = torch.arange(3)
+        rb.extend(data)
+    for rb in (a, b):
+        rb.storage.refresh()
+        got = rb.storage.get(torch.arange(len(rb)))
+        assert torch.equal(got["index"], got["step"] % 3)
+    for rb in (a, b):
+        rb.storage.close()
+
+
+def test_index_with_trailing_dims_through_the_zarr_python_recipe(tmp_path):
+    """Rows of TensorDicts of batch [n, T] in a 1-D storage: "index" is [n, T]."""
+    import zarr
+
+    path = tmp_path / "trailing.zarr"
+    a, b = two_writers(path, 16)
+    model = TensorDictReplayBuffer(storage=LazyTensorStorage(16))
+    start = 0
+    for count, rb in [(3, a), (5, b), (4, a), (6, b)]:  # 18 rows: the ring wraps
+        step = torch.arange(start, start + count)[:, None].expand(count, 4).clone()
+        data = TensorDict({"step": step}, [count, 4])
+        rb.extend(data)
+        model.extend(data.clone())
+        start += count
+    assert torch.equal(torch.as_tensor(a[:]["index"]), model[:]["index"])
+    for rb in (a, b):
+        rb.storage.close()
+    group = zarr.open_group(str(path), mode="r")
+    commit = group.attrs["zarr_rb"]["commit"]
+    positions = np.arange(commit["length"])
+    runs = runs_of(commit)
+    run = np.searchsorted(runs[:, 0], positions, side="right") - 1
+    rows_ = runs[run, 1] + positions - runs[run, 0]
+    index = group["data/index"].oindex[rows_]  # as docs/reading-without-zarr_rb.md does
+    marked = index == -(2**62)
+    each = positions.reshape(-1, *[1] * (index.ndim - 1))
+    index[marked] = np.broadcast_to(each, index.shape)[marked]
+    assert np.array_equal(index, model[:]["index"].numpy())
+
+
+def runs_of(commit: dict) -> np.ndarray:
+    import base64
+    import zlib
+
+    data = zlib.decompress(base64.b64decode(commit["runs"]["data"]))
+    return np.frombuffer(data, "<i8").reshape(-1, 3)

@@ -370,6 +370,14 @@ def route_method(obj: Any, name: str, hook: Callable[..., Any]) -> bool:
     return True
 
 
+def writes_positions_into_index(writer: Any) -> bool:
+    """Whether ``writer`` sets each row's ``"index"`` entry to the position it writes the
+    row at (TorchRL's TensorDict writers do; the others leave ``"index"`` to the data)."""
+    return isinstance(
+        writer, (_writers.TensorDictRoundRobinWriter, _writers.TensorDictMaxValueWriter)
+    )
+
+
 def rebuild_top_values(writer: Any, storage: Any) -> bool:
     """Give a max-value writer on a reopened store the heap of the rows it holds (ranked by
     its rank key, reduced as it reduces them), so that it goes on keeping the best rows

@@ -173,7 +173,8 @@ def _undone_on_refusal(method: Any, *args: Any, storage: StoreBacked, **kwargs: 
     before = compat.writer_state(writer)
     begun = storage.writes_begun
     try:
-        index = method(*args, **kwargs)
+        with storage.writes_by(index_is_position=compat.writes_positions_into_index(writer)):
+            index = method(*args, **kwargs)
     except BaseException:
         # Put the writer back only if the storage refused the rows before touching anything
         # (a write that failed on disk keeps its rows for a retry, where the writer put

@@ -33,16 +33,20 @@ def append(
     leaves: dict[Key, torch.Tensor],
     *,
     where: str,
+    index_is_position: bool | None = None,
 ) -> np.ndarray:
     """Append the validated ``leaves`` of an extend at ``cursor`` (sorted unique ``rows``,
     as the storage would write them) to a shared store: the rows go where this writer's
     blocks have room, and the writer's index (the tensor ``rb.extend`` returns) is
-    rewritten in place to say where. Returns the positions of ``cursor``'s rows (an
+    rewritten in place to say where. ``index_is_position``: whether the writer set the
+    ``"index"`` entry to the positions it gave (``None``: no writer is known, and it is
+    taken to have if the values are those positions). Returns the positions of ``cursor``'s rows (an
     ``add``'s integer cursor cannot be rewritten: its writer's return value is replaced,
     see :mod:`zarr_rb.torchrl.guards`)."""
     assert store.schema is not None
     index, _ = index_forms.write_rows(cursor, store.schema.rows, where=where)
-    leaves = _positions_marked(leaves, rows)
+    if index_is_position is not False:  # (a writer that leaves "index" to the data: kept)
+        leaves = _positions_marked(leaves, rows)
     # The rows go in the order extended, at the record's cursor (a trajectory stays in
     # one piece), not in the order of this writer's cursor, which other writers moved
     # past: its index may wrap where the record's does not.

@@ -116,6 +116,26 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         placed: np.ndarray | None = getattr(self._thread_state, "placed", None)
         return placed
 
+    @contextlib.contextmanager
+    def writes_by(self, *, index_is_position: bool) -> Iterator[None]:
+        """Inside the block, in this thread, writes come from a TorchRL writer, which sets
+        each row's ``"index"`` to its position (``index_is_position``, TensorDict writers)
+        or leaves it to the data: a shared store marks the first kind only (see
+        :mod:`zarr_rb.format.index_key`). Writes made outside any writer mark an
+        ``"index"`` that holds the positions they were given."""
+        state = self._thread_state
+        previous = getattr(state, "index_is_position", None)
+        state.index_is_position = index_is_position
+        try:
+            yield
+        finally:
+            state.index_is_position = previous
+
+    def index_is_position(self) -> bool | None:
+        """What :meth:`writes_by` says of the writes of this thread (``None``: no writer)."""
+        found: bool | None = getattr(self._thread_state, "index_is_position", None)
+        return found
+
     @property
     def reads_holes_as_zeros(self) -> bool:
         """Whether, in this thread, lazy views read rows that cannot be read as zeros (see

@@ -95,7 +95,12 @@ class StorageWrites(StoreBacked):
         rows, leaves = self._rows_to_write(cursor, data)
         self.__dict__["writes_begun"] += 1
         self._thread_state.placed = sharing.append(
-            self._store, cursor, rows, leaves, where=self._where
+            self._store,
+            cursor,
+            rows,
+            leaves,
+            where=self._where,
+            index_is_position=self.index_is_position(),
         )
 
     def _rows_to_write(self, cursor: Any, data: Any) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:
