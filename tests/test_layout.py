@@ -71,6 +71,11 @@ PURE_MAY_IMPORT = ("numpy", "zarr_rb.errors", "zarr_rb.util", f"zarr_rb.{PURE}")
 IO_MODULES = frozenset({"io", "os", "pathlib", "shutil", "socket", "subprocess", "tempfile"})
 """Modules of the standard library that do I/O, which :data:`PURE` does not import."""
 
+TOO_LONG_YET = ("core/store.py",)
+"""Files still longer than :data:`MAX_FILE_LINES` (or with a class longer than
+:data:`MAX_CLASS_LINES`): ``Store`` still holds its arrays, disk reads, saves and lifetime,
+which are to move out of it. A file leaves this list as it is split; none joins it."""
+
 MAX_FILE_LINES = 600
 MAX_CLASS_LINES = 400
 
@@ -300,15 +305,12 @@ def test_no_module_reaches_into_another_objects_private_state(path: Path) -> Non
 
 @pytest.mark.parametrize(
     "path",
-    [
-        *_files_of(("format", "torchrl", "interop", "testing", "analysis", "engine")),
-        *_files_of(("locations",)),
-        *_files_of(("state", "util")),
-        *sorted(PACKAGE.glob("*.py")),
-    ],
+    sorted(PACKAGE.rglob("*.py")),
     ids=lambda p: str(p.relative_to(PACKAGE)),
 )
 def test_no_file_or_class_is_too_long_to_read(path: Path) -> None:
+    if str(path.relative_to(PACKAGE)) in TOO_LONG_YET:
+        pytest.skip("being split (see TOO_LONG_YET)")
     found = too_long(path.read_text())
     assert not found, f"{path.relative_to(PACKAGE)}: " + ", ".join(found)
 

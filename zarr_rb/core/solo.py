@@ -12,10 +12,11 @@
   writes there, so that the late writes of a stalled writer before it land in slots no
   one else writes (see :class:`~zarr_rb.format.commit.LeaseFloor`).
 
-One object, :class:`SoloCommits`, owns all of it; its code is in three modules by concern:
-this one (the interface, commits, saves), :mod:`~zarr_rb.core.solo_writes` (staging and
-copy-on-write) and :mod:`~zarr_rb.core.solo_slots` (free slots, reservations, collection),
-the classes it derives from.
+One object, :class:`SoloCommits`, owns all of it; its code is in four modules by concern:
+this one (the interface, commits), :mod:`~zarr_rb.core.solo_saves` (saves and versions),
+:mod:`~zarr_rb.core.solo_writes` (staging and copy-on-write) and
+:mod:`~zarr_rb.core.solo_slots` (free slots, reservations, collection), the classes it
+derives from.
 
 See ``docs/design/ring.md``, "Step 1" and "Owners".
 """
@@ -23,7 +24,6 @@ See ``docs/design/ring.md``, "Step 1" and "Owners".
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
@@ -34,10 +34,11 @@ import torch
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.history import Extended
 from zarr_rb.core.reader import reread_commit
-from zarr_rb.core.solo_writes import SoloWrites, block_write, without_cells
+from zarr_rb.core.solo_saves import SoloSaves
+from zarr_rb.core.solo_writes import block_write, without_cells
 from zarr_rb.errors import NotSupportedError
 from zarr_rb.format.commit import ERA_SLOTS, Commit, ObjectEra, commit_from_mask
-from zarr_rb.format.names import ATTRS_KEY, FORMAT_NON_TENSOR, STATE_GROUP
+from zarr_rb.format.names import ATTRS_KEY, FORMAT_NON_TENSOR
 from zarr_rb.format.record import Saved, StoreMeta
 from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.runs import RunMap
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 _R = TypeVar("_R")
 
 
-class SoloCommits(SoloWrites):
+class SoloCommits(SoloSaves):
     """The positions and commits of a store of one writer (see the module's docstring)."""
 
     def __init__(self, store: StoreAPI, meta: StoreMeta, *, late_writes: bool) -> None:
@@ -243,73 +244,6 @@ class SoloCommits(SoloWrites):
     def start_history(self) -> None:
         pass  # the next commit starts the history (see publish)
 
-    def use_save(self, saved: Saved, commit: Commit) -> None:
-        store = self.store
-        ledger = store.ledger
-        assert ledger is not None
-        readable = commit.readable_mask(commit.length)
-        # Rows withdrawn since the save (a repair found them damaged) in blocks still in the
-        # slots the save has: the damage is the save's too.
-        kept, head = self._slots_of(commit), self._committed_slots()
-        for start, stop in store.committed.holes:
-            lost = np.arange(start, min(stop, commit.length))
-            blocks = lost // kept.block_rows
-            shared = kept.slots[blocks] == head.slots[blocks]
-            readable[lost[shared]] = False
-        if store.read_only:
-            store.pinned = saved
-            self.use_map(commit)
-            ledger.published_as(readable)
-            # The save's length and cursor too, until a refresh (a reader copying a save
-            # longer than the buffer is now reads all of it).
-            self.length = commit.length * store.elements_per_row(store.schema)
-            self.cursor = commit.cursor
-            store.version += 1
-            return
-        store.check_writable()
-        store.discard()
-        self.positions = SlotMap(
-            kept.slots.copy(),
-            block_rows=kept.block_rows,
-            capacity=max(kept.capacity, self.block_map.capacity),
-        )
-        ledger.rebase(readable)
-        # The rows committed since the save are dropped: the epoch moves (unless they are
-        # the save's rows, as when a save is loaded right after it was made).
-        self._rewrote_published = (commit.length, commit.holes, commit.slots) != (
-            store.committed.length,
-            store.committed.holes,
-            store.committed.slots,
-        )
-
-    def overwrote_since(self, epoch: int) -> bool:
-        return epoch < self.committed.epoch
-
-    def next_save_slot(self, named: set[int]) -> int:
-        taken = named | self._avoided_saves
-        return next(slot for slot in itertools.count() if slot not in taken)
-
-    def hold_for_save(self) -> None:
-        self._first_own_slot()
-
-    def publish_saved(self, saved: Saved, *, tag: str | None) -> None:
-        store = self.store
-        commit = store.committed
-        saved = dataclasses.replace(saved, pinned=True, slots=commit.slots, holes=commit.holes)
-        if tag is not None:
-            versions = {**store.meta.versions, tag: saved}
-            self.meta = dataclasses.replace(self.meta, versions=versions)
-        self.publish(commit, saved=saved)
-        self._drop_unnamed_states()
-
-    def drop_version(self, tag: str) -> None:
-        store = self.store
-        versions = dict(store.meta.versions)
-        del versions[tag]
-        self.meta = dataclasses.replace(self.meta, versions=versions)
-        self.publish(store.committed)
-        self._drop_unnamed_states()
-
     def publish_meta(self) -> None:
         self.publish(self.committed)
 
@@ -426,19 +360,6 @@ class SoloCommits(SoloWrites):
         self._rewrote_published = False
         if waiting is not None:
             self._extended.keep(waiting)
-
-    def _drop_unnamed_states(self) -> None:
-        """Delete the state groups of saves that no record names (dropped versions, a save
-        a crash interrupted before it was published), but the one the next save writes."""
-        saves = (self.meta.saved, *self.meta.versions.values())
-        named = {saved.group for saved in saves if saved is not None}
-        named.add(f"{STATE_GROUP}/{self.store.next_save_slot()}")
-        groups = {
-            "/".join(key.split("/")[:2]) for key in self.store.engine.location.list(STATE_GROUP)
-        }
-        for group in sorted(groups - named):
-            if group.count("/") == 1 and group.split("/")[1].isdigit():
-                self.store.engine.location.delete_prefix(group)
 
     def _slots_record(self) -> SlotMap | None:
         """The writer's map as a commit records it (``None``: the identity)."""
