@@ -130,9 +130,10 @@ def template(tmp_path_factory) -> Path:
 
 def _sample(rb: Any) -> None:
     """A batch, from a buffer that holds rows: TorchRL refuses to sample an empty one (a
-    record whose length was set to 0 loads as one, its state over no rows)."""
+    record whose length was set to 0 loads as one, its state over no rows), and asks for a
+    batch size when the buffer has none (a state whose batch size was set to null)."""
     if len(rb):
-        rb.sample()
+        rb.sample(8 if rb.batch_size is None else None)
 
 
 def use_the_store(path: Path) -> None:

@@ -266,7 +266,7 @@ def _killed_between_deletions_and_creations(url: str, options: dict, start: int)
     before it created the objects."""
     from zarr_rb.engine import once
 
-    rounds = once.Creation._steps
+    rounds = once.Creation.steps
 
     def killed(self):
         for deletion in self._cleared:
@@ -277,7 +277,7 @@ def _killed_between_deletions_and_creations(url: str, options: dict, start: int)
 
     rb = TensorDictReplayBuffer(storage=ZarrStorage(path=url, storage_options=options, shared=True))
     rb.extend(batch(start, 8))  # committed
-    once.Creation._steps = killed
+    once.Creation.steps = killed  # type: ignore[method-assign]
     rb.extend(batch(start + 8, 8))
 
 
