@@ -123,13 +123,8 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         or leaves it to the data: a shared store marks the first kind only (see
         :mod:`zarr_rb.format.index_key`). Writes made outside any writer mark an
         ``"index"`` that holds the positions they were given."""
-        state = self._thread_state
-        previous = getattr(state, "index_is_position", None)
-        state.index_is_position = index_is_position
-        try:
+        with self._in_this_thread("index_is_position", index_is_position):
             yield
-        finally:
-            state.index_is_position = previous
 
     def index_is_position(self) -> bool | None:
         """What :meth:`writes_by` says of the writes of this thread (``None``: no writer)."""
@@ -146,13 +141,19 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
     def holes_as_zeros(self) -> Iterator[None]:
         """Inside the block, and in this thread only, rows that cannot be read (holes) read as
         zeros from lazy views: for trajectory scans that then leave those rows out."""
+        with self._in_this_thread("unreadable_as_zeros", True):
+            yield
+
+    @contextlib.contextmanager
+    def _in_this_thread(self, name: str, value: object) -> Iterator[None]:
+        """``name`` of this thread's state set to ``value`` inside the block."""
         state = self._thread_state
-        previous = getattr(state, "unreadable_as_zeros", False)
-        state.unreadable_as_zeros = True
+        previous = getattr(state, name, None)
+        setattr(state, name, value)
         try:
             yield
         finally:
-            state.unreadable_as_zeros = previous
+            setattr(state, name, previous)
 
     # --- public API ------------------------------------------------------------------------
 
