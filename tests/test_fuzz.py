@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import zarr_rb
-from zarr_rb import ZarrRBError, ZarrStorage
+from zarr_rb import StoreCorruptedError, ZarrRBError, ZarrStorage
 from zarr_rb.testing import CrashWorkload
 
 WORKLOAD = CrashWorkload(capacity=48, block_rows=8)
@@ -227,3 +227,17 @@ def test_huge_numbers_are_refused_before_anything_is_sized_from_them(template):
 @pytest.mark.slow
 def test_huge_numbers_everywhere(template):
     huge_values(template, FILES, (2**40, 2**62, 10**30, -1))
+
+
+@pytest.mark.parametrize(("name", "value"), [("batch_size", -1), ("pin_memory", -1)])
+def test_damaged_buffer_settings_are_typed_errors_at_load(template, tmp_path, name, value):
+    """Settings no buffer was built with are refused at the load, naming them (TorchRL
+    would fail at the first sample, or try to pin memory on a GPU)."""
+    store = tmp_path / "rb.zarr"
+    shutil.copytree(template, store)
+    state = store / "state" / "0" / "zarr.json"
+    document = json.loads(state.read_text())
+    document["attributes"]["zarr_rb_state"]["buffer"]["arguments"][name] = value
+    state.write_text(json.dumps(document))
+    with pytest.raises(StoreCorruptedError, match=name):
+        zarr_rb.load(store, read_only=True)

@@ -177,8 +177,7 @@ def load_buffer(
         root.child("objects"), given=code_objects or {}, allow_pickle=allow_pickle
     )
     _check_sizes(attrs["buffer"], limit=limit, what="buffer")
-    if buffer_arguments(attrs["buffer"]).get("batch_size") == 0:
-        raise ValueError("buffer batch_size 0")
+    _check_buffer_arguments(buffer_arguments(attrs["buffer"]))
     built = {role: obj for role, (_, _, obj) in components.items()}
     rb = build_buffer(
         attrs["buffer"],
@@ -200,3 +199,21 @@ def load_buffer(
     if generator is not None:
         rb.set_rng(generator)
     return rb
+
+
+def _check_buffer_arguments(arguments: dict[str, Any]) -> None:
+    """Refuse saved buffer settings no buffer was built with: a batch size that is not a
+    positive integer, a ``pin_memory`` that is not a flag (a damaged record; TorchRL would
+    fail at the first sample, or try to pin memory on a GPU).
+
+    Raises:
+        ValueError: which setting, and its value.
+    """
+    batch_size = arguments.get("batch_size")
+    if batch_size is not None and (
+        not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0
+    ):
+        raise ValueError(f"buffer batch_size {batch_size!r} (a positive integer, or null)")
+    pin_memory = arguments.get("pin_memory", False)
+    if not isinstance(pin_memory, bool):
+        raise ValueError(f"buffer pin_memory {pin_memory!r} (true or false)")
