@@ -433,7 +433,7 @@ class CrashMachine(RuleBasedStateMachine):
 
 
 CrashMachine.TestCase.settings = settings(
-    max_examples=100,
+    max_examples=60,
     stateful_step_count=30,
     derandomize=True,  # the same sequences on every run; -m slow draws new ones
     database=None,

@@ -15,7 +15,8 @@ from torchrl.data import ReplayBuffer
 
 import zarr_rb
 from zarr_rb import ZarrStorage
-from zarr_rb.core.store import Store
+from zarr_rb.core.lifetime import Lifetime
+from zarr_rb.core.saves import StoreSaves
 from zarr_rb.testing import simulate_crash
 
 
@@ -34,7 +35,7 @@ def test_a_load_tried_again_detaches_the_buffer_of_the_attempt_that_failed(tmp_p
     storage = _one_ring(path)
     zarr_rb.save(ReplayBuffer(storage=storage), progress=False)
     other = ZarrStorage(path=str(path), shared=True)
-    use_save = Store.use_save
+    use_save = StoreSaves.use_save
     saved_meanwhile: list[bool] = []
 
     def other_saves_meanwhile(self, saved):
@@ -43,7 +44,7 @@ def test_a_load_tried_again_detaches_the_buffer_of_the_attempt_that_failed(tmp_p
             saved_meanwhile.append(True)
         use_save(self, saved)
 
-    monkeypatch.setattr(Store, "use_save", other_saves_meanwhile)
+    monkeypatch.setattr(StoreSaves, "use_save", other_saves_meanwhile)
     try:
         loaded = zarr_rb.load(str(path), progress=False)
         assert saved_meanwhile
@@ -66,7 +67,7 @@ def test_rows_of_a_storage_dropped_while_another_stays_are_committed(tmp_path):
     rb.extend(TensorDict({"a": torch.arange(8.0)}, [8]))
     del rb, dropped
     gc.collect()
-    assert kept._store.users == 1
+    assert kept._store.lifetime.users == 1
     reader = ZarrStorage(path=path, read_only=True)
     try:
         assert len(reader) == 8  # the dropped storage's rows are committed
@@ -87,7 +88,7 @@ def test_a_storage_dropped_on_another_thread_while_the_other_closes_closes_the_s
     ReplayBuffer(storage=first).extend(TensorDict({"a": torch.arange(4.0)}, [4]))
     store = first._store
     tmpdir = store.path.parent
-    value = {"users": store.__dict__.pop("users")}
+    value = {"users": store.lifetime.__dict__.pop("users")}
     checked = threading.Event()
     closed = threading.Event()
     reads = {"n": 0}
@@ -103,27 +104,27 @@ def test_a_storage_dropped_on_another_thread_while_the_other_closes_closes_the_s
     def put(self, v):
         value["users"] = v
 
-    monkeypatch.setattr(Store, "users", property(get, put), raising=False)
+    monkeypatch.setattr(Lifetime, "users", property(get, put), raising=False)
     first._finalizer.detach()  # its finalizer is run below, as the GC would, on a thread
-    gc_thread = threading.Thread(target=store.drop_user, name="gc-thread")
+    gc_thread = threading.Thread(target=store.lifetime.drop_user, name="gc-thread")
     try:
         gc_thread.start()
         assert checked.wait(60)
         # Between its check and its decrement, no call of the store can run (a close on
         # another thread waits): the lock is held.
         try:
-            assert not store._mutex.acquire(blocking=False)
+            assert not store.calls.mutex.acquire(blocking=False)
         finally:
             closed.set()
         gc_thread.join(60)
         second.close()  # the other user closes then: the last one
     finally:
         monkeypatch.undo()
-        store.__dict__["users"] = value["users"]
+        store.lifetime.__dict__["users"] = value["users"]
     try:
         assert store.closed, f"users={value['users']}, the store was never closed"
         assert not tmpdir.exists()
     finally:
         if not store.closed:
-            store.__dict__["users"] = 1
+            store.lifetime.__dict__["users"] = 1
             store.close()

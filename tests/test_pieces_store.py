@@ -172,7 +172,7 @@ def test_a_record_read_before_its_pieces_were_replaced_is_read_again(tmp_path):
     with pytest.raises(MapPieceMissingError, match=MAPS_GROUP):
         parse_record(current, "store", engine=engine)
     for writer in writers:
-        writer._store.abandon()
+        writer._store.lifetime.abandon()
 
 
 def test_a_commit_that_lost_its_swap_deletes_the_pieces_it_wrote(tmp_path, monkeypatch):
@@ -181,7 +181,7 @@ def test_a_commit_that_lost_its_swap_deletes_the_pieces_it_wrote(tmp_path, monke
     writers = interleaved(path, 8, twin)
     first, second = writers
     store = first._store
-    original = store.store_pieces
+    original = store.pieces.store
     lost = []
 
     def other_writer_first(meta):
@@ -191,7 +191,7 @@ def test_a_commit_that_lost_its_swap_deletes_the_pieces_it_wrote(tmp_path, monke
             second.set(torch.arange(2), steps(900, 2))
         return written
 
-    monkeypatch.setattr(store, "store_pieces", other_writer_first)
+    monkeypatch.setattr(store.pieces, "store", other_writer_first)
     first.set(torch.arange(3), steps(800, 3))
     assert lost
     assert not set(lost) & stored_pieces(path)
@@ -244,7 +244,7 @@ class SharedWritersInPieces(SharedWriters):
 
 TestSharedWritersInPieces = SharedWritersInPieces.TestCase
 TestSharedWritersInPieces.settings = settings(
-    max_examples=12,
+    max_examples=8,
     stateful_step_count=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -263,7 +263,7 @@ def test_pieces_a_crash_left_before_their_record_go_with_the_next_writers_commit
     writers = interleaved(path, 8, twin)
     crashed = writers[0]
     store = crashed._store
-    original, wrote = store.store_pieces, []
+    original, wrote = store.pieces.store, []
 
     def pieces_then_killed(meta):
         wrote.extend(original(meta))
@@ -271,10 +271,10 @@ def test_pieces_a_crash_left_before_their_record_go_with_the_next_writers_commit
             raise _KilledError  # between its pieces and its record
         return []
 
-    monkeypatch.setattr(store, "store_pieces", pieces_then_killed)
+    monkeypatch.setattr(store.pieces, "store", pieces_then_killed)
     with pytest.raises(_KilledError):
         crashed.set(torch.arange(3), steps(800, 3))
-    crashed._store.abandon()
+    crashed._store.lifetime.abandon()
     left = stored_pieces(path) - named_pieces(path)
     assert left
     joined = ZarrStorage(path=path, mode="r+", shared=True)

@@ -708,7 +708,7 @@ def test_a_takeover_fences_a_writer_that_passed_its_lease_check(s3_url, s3_optio
     rb = TensorDictReplayBuffer(storage=storage)
     rb.extend(batch(0, 10))
     storage.flush()
-    lease = storage._store._lock
+    lease = storage._store.lifetime._lock
     lease._lost = "stopped renewing for the test"  # the renewal thread stops
     lease.check = lambda: None  # as if its last check passed just before the stall
     time.sleep(1.5)  # the lease expires

@@ -143,7 +143,7 @@ def workload(
 def test_no_data_object_is_ever_written_over(s3_url, options, proxy):
     rb, model, reader = started(s3_url, options, 5)
     workload(rb, model, reader, seed=1)
-    assert rb.storage._store.creates_once
+    assert rb.storage._store.lifetime.creates_once
     rb.storage.close()
     reopened = writer(s3_url, options)
     check_rows(reopened.storage, model)
@@ -166,7 +166,7 @@ def test_a_server_that_ignores_the_condition_is_written_as_before(s3_url, option
     rb, model, reader = started(s3_url, options, 5)
     workload(rb, model, reader, seed=3)
     reader.close()
-    assert not rb.storage._store.creates_once
+    assert not rb.storage._store.lifetime.creates_once
     record = read_root(rb.storage._store.engine)
     assert "object_era" not in record["attributes"]["zarr_rb"]["commit"]
     rb.storage.close()

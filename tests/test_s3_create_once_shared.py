@@ -98,11 +98,11 @@ def test_shared_writers_never_write_an_object_over(s3_url, options, proxy):
     model.extend(batch(0, 5))
     b = another_writer(s3_url, options)
     reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
-    step = interleaved([a, b], model, reader, step=5, seed=1, rounds=10)
-    assert a.storage._store.creates_once
-    assert b.storage._store.creates_once
+    step = interleaved([a, b], model, reader, step=5, seed=1, rounds=6)
+    assert a.storage._store.lifetime.creates_once
+    assert b.storage._store.lifetime.creates_once
     zarr_rb.save(a)  # collects the slots no record refers to
-    step = interleaved([a, b], model, reader, step=step, seed=2, rounds=10)
+    step = interleaved([a, b], model, reader, step=step, seed=2, rounds=6)
     assert "object_era" in record_of(a)
     for rb in (a, b):
         rb.storage.close()
@@ -171,7 +171,7 @@ def test_shared_writers_on_a_server_that_ignores_the_condition_write_as_before(
     b = another_writer(s3_url, options)
     reader = ZarrStorage(path=s3_url, read_only=True, storage_options=options)
     interleaved([a, b], model, reader, step=5, seed=4, rounds=6)
-    assert not a.storage._store.creates_once
+    assert not a.storage._store.lifetime.creates_once
     assert "object_era" not in record_of(a)
     for rb in (a, b):
         rb.storage.close()

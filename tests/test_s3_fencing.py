@@ -37,7 +37,7 @@ def new_writer(url: str, options: dict) -> tuple[ZarrStorage, TensorDictReplayBu
 def stall(storage: ZarrStorage) -> None:
     """The writer stalls right after its last check of its hold: it stops renewing its
     lease, and what it does next runs as if the check had passed just before the stall."""
-    lease = storage._store._lock
+    lease = storage._store.lifetime._lock
     lease._lost = "stopped renewing for the test"
     lease.check = lambda: None
 
@@ -81,15 +81,15 @@ def late_write_rows(storage: ZarrStorage, then: Callable[[], None]) -> None:
     """The writer's next row writes stall after it chose their slots and before its PUTs
     land: ``then()`` runs first."""
     store = storage._store
-    write_rows = store.write_rows
+    write_rows = store.arrays.write_rows
 
     def stalled(*args: Any, **kwargs: Any) -> None:
-        store.write_rows = write_rows
+        store.arrays.write_rows = write_rows  # type: ignore[method-assign]
         stall(storage)
         then()
         write_rows(*args, **kwargs)
 
-    store.write_rows = stalled
+    store.arrays.write_rows = stalled  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize("in_flight", [False, True], ids=["stalled before", "PUTs in flight"])
@@ -125,7 +125,7 @@ def test_a_stalled_writers_late_writes_never_reach_the_new_writers_rows(
         at = filled % CAPACITY
         assert_identical(committed[0][at : at + 10], batch(500, 10))
     finally:
-        storage._store.abandon()
+        storage._store.lifetime.abandon()
 
 
 def test_shared_writers_that_take_over_a_stalled_writer_never_take_its_slots(s3_url, s3_options):
@@ -170,7 +170,7 @@ def test_shared_writers_that_take_over_a_stalled_writer_never_take_its_slots(s3_
         assert_identical(committed[0][:20], batch(500, 20))
         assert_identical(rows_of(s3_url, s3_options), committed[0])
     finally:
-        storage._store.abandon()
+        storage._store.lifetime.abandon()
 
 
 def test_a_stalled_shared_writers_late_rows_never_reach_another_writers_slot(s3_url, s3_options):
@@ -219,4 +219,4 @@ def test_a_stalled_shared_writers_late_rows_never_reach_another_writers_slot(s3_
         assert len(committed[0]) == BLOCK_ROWS + 20
         assert_identical(rows_of(s3_url, s3_options), committed[0])
     finally:
-        storage._store.abandon()
+        storage._store.lifetime.abandon()

@@ -33,7 +33,7 @@ from torchrl.data import (
 import zarr_rb
 import zarr_rb.api
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb.core.store import Store
+from zarr_rb.core.saves import StoreSaves
 from zarr_rb.engine.rows import RowArray
 from zarr_rb.errors import FencedError, StoreWriteError, ZarrRBError
 from zarr_rb.format.commit import Commit, LeaseFloor, max_ring_capacity
@@ -101,7 +101,7 @@ def test_a_writer_starting_over_with_mode_w_never_takes_the_stalled_writers_slot
         assert_identical(committed[0], batch(500, 2 * BLOCK_ROWS))
         assert_identical(rows_of(s3_url, s3_options), committed[0])
     finally:
-        storage._store.abandon()
+        storage._store.lifetime.abandon()
 
 
 def test_a_stalled_writers_late_state_writes_never_reach_the_new_writers_save(
@@ -150,13 +150,13 @@ def test_a_stalled_writers_late_state_writes_never_reach_the_new_writers_save(
         finally:
             loaded.storage.close()
     finally:
-        storage._store.abandon()
+        storage._store.lifetime.abandon()
 
 
 def stored_slots(url: str, options: dict) -> int:
     reader = ZarrStorage(path=url, read_only=True, storage_options=options)
     try:
-        return len(reader._store.array(("obs",)).stored_chunks())
+        return len(reader._store.arrays.get(("obs",)).stored_chunks())
     finally:
         reader.close()
 
@@ -213,7 +213,7 @@ def test_a_writer_that_closed_cleanly_leaves_its_slots_to_the_next(s3_url, s3_op
     storage.flush()
     killed = commit_of(s3_url, s3_options)
     assert getattr(killed.lease, "held", None) is True
-    storage._store.abandon()  # killed: its lease is free, its record says it held slots
+    storage._store.lifetime.abandon()  # killed: its lease is free, its record says it held slots
     storage, rb = new_writer(s3_url, s3_options)
     rb.extend(batch(6 * CAPACITY, BLOCK_ROWS))
     storage.flush()
@@ -234,7 +234,7 @@ def with_slots(url: str, options: dict, capacity: int) -> None:
     storage.flush()
     store = storage._store
     for key in store.leaves:
-        store.array(key).grow_rows(capacity * BLOCK_ROWS)
+        store.arrays.get(key).grow_rows(capacity * BLOCK_ROWS)
     solo = store.commits
     solo.positions = solo.block_map.with_capacity(capacity)
     solo.publish(dataclasses.replace(store.committed, slots=solo.positions.copy()))
@@ -253,7 +253,7 @@ def test_a_writer_never_publishes_more_slots_than_a_record_may_name(s3_url, s3_o
         rb.extend(batch(CAPACITY, 10))
         storage.flush()
     except ZarrRBError:
-        storage._store.abandon()
+        storage._store.lifetime.abandon()
     else:
         storage.close()
     rows = rows_of(s3_url, s3_options)  # the record parses
@@ -302,7 +302,7 @@ def test_slots_whose_reservation_failed_to_publish_are_reserved_before_they_are_
         assert_identical(committed[0][:10], batch(500, 10))
         assert_identical(rows_of(s3_url, s3_options), committed[0])
     finally:
-        storage._store.abandon()
+        storage._store.lifetime.abandon()
 
 
 @pytest.mark.slow  # (records of 2**24 slots: ten seconds each)
@@ -334,11 +334,11 @@ def test_a_writer_that_only_drops_a_version_holds_the_slots_it_empties(
         zarr_rb.save(rb, tag=tag, progress=False)
     storage.close()  # a clean close: the next writer may take the slots the record frees
     opened: list[SimpleNamespace] = []  # the store dropping the version (as stall takes it)
-    drop_version = Store.drop_version
+    drop_version = StoreSaves.drop_version
 
-    def dropping_version(store, tag):
-        opened.append(SimpleNamespace(_store=store))
-        drop_version(store, tag)
+    def dropping_version(saves, tag):
+        opened.append(SimpleNamespace(_store=saves.store))
+        drop_version(saves, tag)
 
     stalled = []
     drop_chunks = RowArray.drop_chunks
@@ -359,7 +359,7 @@ def test_a_writer_that_only_drops_a_version_holds_the_slots_it_empties(
             committed.append(rows_of(s3_url, s3_options))
         drop_chunks(array, chunks)  # its DELETEs land now
 
-    monkeypatch.setattr(Store, "drop_version", dropping_version)
+    monkeypatch.setattr(StoreSaves, "drop_version", dropping_version)
     monkeypatch.setattr(RowArray, "drop_chunks", dropping)
     with contextlib.suppress(FencedError):
         zarr_rb.drop_version(s3_url, "v3", storage_options=options)
@@ -412,13 +412,13 @@ def test_a_lease_floor_past_the_slots_of_the_record_is_reached_at_once(s3_url, s
     store = storage._store
     store.commits._lease = LeaseFloor(floor=floor, held=False)
     store.commits.publish(store.committed, rows=False)
-    store.abandon()
+    store.lifetime.abandon()
     storage, rb = new_writer(s3_url, s3_options)
     try:
         rb.extend(batch(CAPACITY, 10))
         storage.flush()
     except ZarrRBError:
-        storage._store.abandon()
+        storage._store.lifetime.abandon()
         assert_identical(rows_of(s3_url, s3_options), batch(0, CAPACITY))
     else:
         storage.close()
@@ -458,10 +458,10 @@ def test_saves_stay_out_of_the_groups_of_every_writer_that_may_still_save_late(s
         storage, rb = new_writer(s3_url, s3_options)
         rb.extend(batch(step * 10, 10))
         store = storage._store
-        assert store.take_save_slot() not in pending
+        assert store.saves.take_slot() not in pending
         zarr_rb.save(rb, progress=False)  # a save it made, which the record names
-        pending.append(store.take_save_slot())  # the next one starts: it stalls there
-        store.abandon()  # (the record says it holds the store)
+        pending.append(store.saves.take_slot())  # the next one starts: it stalls there
+        store.lifetime.abandon()  # (the record says it holds the store)
     storage, rb = new_writer(s3_url, s3_options)
     rb.extend(batch(30, 10))
     zarr_rb.save(rb, progress=False)

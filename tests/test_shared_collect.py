@@ -25,7 +25,7 @@ import zarr_rb
 import zarr_rb.core.sharing as sharing_module
 import zarr_rb.core.sharing_slots as slots_module
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb.core.store import Store
+from zarr_rb.core.arrays import StoreArrays
 
 ROWS = 64
 BLOCK_ROWS = 4
@@ -110,7 +110,7 @@ def test_dropped_versions_of_a_shared_store_on_s3_give_their_slots_back(
     def stored() -> set[int]:
         reader = ZarrStorage(path=s3_url, read_only=True, storage_options=s3_options)
         try:
-            return reader._store.array(("obs",)).stored_chunks()
+            return reader._store.arrays.get(("obs",)).stored_chunks()
         finally:
             reader.close()
 
@@ -157,17 +157,17 @@ def test_a_collector_killed_while_it_holds_slots_leaves_them_to_the_next(
     path = tmp_path / "rb.zarr"
     storage, kept = _grow_and_keep(str(path), turns=6)
     other = ZarrStorage(path=str(path), shared=True)
-    drop_slots = Store.drop_slots
+    drop_slots = StoreArrays.drop_slots
     dropped: list[int] = []
 
-    def killed(self: Store, keys, slots) -> None:
-        if self is storage._store and slots and not dropped:
+    def killed(self: StoreArrays, keys, slots) -> None:
+        if self.store is storage._store and slots and not dropped:
             drop_slots(self, keys[:1], slots)  # one array emptied, then killed
             dropped.extend(slots)
             raise KeyboardInterrupt
 
     give_back = sharing_module.Sharing._give_back
-    monkeypatch.setattr(Store, "drop_slots", killed)
+    monkeypatch.setattr(StoreArrays, "drop_slots", killed)
     # (Killed: nothing runs after, the slots held are not given back.)
     monkeypatch.setattr(sharing_module.Sharing, "_give_back", lambda self, slots: None)
     # The writer keeps only its last version: the others' slots come free and it collects.
@@ -181,8 +181,8 @@ def test_a_collector_killed_while_it_holds_slots_leaves_them_to_the_next(
     assert dropped
     held = {slot for who, slot in store.committed.ring.open if who == store.commits.writer}
     assert set(dropped) <= held  # held while they were emptied
-    store.abandon()  # killed there
-    monkeypatch.setattr(Store, "drop_slots", drop_slots)
+    store.lifetime.abandon()  # killed there
+    monkeypatch.setattr(StoreArrays, "drop_slots", drop_slots)
     monkeypatch.setattr(sharing_module.Sharing, "_give_back", give_back)
     # The next writer that takes a slot drops the dead one's; its rows are all there.
     rb_other = ReplayBuffer(storage=other)
@@ -205,18 +205,18 @@ def test_slots_a_collection_holds_are_taken_by_no_other_writer(
     storage, kept = _grow_and_keep(str(path), turns=6)
     other = ZarrStorage(path=str(path), shared=True)
     store = storage._store
-    drop_slots = Store.drop_slots
+    drop_slots = StoreArrays.drop_slots
     written: list[int] = []
 
-    def others_write_first(self: Store, keys, slots) -> None:
-        if self is store and not written:
+    def others_write_first(self: StoreArrays, keys, slots) -> None:
+        if self.store is store and not written:
             # Another writer needs three rings of slots while these are being emptied.
             data = stamped(1, 0, 3 * ROWS)
             ReplayBuffer(storage=other).extend(data)
             written.extend(data["stamp"].tolist())
         drop_slots(self, keys, slots)
 
-    monkeypatch.setattr(Store, "drop_slots", others_write_first)
+    monkeypatch.setattr(StoreArrays, "drop_slots", others_write_first)
     versions = {"v5": store.meta.versions["v5"]}
     store.commits.update(lambda meta: _with_versions(meta, versions))
     assert store.collect() > 0
@@ -309,16 +309,16 @@ class SharedWritersKeepingVersions(SharedWriters):
         ``arrays`` arrays of them."""
         storage = self.writers[writer]
         store = storage._store
-        original = Store.drop_slots
+        original = StoreArrays.drop_slots
 
-        def killed(self_: Store, keys, slots) -> None:
-            if self_ is store:
+        def killed(self_: StoreArrays, keys, slots) -> None:
+            if self_.store is store:
                 original(self_, keys[:arrays], slots)
                 raise _KilledError
             original(self_, keys, slots)
 
         give_back = sharing_module.Sharing._give_back
-        Store.drop_slots = killed  # type: ignore[method-assign]
+        StoreArrays.drop_slots = killed  # type: ignore[method-assign]
         # (Killed: nothing runs after, the slots held are not given back.)
         sharing_module.Sharing._give_back = lambda self, slots: None  # type: ignore[method-assign]
         try:
@@ -326,9 +326,9 @@ class SharedWritersKeepingVersions(SharedWriters):
         except _KilledError:
             pass
         finally:
-            Store.drop_slots = original  # type: ignore[method-assign]
+            StoreArrays.drop_slots = original  # type: ignore[method-assign]
             sharing_module.Sharing._give_back = give_back  # type: ignore[method-assign]
-        store.abandon()
+        store.lifetime.abandon()
         self.writers[writer] = ZarrStorage(path=self.url, mode="r+", shared=True)
 
     @rule(writer=st.integers(0, 2))

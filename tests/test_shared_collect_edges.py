@@ -23,7 +23,8 @@ from torchrl.data import ReplayBuffer
 import zarr_rb
 import zarr_rb.core.sharing_slots as slots_module
 from zarr_rb import ZarrStorage
-from zarr_rb.core.store import Store
+from zarr_rb.core.arrays import StoreArrays
+from zarr_rb.core.saves import StoreSaves
 
 __all__ = ["few_spare_slots"]  # (a fixture, used by name)
 
@@ -114,20 +115,21 @@ def test_a_load_puts_back_no_version_the_record_no_longer_keeps(
     storage, _ = _grow_and_keep(str(path), turns=4)
     head = stamps(storage)
     storage.close()
-    use_save = Store.use_save
+    use_save = StoreSaves.use_save
     dropped: list[int] = []
 
-    def dropped_meanwhile(self: Store, saved) -> None:
+    def dropped_meanwhile(self: StoreSaves, saved) -> None:
         if not dropped:
             # Between the load reading the version and putting its rows back, the record
             # stops keeping it (as a holder that took the store over would), and its slots
             # are collected: the load must not name them again.
-            versions = {"v3": self.meta.versions["v3"]}
-            self.commits.update(lambda meta: dataclasses.replace(meta, versions=versions))
-            dropped.append(self.collect())
+            store = self.store
+            versions = {"v3": store.meta.versions["v3"]}
+            store.commits.update(lambda meta: dataclasses.replace(meta, versions=versions))
+            dropped.append(store.collect())
         use_save(self, saved)
 
-    monkeypatch.setattr(Store, "use_save", dropped_meanwhile)
+    monkeypatch.setattr(StoreSaves, "use_save", dropped_meanwhile)
     with pytest.raises(zarr_rb.VersionNotFoundError, match="no longer keeps"):
         zarr_rb.load(str(path), version="v2", progress=False)
     assert dropped[0] > 0
@@ -179,19 +181,19 @@ def test_a_collection_that_fails_gives_back_the_slots_it_held(
     path = tmp_path / "rb.zarr"
     storage, kept = _grow_and_keep(str(path), turns=6)
     store = storage._store
-    drop_slots = Store.drop_slots
+    drop_slots = StoreArrays.drop_slots
 
-    def failing(self: Store, keys, slots) -> None:
+    def failing(self: StoreArrays, keys, slots) -> None:
         drop_slots(self, keys[:1], slots)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(Store, "drop_slots", failing)
+    monkeypatch.setattr(StoreArrays, "drop_slots", failing)
     _keep_only(storage, "v5")
     with pytest.raises(OSError):
         store.collect()
     ring = store.commits.read_record().commit.ring
     assert {slot for _, slot in ring.open} <= {store.commits.slot}
-    monkeypatch.setattr(Store, "drop_slots", drop_slots)
+    monkeypatch.setattr(StoreArrays, "drop_slots", drop_slots)
     assert store.collect() > 0  # the next collection empties them
     assert stamps(storage) == kept["v5"]
     ReplayBuffer(storage=storage).extend(stamped(0, 10_000, 3 * ROWS))
@@ -279,16 +281,16 @@ def test_a_damaged_chunk_read_beside_a_committing_writer_raises_chunk_corrupted(
     other = ZarrStorage(path=str(path), shared=True)
     with pytest.raises(zarr_rb.ChunkCorruptedError):
         storage.get(torch.arange(4))  # alone: the damage is reported
-    read_disk = Store.read_disk
+    read_disk = StoreArrays.read
     commits = [0]
 
     def other_commits_meanwhile(self, *args, **kwargs):
-        if self is storage._store:
+        if self.store is storage._store:
             commits[0] += 1
             other.set(torch.tensor([ROWS - 1]), stamped(1, commits[0], 1), set_cursor=False)
         return read_disk(self, *args, **kwargs)
 
-    monkeypatch.setattr(Store, "read_disk", other_commits_meanwhile)
+    monkeypatch.setattr(StoreArrays, "read", other_commits_meanwhile)
     try:
         with pytest.raises(zarr_rb.ChunkCorruptedError):
             storage.get(torch.arange(4))
@@ -309,7 +311,7 @@ def test_loading_the_last_save_while_another_writer_saves_loads_the_newer_one(
     rb = ReplayBuffer(storage=storage)
     zarr_rb.save(rb, progress=False)
     other = ZarrStorage(path=str(path), shared=True)
-    use_save = Store.use_save
+    use_save = StoreSaves.use_save
     saved_meanwhile: list[bool] = []
 
     def other_saves_meanwhile(self, saved):
@@ -318,7 +320,7 @@ def test_loading_the_last_save_while_another_writer_saves_loads_the_newer_one(
             saved_meanwhile.append(True)
         use_save(self, saved)
 
-    monkeypatch.setattr(Store, "use_save", other_saves_meanwhile)
+    monkeypatch.setattr(StoreSaves, "use_save", other_saves_meanwhile)
     try:
         loaded = zarr_rb.load(str(path), progress=False)  # the newer save, loaded again
         assert saved_meanwhile

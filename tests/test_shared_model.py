@@ -23,7 +23,7 @@ from shared_workers import stamped, torn
 from torchrl.data import LazyTensorStorage
 
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb.core.store import Store
+from zarr_rb.core.arrays import StoreArrays
 
 WRITERS = 3
 
@@ -93,23 +93,23 @@ class SharedWriters(RuleBasedStateMachine):
         count = min(count, self.rows)
         storage = self.writers[writer]
         store = storage._store
-        original = Store.write_rows
+        original = StoreArrays.write_rows
 
-        def killed(self_: Store, writes, *, physical: bool = False) -> None:
-            if self_ is store and after_write:
+        def killed(self_: StoreArrays, writes, *, physical: bool = False) -> None:
+            if self_.store is store and after_write:
                 original(self_, writes, physical=physical)
-            if self_ is store:
+            if self_.store is store:
                 raise _KilledError
 
-        Store.write_rows = killed  # type: ignore[method-assign]
+        StoreArrays.write_rows = killed  # type: ignore[method-assign]
         try:
             data = self._rows(writer, count).set("index", torch.arange(count))
             storage.set(torch.arange(count), data)
         except _KilledError:
             pass
         finally:
-            Store.write_rows = original  # type: ignore[method-assign]
-        store.abandon()
+            StoreArrays.write_rows = original  # type: ignore[method-assign]
+        store.lifetime.abandon()
         self.writers[writer] = ZarrStorage(path=self.url, mode="r+", shared=True)
 
     @invariant()

@@ -256,7 +256,7 @@ def stored_slots(url: str, options: dict | None) -> int:
     """Shards of the ``step`` array in the store (one per slot written)."""
     reader = ZarrStorage(path=url, read_only=True, storage_options=options)
     try:
-        return len(reader._store.array(("step",)).stored_chunks())
+        return len(reader._store.arrays.get(("step",)).stored_chunks())
     finally:
         reader.close()
 

@@ -121,7 +121,7 @@ def save(
         _save_into(rb, storage.store, saved, tag=tag)
         return storage.path
     target.check_usable()
-    storage.store.ensure_on_disk()  # a buffer never written: a snapshot of its empty store
+    storage.store.lifetime.ensure_on_disk()  # a buffer never written: a snapshot of its empty store
     storage.flush()
     storage.store.engine.snapshot_to(target, progress=progress)
     snapshot = open_store(
@@ -152,12 +152,12 @@ def _save_into(rb: Any, store: Store, saved: Saved, *, tag: str | None = None) -
         )
     # A group of its own: the previous save stays intact until the new root record, which
     # names the new group, is published.
-    store.ensure_on_disk()  # a save is a write: it makes a new store
-    saved = dataclasses.replace(saved, slot=store.take_save_slot())
-    store.check_hold()  # the group may be a newer writer's save
+    store.lifetime.ensure_on_disk()  # a save is a write: it makes a new store
+    saved = dataclasses.replace(saved, slot=store.saves.take_slot())
+    store.lifetime.check_hold()  # the group may be a newer writer's save
     with store.writing("saving the buffer state"):
         save_buffer(rb, store.engine, saved.group)
-    store.publish_saved(saved, tag=tag)
+    store.saves.publish(saved, tag=tag)
 
 
 def load(
@@ -258,10 +258,10 @@ def load(
 
 def _saved_of(storage: ZarrStorage, version: str | int | None = None) -> Saved:
     """The store's last save (or ``version``), checked to still hold its rows (see
-    :meth:`~zarr_rb.core.store.Store.check_loadable`)."""
+    :meth:`~zarr_rb.core.saves.StoreSaves.check_loadable`)."""
     try:
         saved = _find_save(storage.store, version)
-        storage.store.check_loadable(
+        storage.store.saves.check_loadable(
             length=saved.length,
             cursor=saved.cursor,
             epoch=saved.epoch,
@@ -312,7 +312,7 @@ def _load_into_memory(
     stored = ZarrStorage(path=path, read_only=True, storage_options=storage_options)
 
     def restore(read: Saved) -> None:
-        stored.store.use_save(read)  # the save's rows, whatever was written since
+        stored.store.saves.use_save(read)  # the save's rows, whatever was written since
         fill_memory(memory, stored, length=read.length, progress=progress)
 
     try:
@@ -487,7 +487,7 @@ def drop_version(
             raise TypeError(f"expected the tag of a version (a string), got {tag!r}")
         if tag not in store.meta.versions:
             _find_save(store, tag)  # raises, listing what is kept
-        store.drop_version(tag)
+        store.saves.drop_version(tag)
     finally:
         store.close()
 

@@ -174,7 +174,7 @@ def _check_array(
 ) -> list[DamagedChunk]:
     try:
         if key is not None:
-            array = store.array(key)
+            array = store.arrays.get(key)
         else:
             store.engine.check_array_metadata(array_path, (size,))
             array = store.engine.open_array(array_path, read_only=True)
@@ -214,11 +214,11 @@ def _check_ragged(
     longest of its rows (chunks past that were never needed, and may not exist).
     ``positions`` are read; ``physical``, the rows of the arrays that hold them."""
     try:
-        array = store.array(leaf.key)
+        array = store.arrays.get(leaf.key)
     except (StoreCorruptedError, ValueError) as err:
         return [DamagedChunk(leaf.path, (0, 0), f"cannot open the array: {err}")]
     try:
-        sizes = store.read_disk({leaf.lengths_key: positions})[leaf.lengths_key].numpy()
+        sizes = store.arrays.read({leaf.lengths_key: positions})[leaf.lengths_key].numpy()
     except (StoreCorruptedError, ValueError):
         return []  # the lengths leaf is damaged: reported with it
     rows = physical

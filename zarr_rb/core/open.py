@@ -9,6 +9,7 @@ exists. Writers take the store's lock for as long as the store is open.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -167,7 +168,7 @@ def open_store(
         store = _open_single(engine, mode, max_size=max_size, ndim=ndim, compression=compression)
     if key not in _WRITERS:
         _WRITERS[key] = store
-        store.on_close(_forget)
+        store.lifetime.on_close(functools.partial(_forget, store))
     return store
 
 
@@ -178,7 +179,7 @@ def _new_store(
     ndim: int | None,
     compression: Compression | None,
 ) -> Store:
-    """A new store, made on disk at its first write (see :meth:`Store.ensure_on_disk`)."""
+    """A new store, made on disk at its first write (see :meth:`Lifetime.ensure_on_disk`)."""
     assert max_size is not None
     compression = compression or Compression()
     meta = _empty(max_size, ndim, compression, Commit())
@@ -315,7 +316,8 @@ def _share(
     meta = dataclasses.replace(store.meta, commit=store.committed)
     check_meta(meta, where, max_size=max_size, ndim=ndim)
     _compression_of(meta, compression, where)
-    return store.acquire()
+    store.lifetime.acquire()
+    return store
 
 
 def _open_locked(

@@ -10,8 +10,44 @@ import secrets
 from collections.abc import Callable, Iterable
 
 from zarr_rb.format import runs as _runs
-from zarr_rb.format.pieces import MAPS_GROUP, encode_piece
+from zarr_rb.format.pieces import MAPS_GROUP, encode_piece, is_piece_key, piece_keys
+from zarr_rb.format.record import StoreMeta
 from zarr_rb.format.runs import RunMap
+from zarr_rb.locations import Location
+
+
+class MapPieces:
+    """The pieces of one store's run maps, as its writer stores and deletes them."""
+
+    def __init__(self, location: Location, meta: StoreMeta, *, listed: bool) -> None:
+        self._location = location
+        self._listed: set[str] = set()
+        """Pieces that were in the store when this writer opened it (``listed``) and that
+        no record named then, or named since: those a writer that crashed between its
+        pieces and its record left. Deleted after this writer's first commit (any writer
+        whose pieces they are lost its swap to it)."""
+        if listed:
+            found = {key for key in location.list(MAPS_GROUP) if is_piece_key(key)}
+            self._listed = found - piece_keys(meta.run_maps())
+
+    def store(self, meta: StoreMeta) -> list[str]:
+        """Write the pieces of the run maps of ``meta`` that its record will name and that
+        are not stored yet (before the record that names them). Returns their keys."""
+        return store_pieces(meta.run_maps(), self._location.write)
+
+    def drop(self, before: StoreMeta, after: StoreMeta) -> None:
+        """Delete the pieces that the record ``before`` named and ``after``, which replaced
+        it, does not (a reader of ``before`` that meets one gone reads the record again)."""
+        named = piece_keys(after.run_maps())
+        stale = piece_keys(before.run_maps()) - named
+        if self._listed:
+            # Listed before the record that ``after`` replaced was read: a writer that
+            # wrote them for a swap of its own against that record, or an earlier one,
+            # lost it to this one.
+            stale |= self._listed - named
+            self._listed = set()
+        for key in sorted(stale):
+            self._location.delete(key)
 
 
 def store_pieces(maps: Iterable[RunMap | None], write: Callable[[str, bytes], object]) -> list[str]:

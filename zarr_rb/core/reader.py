@@ -70,7 +70,7 @@ def reread_commit(store: StoreAPI) -> Commit:
             store.engine.cache.new_epoch()
         else:
             # Objects created once: only those of slots created since are new.
-            store.forget_slots(created)
+            store.arrays.forget_slots(created)
     if pinned is not None:
         return meta.commit  # it reads the save's rows, which nothing changes
     if store.read_only and store.schema is not None:
@@ -99,7 +99,7 @@ def read_committed(
                 f"are not readable in commit {commit.generation} (length {commit.length}, "
                 f"holes {list(commit.holes)}); call refresh() to pick up newer commits",
             )
-        out = store.read_disk_all(dict.fromkeys(keys, rows[published]))
+        out = store.arrays.read_all(dict.fromkeys(keys, rows[published]))
         if not published.all():
             out = {key: _spread(value, published) for key, value in out.items()}
         return out

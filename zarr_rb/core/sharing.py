@@ -101,9 +101,9 @@ class Sharing(SharingSaves):
         store.commits = sharing
         if store.ledger is not None:
             store.ledger.grow(store.rows)  # other writers' rows lie anywhere in the ring
-        meta = sharing.update(functools.partial(_to_runs, late_writes=store.late_writes))
+        meta = sharing.update(functools.partial(_to_runs, late_writes=store.lifetime.late_writes))
         if meta.commit.ring is not None and store.schema is not None:
-            store.ensure_capacity(meta.commit.ring.capacity)
+            store.arrays.ensure_capacity(meta.commit.ring.capacity)
         return sharing
 
     def set_schema(self, schema: Schema, block_rows: int) -> None:
@@ -175,12 +175,12 @@ class Sharing(SharingSaves):
                 values = {**given, **store.read(rows, missing, unwritten_as_zeros=True)}
                 over = store.committed.physical(rows)  # where what was read lies
             physical = self.room(rows.size)
-            store.write_rows([(physical, values)], physical=True)
+            store.arrays.write_rows([(physical, values)], physical=True)
             try:
                 self.commit_rows(physical, rows, over=over)
             except RowsMovedError:
                 continue  # another writer wrote some of those rows since: read them again
-            store.update_mirror(rows, values)
+            store.ram.update(rows, values)
             return
         raise LockedError(
             f"store {store.url!r}: rows {preview_rows(rows)} kept being written by other "
@@ -194,7 +194,7 @@ class Sharing(SharingSaves):
         store.version += 1
         physical = self.room(count)
         values = store.whole_rows(physical, values)
-        store.write_rows([(physical, values)], physical=True)
+        store.arrays.write_rows([(physical, values)], physical=True)
         positions = self.commit_rows(physical)
         if INDEX_KEY in values:  # marks stand for the positions the commit just gave
             index = values[INDEX_KEY].clone()
@@ -203,9 +203,9 @@ class Sharing(SharingSaves):
         rows = store.rows
         if count > rows:  # a ring's worth at most: the last rows
             values = {key: value[count - rows :] for key, value in values.items()}
-            store.update_mirror(positions[count - rows :], values)
+            store.ram.update(positions[count - rows :], values)
         else:
-            store.update_mirror(positions, values)
+            store.ram.update(positions, values)
         return positions
 
     def flush(self) -> None:
@@ -267,7 +267,7 @@ class Sharing(SharingSaves):
         """
         rows = self.store.rows
         placed: list[np.ndarray] = []
-        once = self.store.creates_once
+        once = self.store.lifetime.creates_once
         # Slots this write leaves: those it filled, and (objects created once) its last.
         full = [*self._full, *([self.slot] if once and self.slot is not None else [])]
         created = tuple(dict.fromkeys((physical // self.block_rows).tolist())) if once else ()
@@ -327,7 +327,7 @@ class Sharing(SharingSaves):
         del self._full[: len(self._full) if once else len(full)]
         if next_slot:
             assert meta.commit.ring is not None
-            self.store.ensure_capacity(meta.commit.ring.capacity)
+            self.store.arrays.ensure_capacity(meta.commit.ring.capacity)
             self.slot, self.filled = next_slot[0], 0
             self._replaced_seen = replaced
         return placed[0]
@@ -448,7 +448,7 @@ def check_shareable(store: StoreAPI) -> None:
                 "which shared writers cannot write yet (its array grows wider as longer "
                 "rows come); keep one writer for it",
             )
-        rows = store.array(leaf.key).chunk_rows
+        rows = store.arrays.get(leaf.key).chunk_rows
         if rows != block_rows:
             raise NotSupportedError(
                 f"store {store.url!r}: key {leaf.key!r} is stored in chunks of {rows} rows, "

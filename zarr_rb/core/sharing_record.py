@@ -65,7 +65,7 @@ class SharingRecord(SharingSlots):
                     # Refused, or answered with a server error, yet published (a retried
                     # request whose first attempt landed, its answer lost), perhaps under
                     # records other writers published on top since: not applied again.
-                    store.drop_pieces(*unsure)
+                    store.pieces.drop(*unsure)
                     self.adopt(meta)
                     return meta
                 unsure = None
@@ -78,12 +78,12 @@ class SharingRecord(SharingSlots):
                     self.adopt(meta)
                     return meta
                 edited = self._as_published(edited, meta.commit.generation + 1)
-                store.check_hold()
+                store.lifetime.check_hold()
                 with store.writing("publishing a commit"):
-                    written = store.store_pieces(edited)
+                    written = store.pieces.store(edited)
                     unsure = (meta, edited)
                     if store.engine.try_write_root_attributes({ATTRS_KEY: edited.to_json()}):
-                        store.drop_pieces(meta, edited)
+                        store.pieces.drop(meta, edited)
                         self.adopt(edited)
                         return edited
                     if self._landed(self.read_record(), edited.commit.generation):
@@ -110,7 +110,7 @@ class SharingRecord(SharingSlots):
             commit = dataclasses.replace(
                 commit, ring=commit.ring.published_by(self.writer, generation)
             )
-        if commit.object_era is not None and not self.store.creates_once:
+        if commit.object_era is not None and not self.store.lifetime.creates_once:
             # This writer writes objects over: readers must revalidate their caches.
             commit = dataclasses.replace(commit, object_era=None)
         return dataclasses.replace(edited, commit=commit)
@@ -153,7 +153,7 @@ class SharingRecord(SharingSlots):
         self.cursor = meta.commit.cursor
         if new_schema:
             assert meta.schema is not None
-            store.ensure_arrays()
+            store.arrays.ensure()
             store.attach_schema(meta.schema, meta.block_rows or 1)
         if store.schema is None:
             return
@@ -177,8 +177,8 @@ class SharingRecord(SharingSlots):
             if created is None:
                 store.engine.cache.new_epoch()
             else:
-                store.forget_slots(created)
-        if store.mirrored:
+                store.arrays.forget_slots(created)
+        if store.ram.mirrored:
             self._refresh_mirror(before, meta.commit, old, new)
 
     def _refresh_mirror(
@@ -196,7 +196,7 @@ class SharingRecord(SharingSlots):
         if before.ring is not None and after.ring is not None:
             taken = after.ring.taken_since(before.ring)
         if taken is None or not isinstance(old, RunMap) or not isinstance(new, RunMap):
-            store.mirror_changed(np.ones(store.rows, dtype=bool))  # read whole when next needed
+            store.ram.changed(np.ones(store.rows, dtype=bool))  # read whole when next needed
             return
         changed = np.zeros(store.rows, dtype=bool)
         changed[new.moved_since(old)] = True
@@ -206,7 +206,7 @@ class SharingRecord(SharingSlots):
         if self._mine is not None:
             changed[self._mine] = False  # this writer's own: it mirrors them itself
         if changed.any():
-            store.mirror_changed(changed)
+            store.ram.changed(changed)
 
     def read_checked(self, read: Callable[[], _R], rows: np.ndarray) -> _R:
         """``read()`` of positions ``rows``, retried while other writers took slots those

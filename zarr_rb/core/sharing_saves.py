@@ -139,7 +139,7 @@ class SharingSaves(SharingRecord):
                 record (after the load was checked): loading would drop those rows.
         """
         runs = runs_of(kept)
-        seen = self.committed  # what the load was checked against (Store.check_loadable)
+        seen = self.committed  # what the load was checked against (StoreSaves.check_loadable)
 
         def rebase(meta: StoreMeta) -> StoreMeta:
             if not any((s.slot, s.time) == (saved.slot, saved.time) for s in meta.pinned()):

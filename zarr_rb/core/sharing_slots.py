@@ -96,7 +96,7 @@ class SharingSlots(Commits):
         slot, then of the slots it takes. A writer that creates objects once starts every
         write in a slot it has not written yet (see :meth:`Sharing.commit_rows`)."""
         block_rows = self.block_rows
-        if self.filled and self.store.creates_once:
+        if self.filled and self.store.lifetime.creates_once:
             assert self.slot is not None
             self._full.append(self.slot)  # its objects are made: it takes no more rows
             self.slot = None
@@ -127,7 +127,7 @@ class SharingSlots(Commits):
 
         meta = self.update(take)
         assert meta.commit.ring is not None
-        self.store.ensure_capacity(meta.commit.ring.capacity)
+        self.store.arrays.ensure_capacity(meta.commit.ring.capacity)
         self.slot, self.filled = chosen[0], 0
 
     def with_slot_taken(self, meta: StoreMeta) -> tuple[StoreMeta, int]:
@@ -136,7 +136,7 @@ class SharingSlots(Commits):
         ring = meta.commit.ring
         assert ring is not None
         opened = [(w, s) for w, s in ring.open if w == self.writer or self._is_alive(w)]
-        if self.store.late_writes:
+        if self.store.lifetime.late_writes:
             # A writer taken for gone may be a stalled one whose writes land later.
             gone = [s for w, s in ring.open if (w, s) not in opened]
             ring = dataclasses.replace(ring, retired=(*ring.retired, *gone))
@@ -213,7 +213,7 @@ class SharingSlots(Commits):
         go without. The first collection of a writer lists the arrays; later ones delete
         the slots that came free since (a slot taken since may hold objects again)."""
         store = self.store
-        keys = store.whole_block_arrays()
+        keys = store.arrays.whole_block_keys()
         meta = self.read_record()
         ring = meta.commit.ring
         assert ring is not None
@@ -226,15 +226,15 @@ class SharingSlots(Commits):
         candidates = stored & ~referenced
         emptied = np.flatnonzero(candidates & never_again)  # never taken again: wherever they are
         if emptied.size:
-            store.check_hold()
-            store.drop_slots(keys, emptied.tolist())
+            store.lifetime.check_hold()
+            store.arrays.drop_slots(keys, emptied.tolist())
         candidates[:spare] = False  # free ones that writers take first keep their objects
         free = np.flatnonzero(candidates & ~never_again)
         for start in range(0, free.size, COLLECT_BATCH):
             held = self._hold(free[start : start + COLLECT_BATCH].tolist())
             try:
-                store.check_hold()
-                store.drop_slots(keys, held)
+                store.lifetime.check_hold()
+                store.arrays.drop_slots(keys, held)
             finally:
                 # Free again, emptied or not (a slot taken is written whole before use).
                 self._give_back(held)
@@ -258,7 +258,7 @@ class SharingSlots(Commits):
                 known[[slot for slot in taken if slot < ring.capacity]] = False
                 return ~known
         stored = np.zeros(ring.capacity, dtype=bool)
-        listed = [slot for slot in self.store.stored_slots(keys) if slot < ring.capacity]
+        listed = [slot for slot in self.store.arrays.stored_slots(keys) if slot < ring.capacity]
         stored[listed] = True
         return stored
 

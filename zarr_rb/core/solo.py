@@ -80,7 +80,7 @@ class SoloCommits(SoloSaves):
     ) -> None:
         store = self.store
         with store.writing("creating the arrays"):
-            store.create_arrays(schema.leaves, schema.batch_shape, block_rows, samples=samples)
+            store.arrays.create(schema.leaves, schema.batch_shape, block_rows, samples=samples)
         self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows)
         store.attach_schema(schema, block_rows)
         self.publish_meta()
@@ -101,7 +101,7 @@ class SoloCommits(SoloSaves):
             # names the keys only after (a reader of it would meet cells holding nothing).
             self._first_own_slot()
         with store.writing("creating the arrays of new keys"):
-            store.create_arrays(leaves, physical_shape, block_rows, samples=samples)
+            store.arrays.create(leaves, physical_shape, block_rows, samples=samples)
         grown = schema.with_leaves(leaves)
         # A store of format 1 that takes leaves format 1 cannot read becomes format 2, so
         # that an older zarr_rb refuses it (FormatVersionError) instead of misreading it.
@@ -114,7 +114,7 @@ class SoloCommits(SoloSaves):
             store.write_cache.add_key(
                 leaf.key, store.element_shape(leaf), TORCH_DTYPES[leaf.dtype], ragged=leaf.ragged
             )
-        store.update_mirrorable()
+        store.ram.choose()
         # Zeros on disk for every row that holds data there (intact here, or published to
         # readers), so that those rows stay whole with the new keys; rows waiting in RAM get
         # zeros there too (add_key).
@@ -136,7 +136,7 @@ class SoloCommits(SoloSaves):
                     if leaf.ragged:
                         continue  # its rows are empty (their lengths are zeros): nothing to read
                     zeros = np.zeros((rows.size, *store.element_shape(leaf)), leaf.stored_dtype)
-                    futures.append(store.array(leaf.key).write_rows(rows, zeros))
+                    futures.append(store.arrays.get(leaf.key).write_rows(rows, zeros))
             for future in futures:
                 future.result()
         store.ledger.add_keys(leaf.key for leaf in leaves)
@@ -159,7 +159,7 @@ class SoloCommits(SoloSaves):
             # Failed writes waiting to be written again must not land over these newer rows.
             self._retries = without_cells(self._retries, rows, values.keys())
         values, zeros = self._zeros_where_unwritten(rows, values)
-        store.update_mirror(rows, values)
+        store.ram.update(rows, values)
         if values.keys() == store.leaves.keys():
             writes = self._stage_rows(rows, values, sequential=cursor is not None)
         else:
@@ -265,7 +265,7 @@ class SoloCommits(SoloSaves):
 
     @property
     def rows_reached(self) -> int:
-        return max(self.store.rows_written, self.committed.length)
+        return max(self.store.ram.rows_written, self.committed.length)
 
     # --- copy-on-write, slots, commits ----------------------------------------------------
 
@@ -277,7 +277,7 @@ class SoloCommits(SoloSaves):
         assert self.store.ledger is not None
         # Rows waiting in RAM keep their previous, still intact, committed content.
         ledger = self.store.ledger
-        readable = ledger.intact & ~(self.store.staged_mask(ledger.extent) & ~ledger.published)
+        readable = ledger.intact & ~(self.store.ram.staged_mask(ledger.extent) & ~ledger.published)
         readable[self.store.length_rows :] = False
         # Rows past the committed ones are published as a prefix: rows after one that is
         # not on disk (a failed write kept in RAM) wait for it, rather than leave a hole.
@@ -373,7 +373,7 @@ class SoloCommits(SoloSaves):
         it: the rows written since the last commit still start where they did. (Such a
         record keeps the commit's generation: readers, which compare generations, see no
         change, and there is none for them.)"""
-        self.store.ensure_on_disk()
+        self.store.lifetime.ensure_on_disk()
         if self.store.archive and commit.history is None:
             commit = dataclasses.replace(commit, history=RunMap.empty())
         if self.late_writes_alone:
@@ -383,11 +383,11 @@ class SoloCommits(SoloSaves):
         meta = dataclasses.replace(self.meta, commit=commit)
         if saved is not None:
             meta = dataclasses.replace(meta, saved=saved)
-        self.store.check_hold()
+        self.store.lifetime.check_hold()
         with self.store.writing("publishing a commit"):
-            self.store.store_pieces(meta)  # (a failed publish leaves them: garbage, see collect)
+            self.store.pieces.store(meta)  # (a failed publish leaves them: garbage, see collect)
             self.store.engine.write_root_attributes({ATTRS_KEY: meta.to_json()})
-            self.store.drop_pieces(self.meta, meta)
+            self.store.pieces.drop(self.meta, meta)
         self.meta = meta
         self.committed = commit
         if rows:
@@ -402,7 +402,7 @@ class SoloCommits(SoloSaves):
         first record (the writer before may have created objects after its last one), after
         an array was created again, and when the slots would be too many; ``None`` when
         objects may be written over."""
-        if not self.store.creates_once:
+        if not self.store.lifetime.creates_once:
             return None
         era = self.committed.object_era
         created = tuple(self._created_slots)

@@ -97,7 +97,7 @@ class SoloSaves(SoloWrites):
         a crash interrupted before it was published), but the one the next save writes."""
         saves = (self.meta.saved, *self.meta.versions.values())
         named = {saved.group for saved in saves if saved is not None}
-        named.add(f"{STATE_GROUP}/{self.store.next_save_slot()}")
+        named.add(f"{STATE_GROUP}/{self.next_save_slot(self.meta.save_slots())}")
         groups = {
             "/".join(key.split("/")[:2]) for key in self.store.engine.location.list(STATE_GROUP)
         }

@@ -82,14 +82,14 @@ class SoloSlots(Commits):
                 return 0
             if len(free) > SPARE_FACTOR * slots.blocks:
                 known = None  # many slots not known to be empty: listing them costs less
-        whole = store.whole_block_arrays()
+        whole = store.arrays.whole_block_keys()
         emptied: set[int] = set()
         with store.writing("deleting slots no record refers to"):
             stale = {
                 key: free
                 if known is not None
                 else sorted(
-                    store.array(key).stored_chunks() & set(np.flatnonzero(eligible).tolist())
+                    store.arrays.get(key).stored_chunks() & set(np.flatnonzero(eligible).tolist())
                 )
                 for key in whole
             }
@@ -98,7 +98,7 @@ class SoloSlots(Commits):
                 # the store over at a record that leaves it these slots.
                 self._first_own_slot()
             for key, chunks in stale.items():
-                store.array(key).drop_chunks(chunks)
+                store.arrays.get(key).drop_chunks(chunks)
                 emptied.update(chunks)
         self._known_empty = eligible
         return len(emptied)
@@ -138,7 +138,7 @@ class SoloSlots(Commits):
     @property
     def late_writes_alone(self) -> bool:
         """A single writer whose slots are reserved in the record before it writes."""
-        return self.store.late_writes
+        return self.store.lifetime.late_writes
 
     def write_past(self, slot: int) -> None:
         """Write no slot below ``slot`` (a writer that held the store before may still
@@ -224,7 +224,7 @@ class SoloSlots(Commits):
             self.publish(self.committed, rows=False)
         with self.store.writing("adding slots to the arrays"):
             for key in self.store.leaves:
-                self.store.array(key).grow_rows(capacity * slots.block_rows)
+                self.store.arrays.get(key).grow_rows(capacity * slots.block_rows)
         self.positions = slots.with_capacity(capacity)
         known = self._known_empty
         if known is not None:  # slots up to the old capacity may hold objects, new ones not

@@ -16,6 +16,7 @@ import torch
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.solo_slots import SoloSlots
 from zarr_rb.core.write_cache import Block, Write
+from zarr_rb.format.schema import plain_then_ragged
 from zarr_rb.util.keys import Key
 
 _MAX_STAGED_BLOCKS = 8
@@ -145,7 +146,7 @@ class SoloWrites(SoloSlots):
         written go straight into their block's slot."""
         assert self.store.ledger is not None
         assert self.positions is not None
-        self.store.check_hold()
+        self.store.lifetime.check_hold()
         self.store.ledger.grow(
             max((int(rows.max()) + 1 for rows, _ in writes if rows.size), default=0)
         )
@@ -159,11 +160,11 @@ class SoloWrites(SoloSlots):
         # whole while the write runs (a failed write leaves them to be written again).
         self.store.ledger.start_write(in_place)
         try:
-            self.store.write_rows([*copies, *writes], seeds=seeds)
+            self.store.arrays.write_rows([*copies, *writes], seeds=seeds)
         except BaseException:
             self.block_map.assign(moved, before)  # the blocks' rows are where they were
             raise
-        if self.store.creates_once:
+        if self.store.lifetime.creates_once:
             written = np.concatenate([np.empty(0, np.int64), *(r for r, _ in [*copies, *writes])])
             slots = np.unique(self.physical(written) // self.block_map.block_rows)
             self._created_slots.extend(slots.tolist())
@@ -203,7 +204,7 @@ class SoloWrites(SoloSlots):
         # A slot another writer may still write (one that held the store before): moved.
         foreign = slots < self._first_own_slot()
         move = pinned | (committed & has_live) | foreign
-        creates_once = self.store.creates_once
+        creates_once = self.store.lifetime.creates_once
         if creates_once:
             # No object is written over: a block whose slot holds rows to keep (any of
             # them, written or not now) moves as well, the rows it keeps copied along.
@@ -224,7 +225,7 @@ class SoloWrites(SoloSlots):
         # the write goes over them (it rewrites the inner chunks it touches, as in place).
         # When objects are created once, the write starts from those copies instead
         # (``seeds``): the rows kept and the rows written make each object, created whole.
-        whole = [key for key in self.store.leaves if self.store.array(key).chunk_rows == block_rows]
+        whole = self.store.arrays.whole_block_keys()
         seeds: list[tuple[int, int]] = []
         if creates_once:
             seeds = list(zip(before.tolist(), fresh.tolist(), strict=True))
@@ -232,9 +233,9 @@ class SoloWrites(SoloSlots):
             with self.store.writing("copying blocks to other slots"):
                 for key in whole:
                     for source, target in zip(before.tolist(), fresh.tolist(), strict=True):
-                        self.store.array(key).copy_chunk(source, target)
+                        self.store.arrays.get(key).copy_chunk(source, target)
         others = [key for key in self.store.leaves if key not in whole]
-        for group in self.store.plain_then_ragged(others):
+        for group in plain_then_ragged(self.store.leaves, others):
             requests = {}
             for key in group:
                 written = [rows for rows, values in writes if key in values]
@@ -244,13 +245,13 @@ class SoloWrites(SoloSlots):
                 if keep.any():
                     requests[key] = positions[keep]
             lengths = {
-                key: self.store.read_disk({self.store.leaf(key).lengths_key: rows})[
+                key: self.store.arrays.read({self.store.leaf(key).lengths_key: rows})[
                     self.store.leaf(key).lengths_key
                 ].numpy()
                 for key, rows in requests.items()
                 if self.store.leaf(key).ragged
             }
-            for key, values in self.store.read_disk(requests, lengths).items():
+            for key, values in self.store.arrays.read(requests, lengths).items():
                 copies.append((requests[key], {key: values}))
         block_map.assign(blocks, fresh)
         return blocks, before, copies, in_place, seeds

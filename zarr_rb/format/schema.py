@@ -244,3 +244,21 @@ def parse_schema(value: object, *, ndim: int) -> Schema | None:
 
 def leaves_by_key(leaves: Iterable[LeafSpec]) -> dict[tuple[str, ...], LeafSpec]:
     return {leaf.key: leaf for leaf in leaves}
+
+
+def with_lengths(
+    leaves: Mapping[tuple[str, ...], LeafSpec], keys: Iterable[tuple[str, ...]]
+) -> list[tuple[str, ...]]:
+    """``keys`` and the lengths leaves of the ragged ones among them."""
+    keys = list(keys)
+    lengths = [leaves[key].lengths_key for key in keys if leaves[key].ragged]
+    return keys + [key for key in dict.fromkeys(lengths) if key not in keys]
+
+
+def plain_then_ragged(
+    leaves: Mapping[tuple[str, ...], LeafSpec], keys: Sequence[tuple[str, ...]]
+) -> list[list[tuple[str, ...]]]:
+    """Keys in the order they are read: ragged leaves after the lengths they need."""
+    plain = [key for key in keys if not leaves[key].ragged]
+    ragged = [key for key in keys if leaves[key].ragged]
+    return [group for group in (plain, ragged) if group]

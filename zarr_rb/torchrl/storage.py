@@ -202,7 +202,7 @@ class ZarrStorage(StorageReads):
                 ndim=store.meta.ndim,
                 compilable=compilable,
             )
-            store.set_length(length)
+            store.commits.set_length(length)
             self.initialized = store.schema is not None
             if self.initialized:
                 self.max_size = capacity_of(store.meta)
@@ -210,7 +210,7 @@ class ZarrStorage(StorageReads):
                 compat.set_last_cursor(self, (store.cursor - 1) % store.rows)
             self.existsok = existsok
             self.shared_init = shared_init
-            store.keep_in_ram(ram_bytes)
+            store.ram.keep_in_ram(ram_bytes)
             self.__dict__["_ragged"] = ragged_keys(ragged)
             self.__dict__["_storage_options"] = dict(storage_options or {})
             self.auto_cleanup = tmpdir is not None if auto_cleanup is None else bool(auto_cleanup)
@@ -218,13 +218,13 @@ class ZarrStorage(StorageReads):
             self.__dict__["_refreshed_at"] = time.monotonic()
         except BaseException:
             if tmpdir is not None:
-                store.remove_when_closed(LocalLocation(tmpdir))
+                store.lifetime.remove_when_closed(LocalLocation(tmpdir))
             store.close()
             raise
         if tmpdir is not None:
-            store.remove_when_closed(LocalLocation(tmpdir))
+            store.lifetime.remove_when_closed(LocalLocation(tmpdir))
         elif self.auto_cleanup:
-            store.remove_when_closed(store.engine.location)
+            store.lifetime.remove_when_closed(store.engine.location)
         self._attach_store(store)
 
     def attach(self, buffer: Any) -> None:
@@ -254,7 +254,7 @@ class ZarrStorage(StorageReads):
         dataloader.check_open(self)
         for_worker = dataloader.pickled_for_a_worker()
         if not store.read_only:
-            store.ensure_on_disk()  # another process opens it by its path
+            store.lifetime.ensure_on_disk()  # another process opens it by its path
         if not store.read_only and not store.is_shared and sharing.spawning() and not for_worker:
             store.become_shared()
         self.flush()

@@ -66,8 +66,8 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         # Storages of this process on one store see one data revision (samplers' caches).
         compat.share_revision(self, store.shared)
         # Dropped without close(): the garbage collector runs this at any allocation,
-        # perhaps inside another storage's write to the same store (see Store.drop_user).
-        self._finalizer = weakref.finalize(self, store.drop_user)
+        # perhaps inside another storage's write to the same store (see Lifetime.drop_user).
+        self._finalizer = weakref.finalize(self, store.lifetime.drop_user)
 
     # --- TorchRL bookkeeping, backed by the store ------------------------------------------
 
@@ -102,7 +102,7 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
 
     @_len.setter
     def _len(self, value: int) -> None:
-        self.__dict__["_store"].set_length(int(value))  # (a shared store's is its record's)
+        self.__dict__["_store"].commits.set_length(int(value))  # (a shared store's is its record's)
 
     @property
     def _total_shape(self) -> torch.Size | None:
@@ -229,7 +229,7 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         crashes, see :func:`zarr_rb.testing.crash.simulate_crash`): the rows it holds in RAM
         are lost, nothing is flushed or committed, its writer lock is released."""
         self._finalizer.detach()
-        self._store.abandon()
+        self._store.lifetime.abandon()
 
     def cleanup(self) -> bool:
         """Close the storage and delete its store from disk (as ``LazyMemmapStorage.cleanup``).
@@ -246,7 +246,7 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         if not self._finalizer.alive:
             return False
         self._finalizer.detach()
-        self._store.remove_when_closed(self._store.engine.location)
+        self._store.lifetime.remove_when_closed(self._store.engine.location)
         return self._store.close()
 
     def refresh(self) -> None:
@@ -310,9 +310,9 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         """Set length and cursor (e.g. to those of a save) and commit them; with ``save``
         (one that kept its rows), the rows are the save's too."""
         if save is not None:
-            self._store.use_save(save)
+            self._store.saves.use_save(save)
         self._len = length
-        self._store.move_cursor(cursor)
+        self._store.commits.move_cursor(cursor)
         if self.initialized and length:
             compat.set_last_cursor(self, (cursor - 1) % self._store.rows)
         self._store.flush()
@@ -340,7 +340,7 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         """``(length, cursor, epoch)`` of the store once every row is committed (a new store
         is made on disk for it): what a dump in place records, for
         :meth:`check_unchanged_since` to check when it is loaded."""
-        self._store.ensure_on_disk()  # a dump is a write: it makes a new store
+        self._store.lifetime.ensure_on_disk()  # a dump is a write: it makes a new store
         self.flush()
         return len(self), self.cursor, self._store.committed.epoch
 
@@ -351,10 +351,10 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
             SaveOverwrittenError: rows it covered were written over since.
         """
         self.flush()
-        self._store.check_loadable(length=length, cursor=cursor, epoch=epoch, exact=True)
+        self._store.saves.check_loadable(length=length, cursor=cursor, epoch=epoch, exact=True)
 
     def snapshot_to(self, path: Path) -> None:
         """Copy the store, every row committed, into a new local store at ``path``."""
-        self._store.ensure_on_disk()
+        self._store.lifetime.ensure_on_disk()
         self.flush()
         self._store.engine.snapshot_to(LocalLocation(path), progress=False)

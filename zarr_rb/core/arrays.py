@@ -1,0 +1,364 @@
+"""A store's data arrays: opened and checked against the schema, created, grown, written
+by slot, and their unreferenced slots deleted. Rows here are rows of the arrays (physical);
+where a position is among them is the owner of the positions' business
+(:attr:`Store.commits <zarr_rb.core.store.Store.commits>`). Reads are
+:mod:`zarr_rb.core.disk_reads`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from zarr_rb.core.disk_reads import padded, read_rows, read_rows_all
+from zarr_rb.core.dtypes import to_numpy
+from zarr_rb.core.write_cache import Write
+from zarr_rb.engine import Engine, RowArray, once
+from zarr_rb.engine.layout import Compression, leaf_layout
+from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.format.commit import Commit
+from zarr_rb.format.names import ATTRS_KEY
+from zarr_rb.format.record import StoreMeta
+from zarr_rb.format.schema import LeafSpec, Schema
+from zarr_rb.locations.base import ROOT_METADATA
+from zarr_rb.util.keys import Key
+
+ARRAYS_WAIT_SECONDS = 10.0
+"""How long a store that just got its schema from another writer waits for its arrays."""
+
+
+class _Hold(Protocol):
+    def check_hold(self) -> None: ...
+    @property
+    def creates_once(self) -> bool: ...
+
+
+class ArraysOwner(Protocol):
+    """What the arrays use of their store (:class:`~zarr_rb.core.store.Store`)."""
+
+    @property
+    def engine(self) -> Engine: ...
+    @property
+    def compression(self) -> Compression: ...
+    @property
+    def read_only(self) -> bool: ...
+    @property
+    def url(self) -> str: ...
+    @property
+    def schema(self) -> Schema | None: ...
+    @property
+    def meta(self) -> StoreMeta: ...
+    @property
+    def committed(self) -> Commit: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def physical_rows(self) -> int: ...
+    @property
+    def lifetime(self) -> _Hold: ...
+
+    leaves: dict[Key, LeafSpec]
+
+    def leaf(self, key: Key) -> LeafSpec: ...
+    def element_shape(self, leaf: LeafSpec, width: int = 0) -> tuple[int, ...]: ...
+    def physical(self, positions: np.ndarray) -> np.ndarray: ...
+    def writing(self, what: str) -> contextlib.AbstractContextManager[None]: ...
+
+
+class StoreArrays:
+    """The data arrays of one open store, opened once each."""
+
+    def __init__(self, store: ArraysOwner) -> None:
+        self.store = store
+        self._open: dict[Key, RowArray] = {}
+
+    def expected_shape(self, leaf: LeafSpec) -> tuple[int | None, ...]:
+        """The shape a leaf's array must have (``None``: any length along that dimension:
+        the rows, at least the capacity's and more once slots were added for copies; a
+        ragged array's width)."""
+        if leaf.ragged:
+            return (None, None, *leaf.shape)
+        return (None, *self.store.element_shape(leaf))
+
+    def wait_for(self, schema: Schema) -> None:
+        """The arrays of a shared store are created by the writer that set its schema,
+        right after it published it: wait for the last of them."""
+        last = schema.leaves[-1]
+        deadline = time.monotonic() + ARRAYS_WAIT_SECONDS
+        while self.store.engine.location.read(f"{last.path}/{ROOT_METADATA}") is None:
+            if time.monotonic() > deadline:
+                return  # reported by the checks that follow
+            time.sleep(0.01)
+
+    def check_metadata(self, schema: Schema) -> None:
+        """Check the schema against an array on disk (row masks are sized from it)."""
+        first = next(leaf for leaf in schema.leaves if not leaf.ragged)
+        self.store.engine.check_array_metadata(first.path, self.expected_shape(first))
+
+    def get(self, key: Key) -> RowArray:
+        """The array of ``key``, opened and checked against the schema at its first use.
+
+        Raises:
+            StoreCorruptedError: it does not match the schema.
+        """
+        array = self._open.get(key)
+        if array is not None:
+            return array
+        store = self.store
+        leaf = store.leaf(key)
+        expected = self.expected_shape(leaf)
+        store.engine.check_array_metadata(leaf.path, expected)
+        try:
+            array = store.engine.open_array(
+                leaf.path, read_only=store.read_only, ragged=leaf.ragged
+            )
+        except ValueError as err:
+            raise StoreCorruptedError(
+                f"store {store.url!r}: cannot open array {leaf.path!r} ({err})"
+            ) from None
+        # (A shared store's writers grow its arrays after they took more slots: other
+        # writers may not have yet; reads and writes past them grow or reopen them.)
+        least = store.rows if store.committed.ring is not None else store.physical_rows
+        shape_ok = (
+            len(array.shape) == len(expected)
+            and array.shape[0] >= least
+            and all(
+                want is None or want == got
+                for want, got in zip(expected[1:], array.shape[1:], strict=False)
+            )
+        )
+        if not shape_ok or array.dtype != np.dtype(leaf.stored_dtype):
+            want = (store.physical_rows, *expected[1:])
+            raise StoreCorruptedError(
+                f"store {store.url!r}: array {leaf.path!r} has shape "
+                f"{array.shape} and dtype {array.dtype}, expected {want} (at least as "
+                f"many rows) and {leaf.stored_dtype}",
+            )
+        self._open[key] = array
+        return array
+
+    def close(self) -> None:
+        """Forget the opened arrays (the store is closed)."""
+        self._open.clear()
+
+    def create(
+        self,
+        leaves: Sequence[LeafSpec],
+        batch_shape: tuple[int, ...],
+        block_rows: int,
+        *,
+        replace: bool = True,
+        samples: Mapping[Key, torch.Tensor] | None = None,
+    ) -> None:
+        """Create the arrays of ``leaves``. ``samples``: the first rows written of some of
+        them; a large leaf among those that the codec does not shrink is stored raw.
+
+        Raises:
+            UnsupportedDataError: a leaf that cannot be laid out in chunks; raised before
+                any array is created.
+        """
+        store = self.store
+        store.lifetime.check_hold()
+        layouts = [
+            leaf_layout(
+                leaf, batch_shape=batch_shape, block_rows=block_rows, compression=store.compression
+            )
+            for leaf in leaves
+        ]
+        groups = sorted(
+            {
+                "/".join(leaf.path.split("/")[:i])
+                for leaf in leaves
+                for i in range(2, leaf.path.count("/") + 1)
+            }
+        )
+        for group in groups:
+            store.engine.create_group(group)
+        for leaf, layout in zip(leaves, layouts, strict=True):
+            compression = store.compression
+            sample = None if samples is None else samples.get(leaf.key)
+            large = layout.shards is not None and not leaf.ragged
+            if large and sample is not None and not compression.shrinks(to_numpy(sample)):
+                compression = dataclasses.replace(compression, codec="none")
+            store.engine.create_array(
+                leaf.path,
+                layout=layout,
+                dtype=leaf.stored_dtype,
+                compression=compression,
+                attributes={ATTRS_KEY: {"dtype": leaf.dtype, "batch_dims": len(batch_shape)}},
+                replace=replace,
+            )
+
+    def ensure(self) -> None:
+        """Create the arrays of the schema that are missing (shared stores: whichever
+        writer gets there first; the same metadata from every one)."""
+        schema = self.store.schema
+        assert schema is not None
+        with self.store.writing("creating the arrays"):
+            self.create(
+                schema.leaves,
+                (self.store.physical_rows, *schema.batch_shape[1:]),
+                self.store.meta.block_rows or 1,
+                replace=False,
+            )
+
+    def ensure_capacity(self, slots: int) -> None:
+        """Give the arrays rows for ``slots`` slots (a shared store whose writers took
+        more): their metadata only. Resizes only ever grow an array, so that writers
+        growing it at once leave it at the largest size asked."""
+        if self.store.schema is None:
+            return
+        rows = slots * (self.store.meta.block_rows or 1)
+        with self.store.writing("adding slots to the arrays"):
+            for key in self.store.leaves:
+                array = self.get(key)
+                for _ in range(5):
+                    if array.shape[0] >= rows:
+                        break
+                    try:
+                        array.grow_rows(rows)
+                    except ValueError:
+                        array.refresh()  # another writer resized it meanwhile
+                else:
+                    array.grow_rows(rows)
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def write_rows(
+        self,
+        writes: Sequence[Write],
+        *,
+        physical: bool = False,
+        seeds: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        """Write rows to the slots the writer's map gives their blocks (``physical``: the
+        rows are rows of the arrays already: a shared writer's). ``seeds``: when objects
+        are created once, ``(slot, new slot)`` whose objects (of the arrays sharded by
+        block) the new slot's start from, as stored."""
+        store = self.store
+        if physical:
+            # (Its slots were taken with room in the arrays: Sharing._take.)
+            store.lifetime.check_hold()
+        if store.lifetime.creates_once:
+            self._create_rows(writes, seeds, physical=physical)
+            return
+        assert not seeds
+        with store.writing("writing rows"):
+            futures = []
+            try:
+                for rows, values in writes:
+                    at = rows if physical else store.physical(rows)
+                    for key, tensor in values.items():
+                        array = self.get(key)
+                        if array.ragged:
+                            tensor = _whole_chunks(tensor, array)
+                            if not tensor.shape[1]:
+                                continue  # empty rows: nothing to write
+                            array.grow(tensor.shape[1])
+                        futures.append(array.write_rows(at, to_numpy(tensor)))
+            finally:
+                errors = []
+                for future in futures:
+                    try:
+                        future.result()
+                    except ValueError as err:
+                        errors.append(err)
+            if errors:
+                raise errors[0]
+
+    def _create_rows(
+        self, writes: Sequence[Write], seeds: Sequence[tuple[int, int]], *, physical: bool
+    ) -> None:
+        """:meth:`write_rows`, every object created once: the rows of each key together."""
+        store = self.store
+        seeded = self.whole_block_keys() if seeds else []
+        by_key: dict[Key, list[tuple[np.ndarray, torch.Tensor]]] = {key: [] for key in seeded}
+        for rows, values in writes:
+            at = rows if physical else store.physical(rows)
+            for key, tensor in values.items():
+                by_key.setdefault(key, []).append((at, tensor))
+        with store.writing("writing rows"):
+            started = []
+            try:
+                for key, pieces in by_key.items():
+                    array = self.get(key)
+                    width = None
+                    if array.ragged and pieces:
+                        pieces = [(at, _whole_chunks(tensor, array)) for at, tensor in pieces]
+                        width = max(int(tensor.shape[1]) for _, tensor in pieces)
+                        if not width and key not in seeded:
+                            continue  # empty rows: nothing to write
+                        array.grow(width)
+                        pieces = [(at, padded(tensor, width)) for at, tensor in pieces]
+                    writes_of_key = [(at, to_numpy(tensor)) for at, tensor in pieces if width != 0]
+                    key_seeds = seeds if key in seeded else ()
+                    # A shared writer's slots are mostly taken again once free: with the
+                    # objects of the rows they held (deleted first, in one round).
+                    creation = array.create_rows(
+                        writes_of_key, width=width, seeds=key_seeds, clear=physical
+                    )
+                    started.append((array, creation))
+            finally:
+                # (Every key's requests in flight at once; those started are waited for.)
+                once.finish_all([creation for _, creation in started])
+            for array, creation in started:
+                array.forget(creation)
+
+    # --- slots -----------------------------------------------------------------------------
+
+    def whole_block_keys(self) -> list[Key]:
+        """The leaves whose write chunks (objects) each hold one block: one object per
+        slot, which a collection can delete (larger shards keep their slots' rows, written
+        over when the slots are reused)."""
+        block_rows = self.store.meta.block_rows or 1
+        return [key for key in self.store.leaves if self.get(key).chunk_rows == block_rows]
+
+    def stored_slots(self, keys: Sequence[Key]) -> set[int]:
+        """The slots of which an array of ``keys`` holds an object (one listing each)."""
+        return set().union(*(self.get(key).stored_chunks() for key in keys))
+
+    def drop_slots(self, keys: Sequence[Key], slots: Sequence[int]) -> None:
+        """Delete the objects of ``slots`` in the arrays of ``keys`` (slots no record
+        refers to, that no writer writes)."""
+        with self.store.writing("deleting slots no record refers to"):
+            for key in keys:
+                self.get(key).drop_chunks(slots)
+
+    def forget_slots(self, slots: Sequence[int]) -> None:
+        """Drop the cached objects of ``slots`` (a reader: their objects were created
+        anew since it cached them)."""
+        cache = self.store.engine.cache
+        if cache is None or not slots or self.store.schema is None:
+            return
+        block_rows = self.store.meta.block_rows or 1
+        rows = np.asarray(sorted(set(slots)), dtype=np.int64) * block_rows
+        for key in self.store.leaves:
+            cache.invalidate(self.get(key).chunk_keys(rows, run=False))
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def read(
+        self,
+        requests: Mapping[Key, np.ndarray],
+        lengths: Mapping[Key, np.ndarray] | None = None,
+    ) -> dict[Key, torch.Tensor]:
+        """Read the rows at positions ``requests[key]`` of each key, from disk (see
+        :func:`~zarr_rb.core.disk_reads.read_rows`)."""
+        return read_rows(self, requests, lengths)
+
+    def read_all(self, requests: Mapping[Key, np.ndarray]) -> dict[Key, torch.Tensor]:
+        """:meth:`read` of leaves and of the lengths of their ragged ones."""
+        return read_rows_all(self, requests)
+
+
+def _whole_chunks(tensor: torch.Tensor, array: RowArray) -> torch.Tensor:
+    """Ragged rows padded with zeros to whole chunks along their length (no chunk is
+    partly written, which would read it back first)."""
+    width = tensor.shape[1]
+    return padded(tensor, -(-width // array.chunk_length) * array.chunk_length)

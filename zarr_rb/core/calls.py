@@ -1,0 +1,61 @@
+"""One thread at a time in a store: a buffer's prefetch threads, a training loop and a
+writer thread may share one. The store and the parts that take calls for it (its saves,
+its lifetime) serialize their public methods on one :class:`Calls`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, cast
+
+from zarr_rb.errors import FencedError
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class Calls:
+    """The calls of one store under way, and the fence that ends its writes."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self.mutex = threading.RLock()
+        self.depth = 0
+        """Calls under way (on the thread that holds :attr:`mutex`)."""
+        self.flush_on_exit = False
+        """A user was dropped inside a call: the call commits its rows as it ends."""
+        self.fenced: FencedError | None = None
+        """Why this writer was fenced (another writer took the store over): it then
+        commits nothing more, and closing it releases it without a flush."""
+        self._flush = flush
+
+    def end(self) -> None:
+        """The outermost call ends: commit the rows of a user dropped inside it."""
+        if not self.depth and self.flush_on_exit:
+            self.flush_on_exit = False
+            self._flush()
+
+
+class TakesCalls(Protocol):
+    calls: Calls
+
+
+def serialized(method: _F) -> _F:
+    """Run a method of an object with ``calls`` holding its store's lock."""
+
+    @functools.wraps(method)
+    def wrapper(self: TakesCalls, *args: Any, **kwargs: Any) -> Any:
+        calls = self.calls
+        with calls.mutex:
+            calls.depth += 1
+            try:
+                result = method(self, *args, **kwargs)
+            except FencedError as err:
+                calls.fenced = err  # nothing more is written: see Lifetime.close
+                raise
+            finally:
+                calls.depth -= 1
+            calls.end()
+            return result
+
+    return cast(_F, wrapper)

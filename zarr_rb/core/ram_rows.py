@@ -1,0 +1,225 @@
+"""The rows a writer serves from RAM, and its reads: rows waiting in its write buffer and
+its copies of mirrored leaves come before the disk.
+
+A writer keeps its rows not yet on disk by block (:class:`~zarr_rb.core.write_cache.WriteBuffer`)
+and copies of some leaves (:class:`~zarr_rb.core.mirror.Mirror`); :class:`RamRows` reads
+through both, and from the arrays the rest, and keeps the copies up to date as it writes
+and as other writers' commits change rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from zarr_rb.core.arrays import StoreArrays
+from zarr_rb.core.disk_reads import place
+from zarr_rb.core.dtypes import TORCH_DTYPES
+from zarr_rb.core.ledger import Ledger
+from zarr_rb.core.mirror import Mirror, put_rows, zeros
+from zarr_rb.core.write_cache import WriteBuffer
+from zarr_rb.errors import RowsNotCommittedError
+from zarr_rb.format.messages import preview_rows
+from zarr_rb.format.schema import LeafSpec, Schema, plain_then_ragged, with_lengths
+from zarr_rb.util.keys import Key
+
+
+class RamOwner(Protocol):
+    """What the RAM rows use of their store (:class:`~zarr_rb.core.store.Store`)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def schema(self) -> Schema | None: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def length_rows(self) -> int: ...
+    @property
+    def rows_reached(self) -> int: ...
+    @property
+    def ledger(self) -> Ledger | None: ...
+    @property
+    def write_cache(self) -> WriteBuffer | None: ...
+    def leaf(self, key: Key) -> LeafSpec: ...
+    def element_shape(self, leaf: LeafSpec, width: int = 0) -> tuple[int, ...]: ...
+
+    leaves: dict[Key, LeafSpec]
+
+    @property
+    def arrays(self) -> StoreArrays: ...
+
+
+class RamRows:
+    """A writer's rows in RAM: what it mirrors, how far it wrote, and its reads."""
+
+    def __init__(self, store: RamOwner, *, large_row_bytes: int, read_only: bool) -> None:
+        self.store = store
+        self.mirror = Mirror(rows=0, large_row_bytes=large_row_bytes, read_only=read_only)
+        """The leaves this writer keeps in RAM, and their copies."""
+        self.rows_written = 0
+        """One past the highest row this process wrote (or staged)."""
+
+    # --- the mirror ------------------------------------------------------------------------
+
+    def keep_in_ram(self, nbytes: int) -> None:
+        """Let the writer mirror every fixed-shape leaf in RAM (frames too, not only the
+        small leaves) while the rows it reached take at most ``nbytes`` there; the largest
+        budget asked by the storages sharing this store holds."""
+        if nbytes <= self.mirror.ram_bytes:
+            return  # the mirrors chosen stand
+        self.mirror.ram_bytes = int(nbytes)
+        if self.store.schema is not None:
+            self.choose()
+
+    def choose(self) -> None:
+        """Choose the leaves to mirror in RAM (a new schema, a new budget)."""
+        schema = self.store.schema
+        assert schema is not None
+        self.mirror.choose(schema.leaves, schema.batch_shape, self.store.rows_reached)
+
+    @property
+    def mirrored(self) -> bool:
+        """Whether this writer mirrors leaves in RAM (which other writers' rows change)."""
+        return self.mirror.held
+
+    def update(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
+        """Rows (unique) this writer wrote or placed: into the copies of mirrored leaves."""
+        first = self.store.rows_reached == 0
+        if rows.size and int(rows.max()) >= self.rows_written:
+            self.rows_written = int(rows.max()) + 1
+            if self.mirror.keys:
+                self.mirror.fit(self.store.rows_reached)
+        if first:
+            # A new store: mirrors start with its first rows (none to read back later).
+            for key in self.mirror.missing():
+                self.mirror.copy_of(key, self._reach(), self._load)
+        self.mirror.put(rows, values, self.rows_written)
+
+    def changed(self, rows: np.ndarray) -> None:
+        """Rows (a mask) that other writers changed: read their mirrored leaves again."""
+        if not self.mirror.held:
+            return
+        ledger = self.store.ledger
+        assert ledger is not None
+        picked = np.flatnonzero(ledger.fit(rows) & ledger.published)
+        if picked.size > self.store.rows // 4:
+            self.mirror.clear()  # read whole again when next needed
+            return
+        if picked.size:
+            values = self.store.arrays.read(dict.fromkeys(self.mirror.held_keys(), picked))
+            self.update(picked, values)
+
+    def _reach(self) -> int:
+        """Rows a new copy of a mirrored leaf covers: those this writer may have reached."""
+        assert self.store.ledger is not None
+        return max(self.store.rows_reached, self.store.ledger.extent)
+
+    def _load(self, key: Key, covered: int) -> torch.Tensor:
+        """A new copy of a leaf, ``covered`` rows long, as this writer has them."""
+        store = self.store
+        assert store.write_cache is not None
+        assert store.ledger is not None
+        leaf = store.leaf(key)
+        copy = zeros((covered, *store.element_shape(leaf)), TORCH_DTYPES[leaf.dtype])
+        # Only cells known to be on disk: others were never written, or were lost to a
+        # crash or a failed write, and are not readable until they are rewritten.
+        every_row = np.arange(covered)
+        on_disk = np.flatnonzero(store.ledger.readable(every_row, key))
+        put_rows(copy, on_disk, store.arrays.read({key: on_disk})[key])
+        _, served = store.write_cache.staged_rows(every_row)
+        for block, positions in served:
+            offsets = torch.from_numpy(positions - block.index * store.write_cache.block_rows)
+            copy[torch.from_numpy(positions)] = block.values[key][offsets]
+        return copy
+
+    # --- the write buffer ------------------------------------------------------------------
+
+    def staged_mask(self, rows: int) -> np.ndarray:
+        """The rows waiting in RAM, as a mask over the first ``rows`` rows."""
+        mask = np.zeros(rows, dtype=bool)
+        cache = self.store.write_cache
+        assert cache is not None
+        for block in cache:
+            start = block.index * cache.block_rows
+            if start < rows:
+                stop = min(start + block.length, rows)
+                mask[start:stop] |= block.dirty[: stop - start]
+        return mask
+
+    # --- reads -----------------------------------------------------------------------------
+
+    def read(
+        self,
+        rows: np.ndarray,
+        keys: list[Key],
+        *,
+        unwritten_as_zeros: bool,
+        unreadable_as_zeros: bool,
+    ) -> dict[Key, torch.Tensor]:
+        """Rows as this writer has them: on disk, in its write buffer, in its mirror (see
+        :meth:`Store.read <zarr_rb.core.store.Store.read>`)."""
+        store = self.store
+        cache, ledger = store.write_cache, store.ledger
+        assert cache is not None
+        assert ledger is not None
+        hit, served = cache.staged_rows(rows)
+        wanted = with_lengths(store.leaves, keys)
+        on_disk: dict[Key, np.ndarray] = {}
+        for key in wanted:
+            readable = ledger.readable(rows, key) | hit
+            if not readable.all() and not unreadable_as_zeros:
+                lost = ~readable
+                if unwritten_as_zeros:
+                    lost &= rows < store.length_rows  # past the length: unused capacity
+                if lost.any():
+                    raise RowsNotCommittedError(
+                        f"store {store.url!r}: rows {preview_rows(rows[lost])} "
+                        f"hold no intact data for key {key!r}: nothing was written there yet, "
+                        "or a write to them was interrupted (a crash or a failed write) and "
+                        "they have not been rewritten since",
+                    )
+            on_disk[key] = readable & ~hit
+        out: dict[Key, torch.Tensor] = {}
+        index = torch.from_numpy(rows)
+        # Plain leaves first: they include the lengths that ragged leaves are read by.
+        for group in plain_then_ragged(store.leaves, wanted):
+            mirrored = [key for key in group if key in self.mirror.keys]
+            if mirrored:
+                reach = self._reach()
+                out.update(
+                    {key: self.mirror.gather(key, index, reach, self._load) for key in mirrored}
+                )
+            requests = {key: rows[on_disk[key]] for key in group if key not in mirrored}
+            lengths = {
+                key: out[store.leaf(key).lengths_key][torch.from_numpy(on_disk[key])].numpy()
+                for key in requests
+                if store.leaf(key).ragged
+            }
+            parts = store.arrays.read(requests, lengths)
+            everything = not hit.any() and all(on_disk[key].all() for key in requests)
+            for key, part in parts.items():
+                if everything:
+                    out[key] = part
+                    continue
+                leaf = store.leaf(key)
+                width = _widest(leaf, out) if leaf.ragged else 0
+                tensor = torch.zeros(
+                    (rows.size, *store.element_shape(leaf, width)), dtype=part.dtype
+                )
+                place(tensor, torch.from_numpy(np.flatnonzero(on_disk[key])), part)
+                for block, positions in served:
+                    offsets = rows[positions] - block.index * cache.block_rows
+                    staged = block.values[key][torch.from_numpy(offsets)]
+                    place(tensor, torch.from_numpy(positions), staged)
+                out[key] = tensor
+        return {key: out[key] for key in keys}
+
+
+def _widest(leaf: LeafSpec, out: Mapping[Key, torch.Tensor]) -> int:
+    """The longest of the rows read of a ragged leaf (its lengths are in ``out``)."""
+    sizes = out[leaf.lengths_key]
+    return int(sizes.max()) if sizes.numel() else 0
