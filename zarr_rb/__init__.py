@@ -1,10 +1,16 @@
 """zarr_rb: persistent, out-of-core replay-buffer storage for TorchRL on Zarr v3.
 
 Examples:
+    >>> import torch, zarr_rb
+    >>> from tensordict import TensorDict
     >>> from torchrl.data import TensorDictReplayBuffer
-    >>> from zarr_rb import ZarrStorage
-    >>> rb = TensorDictReplayBuffer(storage=ZarrStorage(1_000_000, "runs/pong.zarr"))
-    >>> view = zarr_rb.open("runs/pong.zarr")   # read-only, for analysis
+    >>> rb = TensorDictReplayBuffer(storage=zarr_rb.ZarrStorage(1_000_000, "runs/pong.zarr"))
+    >>> rb.extend(TensorDict({"obs": torch.zeros(8, 4, 84, 84, dtype=torch.uint8)}, [8]))
+    tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    >>> rb.storage.flush()                          # committed: other processes see it
+    >>> view = zarr_rb.open("runs/pong.zarr")       # read-only, for analysis
+    >>> len(view)
+    8
 
 The public names are imported on first use (PEP 562): ``import zarr_rb`` and the
 ``zarr-rb`` command start without importing torch or TorchRL, which take seconds.

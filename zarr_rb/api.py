@@ -7,13 +7,24 @@ same buffer class with the same components from the path alone, without reading 
 row.
 
 Examples:
-    >>> import zarr_rb
+    >>> import torch, zarr_rb
+    >>> from tensordict import TensorDict
     >>> from torchrl.data import TensorDictPrioritizedReplayBuffer
     >>> rb = TensorDictPrioritizedReplayBuffer(
     ...     alpha=0.7, beta=0.5, storage=zarr_rb.ZarrStorage(10_000, "runs/run1.zarr"))
-    >>> zarr_rb.save(rb)                                   # in place
+    >>> _ = rb.extend(TensorDict({"obs": torch.ones(100, 3)}, [100]))
+    >>> zarr_rb.save(rb)                                   # in place: metadata only
+    PosixPath('.../runs/run1.zarr')
     >>> zarr_rb.save(rb, "runs/snapshot.zarr")             # an independent snapshot
-    >>> rb = zarr_rb.load("runs/run1.zarr")
+    PosixPath('.../runs/snapshot.zarr')
+    >>> zarr_rb.save(rb, tag="before-finetune")            # a version kept by name
+    PosixPath('.../runs/run1.zarr')
+    >>> rb.storage.close()
+    >>> rb = zarr_rb.load("runs/run1.zarr")                # sampler and priorities too
+    >>> len(rb), type(rb.sampler).__name__
+    (100, 'PrioritizedSampler')
+    >>> [v.tag for v in zarr_rb.versions("runs/run1.zarr")]
+    ['before-finetune']
 """
 
 from __future__ import annotations
@@ -85,6 +96,18 @@ def save(
         ReadOnlyError: the buffer's storage was opened read-only.
         VersionExistsError: the store keeps a version named ``tag`` (nothing is written).
         ValueError: ``tag`` is not a valid name.
+
+    Examples:
+        >>> import torch, zarr_rb
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import TensorDictReplayBuffer
+        >>> rb = TensorDictReplayBuffer(storage=zarr_rb.ZarrStorage(1000, "runs/save.zarr"))
+        >>> _ = rb.extend(TensorDict({"obs": torch.ones(10, 3)}, [10]))
+        >>> zarr_rb.save(rb, tag="v1")                  # in place, kept as "v1"
+        PosixPath('.../runs/save.zarr')
+        >>> _ = rb.extend(TensorDict({"obs": torch.zeros(5, 3)}, [5]))
+        >>> zarr_rb.save(rb, "runs/copy.zarr", progress=False)  # an independent snapshot
+        PosixPath('.../runs/copy.zarr')
     """
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"expected a version tag (a string), got {tag!r}")
@@ -219,6 +242,23 @@ def load(
         VersionNotFoundError: the store keeps no such version.
         zarr_rb.state.PickleNotAllowedError: code needs ``allow_pickle`` or the argument of
             the same name.
+
+    Examples:
+        >>> import torch, zarr_rb
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import TensorDictReplayBuffer
+        >>> rb = TensorDictReplayBuffer(
+        ...     storage=zarr_rb.ZarrStorage(1000, "runs/load.zarr"), batch_size=4)
+        >>> _ = rb.extend(TensorDict({"obs": torch.arange(10.0)}, [10]))
+        >>> _ = zarr_rb.save(rb)
+        >>> rb.storage.close()
+        >>> rb = zarr_rb.load("runs/load.zarr")               # on the store, no row read
+        >>> len(rb), rb.sample().batch_size
+        (10, torch.Size([4]))
+        >>> rb.storage.close()
+        >>> in_ram = zarr_rb.load("runs/load.zarr", storage="memory")  # rows read into RAM
+        >>> type(in_ram.storage).__name__
+        'LazyTensorStorage'
     """
     if storage not in ("zarr", "memory"):
         raise ValueError(f"expected storage='zarr' or storage='memory', got {storage!r}")
@@ -459,7 +499,20 @@ class Version:
 
 
 def versions(path: StoreURL, *, storage_options: Mapping[str, Any] | None = None) -> list[Version]:
-    """The saves a store keeps, oldest first: its last save and its tagged ones."""
+    """The saves a store keeps, oldest first: its last save and its tagged ones.
+
+    Examples:
+        >>> import torch, zarr_rb
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import ReplayBuffer
+        >>> rb = ReplayBuffer(storage=zarr_rb.ZarrStorage(1000, "runs/versions.zarr"))
+        >>> _ = rb.extend(TensorDict({"obs": torch.ones(10, 3)}, [10]))
+        >>> _ = zarr_rb.save(rb, tag="warmup")
+        >>> _ = rb.extend(TensorDict({"obs": torch.ones(10, 3)}, [10]))
+        >>> _ = zarr_rb.save(rb)
+        >>> [(v.tag, v.length) for v in zarr_rb.versions("runs/versions.zarr")]
+        [('warmup', 10), (None, 20)]
+    """
     store = open_store(
         path, mode="r", max_size=None, ndim=None, compression=None, storage_options=storage_options
     )
@@ -478,6 +531,19 @@ def drop_version(
     Raises:
         VersionNotFoundError: the store keeps no version of that tag.
         LockedError: another process writes the store.
+
+    Examples:
+        >>> import torch, zarr_rb
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import ReplayBuffer
+        >>> with zarr_rb.ZarrStorage(1000, "runs/drop.zarr") as storage:
+        ...     rb = ReplayBuffer(storage=storage)
+        ...     _ = rb.extend(TensorDict({"obs": torch.ones(10, 3)}, [10]))
+        ...     _ = zarr_rb.save(rb, tag="old")
+        ...     _ = zarr_rb.save(rb)
+        >>> zarr_rb.drop_version("runs/drop.zarr", "old")
+        >>> [v.tag for v in zarr_rb.versions("runs/drop.zarr")]
+        [None]
     """
     store = open_store(
         path, mode="r+", max_size=None, ndim=None, compression=None, storage_options=storage_options

@@ -6,6 +6,10 @@ are all found by reading the chunk back. :func:`verify` reads every chunk of the
 committed rows and of the saved buffer state, one shard at a time.
 
 Examples:
+    >>> import torch, zarr_rb
+    >>> from tensordict import TensorDict
+    >>> with zarr_rb.ZarrStorage(100, "runs/pong.zarr") as storage:
+    ...     storage.set(torch.arange(10), TensorDict({"obs": torch.ones(10, 3)}, [10]))
     >>> report = zarr_rb.verify("runs/pong.zarr")
     >>> report.ok
     True
@@ -105,6 +109,15 @@ def verify(
     Raises:
         StoreCorruptedError: the root metadata itself cannot be read.
         LockedError: ``repair=True`` while another writer holds the store.
+
+    Examples:
+        >>> import torch, zarr_rb
+        >>> from tensordict import TensorDict
+        >>> with zarr_rb.ZarrStorage(100, "runs/checked.zarr") as storage:
+        ...     storage.set(torch.arange(10), TensorDict({"obs": torch.ones(10, 3)}, [10]))
+        >>> report = zarr_rb.verify("runs/checked.zarr")
+        >>> report.ok, report.damaged
+        (True, ())
     """
     store = open_store(
         path,

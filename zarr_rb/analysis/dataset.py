@@ -44,9 +44,16 @@ class ReplayDataset(Dataset[TensorDict]):
     commit read when the dataset was made (a writer's later rows are not added).
 
     Examples:
+        >>> import torch, zarr_rb
+        >>> from tensordict import TensorDict
+        >>> from torch.utils.data import DataLoader
+        >>> with zarr_rb.ZarrStorage(100, "runs/pong.zarr") as storage:
+        ...     storage.set(torch.arange(10), TensorDict(
+        ...         {"observation": torch.ones(10, 3), "next": {"reward": torch.ones(10)}}, [10]))
         >>> ds = zarr_rb.open("runs/pong.zarr").dataset(keys=["observation", ("next", "reward")])
-        >>> loader = DataLoader(ds, batch_size=256, shuffle=True, num_workers=4,
-        ...                     collate_fn=torch.stack)
+        >>> loader = DataLoader(ds, batch_size=4, shuffle=True, collate_fn=torch.stack)
+        >>> next(iter(loader))["observation"].shape
+        torch.Size([4, 3])
     """
 
     def __init__(

@@ -54,9 +54,19 @@ def open(
             the ring holds now.
 
     Examples:
+        >>> import torch, zarr_rb
+        >>> from tensordict import TensorDict
+        >>> steps = TensorDict({
+        ...     "observation": torch.arange(6.0).unsqueeze(1),
+        ...     "next": {"reward": torch.ones(6), "done": torch.tensor([0, 0, 1, 0, 0, 1]).bool()},
+        ... }, [6])
+        >>> with zarr_rb.ZarrStorage(100, "runs/pong.zarr") as storage:
+        ...     storage.set(torch.arange(6), steps)
         >>> view = zarr_rb.open("runs/pong.zarr")
-        >>> view.episodes                     # a table, one row per episode
-        >>> view.episode(3)["observation"]    # that episode's frames
+        >>> len(view.episodes)                      # a table, one row per episode
+        2
+        >>> view.episode(1)["observation"].squeeze(1)  # that episode's rows
+        tensor([3., 4., 5.])
     """
     storage = ZarrStorage(
         path=path, read_only=True, storage_options=storage_options, history=history

@@ -10,17 +10,22 @@ Both stream the rows in blocks of about :data:`BLOCK_BYTES` bytes, so memory sta
 bounded whatever the size of the buffer, and show a progress bar while rows are copied.
 
 Examples:
-    >>> import zarr_rb
-    >>> from torchrl.data import TensorDictPrioritizedReplayBuffer
+    >>> import torch, zarr_rb
+    >>> from tensordict import TensorDict
+    >>> from torchrl.data import LazyMemmapStorage, TensorDictPrioritizedReplayBuffer
     >>> from zarr_rb.interop import export_torchrl, import_torchrl
-    >>> # A TorchRL checkpoint (rb.dumps("ckpt")) into a zarr_rb store:
-    >>> rb = TensorDictPrioritizedReplayBuffer(
+    >>> old = TensorDictPrioritizedReplayBuffer(
+    ...     alpha=0.7, beta=0.5, storage=LazyMemmapStorage(100_000))
+    >>> _ = old.extend(TensorDict({"obs": torch.ones(100, 3)}, [100]))
+    >>> old.dumps("ckpt")                               # TorchRL's own checkpoint
+    >>> rb = TensorDictPrioritizedReplayBuffer(         # ... into a zarr_rb store
     ...     alpha=0.7, beta=0.5, storage=zarr_rb.ZarrStorage(100_000, "runs/run1.zarr"))
-    >>> import_torchrl("ckpt", rb)
+    >>> import_torchrl("ckpt", rb, progress=False)
     PosixPath('.../runs/run1.zarr')
-    >>> rb = zarr_rb.load("runs/run1.zarr")
-    >>> # ... and back to TorchRL's layout:
-    >>> export_torchrl("runs/run1.zarr", "ckpt_out")
+    >>> rb.storage.close()
+    >>> len(zarr_rb.load("runs/run1.zarr"))
+    100
+    >>> export_torchrl("runs/run1.zarr", "ckpt_out", progress=False)  # ... and back
     PosixPath('.../ckpt_out')
 """
 
@@ -132,16 +137,20 @@ def import_torchrl(
     were copied) leaves the store with the dumped rows and without a new saved state.
 
     Examples:
-        >>> import zarr_rb
+        >>> import torch, zarr_rb
+        >>> from tensordict import TensorDict
         >>> from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
         >>> from zarr_rb.interop import import_torchrl
         >>> old = TensorDictReplayBuffer(storage=LazyMemmapStorage(1000), batch_size=32)
-        >>> # ... old.extend(...) ...
-        >>> old.dumps("ckpt")
+        >>> _ = old.extend(TensorDict({"obs": torch.ones(50, 3)}, [50]))
+        >>> old.dumps("old_ckpt")
         >>> new = TensorDictReplayBuffer(
         ...     storage=zarr_rb.ZarrStorage(1000, "runs/imported.zarr"), batch_size=32)
-        >>> path = import_torchrl("ckpt", new, progress=False)
+        >>> path = import_torchrl("old_ckpt", new, progress=False)
+        >>> new.storage.close()
         >>> rb = zarr_rb.load(path)           # later, from the path alone
+        >>> len(rb), rb.sample()["obs"].shape
+        (50, torch.Size([32, 3]))
     """
     check_block_bytes(block_bytes)
     source = Path(source_dir).absolute()

@@ -92,16 +92,20 @@ def export_torchrl(
             which TorchRL's layout cannot keep.
 
     Examples:
-        >>> import zarr_rb
+        >>> import torch, zarr_rb
+        >>> from tensordict import TensorDict
         >>> from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
         >>> from zarr_rb.interop import export_torchrl
         >>> rb = TensorDictReplayBuffer(storage=zarr_rb.ZarrStorage(1000, "runs/a.zarr"))
-        >>> # ... rb.extend(...) ...
+        >>> _ = rb.extend(TensorDict({"obs": torch.ones(50, 3)}, [50]))
         >>> zarr_rb.save(rb)
+        PosixPath('.../runs/a.zarr')
         >>> export_torchrl("runs/a.zarr", "ckpt", progress=False)
         PosixPath('.../ckpt')
         >>> torchrl_rb = TensorDictReplayBuffer(storage=LazyMemmapStorage(1000))
         >>> torchrl_rb.loads("ckpt")
+        >>> len(torchrl_rb)
+        50
     """
     from torchrl.data import LazyMemmapStorage
 
