@@ -267,8 +267,9 @@ class Commits(abc.ABC):
         """Before a save writes its state: record that this writer holds the store."""
 
     @abc.abstractmethod
-    def publish_saved(self, saved: Saved, *, tag: str | None) -> None:
-        """Publish ``saved`` as the last save (and as version ``tag``), after a flush."""
+    def publish_saved(self, saved: Saved, *, tag: str | None, last: bool = True) -> None:
+        """Publish ``saved`` as the last save (and as version ``tag``), after a flush;
+        ``last=False``: as version ``tag`` only, the last save staying as it is."""
 
     @abc.abstractmethod
     def drop_version(self, tag: str) -> None:

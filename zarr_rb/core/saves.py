@@ -142,15 +142,18 @@ class StoreSaves:
         return self.next_slot()
 
     @serialized
-    def publish(self, saved: Saved, *, tag: str | None = None) -> None:
+    def publish(self, saved: Saved, *, tag: str | None = None, last: bool = True) -> None:
         """Flush, then publish the data commit together with a new save record, made at
         that commit: its epoch and, pinned, its rows (a shared writer's saves pin none:
-        its rows are written in place). ``tag``: keep it as a version of that name too.
-        State groups no record names any longer are deleted."""
+        its rows are written in place). ``tag``: keep it as a version of that name too;
+        ``last=False``: only as that version (the last save, which ``zarr_rb.load(path)``
+        loads, stays as it is). State groups no record names any longer are deleted."""
+        if not last and tag is None:
+            raise ValueError("a save that is not the last one is a version: give its tag")
         store = self.store
         store.flush()
         saved = dataclasses.replace(saved, epoch=store.committed.epoch, time=time.time())
-        store.commits.publish_saved(saved, tag=tag)
+        store.commits.publish_saved(saved, tag=tag, last=last)
         store.collect()  # the slots the save it replaced kept
 
     @serialized

@@ -44,9 +44,9 @@ class SharingSaves(SharingRecord):
     def hold_for_save(self) -> None:
         pass  # slots are held one by one, in the record, as they are taken
 
-    def publish_saved(self, saved: Saved, *, tag: str | None) -> None:
+    def publish_saved(self, saved: Saved, *, tag: str | None, last: bool = True) -> None:
         store = self.store
-        self._publish_save(saved, tag=tag)
+        self._publish_save(saved, tag=tag, last=last)
         named = {f"{STATE_GROUP}/{slot}" for slot in self.meta.save_slots()}
         for group in self.state_groups_unnamed(named):
             store.engine.location.delete_prefix(group)
@@ -57,10 +57,11 @@ class SharingSaves(SharingRecord):
         if dropped.slot not in self.meta.save_slots():
             self.store.engine.location.delete_prefix(dropped.group)
 
-    def _publish_save(self, saved: Saved, *, tag: str | None) -> None:
+    def _publish_save(self, saved: Saved, *, tag: str | None, last: bool) -> None:
         """Publish a save made at the record as it is now: the rows it covers are those
         of that record (its length, cursor and runs, which it keeps: no writer takes their
-        slots while a record names the save); ``tag``: kept as a version too."""
+        slots while a record names the save); ``tag``: kept as a version too (``last=False``:
+        only)."""
         schema = self.store.schema
         per_row = 1 if schema is None else schema.elements_per_row  # (no schema: no row)
 
@@ -80,7 +81,7 @@ class SharingSaves(SharingRecord):
                     "meanwhile; pick another tag",
                 )
             versions = meta.versions if tag is None else {**meta.versions, tag: made}
-            return dataclasses.replace(meta, saved=made, versions=versions)
+            return dataclasses.replace(meta, saved=made if last else meta.saved, versions=versions)
 
         self.update(save)
 

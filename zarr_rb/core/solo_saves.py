@@ -74,14 +74,14 @@ class SoloSaves(SoloWrites):
     def hold_for_save(self) -> None:
         self._first_own_slot()
 
-    def publish_saved(self, saved: Saved, *, tag: str | None) -> None:
+    def publish_saved(self, saved: Saved, *, tag: str | None, last: bool = True) -> None:
         store = self.store
         commit = store.committed
         saved = dataclasses.replace(saved, pinned=True, slots=commit.slots, holes=commit.holes)
         if tag is not None:
             versions = {**store.meta.versions, tag: saved}
             self.meta = dataclasses.replace(self.meta, versions=versions)
-        self.publish(commit, saved=saved)
+        self.publish(commit, saved=saved if last else None)
         self._drop_unnamed_states()
 
     def drop_version(self, tag: str) -> None:

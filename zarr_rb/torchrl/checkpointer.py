@@ -4,6 +4,9 @@
 
 * when ``dir`` is the store itself (or ``dir/storage`` is), the rows are already on
   disk: the storage flushes and leaves a small pointer file, nothing is copied;
+* inside a checkpoint that ``torchrl.checkpoint`` is staging, the rows are kept as a
+  version of the store and ``dir/storage`` holds a pointer to it
+  (:mod:`zarr_rb.torchrl.checkpoint_versions`): a checkpoint costs metadata;
 * anywhere else, ``dir/storage`` becomes an independent zarr_rb store (a snapshot).
 
 ``rb.loads(dir)`` accepts both, and also the memory-mapped layout TorchRL's own
@@ -25,6 +28,9 @@ from torchrl.data.replay_buffers.checkpointers import TensorStorageCheckpointer
 from zarr_rb.errors import NotSupportedError, StoreCorruptedError, UnsupportedDataError
 from zarr_rb.format.names import ATTRS_KEY
 from zarr_rb.locations.base import ROOT_METADATA
+from zarr_rb.torchrl import compat
+from zarr_rb.torchrl.checkpoint_versions import POINTER as VERSION_POINTER
+from zarr_rb.torchrl.checkpoint_versions import dump_as_version, load_version
 from zarr_rb.torchrl.reads import StorageReads
 from zarr_rb.torchrl.state_dict import copy_rows, copy_store
 from zarr_rb.util.io import load_json
@@ -56,6 +62,10 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
             super().dumps(storage, Path(path))
             return
         path = Path(path).absolute()
+        staged = compat.checkpoint_stage(path)
+        if staged is not None and not storage.read_only:
+            dump_as_version(storage, path, *staged)
+            return
         if isinstance(storage.path, Path) and storage.path in (path, path.parent):
             length, cursor, epoch = storage.commit_point()
             if path != storage.path:
@@ -75,6 +85,9 @@ class ZarrStorageCheckpointer(TensorStorageCheckpointer):  # type: ignore[misc]
 
     def loads(self, storage: StorageReads, path: str | os.PathLike[str]) -> None:
         path = Path(path).absolute()
+        if (path / VERSION_POINTER).is_file():
+            load_version(storage, path)
+            return
         pointer_file = path / POINTER
         if pointer_file.is_file():
             pointer = json.loads(pointer_file.read_text())

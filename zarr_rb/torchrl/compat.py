@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import heapq
 import inspect
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -439,3 +441,18 @@ def make_wrapper_subclass(cls: type, meta: torch.Tensor, dtype: torch.dtype) -> 
 FOREACH_COPY: Any = torch.ops.aten._foreach_copy_.default
 """``torch._foreach_copy_``, which TensorDict's ``update_`` and ``copy_`` run on lists of
 tensors."""
+
+
+_CHECKPOINT_STAGE = re.compile(r"^\.(?P<name>.+)\.stage-[0-9a-f]{32}$")
+"""The directory ``torchrl.checkpoint.Checkpoint.save`` stages a checkpoint in, beside its
+destination (``.<name>.stage-<uuid4 hex>``), before it renames or zips it into place."""
+
+
+def checkpoint_stage(path: Path) -> tuple[Path, Path] | None:
+    """``(stage, destination)`` of the TorchRL checkpoint being staged that ``path`` is
+    in, or ``None`` when it is in none."""
+    for parent in path.parents:
+        found = _CHECKPOINT_STAGE.match(parent.name)
+        if found is not None:
+            return parent, parent.parent / found["name"]
+    return None
