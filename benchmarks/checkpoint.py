@@ -19,13 +19,10 @@ for ZarrStorage the disk of the store after 10 checkpoints rotated by
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -143,20 +140,11 @@ def measure(size_mb: float, where: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 10_000])
-    parser.add_argument("--json", type=Path, default=HERE / "checkpoint.json")
-    parser.add_argument("--where", type=Path, default=None, help="a scratch directory")
-    args = parser.parse_args(argv)
-    results = {}
-    for size in args.sizes_mb:
-        where = Path(tempfile.mkdtemp(prefix="zarr_rb-checkpoint-", dir=args.where))
-        try:
-            results[f"{size:g} MB"] = measure(size, where)
-        finally:
-            shutil.rmtree(where, ignore_errors=True)
-        print(json.dumps({f"{size:g} MB": results[f"{size:g} MB"]}, indent=1), flush=True)
-    args.json.write_text(json.dumps(results, indent=1) + "\n")
+    sys.path.insert(0, str(HERE))
+    from _sizes import measure_sizes, size_arguments  # next to this file
+
+    args = size_arguments(__doc__.split("\n\n")[0], HERE / "checkpoint.json", argv)
+    results = measure_sizes(measure, args, "zarr_rb-checkpoint-")
     print(
         "| raw | storage | format | checkpoint ms | restore ms | checkpoint bytes "
         "| disk gained |\n|---|---|---|---|---|---|---|"

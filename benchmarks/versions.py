@@ -18,12 +18,8 @@ design (one ring plus the blocks the ten versions changed: two rings here)::
 
 from __future__ import annotations
 
-import argparse
-import json
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -112,20 +108,11 @@ def measure(size_mb: float, where: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 10_000])
-    parser.add_argument("--json", type=Path, default=HERE / "versions.json")
-    parser.add_argument("--where", type=Path, default=None, help="a scratch directory")
-    args = parser.parse_args(argv)
-    results = {}
-    for size in args.sizes_mb:
-        where = Path(tempfile.mkdtemp(prefix="zarr_rb-versions-", dir=args.where))
-        try:
-            results[f"{size:g} MB"] = measure(size, where)
-        finally:
-            shutil.rmtree(where, ignore_errors=True)
-        print(json.dumps({f"{size:g} MB": results[f"{size:g} MB"]}, indent=1), flush=True)
-    args.json.write_text(json.dumps(results, indent=1) + "\n")
+    sys.path.insert(0, str(HERE))
+    from _sizes import measure_sizes, size_arguments  # next to this file
+
+    args = size_arguments(__doc__.split("\n\n")[0], HERE / "versions.json", argv)
+    results = measure_sizes(measure, args, "zarr_rb-versions-")
     print("| raw | rows | save, median (max) ms | load(version=) oldest / newest ms "
           "| disk: one ring / ten versions MB | ratio |")  # fmt: skip
     print("|---|---|---|---|---|---|")

@@ -161,6 +161,7 @@ def test_no_data_object_is_ever_written_over(s3_url, options, proxy):
     reader.close()
 
 
+@pytest.mark.slow  # (the default run checks the same fallback with shared writers)
 def test_a_server_that_ignores_the_condition_is_written_as_before(s3_url, options, proxy):
     proxy.ignore_if_none_match = True
     rb, model, reader = started(s3_url, options, 5)

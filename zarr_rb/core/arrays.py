@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from zarr_rb.core.disk_reads import padded, read_rows, read_rows_all
+from zarr_rb.core.disk_reads import RowsOwner, padded, read_rows, read_rows_all
 from zarr_rb.core.dtypes import to_numpy
 from zarr_rb.core.write_cache import Write
 from zarr_rb.engine import Engine, RowArray, once
@@ -39,7 +39,7 @@ class _Hold(Protocol):
     def creates_once(self) -> bool: ...
 
 
-class ArraysOwner(Protocol):
+class ArraysOwner(RowsOwner, Protocol):
     """What the arrays use of their store (:class:`~zarr_rb.core.store.Store`)."""
 
     @property
@@ -48,8 +48,6 @@ class ArraysOwner(Protocol):
     def compression(self) -> Compression: ...
     @property
     def read_only(self) -> bool: ...
-    @property
-    def url(self) -> str: ...
     @property
     def schema(self) -> Schema | None: ...
     @property
@@ -65,9 +63,6 @@ class ArraysOwner(Protocol):
 
     leaves: dict[Key, LeafSpec]
 
-    def leaf(self, key: Key) -> LeafSpec: ...
-    def element_shape(self, leaf: LeafSpec, width: int = 0) -> tuple[int, ...]: ...
-    def physical(self, positions: np.ndarray) -> np.ndarray: ...
     def writing(self, what: str) -> contextlib.AbstractContextManager[None]: ...
 
 
