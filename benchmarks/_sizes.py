@@ -37,3 +37,16 @@ def measure_sizes(
         print(json.dumps({f"{size:g} MB": results[f"{size:g} MB"]}, indent=1), flush=True)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
     return results
+
+
+def pong_frames(count: int) -> tuple[Any, int]:
+    """``count`` real Pong transitions (generated once, cached by ``run.dataset``) and the
+    bytes of one row."""
+    import run  # next to this file
+
+    frames = run.dataset("pong", count)
+    row_bytes = sum(
+        v[0].numel() * v.element_size()
+        for v in frames.values(include_nested=True, leaves_only=True)
+    )
+    return frames, int(row_bytes)

@@ -55,18 +55,14 @@ def timed(call: Callable[[], Any]) -> float:
 
 def measure(size_mb: float, where: Path) -> dict[str, Any]:
     sys.path.insert(0, str(HERE))
-    import run  # next to this file
     import torch
+    from _sizes import pong_frames  # next to this file
     from torchrl.checkpoint import Checkpoint, CheckpointRotation
     from torchrl.data import LazyMemmapStorage, PrioritizedSampler, TensorDictReplayBuffer
 
     import zarr_rb
 
-    frames = run.dataset("pong", FRAMES)
-    row_bytes = sum(
-        v[0].numel() * v.element_size()
-        for v in frames.values(include_nested=True, leaves_only=True)
-    )
+    frames, row_bytes = pong_frames(FRAMES)
     wanted = max(1, int(size_mb * 1e6 // row_bytes))
     batch = min(BATCH, max(1, wanted // ROTATED))
     capacity = max(batch, wanted // batch * batch)

@@ -36,17 +36,13 @@ def disk_bytes(path: Path) -> int:
 
 def measure(size_mb: float, where: Path) -> dict[str, Any]:
     sys.path.insert(0, str(HERE))
-    import run  # next to this file
     import torch
+    from _sizes import pong_frames  # next to this file
     from torchrl.data import TensorDictReplayBuffer
 
     import zarr_rb
 
-    frames = run.dataset("pong", FRAMES)
-    row_bytes = sum(
-        v[0].numel() * v.element_size()
-        for v in frames.values(include_nested=True, leaves_only=True)
-    )
+    frames, row_bytes = pong_frames(FRAMES)
     capacity = int(size_mb * 1e6 // row_bytes)
     batch_rows = max(1, min(BATCH, capacity // VERSIONS))
     capacity = capacity // (batch_rows * VERSIONS) * batch_rows * VERSIONS

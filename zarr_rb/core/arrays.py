@@ -22,9 +22,7 @@ from zarr_rb.core.write_cache import Write
 from zarr_rb.engine import Engine, RowArray, once
 from zarr_rb.engine.layout import Compression, leaf_layout
 from zarr_rb.errors import StoreCorruptedError
-from zarr_rb.format.commit import Commit
 from zarr_rb.format.names import ATTRS_KEY
-from zarr_rb.format.record import StoreMeta
 from zarr_rb.format.schema import LeafSpec, Schema
 from zarr_rb.locations.base import ROOT_METADATA
 from zarr_rb.util.keys import Key
@@ -47,21 +45,9 @@ class ArraysOwner(RowsOwner, Protocol):
     @property
     def compression(self) -> Compression: ...
     @property
-    def read_only(self) -> bool: ...
-    @property
-    def schema(self) -> Schema | None: ...
-    @property
-    def meta(self) -> StoreMeta: ...
-    @property
-    def committed(self) -> Commit: ...
-    @property
-    def rows(self) -> int: ...
-    @property
     def physical_rows(self) -> int: ...
     @property
     def lifetime(self) -> _Hold: ...
-
-    leaves: dict[Key, LeafSpec]
 
     def writing(self, what: str) -> contextlib.AbstractContextManager[None]: ...
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 import numpy as np
 import torch
 
+from zarr_rb.core.store_facts import StoreFacts
 from zarr_rb.format.commit import Commit
 from zarr_rb.format.record import Saved, StoreMeta
 from zarr_rb.format.ring import SlotMap
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 _R = TypeVar("_R")
 
 
-class StoreAPI(Protocol):
+class StoreAPI(StoreFacts, Protocol):
     """A store as its owner of positions and commits, and the reader, use it:
     :class:`~zarr_rb.core.store.Store` is the one implementation. They name this interface,
     not the class, since ``core/store.py`` imports them."""
@@ -61,11 +62,8 @@ class StoreAPI(Protocol):
     commits: Commits
 
     @property
-    def committed(self) -> Commit: ...
-    @property
     def cursor(self) -> int: ...
     def discard(self) -> None: ...
-    def element_shape(self, leaf: LeafSpec, width: int = 0) -> tuple[int, ...]: ...
     @staticmethod
     def elements_per_row(schema: Schema | None) -> int: ...
     @property
@@ -73,10 +71,6 @@ class StoreAPI(Protocol):
     def flush(self) -> None: ...
     @property
     def history(self) -> bool: ...
-    def leaf(self, key: Key) -> LeafSpec: ...
-
-    leaves: dict[Key, LeafSpec]
-
     @property
     def ledger(self) -> Ledger | None: ...
     @property
@@ -85,8 +79,6 @@ class StoreAPI(Protocol):
     def length_rows(self) -> int: ...
     @property
     def lifetime(self) -> Lifetime: ...
-    @property
-    def meta(self) -> StoreMeta: ...
     @property
     def physical_rows(self) -> int: ...
     @property
@@ -104,14 +96,6 @@ class StoreAPI(Protocol):
         unwritten_as_zeros: bool = False,
         unreadable_as_zeros: bool = False,
     ) -> dict[Key, torch.Tensor]: ...
-    @property
-    def read_only(self) -> bool: ...
-    @property
-    def rows(self) -> int: ...
-    @property
-    def schema(self) -> Schema | None: ...
-    @property
-    def url(self) -> str: ...
 
     version: int
 

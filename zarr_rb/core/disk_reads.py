@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy
+from zarr_rb.core.store_facts import StoreFacts
 from zarr_rb.engine import RowArray
 from zarr_rb.errors import StoreCorruptedError
 from zarr_rb.format.index_key import INDEX_KEY, put_positions
@@ -20,13 +21,9 @@ from zarr_rb.format.schema import LeafSpec
 from zarr_rb.util.keys import Key
 
 
-class RowsOwner(Protocol):
+class RowsOwner(StoreFacts, Protocol):
     """What a read uses of its store (:class:`~zarr_rb.core.store.Store`)."""
 
-    @property
-    def url(self) -> str: ...
-    def leaf(self, key: Key) -> LeafSpec: ...
-    def element_shape(self, leaf: LeafSpec, width: int = 0) -> tuple[int, ...]: ...
     def physical(self, positions: np.ndarray) -> np.ndarray: ...
 
 

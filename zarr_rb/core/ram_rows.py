@@ -20,22 +20,17 @@ from zarr_rb.core.disk_reads import place
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.mirror import Mirror, put_rows, zeros
+from zarr_rb.core.store_facts import StoreFacts
 from zarr_rb.core.write_cache import WriteBuffer
 from zarr_rb.errors import RowsNotCommittedError
 from zarr_rb.format.messages import preview_rows
-from zarr_rb.format.schema import LeafSpec, Schema, plain_then_ragged, with_lengths
+from zarr_rb.format.schema import LeafSpec, plain_then_ragged, with_lengths
 from zarr_rb.util.keys import Key
 
 
-class RamOwner(Protocol):
+class RamOwner(StoreFacts, Protocol):
     """What the RAM rows use of their store (:class:`~zarr_rb.core.store.Store`)."""
 
-    @property
-    def url(self) -> str: ...
-    @property
-    def schema(self) -> Schema | None: ...
-    @property
-    def rows(self) -> int: ...
     @property
     def length_rows(self) -> int: ...
     @property
@@ -44,10 +39,6 @@ class RamOwner(Protocol):
     def ledger(self) -> Ledger | None: ...
     @property
     def write_cache(self) -> WriteBuffer | None: ...
-    def leaf(self, key: Key) -> LeafSpec: ...
-    def element_shape(self, leaf: LeafSpec, width: int = 0) -> tuple[int, ...]: ...
-
-    leaves: dict[Key, LeafSpec]
 
     @property
     def arrays(self) -> StoreArrays: ...

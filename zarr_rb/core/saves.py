@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, Protocol
 
 from zarr_rb.core.calls import Calls, serialized
 from zarr_rb.core.lifetime import Lifetime
+from zarr_rb.core.store_facts import StoreFacts
 from zarr_rb.errors import LiveBufferError, SaveOverwrittenError
 from zarr_rb.format.commit import Commit
-from zarr_rb.format.record import Saved, StoreMeta
-from zarr_rb.format.schema import Schema
+from zarr_rb.format.record import Saved
 
 if TYPE_CHECKING:
     from zarr_rb.core.commits import Commits
 
 
-class SavesOwner(Protocol):
+class SavesOwner(StoreFacts, Protocol):
     """What the saves use of their store (:class:`~zarr_rb.core.store.Store`)."""
 
     calls: Calls
@@ -31,16 +31,6 @@ class SavesOwner(Protocol):
     def commits(self) -> Commits: ...
     @property
     def lifetime(self) -> Lifetime: ...
-    @property
-    def url(self) -> str: ...
-    @property
-    def read_only(self) -> bool: ...
-    @property
-    def schema(self) -> Schema | None: ...
-    @property
-    def meta(self) -> StoreMeta: ...
-    @property
-    def committed(self) -> Commit: ...
     @property
     def length(self) -> int: ...
     @property
