@@ -76,7 +76,9 @@ def load_version(storage: StorageReads, path: Path) -> None:
     """
     tag, source = _read_pointer(path)
     same = (
-        isinstance(storage.path, Path) and isinstance(source, Path) and source == storage.path
+        isinstance(storage.path, Path)
+        and isinstance(source, Path)
+        and source == storage.path.resolve()  # (the pointer's path is resolved: symlinks, '..')
     ) or str(source) == storage.url
     if same:
         if storage.store.is_shared:
