@@ -17,7 +17,7 @@ from zarr_rb.torchrl import checkpoint_versions
 
 
 def test_a_renamed_checkpoint_keeps_its_version_after_the_next_checkpoint(tmp_path):
-    """"A checkpoint that TorchRL published can always be restored": the version is dropped
+    """ "A checkpoint that TorchRL published can always be restored": the version is dropped
     when the destination recorded at the checkpoint no longer names it, so a checkpoint
     renamed (or moved, or copied and the original rotated) loses its rows at the next
     checkpoint, although it still exists and points at the store."""

@@ -126,6 +126,13 @@ def drop_unnamed_checkpoints(store: Store) -> list[str]:
     return dropped
 
 
+def kept_by_checkpoint(store: Store, tag: str, saved: Saved) -> bool:
+    """Whether version ``tag`` was kept by a TorchRL checkpoint: its tag has the prefix
+    and its state group holds the note (a user's ``zarr_rb.save(rb, tag=...)`` may use
+    any tag, that prefix too)."""
+    return tag.startswith(TAG_PREFIX) and _note(store, saved) is not None
+
+
 def _restore(storage: StorageReads, saved: Saved) -> None:
     store = storage.store
     store.saves.check_loadable(
