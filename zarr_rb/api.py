@@ -52,7 +52,7 @@ from zarr_rb.locations import StoreURL, is_remote, open_location
 from zarr_rb.state import LOAD_ATTEMPTS, load_buffer, save_buffer
 from zarr_rb.state._buffer import check_buffer_class
 from zarr_rb.torchrl import compat
-from zarr_rb.torchrl.checkpoint_versions import TAG_PREFIX as CHECKPOINT_TAG_PREFIX
+from zarr_rb.torchrl.checkpoint_versions import kept_by_checkpoint
 from zarr_rb.torchrl.storage import ZarrStorage
 
 __all__ = ["Version", "drop_version", "load", "save", "versions"]
@@ -337,7 +337,7 @@ def _find_save(store: Store, version: str | int | None) -> Saved:
             f"replaced by a later save); it keeps: {kept}. zarr_rb.versions(path) lists them",
         )
     tag = next((t for t, saved in meta.versions.items() if saved is found), None)
-    if tag is not None and tag.startswith(CHECKPOINT_TAG_PREFIX) and found is not meta.saved:
+    if tag is not None and found is not meta.saved and kept_by_checkpoint(store, tag, found):
         raise NotSupportedError(
             f"store {store.url!r}: version {tag!r} was kept by a TorchRL checkpoint "
             "(torchrl.checkpoint): the store keeps its rows, the checkpoint its sampler, "

@@ -76,7 +76,9 @@ def load_version(storage: StorageReads, path: Path) -> None:
     """
     tag, source = _read_pointer(path)
     same = (
-        isinstance(storage.path, Path) and isinstance(source, Path) and source == storage.path
+        isinstance(storage.path, Path)
+        and isinstance(source, Path)
+        and source == storage.path.resolve()  # (the pointer's path is resolved: symlinks, '..')
     ) or str(source) == storage.url
     if same:
         if storage.store.is_shared:
@@ -122,6 +124,13 @@ def drop_unnamed_checkpoints(store: Store) -> list[str]:
             continue  # another writer of a shared store dropped it first
         dropped.append(tag)
     return dropped
+
+
+def kept_by_checkpoint(store: Store, tag: str, saved: Saved) -> bool:
+    """Whether version ``tag`` was kept by a TorchRL checkpoint: its tag has the prefix
+    and its state group holds the note (a user's ``zarr_rb.save(rb, tag=...)`` may use
+    any tag, that prefix too)."""
+    return tag.startswith(TAG_PREFIX) and _note(store, saved) is not None
 
 
 def _restore(storage: StorageReads, saved: Saved) -> None:
