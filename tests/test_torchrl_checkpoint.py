@@ -6,6 +6,8 @@ Each case runs the same pattern on TorchRL's LazyTensorStorage and compares."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from torchrl.data import LazyTensorStorage, PrioritizedSampler, TensorDictReplay
 
 import zarr_rb
 from zarr_rb.errors import FormatVersionError, NotSupportedError, VersionNotFoundError
+from zarr_rb.torchrl import checkpoint_versions
 from zarr_rb.torchrl.checkpoint_versions import POINTER, TAG_PREFIX
 
 CAPACITY = 64
@@ -165,6 +168,7 @@ def test_a_checkpoint_deleted_by_hand_frees_its_version_at_the_next_one(tmp_path
     Checkpoint(buffer=zarr).save(tmp_path / "b")
     assert len(version_tags(tmp_path / "rb.zarr")) == 2
     (tmp_path / "a.zip").unlink()
+    (tmp_path / "notes.txt").write_text("a file beside the checkpoints names none of them")
     Checkpoint(buffer=zarr).save(tmp_path / "c")
     assert len(version_tags(tmp_path / "rb.zarr")) == 2  # b and c
     zarr.storage.close()
@@ -226,3 +230,119 @@ def test_loading_a_checkpoint_version_with_zarr_rb_load_says_how_to_restore_it(t
     (tag,) = version_tags(tmp_path / "rb.zarr")
     with pytest.raises(NotSupportedError, match=r"Checkpoint\(buffer=rb\)\.load"):
         zarr_rb.load(str(tmp_path / "rb.zarr"), version=tag)
+
+
+def test_a_run_copied_with_its_checkpoints_keeps_their_versions(tmp_path):
+    run1 = tmp_path / "run1"
+    run1.mkdir()
+    zarr = buffer(zarr_rb.ZarrStorage(CAPACITY, str(run1 / "rb.zarr")))
+    extend((zarr,), 0, 30)
+    Checkpoint(buffer=zarr).save(run1 / "ckpt")
+    kept = zarr[:]["id"].clone()
+    zarr.storage.close()
+    shutil.copytree(run1, tmp_path / "run2")
+    shutil.rmtree(run1 / "ckpt")  # the first run goes on without it
+    run2 = buffer(zarr_rb.ZarrStorage(CAPACITY, str(tmp_path / "run2" / "rb.zarr")))
+    extend((run2,), 30, 10)
+    Checkpoint(buffer=run2).save(tmp_path / "run2" / "next")  # (its own store's versions)
+    Checkpoint(buffer=run2).load(tmp_path / "run2" / "ckpt")
+    assert torch.equal(run2[:]["id"], kept)
+    run2.storage.close()
+
+
+def test_a_renamed_checkpoint_keeps_its_version_after_the_next_checkpoint(tmp_path):
+    """A checkpoint renamed in its directory still names its version: the next checkpoint
+    keeps it (checkpoints beside the recorded destination count)."""
+    zarr, model = twins(tmp_path)
+    extend((zarr, model), 0, 40)
+    Checkpoint(buffer=zarr).save(tmp_path / "step-40")
+    Checkpoint(buffer=model).save(tmp_path / "model-40")
+    os.rename(tmp_path / "step-40", tmp_path / "best")  # keep it aside, by hand
+    extend((zarr, model), 40, 10)
+    Checkpoint(buffer=zarr).save(tmp_path / "step-50")  # drops the renamed one's version
+    Checkpoint(buffer=zarr).load(tmp_path / "best")
+    Checkpoint(buffer=model).load(tmp_path / "model-40")
+    same(zarr, model)
+    zarr.storage.close()
+
+
+def test_a_checkpoint_moved_with_its_store_keeps_its_version_after_the_next_checkpoint(
+    tmp_path,
+):
+    """A checkpoint moved together with its store restores through the pointer's relative
+    path, and keeps its version through the next checkpoint (a version made while the
+    store was elsewhere is never dropped: its paths are no longer this store's)."""
+    zarr, model = twins(tmp_path)
+    extend((zarr, model), 0, 40)
+    Checkpoint(buffer=zarr).save(tmp_path / "ckpt")
+    Checkpoint(buffer=model).save(tmp_path / "model")
+    zarr.storage.close()
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.move(tmp_path / "rb.zarr", moved / "rb.zarr")
+    shutil.move(tmp_path / "ckpt", moved / "ckpt")
+    zarr = buffer(zarr_rb.ZarrStorage(CAPACITY, str(moved / "rb.zarr")))
+    Checkpoint(buffer=zarr).load(moved / "ckpt")
+    extend((zarr,), 40, 10)
+    Checkpoint(buffer=zarr).save(moved / "ckpt-next")
+    assert len(version_tags(moved / "rb.zarr")) == 2  # both checkpoints exist
+    Checkpoint(buffer=zarr).load(moved / "ckpt")
+    Checkpoint(buffer=model).load(tmp_path / "model")
+    same(zarr, model)
+    zarr.storage.close()
+
+
+def test_a_user_version_tagged_like_a_checkpoint_loads_with_zarr_rb_load(tmp_path):
+    """A user's tag may start with the checkpoint prefix: zarr_rb.load loads it (a
+    checkpoint's version is recognised by its note, not by its tag alone)."""
+    zarr, _ = twins(tmp_path)
+    extend((zarr,), 0, 20)
+    zarr_rb.save(zarr, tag="torchrl-checkpoint-before-finetune")
+    extend((zarr,), 20, 5)
+    zarr_rb.save(zarr)
+    zarr.storage.close()
+    loaded = zarr_rb.load(str(tmp_path / "rb.zarr"), version="torchrl-checkpoint-before-finetune")
+    assert len(loaded) == 20
+    loaded.storage.close()
+
+
+def test_restoring_on_the_same_store_through_a_symlink_uses_the_version(tmp_path, monkeypatch):
+    """A store opened by a path through a symlink (macOS's /tmp, a scratch link) or with
+    '..' in it is the same store: the restore uses the version, it copies no row."""
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    zarr = buffer(zarr_rb.ZarrStorage(CAPACITY, str(tmp_path / "link" / "rb.zarr")))
+    _, model = twins(tmp_path)
+    extend((zarr, model), 0, 40)
+    Checkpoint(buffer=zarr).save(tmp_path / "link" / "ckpt")
+    Checkpoint(buffer=model).save(tmp_path / "model")
+    extend((zarr, model), 40, 50)
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("restoring on the same store copied its rows")
+
+    monkeypatch.setattr(checkpoint_versions, "copy_rows", no_copy)
+    Checkpoint(buffer=zarr).load(tmp_path / "link" / "ckpt")
+    Checkpoint(buffer=model).load(tmp_path / "model")
+    same(zarr, model)
+    assert torch.equal(zarr[:]["id"], model[:]["id"])
+    zarr.storage.close()
+
+
+@pytest.mark.parametrize("form", ["directory", "archive"])
+def test_a_checkpoint_written_again_at_its_path_frees_the_older_version(tmp_path, form):
+    """A destination written again: the newer pointer restores, the older version is
+    dropped at the next checkpoint."""
+    zarr, model = twins(tmp_path)
+    extend((zarr, model), 0, 30)
+    Checkpoint(buffer=zarr, format=form).save(tmp_path / "ckpt")
+    extend((zarr, model), 30, 50)
+    Checkpoint(buffer=zarr, format=form).save(tmp_path / "ckpt")
+    Checkpoint(buffer=model, format=form).save(tmp_path / "model")
+    extend((zarr, model), 80, 7)
+    Checkpoint(buffer=zarr, format=form).save(tmp_path / "other")
+    assert len(version_tags(tmp_path / "rb.zarr")) == 2
+    Checkpoint(buffer=zarr, format=form).load(tmp_path / "ckpt")
+    Checkpoint(buffer=model, format=form).load(tmp_path / "model")
+    same(zarr, model)
+    zarr.storage.close()

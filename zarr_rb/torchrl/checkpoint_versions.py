@@ -26,6 +26,7 @@ from zarr_rb._version import __version__
 from zarr_rb.core.store import Store
 from zarr_rb.errors import FormatVersionError, StoreCorruptedError, VersionNotFoundError
 from zarr_rb.format.record import Saved
+from zarr_rb.torchrl import compat
 from zarr_rb.torchrl.reads import StorageReads
 from zarr_rb.torchrl.state_dict import copy_rows
 from zarr_rb.util.io import load_json
@@ -45,10 +46,16 @@ def dump_as_version(storage: StorageReads, path: Path, stage: Path, destination:
     store = storage.store
     store.lifetime.ensure_on_disk()
     storage.flush()
-    drop_unnamed_checkpoints(store)  # those rotated or deleted since the last checkpoint
+    # Those rotated or deleted since the last checkpoint:
+    drop_unnamed_checkpoints(store, _place_of(storage))
     tag = TAG_PREFIX + uuid.uuid4().hex
     saved = Saved(slot=store.saves.take_slot(), length=len(storage), cursor=storage.cursor)
-    note = {"host": socket.gethostname(), "stage": str(stage), "destination": str(destination)}
+    note = {
+        "host": _machine(),
+        "store": _place_of(storage),
+        "stage": str(stage),
+        "destination": str(destination),
+    }
     store.lifetime.check_hold()  # the group may be a newer writer's save
     with store.writing("recording a TorchRL checkpoint"):
         store.engine.location.write(f"{saved.group}/{NOTE}", json.dumps(note).encode())
@@ -102,21 +109,28 @@ def load_version(storage: StorageReads, path: Path) -> None:
     storage.restore(length=saved.length, cursor=saved.cursor)
 
 
-def drop_unnamed_checkpoints(store: Store) -> list[str]:
-    """Drop the checkpoint versions that no checkpoint of this host names any longer: their
-    stage is gone and their destination holds no pointer to them (rotated, deleted, or
-    never published). Versions of checkpoints made on another host are kept (their paths
-    cannot be checked here). Returns the tags dropped."""
-    host = socket.gethostname()
+def drop_unnamed_checkpoints(store: Store, place: str) -> list[str]:
+    """Drop the checkpoint versions that no checkpoint names any longer: their stage is gone,
+    and neither their destination nor anything beside it (a checkpoint renamed in its
+    directory) holds a pointer to them: rotated, deleted, or never published.
+
+    Kept whenever that cannot be told: versions made on another machine (their paths are
+    not this machine's), versions made while the store was elsewhere (``place``: where it
+    is now; a store moved or copied with its checkpoints), and versions whose checkpoint's
+    directory is gone altogether (moved with it). Returns the tags dropped."""
+    machine = _machine()
     dropped = []
     for tag, saved in sorted(store.meta.versions.items()):
         if not tag.startswith(TAG_PREFIX):
             continue
         note = _note(store, saved)
-        if note is None or note.get("host") != host:
+        if note is None or note.get("host") != machine or note.get("store") != place:
             continue
         stage, destination = Path(note["stage"]), Path(note["destination"])
-        if stage.exists() or _names(destination, tag):
+        if stage.exists() or not destination.parent.is_dir():
+            continue
+        beside = (p for p in destination.parent.iterdir() if p not in (stage, destination))
+        if _names(destination, tag) or any(_names(p, tag, unsure=False) for p in beside):
             continue
         try:
             store.saves.drop_version(tag)
@@ -182,6 +196,23 @@ def _read_pointer(path: Path) -> tuple[str, Path | str]:
     return tag, Path(store).resolve()
 
 
+def _machine() -> str:
+    """This machine: its host name and, where the system keeps one, its machine id (two
+    machines of one host name, a container's name reused, are told apart)."""
+    try:
+        machine_id = Path("/etc/machine-id").read_text().strip()
+    except OSError:
+        machine_id = ""
+    return f"{socket.gethostname()}/{machine_id}"
+
+
+def _place_of(storage: StorageReads) -> str:
+    """Where the store is: its resolved directory, or its URL."""
+    if isinstance(storage.path, Path):
+        return str(storage.path.resolve())
+    return storage.url
+
+
 def _note(store: Store, saved: Saved) -> dict[str, Any] | None:
     data = store.engine.location.read(f"{saved.group}/{NOTE}")
     if data is None:
@@ -190,24 +221,26 @@ def _note(store: Store, saved: Saved) -> dict[str, Any] | None:
         note = load_json(data)
     except (ValueError, RecursionError):
         return None
-    fields = ("host", "stage", "destination")
+    fields = ("host", "store", "stage", "destination")
     if not isinstance(note, dict) or not all(isinstance(note.get(f), str) for f in fields):
         return None
     return note
 
 
-def _names(destination: Path, tag: str) -> bool:
-    """Whether the checkpoint at ``destination`` (a directory or an archive) holds a pointer
-    to ``tag``; one that cannot be read counts as naming it (nothing is dropped on doubt)."""
+def _names(path: Path, tag: str, *, unsure: bool = True) -> bool:
+    """Whether the checkpoint at ``path`` (a directory TorchRL wrote, with its manifest, or
+    an archive of one) holds a pointer to ``tag``. Anything else names nothing; a
+    checkpoint that cannot be read counts as ``unsure`` (the destination itself: as naming
+    it, nothing is dropped on doubt)."""
     try:
-        if destination.is_dir():
-            pointers = [p.read_bytes() for p in destination.rglob(POINTER)]
-        elif destination.is_file():
-            with zipfile.ZipFile(destination) as archive:
+        if (path / compat.CHECKPOINT_MANIFEST).is_file():
+            pointers = [p.read_bytes() for p in (path / "components").rglob(POINTER)]
+        elif path.is_file() and zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
                 names = [n for n in archive.namelist() if n.endswith(f"/{POINTER}")]
                 pointers = [archive.read(n) for n in names]
         else:
             return False
     except (OSError, zipfile.BadZipFile):
-        return True
+        return unsure
     return any(tag.encode() in pointer for pointer in pointers)

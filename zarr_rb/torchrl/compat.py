@@ -443,6 +443,8 @@ FOREACH_COPY: Any = torch.ops.aten._foreach_copy_.default
 tensors."""
 
 
+CHECKPOINT_MANIFEST = "manifest.json"
+"""The file ``torchrl.checkpoint`` writes at the top of every checkpoint it publishes."""
 _CHECKPOINT_STAGE = re.compile(r"^\.(?P<name>.+)\.stage-[0-9a-f]{32}$")
 """The directory ``torchrl.checkpoint.Checkpoint.save`` stages a checkpoint in, beside its
 destination (``.<name>.stage-<uuid4 hex>``), before it renames or zips it into place."""
