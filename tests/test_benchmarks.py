@@ -203,3 +203,23 @@ def test_dedup_benchmark_smoke(tmp_path, monkeypatch, capsys):
     assert results["single frames"]["raw_over_disk"] > 1  # each frame once, not 8 times
     assert "| stacked, two keys (zarr_rb today) |" in capsys.readouterr().out
     sys.modules.pop("run", None)
+
+
+@pytest.mark.slow  # (about 40 s: children importing torch; CI runs it)
+def test_checkpoint_and_dqn_loop_benchmarks_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import checkpoint
+    import dqn_loop
+
+    out = tmp_path / "checkpoint.json"
+    assert checkpoint.main(["--sizes-mb", "1", "--json", str(out), "--where", str(tmp_path)]) == 0
+    figures = json.loads(out.read_text())["1 MB"]
+    assert figures["ZarrStorage"]["directory"]["checkpoint_bytes"] > 0
+    assert figures["LazyMemmapStorage"]["archive"]["checkpoint_bytes"] > 0
+    out = tmp_path / "dqn_loop.json"
+    argv = ["--batches", "2", "--rows-per-batch", "40", "--updates", "3", "--pool", "64"]
+    argv += ["--buffer-size", "1000", "--rounds", "1", "--json", str(out)]
+    assert dqn_loop.main([*argv, "--where", str(tmp_path)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"LazyMemmapStorage", "ZarrStorage", "ZarrStorage, ram_bytes"}
+    assert all(r["sample_ms"] > 0 and r["peak_rss_gb"] > 0 for r in results.values())
