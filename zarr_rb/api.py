@@ -299,16 +299,10 @@ def load(
 
 def _saved_of(storage: ZarrStorage, version: str | int | None = None) -> Saved:
     """The store's last save (or ``version``), checked to still hold its rows (see
-    :meth:`~zarr_rb.core.saves.StoreSaves.check_loadable`)."""
+    :meth:`~zarr_rb.core.saves.StoreSaves.check_saved`)."""
     try:
         saved = _find_save(storage.store, version)
-        storage.store.saves.check_loadable(
-            length=saved.length,
-            cursor=saved.cursor,
-            epoch=saved.epoch,
-            exact=False,
-            kept=saved.commit() if saved.pinned else None,  # its map and holes
-        )
+        storage.store.saves.check_saved(saved)
     except BaseException:
         storage.close()
         raise

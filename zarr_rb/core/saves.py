@@ -117,6 +117,22 @@ class StoreSaves:
                 "read_only=True)",
             )
 
+    def check_saved(self, saved: Saved) -> None:
+        """:meth:`check_loadable` of a save the record names, to resume from it (rows this
+        process wrote over count; a pinned save's rows are its map and holes).
+
+        Raises:
+            SaveOverwrittenError: rows the save covered were written over since.
+            LiveBufferError: see :meth:`check_loadable`.
+        """
+        self.check_loadable(
+            length=saved.length,
+            cursor=saved.cursor,
+            epoch=saved.epoch,
+            exact=False,
+            kept=saved.commit() if saved.pinned else None,
+        )
+
     def next_slot(self) -> int:
         """The number of the next save: the lowest that no save the record names has. Its
         state group is then the one of the save before the last (untagged saves alternate

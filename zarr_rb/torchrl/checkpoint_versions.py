@@ -46,13 +46,13 @@ def dump_as_version(storage: StorageReads, path: Path, stage: Path, destination:
     store = storage.store
     store.lifetime.ensure_on_disk()
     storage.flush()
-    # Those rotated or deleted since the last checkpoint:
-    drop_unnamed_checkpoints(store, _place_of(storage))
+    place = _place_of(storage)
+    drop_unnamed_checkpoints(store, place)  # those rotated or deleted since the last one
     tag = TAG_PREFIX + uuid.uuid4().hex
     saved = Saved(slot=store.saves.take_slot(), length=len(storage), cursor=storage.cursor)
     note = {
         "host": _machine(),
-        "store": _place_of(storage),
+        "store": place,
         "stage": str(stage),
         "destination": str(destination),
     }
@@ -91,7 +91,8 @@ def load_version(storage: StorageReads, path: Path) -> None:
         if storage.store.is_shared:
             storage.store.refresh()
         saved = _version(storage.store, tag, path)
-        _restore(storage, saved)
+        storage.store.saves.check_saved(saved)
+        storage.restore(length=saved.length, cursor=saved.cursor, save=saved)
         return
     try:
         other = type(storage)(path=source, ndim=storage.ndim, read_only=True)
@@ -145,18 +146,6 @@ def kept_by_checkpoint(store: Store, tag: str, saved: Saved) -> bool:
     and its state group holds the note (a user's ``zarr_rb.save(rb, tag=...)`` may use
     any tag, that prefix too)."""
     return tag.startswith(TAG_PREFIX) and _note(store, saved) is not None
-
-
-def _restore(storage: StorageReads, saved: Saved) -> None:
-    store = storage.store
-    store.saves.check_loadable(
-        length=saved.length,
-        cursor=saved.cursor,
-        epoch=saved.epoch,
-        exact=False,
-        kept=saved.commit() if saved.pinned else None,  # its map and holes
-    )
-    storage.restore(length=saved.length, cursor=saved.cursor, save=saved)
 
 
 def _version(store: Store, tag: str, path: Path) -> Saved:
