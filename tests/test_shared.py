@@ -263,7 +263,8 @@ def test_a_block_another_writer_rewrote_is_read_as_it_is_now(where, ram_bytes):
         other.set(torch.arange(8), stamped(1, 256, 8))  # one block more
         mine.refresh()
         assert torn(mine.get(torch.arange(256))) == 0
-        assert (("obs",) in mine._store.ram.mirror) == bool(ram_bytes)  # frames read in RAM
+        tier = mine._store.ram.frames
+        assert (tier is not None and bool(tier.resident.all())) == bool(ram_bytes)  # in RAM
         other.set(torch.arange(8), stamped(2, 0, 8))  # the oldest block, taken again
         mine.refresh()
         everything = torch.arange(256)

@@ -198,7 +198,7 @@ def load(
     read_only: bool = False,
     storage: Literal["zarr", "memory"] = "zarr",
     progress: bool = True,
-    ram_bytes: int = 0,
+    ram_bytes: int | Literal["auto"] = "auto",
     version: str | int | None = None,
 ) -> Any:
     """Rebuild a replay buffer saved with :func:`save`, without reading any row.
@@ -263,7 +263,7 @@ def load(
     """
     if storage not in ("zarr", "memory"):
         raise ValueError(f"expected storage='zarr' or storage='memory', got {storage!r}")
-    if ram_bytes and storage == "memory":
+    if ram_bytes not in (0, "auto") and storage == "memory":
         raise ValueError("ram_bytes is for storage='zarr'; storage='memory' holds every row in RAM")
     code_objects = {
         "collate_fn": collate_fn,
@@ -422,7 +422,7 @@ def _load_on_store(
     code_objects: dict[str, Any],
     device: str,
     read_only: bool,
-    ram_bytes: int,
+    ram_bytes: int | Literal["auto"],
     version: str | int | None,
 ) -> Any:
     storage = ZarrStorage(

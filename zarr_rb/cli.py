@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from zarr_rb.core.ram_budget import auto_ram_bytes
 from zarr_rb.errors import LockedError, ZarrRBError
 from zarr_rb.util.progress import format_bytes
 
@@ -243,6 +244,11 @@ def _print_report(report: Any, console: Any) -> None:
     }
     if report.objects is not None:
         lines["objects"] = report.objects
+    budget = format_bytes(auto_ram_bytes())
+    lines["in RAM"] = (
+        f"a writer here keeps up to {budget} of the rows it writes in RAM, each frame once "
+        '(ram_bytes="auto": a quarter of the memory available now)'
+    )
     indent = " " * 10
     for label, value in lines.items():
         text = textwrap.fill(

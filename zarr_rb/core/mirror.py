@@ -1,15 +1,14 @@
-"""A writer's RAM copies of whole leaves: which leaves it keeps, and the copies.
+"""A writer's RAM copies of whole small leaves: which leaves it keeps, and the copies.
 
 A writer keeps a copy of the rows it reached of its small leaves (actions, rewards, flags,
-trajectory ids: samplers scan them whole) and, within ``ram_bytes``, of every fixed-shape
-leaf; its writes update the copies, so they are read from RAM, never from disk again. The
-store fills a copy when it is first needed (:class:`Mirror` asks it through ``load``) and
-says which rows other writers changed.
+trajectory ids: samplers scan them whole); its writes update the copies, so they are read
+from RAM, never from disk again. The store fills a copy when it is first needed
+(:class:`Mirror` asks it through ``load``) and says which rows other writers changed. Large
+leaves (frames) are kept by the RAM tier instead (:mod:`zarr_rb.core.frames`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import mmap
 from collections.abc import Callable, Mapping, Sequence
@@ -29,17 +28,8 @@ _MAPPED_BYTES = 2**20
 """Mirrors of at least this many bytes are private anonymous mappings of their own."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Choice:
-    """Leaves the writer may mirror in RAM, and the bytes they may take there."""
-
-    keys: frozenset[Key]
-    row_bytes: int
-    limit: int
-
-
 class Mirror:
-    """The leaves a writer mirrors in RAM and their copies, ``rows`` rows at most.
+    """The small leaves a writer mirrors in RAM and their copies, ``rows`` rows at most.
 
     ``load(key, rows)``: a new copy of ``key`` covering ``rows`` rows, as the store holds
     them (called when a mirrored leaf is first read or written).
@@ -52,13 +42,14 @@ class Mirror:
         self._copies: dict[Key, torch.Tensor] = {}
         self.keys: frozenset[Key] = frozenset()
         """The leaves mirrored now."""
-        self._choices: tuple[_Choice, ...] = ()
-        """Widest first: every fixed-shape leaf (within ``ram_bytes``), the small ones."""
-        self._cap = 0
-        """The most rows the copies may cover (their choice's limit)."""
         self._small: frozenset[Key] = frozenset()
+        self.row_bytes = 0
+        """Bytes of one row of the small leaves together."""
+        self._cap = 0
+        """The most rows the copies may cover."""
         self.ram_bytes = 0
-        """RAM the writer may take to mirror every fixed-shape leaf."""
+        """RAM the writer may take in RAM copies (the small leaves take at least
+        :data:`MIRROR_LIMIT_BYTES` of it)."""
 
     @property
     def held(self) -> bool:
@@ -70,28 +61,23 @@ class Mirror:
     ) -> None:
         """Choose the leaves to mirror among a schema's ``leaves``."""
         self._rows = batch_shape[0]
-        fixed = [leaf for leaf in leaves if not leaf.ragged]
-        sizes = {leaf.key: leaf_row_nbytes(leaf, batch_shape) for leaf in fixed}
-        small = [key for key, size in sizes.items() if size < self._large_row_bytes]
-        self._small = frozenset(small)
-        self._choices = tuple(
-            _Choice(frozenset(keys), sum(sizes[key] for key in keys), limit)
-            for keys, limit in (
-                (list(sizes), self.ram_bytes),
-                (small, max(self.ram_bytes, MIRROR_LIMIT_BYTES)),
-            )
-            if keys and limit
-        )
+        sizes = {leaf.key: leaf_row_nbytes(leaf, batch_shape) for leaf in leaves if not leaf.ragged}
+        self._small = frozenset(key for key, size in sizes.items() if size < self._large_row_bytes)
+        self.row_bytes = sum(sizes[key] for key in self._small)
         self.fit(rows_reached)
 
+    @property
+    def limit(self) -> int:
+        """The most bytes the copies may take."""
+        return max(self.ram_bytes, MIRROR_LIMIT_BYTES)
+
     def fit(self, rows_reached: int) -> None:
-        """Mirror the widest choice whose rows fit its limit; drop the copies of others."""
-        fitting = [c for c in self._choices if rows_reached * c.row_bytes <= c.limit]
-        if self._read_only or not fitting:
+        """Mirror the small leaves while their rows fit the limit; drop the copies past it."""
+        if self._read_only or not self._small or rows_reached * self.row_bytes > self.limit:
             self.keys, self._cap = frozenset(), 0
         else:
-            self.keys = fitting[0].keys
-            self._cap = fitting[0].limit // max(1, fitting[0].row_bytes)
+            self.keys = self._small
+            self._cap = self.limit // max(1, self.row_bytes)
         for key in self._copies.keys() - self.keys:
             del self._copies[key]  # read from disk from now on
 
@@ -150,12 +136,8 @@ class Mirror:
         return copy
 
     def rows_for(self, key: Key, rows: int, now: int) -> int:
-        """Rows for a copy of ``now`` rows to cover ``rows``: small leaves grow by doubling;
-        large ones (mirrored within ``ram_bytes``) take every row they may reach at once,
-        their pages taken from the OS only as rows are written."""
-        if key in self._small:
-            return min(self._rows, max(rows, min(2 * now, self._cap)))
-        return min(self._rows, max(rows, self._cap))
+        """Rows for a copy of ``now`` rows to cover ``rows``: it grows by doubling."""
+        return min(self._rows, max(rows, min(2 * now, self._cap)))
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

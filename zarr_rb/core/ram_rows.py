@@ -1,10 +1,11 @@
-"""The rows a writer serves from RAM, and its reads: rows waiting in its write buffer and
-its copies of mirrored leaves come before the disk.
+"""The rows a writer serves from RAM, and its reads: rows waiting in its write buffer, its
+copies of small leaves and its RAM tier of frames come before the disk.
 
-A writer keeps its rows not yet on disk by block (:class:`~zarr_rb.core.write_cache.WriteBuffer`)
-and copies of some leaves (:class:`~zarr_rb.core.mirror.Mirror`); :class:`RamRows` reads
-through both, and from the arrays the rest, and keeps the copies up to date as it writes
-and as other writers' commits change rows.
+A writer keeps its rows not yet on disk by block (:class:`~zarr_rb.core.write_cache.WriteBuffer`),
+copies of its small leaves (:class:`~zarr_rb.core.mirror.Mirror`) and, within ``ram_bytes``,
+the frames of its large leaves, each once (:class:`~zarr_rb.core.frames.FrameTier`);
+:class:`RamRows` reads through them, and from the arrays the rest, and keeps them up to
+date as it writes and as other writers' commits change rows.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from zarr_rb.core.arrays import StoreArrays
 from zarr_rb.core.disk_reads import place
 from zarr_rb.core.dtypes import TORCH_DTYPES
+from zarr_rb.core.frames import FrameTier, frame_keys
 from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.mirror import Mirror, put_rows, zeros
 from zarr_rb.core.store_facts import StoreFacts
@@ -27,6 +29,9 @@ from zarr_rb.format.messages import preview_rows
 from zarr_rb.format.schema import LeafSpec, plain_then_ragged, with_lengths
 from zarr_rb.util.keys import Key
 
+_FILL_ROWS = 1024
+"""Rows read from the store at a time to fill the RAM tier."""
+
 
 class RamOwner(StoreFacts, Protocol):
     """What the RAM rows use of their store (:class:`~zarr_rb.core.store.Store`)."""
@@ -35,6 +40,8 @@ class RamOwner(StoreFacts, Protocol):
     def length_rows(self) -> int: ...
     @property
     def rows_reached(self) -> int: ...
+    @property
+    def cursor(self) -> int: ...
     @property
     def ledger(self) -> Ledger | None: ...
     @property
@@ -50,32 +57,58 @@ class RamRows:
     def __init__(self, store: RamOwner, *, large_row_bytes: int, read_only: bool) -> None:
         self.store = store
         self.mirror = Mirror(rows=0, large_row_bytes=large_row_bytes, read_only=read_only)
-        """The leaves this writer keeps in RAM, and their copies."""
+        """The small leaves this writer keeps in RAM, and their copies."""
+        self.frames: FrameTier | None = None
+        """The frames of the large leaves this writer keeps in RAM (with ``ram_bytes``)."""
+        self._large_row_bytes = large_row_bytes
+        self._read_only = read_only
+        self._fill = False
+        """Whether the tier reads the rows already in the store when first needed."""
+        self._fill_pending = False
         self.rows_written = 0
         """One past the highest row this process wrote (or staged)."""
 
     # --- the mirror ------------------------------------------------------------------------
 
-    def keep_in_ram(self, nbytes: int) -> None:
-        """Let the writer mirror every fixed-shape leaf in RAM (frames too, not only the
-        small leaves) while the rows it reached take at most ``nbytes`` there; the largest
-        budget asked by the storages sharing this store holds."""
+    def keep_in_ram(self, nbytes: int, *, fill: bool = False) -> None:
+        """Let the writer keep the rows it writes in RAM, frames too, in at most ``nbytes``
+        there (the small leaves take at least :data:`~zarr_rb.core.mirror.MIRROR_LIMIT_BYTES`);
+        the largest budget asked by the storages sharing this store holds.
+
+        ``fill``: rows already in the store are read into RAM too, when first needed
+        (newest first, while they fit); otherwise only the rows this writer writes are.
+        """
+        if fill and not self._fill:
+            self._fill = self._fill_pending = True
         if nbytes <= self.mirror.ram_bytes:
-            return  # the mirrors chosen stand
+            return  # the budget chosen stands
         self.mirror.ram_bytes = int(nbytes)
         if self.store.schema is not None:
             self.choose()
 
+    @property
+    def ram_bytes(self) -> int:
+        """The RAM budget of this writer (see :meth:`keep_in_ram`)."""
+        return self.mirror.ram_bytes
+
     def choose(self) -> None:
-        """Choose the leaves to mirror in RAM (a new schema, a new budget)."""
+        """Choose the leaves to keep in RAM (a new schema, a new budget)."""
         schema = self.store.schema
         assert schema is not None
         self.mirror.choose(schema.leaves, schema.batch_shape, self.store.rows_reached)
+        specs = frame_keys(schema.leaves, schema.batch_shape, self._large_row_bytes)
+        small = min(self.mirror.limit, self.mirror.row_bytes * schema.rows)
+        budget = self.mirror.ram_bytes - small
+        self.frames = None
+        if specs and budget > 0 and not self._read_only:
+            tier = FrameTier(specs, rows=schema.rows, budget=budget)
+            self.frames = tier if tier.capacity else None
+            self._fill_pending = self._fill
 
     @property
     def mirrored(self) -> bool:
-        """Whether this writer mirrors leaves in RAM (which other writers' rows change)."""
-        return self.mirror.held
+        """Whether this writer keeps leaves in RAM (which other writers' rows change)."""
+        return self.mirror.held or (self.frames is not None and bool(self.frames.resident.any()))
 
     def update(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
         """Rows (unique) this writer wrote or placed: into the copies of mirrored leaves."""
@@ -89,9 +122,21 @@ class RamRows:
             for key in self.mirror.missing():
                 self.mirror.copy_of(key, self._reach(), self._load)
         self.mirror.put(rows, values, self.rows_written)
+        if self.frames is not None:
+            self.frames.put(rows, values)
+
+    def clear(self) -> None:
+        """Forget every row kept in RAM (``empty``, a save loaded): read again when needed."""
+        self.mirror.clear()
+        if self.frames is not None:
+            self.frames.clear()
+            self._fill_pending = self._fill
 
     def changed(self, rows: np.ndarray) -> None:
         """Rows (a mask) that other writers changed: read their mirrored leaves again."""
+        if self.frames is not None:
+            self.frames.release(np.flatnonzero(rows[: self.frames.rows]))
+            self._fill_pending = self._fill
         if not self.mirror.held:
             return
         ledger = self.store.ledger
@@ -103,6 +148,30 @@ class RamRows:
         if picked.size:
             values = self.store.arrays.read(dict.fromkeys(self.mirror.held_keys(), picked))
             self.update(picked, values)
+
+    def _fill_frames(self) -> None:
+        """Read the rows in the store the tier does not hold into it: newest first, a chunk
+        at a time, until one no longer fits."""
+        self._fill_pending = False
+        tier, store = self.frames, self.store
+        assert tier is not None
+        assert store.ledger is not None
+        assert store.write_cache is not None
+        reach = min(self._reach(), tier.rows)
+        order = np.arange(reach)
+        if reach == tier.rows:
+            order = np.roll(order, -(store.cursor % reach))  # oldest first
+        keys = sorted(tier.keys)
+        staged, _ = store.write_cache.staged_rows(order)
+        readable = np.logical_and.reduce([store.ledger.readable(order, key) for key in keys])
+        readable |= staged
+        for stop in range(order.size, 0, -_FILL_ROWS):
+            part = order[max(0, stop - _FILL_ROWS) : stop]
+            part = part[readable[max(0, stop - _FILL_ROWS) : stop] & ~tier.resident[part]]
+            if part.size:
+                values = self.read(part, keys, unwritten_as_zeros=False, unreadable_as_zeros=False)
+                if not tier.put(part, values, older=True):
+                    return
 
     def _reach(self) -> int:
         """Rows a new copy of a mirrored leaf covers: those this writer may have reached."""
@@ -153,6 +222,8 @@ class RamRows:
     ) -> dict[Key, torch.Tensor]:
         """Rows as this writer has them: on disk, in its write buffer, in its mirror (see
         :meth:`Store.read <zarr_rb.core.store.Store.read>`)."""
+        if self._fill_pending and self.frames is not None:
+            self._fill_frames()
         store = self.store
         cache, ledger = store.write_cache, store.ledger
         assert cache is not None
@@ -184,14 +255,28 @@ class RamRows:
                 out.update(
                     {key: self.mirror.gather(key, index, reach, self._load) for key in mirrored}
                 )
-            requests = {key: rows[on_disk[key]] for key in group if key not in mirrored}
+            # Rows of the RAM tier: those resident and readable (on disk or staged).
+            tiered = {}
+            for key in group:
+                if self.frames is not None and key in self.frames.keys:
+                    resident = self.frames.resident_rows(rows) & (on_disk[key] | hit)
+                    if resident.all():
+                        out[key] = self.frames.gather(key, rows)
+                    elif resident.any():
+                        tiered[key] = resident
+                        on_disk[key] = on_disk[key] & ~resident
+            requests = {
+                key: rows[on_disk[key]] for key in group if key not in mirrored and key not in out
+            }
             lengths = {
                 key: out[store.leaf(key).lengths_key][torch.from_numpy(on_disk[key])].numpy()
                 for key in requests
                 if store.leaf(key).ragged
             }
             parts = store.arrays.read(requests, lengths)
-            everything = not hit.any() and all(on_disk[key].all() for key in requests)
+            everything = (
+                not hit.any() and not tiered and all(on_disk[key].all() for key in requests)
+            )
             for key, part in parts.items():
                 if everything:
                     out[key] = part
@@ -203,9 +288,15 @@ class RamRows:
                 )
                 place(tensor, torch.from_numpy(np.flatnonzero(on_disk[key])), part)
                 for block, positions in served:
+                    if key in tiered:
+                        positions = positions[~tiered[key][positions]]
                     offsets = rows[positions] - block.index * cache.block_rows
                     staged = block.values[key][torch.from_numpy(offsets)]
                     place(tensor, torch.from_numpy(positions), staged)
+                if key in tiered and self.frames is not None:
+                    picked = np.flatnonzero(tiered[key])
+                    gathered = self.frames.gather(key, rows[picked])
+                    place(tensor, torch.from_numpy(picked), gathered)
                 out[key] = tensor
         return {key: out[key] for key in keys}
 

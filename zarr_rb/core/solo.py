@@ -161,8 +161,9 @@ class SoloCommits(SoloSaves):
         values, zeros = self._zeros_where_unwritten(rows, values)
         store.ram.update(rows, values)
         if values.keys() == store.leaves.keys():
-            writes = self._stage_rows(rows, values, sequential=cursor is not None)
+            writes, blocks = self._stage_rows(rows, values, sequential=cursor is not None)
         else:
+            blocks = []
             # Rows waiting in RAM take the new values there; the others are written now.
             in_ram = store.write_cache.patch(rows, values)
             elsewhere = np.flatnonzero(~in_ram)
@@ -172,6 +173,7 @@ class SoloCommits(SoloSaves):
                 writes.append((rows[elsewhere], {k: v[picked] for k, v in values.items()}))
         if writes:
             self._write_or_keep(writes)
+            store.write_cache.reuse(blocks)
             if values.keys() == store.leaves.keys():
                 # (Writes of some keys wait for the next commit: a writer that writes a
                 # buffer column by column, as TorchRL's checkpointers do, moves each block

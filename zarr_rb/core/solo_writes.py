@@ -80,8 +80,9 @@ class SoloWrites(SoloSlots):
 
     def _stage_rows(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, sequential: bool
-    ) -> list[Write]:
-        """Stage whole rows in RAM by block; returns what must be written now.
+    ) -> tuple[list[Write], list[Block]]:
+        """Stage whole rows in RAM by block; returns what must be written now, and the
+        blocks taken out of RAM to be written (their memory serves again once they are).
 
         ``sequential``: the rows are a writer's extend, ending just before :attr:`cursor`.
         Only the block it ends in may then stay in RAM: every other staged block (one it
@@ -98,7 +99,7 @@ class SoloWrites(SoloSlots):
                 self._write_or_keep(
                     [block_write(self.store.write_cache.pop(b.index)) for b in older]
                 )
-            return [(rows, values)]
+            return [(rows, values)], []
         direct, full = self.store.write_cache.stage(rows, values)
         if sequential and rows.size:
             block_rows = self.store.write_cache.block_rows
@@ -118,7 +119,7 @@ class SoloWrites(SoloSlots):
             (rows[start:stop], {key: value[start:stop] for key, value in values.items()})
             for start, stop in direct
         )
-        return writes
+        return writes, blocks
 
     def _too_long_to_stage(self, values: Mapping[Key, torch.Tensor]) -> bool:
         assert self.store.write_cache is not None

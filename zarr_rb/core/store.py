@@ -345,7 +345,7 @@ class Store:
         self.version += 1
         if self.write_cache is not None:
             self.write_cache.clear()
-        self.ram.mirror.clear()
+        self.ram.clear()
         self.commits.discard()
 
     def start_archive(self) -> None:

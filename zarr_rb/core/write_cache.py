@@ -55,6 +55,8 @@ class WriteBuffer:
         """Keys whose rows differ in length (their first element dimension): a block holds
         them padded with zeros to the longest row it holds, and grows wider as needed."""
         self._blocks: dict[int, Block] = {}
+        self._spare: dict[Key, torch.Tensor] | None = None
+        """The tensors of a block written to disk, for the next new block (see :meth:`reuse`)."""
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -71,16 +73,26 @@ class WriteBuffer:
     def _block_rows_in_array(self, index: int) -> int:
         return min(self.block_rows, self.rows - index * self.block_rows)
 
+    def reuse(self, blocks: list[Block]) -> None:
+        """Blocks popped and now written to disk: the next new block takes the memory of
+        one (pages the process holds already: filling a new block's 50 MB of Atari rows
+        took 2-4 times as long in fresh pages, each faulted in on first write)."""
+        for block in blocks:
+            if not self._ragged and block.values.keys() == self._element_shapes.keys():
+                self._spare = block.values
+
     def _new_block(self, index: int) -> Block:
         n = self.block_rows
         # Uninitialised: only rows marked dirty are ever read or written (ragged leaves
         # start empty: zeros, as their padding must be).
-        values = {
-            key: (torch.zeros if key in self._ragged else torch.empty)(
-                (n, *shape), dtype=self._dtypes[key]
-            )
-            for key, shape in self._element_shapes.items()
-        }
+        values, self._spare = self._spare, None
+        if values is None:
+            values = {
+                key: (torch.zeros if key in self._ragged else torch.empty)(
+                    (n, *shape), dtype=self._dtypes[key]
+                )
+                for key, shape in self._element_shapes.items()
+            }
         dirty = np.zeros(n, dtype=bool)
         block = Block(
             index=index, values=values, dirty=dirty, length=self._block_rows_in_array(index)
@@ -148,7 +160,11 @@ class WriteBuffer:
         block's width, which grows to the width of ``values``."""
         target = block.values[key]
         if key not in self._ragged:
-            target[offsets] = values
+            first = int(offsets[0]) if offsets.numel() else 0
+            if offsets.numel() and int(offsets[-1]) - first + 1 == offsets.numel():
+                target[first : first + offsets.numel()] = values  # a run of rows: one copy
+            else:
+                target[offsets] = values
             return
         width = values.shape[1]
         if width > target.shape[1]:
@@ -169,6 +185,7 @@ class WriteBuffer:
         """A new leaf: held rows read as zeros in it until written."""
         self._element_shapes[key] = element_shape
         self._dtypes[key] = dtype
+        self._spare = None
         if ragged:
             self._ragged.add(key)
         for block in self._blocks.values():

@@ -15,12 +15,13 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from zarr_rb.core.metadata import capacity_of
 from zarr_rb.core.open import Mode, one_path, open_store, resolve_mode
+from zarr_rb.core.ram_budget import auto_ram_bytes
 from zarr_rb.engine.layout import Compression
 from zarr_rb.errors import LockedError, MixedWritersError, StoreNotFoundError
 from zarr_rb.locations import LocalLocation
@@ -96,12 +97,17 @@ class ZarrStorage(StorageReads):
             least one dimension, or their keys. Entries whose rows differ in the write that
             creates them are stored so anyway; a store that holds such entries returns rows
             as lazy stacks of one TensorDict per row.
-        ram_bytes: RAM this writer may take to keep a copy of the rows it reached, every
-            fixed-shape entry (frames too), next to the store: while they fit, ``get`` and
-            ``sample`` gather them in RAM, as from a ``LazyTensorStorage``, and the store stays
-            the durable copy; once they no longer fit, large entries are read from the store
-            again. Default 0: only small entries (actions, rewards, flags, trajectory ids)
-            are kept, up to 256 MiB. Reading processes keep none.
+        ram_bytes: RAM this writer may take to keep the rows it writes, next to the store
+            (which stays the durable copy): ``get`` and ``sample`` gather those rows in RAM
+            and never decode them. Frames are kept once each (a stack of 4 frames and its
+            next observation share 7 of their 8 frames with the rows around them, found by
+            exact comparison, so every row comes back bit for bit); past the budget the
+            oldest rows are read from the store again. ``"auto"`` (default): a quarter of
+            the memory available when the storage opens (a memory cgroup's room too), at
+            most 16 GiB; it fills as this writer writes. A number of bytes: that budget,
+            and rows already in the store are read into RAM at the first read. ``0``:
+            only small entries (actions, rewards, flags, trajectory ids) are kept, up to
+            256 MiB. Reading processes keep none.
         archive: keep every row extended, from now on, after the ring moves past it (an
             archive: the whole run as an offline dataset, at the cost of disk). The store
             keeps the setting; read the rows with ``zarr_rb.open(path, history=True)`` or
@@ -146,7 +152,7 @@ class ZarrStorage(StorageReads):
         cleanup_memmap: bool = True,
         ragged: bool | str | Sequence[str | tuple[str, ...]] = False,
         storage_options: Mapping[str, Any] | None = None,
-        ram_bytes: int = 0,
+        ram_bytes: int | Literal["auto"] = "auto",
         archive: bool = False,
         history: bool = False,
     ) -> None:
@@ -168,6 +174,7 @@ class ZarrStorage(StorageReads):
             raise ValueError(f"expected refresh_interval >= 0, got {refresh_interval}")
         if ndim is not None and ndim < 1:
             raise ValueError(f"expected ndim >= 1, got {ndim}")
+        fill_ram = ram_bytes != "auto"  # asked for: the rows in the store are read too
         ram_bytes = _ram_bytes(ram_bytes)
         if max_size is not None and int(max_size) < 1:
             raise ValueError(f"expected max_size >= 1, got {max_size}")
@@ -210,7 +217,7 @@ class ZarrStorage(StorageReads):
                 compat.set_last_cursor(self, (store.cursor - 1) % store.rows)
             self.existsok = existsok
             self.shared_init = shared_init
-            store.ram.keep_in_ram(ram_bytes)
+            store.ram.keep_in_ram(ram_bytes, fill=fill_ram and ram_bytes > 0)
             self.__dict__["_ragged"] = ragged_keys(ragged)
             self.__dict__["_storage_options"] = dict(storage_options or {})
             self.auto_cleanup = tmpdir is not None if auto_cleanup is None else bool(auto_cleanup)
@@ -322,8 +329,10 @@ class ZarrStorage(StorageReads):
 
 
 def _ram_bytes(value: object) -> int:
+    if value == "auto":
+        return auto_ram_bytes()
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"expected ram_bytes to be a number of bytes, got {value!r}")
+        raise TypeError(f'expected ram_bytes to be a number of bytes or "auto", got {value!r}')
     if value < 0:
         raise ValueError(f"expected ram_bytes >= 0, got {value}")
     return int(value)

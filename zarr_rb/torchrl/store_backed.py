@@ -31,6 +31,7 @@ from zarr_rb.locations import LocalLocation
 from zarr_rb.torchrl import compat, data_kinds
 from zarr_rb.torchrl.gather_cache import GatherCache
 from zarr_rb.torchrl.leaves import Ragged
+from zarr_rb.util.progress import format_bytes
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _S = TypeVar("_S", bound="StoreBacked")
@@ -280,10 +281,12 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         keys = (
             [] if schema is None else [".".join(leaf.key) or "<tensor>" for leaf in schema.leaves]
         )
+        # A writer's RAM budget (readers keep nothing in RAM).
+        ram = "" if self.read_only else f", ram_bytes={format_bytes(self._store.ram.ram_bytes)!r}"
         return (
             f"{type(self).__name__}(path={str(self.path)!r}, len={len(self)}, "
             f"max_size={self.max_size}, ndim={self.ndim}, keys={keys}, "
-            f"read_only={self.read_only})"
+            f"read_only={self.read_only}{ram})"
         )
 
     @property
