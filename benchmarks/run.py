@@ -10,19 +10,20 @@ documentation's Performance page, ``docs/performance.md`` (``--parts`` picks som
 
 Parts: ``beyond-ram`` (ZarrStorage and LazyMemmapStorage, each in a child process in a
 memory cgroup, on a buffer bigger than the limit: :mod:`beyond_ram`), ``datasets`` (every
-storage in this process, in RAM: ``ZarrStorage``, by default and with ``ram_bytes`` (a copy
-of the rows in RAM), TorchRL's ``LazyMemmapStorage`` and
-``LazyTensorStorage``, and tensordict's own Zarr backend, ``TensorDict.to_zarr``, as the
-naive Zarr reference; saving and loading on Pong), ``prefetch`` (a training loop with a
-simulated 10 ms learner step, with and without TorchRL's ``prefetch``), ``prioritized`` (a
-PrioritizedSampler's state) and ``capacity`` (commits of a store of 1M and of 100M rows holding few:
-:mod:`capacity`). Data: real ALE frames (Pong, Breakout, and the busier screens of Ms.
-Pac-Man and Space Invaders; 84x84 grayscale, 4-frame stacks; obs and next/obs, action,
-reward, done, episode ids) generated with a seeded random policy and cached under
-``benchmarks/.cache``, plus random uint8 frames that no codec can compress. Figures are
-medians and 95th percentiles; the same figures are written as JSON (``--json``). The storages
-of a dataset are measured in turn, so that the machine's noise falls on all of them alike:
-each is filled afresh three times (``--extend-rounds``), then their sample() calls alternate.
+storage in this process, in RAM: ``ZarrStorage``, by default (its rows in RAM, each frame
+once) and with ``ram_bytes=0`` (every row decoded from the store), TorchRL's
+``LazyMemmapStorage`` and ``LazyTensorStorage``, and tensordict's own Zarr backend,
+``TensorDict.to_zarr``, as the naive Zarr reference; saving and loading on Pong),
+``prefetch`` (a training loop with a simulated 10 ms learner step, with and without
+TorchRL's ``prefetch``), ``prioritized`` (a PrioritizedSampler's state) and ``capacity``
+(commits of a store of 1M and of 100M rows holding few: :mod:`capacity`). Data: real ALE
+frames (Pong, Breakout, and the busier screens of Ms. Pac-Man and Space Invaders; 84x84
+grayscale, 4-frame stacks; obs and next/obs, action, reward, done, episode ids) generated
+with a seeded random policy and cached under ``benchmarks/.cache``, plus random uint8 frames
+that no codec can compress. Figures are medians and 95th percentiles; the same figures are
+written as JSON (``--json``). The storages of a dataset are measured in turn, so that the
+machine's noise falls on all of them alike: each is filled afresh three times
+(``--extend-rounds``), then their sample() calls alternate.
 """
 
 from __future__ import annotations
@@ -189,9 +190,8 @@ def disk_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-IN_RAM = "ZarrStorage, ram_bytes"
-"""ZarrStorage keeping a copy of the rows in RAM, frames included (``ram_bytes`` twice the
-data's bytes: the rows also hold the "index" entry TorchRL's buffer adds)."""
+DECODING = "ZarrStorage, ram_bytes=0"
+"""ZarrStorage keeping only its small entries in RAM: every frame is decoded from the store."""
 
 
 def make_storage(
@@ -199,9 +199,9 @@ def make_storage(
     rows: int,
     where: Path,
     compression: zarr_rb.Compression | None = None,
-    ram_bytes: int = 0,
+    ram_bytes: int | str = "auto",
 ) -> Any:
-    if kind in ("ZarrStorage", IN_RAM):
+    if kind in ("ZarrStorage", DECODING):
         return zarr_rb.ZarrStorage(
             rows, where / "rb.zarr", compression=compression, ram_bytes=ram_bytes
         )
@@ -214,7 +214,7 @@ EXTEND_ROUNDS = 3
 """Fresh fills of each storage per dataset by default, interleaved: the extend figure is
 their median (``--extend-rounds``)."""
 
-TORCHRL_KINDS = ("ZarrStorage", IN_RAM, "LazyMemmapStorage", "LazyTensorStorage")
+TORCHRL_KINDS = ("ZarrStorage", DECODING, "LazyMemmapStorage", "LazyTensorStorage")
 
 
 def fill(
@@ -227,7 +227,7 @@ def fill(
     (batches of :data:`BATCH`, then a flush: the rows are committed), and the seconds it
     took."""
     rows = data.shape[0]
-    ram_bytes = 2 * data.bytes() if kind == IN_RAM else 0
+    ram_bytes = 0 if kind == DECODING else "auto"
     storage = make_storage(kind, rows, where, compression, ram_bytes=ram_bytes)
     rb = TensorDictReplayBuffer(storage=storage, batch_size=SAMPLE)
     start = time.perf_counter()
@@ -520,7 +520,7 @@ def report(results: dict[str, Any]) -> str:
                 f"| {fmt(r['disk_bytes'] and r['disk_bytes'] / 1e6, 1)} |"
             )
         lines.append("")
-        for zarr in ("ZarrStorage", IN_RAM):
+        for zarr in ("ZarrStorage", DECODING):
             ratios = ratios_to_memmap(per_storage, zarr)
             lines.append(
                 f"{zarr} / LazyMemmapStorage: "
@@ -606,8 +606,8 @@ def bench_dataset(
     shutil.rmtree(where)
     results["datasets"][name] = per_storage
     results.setdefault("ratios_to_memmap", {})[name] = ratios_to_memmap(per_storage)
-    results.setdefault("ratios_to_memmap_ram_bytes", {})[name] = ratios_to_memmap(
-        per_storage, IN_RAM
+    results.setdefault("ratios_to_memmap_ram_bytes_0", {})[name] = ratios_to_memmap(
+        per_storage, DECODING
     )
     if name == "pong":
         where = work / "save-load"

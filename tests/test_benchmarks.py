@@ -51,7 +51,7 @@ def test_benchmark_suite_smoke(tmp_path, monkeypatch, capsys):
     for per_storage in results["datasets"].values():
         assert set(per_storage) == {
             "ZarrStorage",
-            "ZarrStorage, ram_bytes",
+            "ZarrStorage, ram_bytes=0",
             "LazyMemmapStorage",
             "LazyTensorStorage",
             "TensorDict.to_zarr",
@@ -63,7 +63,7 @@ def test_benchmark_suite_smoke(tmp_path, monkeypatch, capsys):
     assert results["prefetch"]["ZarrStorage prefetch=4"]["batches_per_s"] > 0
     printed = capsys.readouterr().out
     assert "| ZarrStorage |" in printed
-    assert "ZarrStorage, ram_bytes / LazyMemmapStorage: extend" in printed
+    assert "ZarrStorage, ram_bytes=0 / LazyMemmapStorage: extend" in printed
     sys.modules.pop("run", None)
 
 
@@ -221,5 +221,11 @@ def test_checkpoint_and_dqn_loop_benchmarks_smoke(tmp_path, monkeypatch, capsys)
     argv += ["--buffer-size", "1000", "--rounds", "1", "--json", str(out)]
     assert dqn_loop.main([*argv, "--where", str(tmp_path)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"LazyMemmapStorage", "ZarrStorage", "ZarrStorage, ram_bytes"}
+    assert set(results) == {
+        "LazyMemmapStorage",
+        "LazyTensorStorage",
+        "ZarrStorage",
+        "ZarrStorage, ram_bytes",
+        "ZarrStorage, ram_bytes=0",
+    }
     assert all(r["sample_ms"] > 0 and r["peak_rss_gb"] > 0 for r in results.values())

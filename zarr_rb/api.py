@@ -233,8 +233,10 @@ def load(
         storage: ``"zarr"`` (default) samples from the store; ``"memory"`` copies its rows
             into a ``LazyTensorStorage``.
         progress: show a progress bar while rows are copied into memory.
-        ram_bytes: RAM the loaded storage may take to keep a copy of its rows, frames
-            included, for sampling at RAM speed (see :class:`ZarrStorage`).
+        ram_bytes: RAM the loaded storage may take to keep rows in RAM, each frame once,
+            for sampling at RAM speed (see :class:`ZarrStorage`): ``"auto"`` (default) holds
+            the rows it writes from now on; a number of bytes also reads the loaded rows
+            into RAM at the first read; ``0`` keeps only small entries.
         version: a kept save: its tag, or its number (see :func:`versions`); ``None``:
             the last save.
 

@@ -26,11 +26,6 @@ from zarr_rb.format.names import ATTRS_KEY
 from zarr_rb.format.schema import LeafSpec, Schema
 from zarr_rb.locations.base import ROOT_METADATA
 from zarr_rb.util.keys import Key
-from zarr_rb.util.malloc import release_free_memory
-
-_TRIM_BYTES = 256 * 2**20
-"""Bytes written between two returns of freed heap memory to the system (each takes about
-5 ms with a writer's heap: 0.3% of the time to encode 256 MiB)."""
 
 ARRAYS_WAIT_SECONDS = 10.0
 """How long a store that just got its schema from another writer waits for its arrays."""
@@ -63,8 +58,6 @@ class StoreArrays:
     def __init__(self, store: ArraysOwner) -> None:
         self.store = store
         self._open: dict[Key, RowArray] = {}
-        self._written = 0
-        """Bytes encoded since freed heap memory was last given back."""
 
     def expected_shape(self, leaf: LeafSpec) -> tuple[int | None, ...]:
         """The shape a leaf's array must have (``None``: any length along that dimension:
@@ -259,16 +252,6 @@ class StoreArrays:
                         errors.append(err)
             if errors:
                 raise errors[0]
-        self._written_bytes(sum(t.nbytes for _, values in writes for t in values.values()))
-
-    def _written_bytes(self, nbytes: int) -> None:
-        """Count bytes given to the encoders; past :data:`_TRIM_BYTES`, give the heap memory
-        their threads freed back to the system (glibc keeps it in per-thread arenas: a
-        writer's RSS grew by 0.3 GB over 1.4 GB of Pong rows, without it)."""
-        self._written += nbytes
-        if self._written >= _TRIM_BYTES:
-            self._written = 0
-            release_free_memory()
 
     def _create_rows(
         self, writes: Sequence[Write], seeds: Sequence[tuple[int, int]], *, physical: bool
