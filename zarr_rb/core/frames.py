@@ -477,6 +477,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     if t.shape[-1] % 8 == 0:
         try:
             return t.view(torch.int64)
-        except RuntimeError:  # rows that do not start on an 8-byte boundary
-            pass
+        except RuntimeError:  # rows that do not start on an 8-byte boundary: a copy that
+            # does (the other side of a comparison may be words: both must be)
+            return t.clone().view(torch.int64)
     return t

@@ -1,0 +1,53 @@
+"""Regressions found in review of the RAM tier of frames (``zarr_rb/core/frames.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_identical
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+from zarr_rb import ZarrStorage
+from zarr_rb.core.arrays import StoreArrays
+
+
+def _episode(n: int, stack: int, side: int, dtype: torch.dtype, start: int = 0) -> TensorDict:
+    frames = torch.stack(
+        [((torch.arange(side * side) + t * 7) % 251).view(side, side) for t in range(start, start + n + stack)]
+    ).to(dtype)
+    obs = torch.stack([frames[t : t + stack] for t in range(n)])
+    nxt = torch.stack([frames[t + 1 : t + 1 + stack] for t in range(n)])
+    return TensorDict({"obs": obs, "next": {"obs": nxt}}, batch_size=[n])
+
+
+@pytest.mark.parametrize(("stack", "side", "dtype"), [(3, 30, torch.uint8), (3, 45, torch.float32)])
+def test_frames_not_on_8_byte_boundaries(tmp_path: Path, stack: int, side: int, dtype: torch.dtype) -> None:
+    """A frame of 900 bytes (``[3, 30, 30]`` uint8): two frames line up as 8-byte words,
+    the second frame of a row does not start on an 8-byte boundary. One-row extends compared
+    words with bytes and raised (``The size of tensor a (225) must match ... (1800)``)."""
+    storage = ZarrStorage(16, tmp_path / "rb.zarr")  # ram_bytes="auto"
+    twin = LazyTensorStorage(16)
+    rb, rb_twin = (TensorDictReplayBuffer(storage=s, batch_size=2) for s in (storage, twin))
+    for t in range(3):
+        data = _episode(1, stack, side, dtype, start=t)
+        rb.extend(data)
+        rb_twin.extend(data)
+    # A write whose tensors start at an odd byte (a view into a larger buffer).
+    data = _episode(4, stack, side, dtype, start=3)
+    flat = torch.zeros(data["obs"].numel() * data["obs"].element_size() + 3, dtype=torch.uint8)
+    flat[3:] = data["obs"].reshape(-1).view(torch.uint8)
+    data["obs"] = flat[3:].view(dtype).view(data["obs"].shape) if dtype == torch.uint8 else data["obs"]
+    rb.extend(data)
+    rb_twin.extend(data)
+    everything = torch.arange(len(twin))
+    assert_identical(storage.get(everything).exclude("index"), twin.get(everything).exclude("index"))
+    tier = storage._store.ram.frames
+    assert tier is not None
+    tier.check()
+    assert bool(tier.resident[: len(twin)].all())
+    storage.close()
