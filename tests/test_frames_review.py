@@ -51,3 +51,16 @@ def test_frames_not_on_8_byte_boundaries(tmp_path: Path, stack: int, side: int, 
     tier.check()
     assert bool(tier.resident[: len(twin)].all())
     storage.close()
+
+
+def test_admission_record_stays_bounded(tmp_path: Path) -> None:
+    """A tier that never needs to evict kept one entry per write for ever (1-row writes: a
+    leak of an array and a tuple per ``rb.add``)."""
+    storage = ZarrStorage(8, tmp_path / "rb.zarr", ram_bytes=2**22)
+    for t in range(200):
+        storage.set(torch.tensor([t % 8]), _episode(1, 4, 16, torch.uint8, start=t))
+    tier = storage._store.ram.frames
+    assert tier is not None
+    tier.check()
+    assert len(tier._admitted) <= 2 * 64 + 1, len(tier._admitted)
+    storage.close()
