@@ -201,6 +201,15 @@ class FrameTier:
             for spec, pool in zip(self.specs, self._pools.values(), strict=True)
         )
 
+    def room_rows(self) -> int:
+        """About how many more rows fit without evicting: each pool's free frames over the
+        frames a resident row takes there on average (one, while no row is resident)."""
+        held = int(self.resident.sum())
+        return min(
+            pool.available // (max(1, -(-pool.used // held)) if held else 1)
+            for pool in self._pools.values()
+        )
+
     def resident_rows(self, rows: np.ndarray) -> np.ndarray:
         held: np.ndarray = self.resident[rows]
         return held
