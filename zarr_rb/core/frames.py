@@ -181,7 +181,10 @@ class FrameTier:
         self._clock = 0
         self._admitted: collections.deque[tuple[np.ndarray, int]] = collections.deque()
         """Rows in the order they were admitted, with their stamp then (entries whose row
-        was released or admitted again since are skipped)."""
+        was released or admitted again since are skipped, and dropped now and then: see
+        :meth:`_note`)."""
+        self._compact_at = _EVICT_AT_LEAST
+        """Entries of ``_admitted`` past which those no longer live are dropped."""
         self._last: int | None = None
         """The row admitted last: the next write's rows may continue it."""
 
@@ -196,6 +199,15 @@ class FrameTier:
         return sum(
             pool.touched * spec.frame_nbytes + self.rows * spec.slots_per_row * _ID_BYTES
             for spec, pool in zip(self.specs, self._pools.values(), strict=True)
+        )
+
+    def room_rows(self) -> int:
+        """About how many more rows fit without evicting: each pool's free frames over the
+        frames a resident row takes there on average (one, while no row is resident)."""
+        held = int(self.resident.sum())
+        return min(
+            pool.available // (max(1, -(-pool.used // held)) if held else 1)
+            for pool in self._pools.values()
         )
 
     def resident_rows(self, rows: np.ndarray) -> np.ndarray:
@@ -257,12 +269,29 @@ class FrameTier:
             self.resident[rows] = True
             self._clock += 1
             self._stamps[rows] = self._clock
-            if older:
-                self._admitted.appendleft((rows.copy(), self._clock))
-            else:
-                self._admitted.append((rows.copy(), self._clock))
+            self._note(rows, older=older)
+            if not older:
                 self._last = int(rows[-1])
         return admitted
+
+    def _note(self, rows: np.ndarray, *, older: bool) -> None:
+        """Rows just admitted, in ``_admitted``. Entries of rows written over since are only
+        skipped at eviction, and a tier that never evicts would keep one per write for ever:
+        past ``_compact_at`` entries, those with no live row go (amortised: the next
+        compaction waits for twice the entries left)."""
+        entry = (rows.copy(), self._clock)
+        if older:
+            self._admitted.appendleft(entry)
+        else:
+            self._admitted.append(entry)
+        if len(self._admitted) > self._compact_at:
+            kept: collections.deque[tuple[np.ndarray, int]] = collections.deque()
+            for held, stamp in self._admitted:
+                live = held[self.resident[held] & (self._stamps[held] == stamp)]
+                if live.size:
+                    kept.append((live, stamp))
+            self._admitted = kept
+            self._compact_at = max(_EVICT_AT_LEAST, 2 * len(kept))
 
     def release(self, rows: np.ndarray) -> None:
         """Rows no longer resident (written over, withdrawn, changed by another writer)."""
@@ -279,6 +308,7 @@ class FrameTier:
         """No row resident (``empty``, a save loaded)."""
         self.release(np.flatnonzero(self.resident))
         self._admitted.clear()
+        self._compact_at = _EVICT_AT_LEAST
         self._last = None
 
     def _frames_of(self, spec: FrameKeys, row: int | None) -> dict[Key, torch.Tensor] | None:
@@ -477,6 +507,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     if t.shape[-1] % 8 == 0:
         try:
             return t.view(torch.int64)
-        except RuntimeError:  # rows that do not start on an 8-byte boundary
-            pass
+        except RuntimeError:  # rows that do not start on an 8-byte boundary: a copy that
+            # does (the other side of a comparison may be words: both must be)
+            return t.clone().view(torch.int64)
     return t

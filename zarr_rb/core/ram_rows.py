@@ -169,6 +169,12 @@ class RamRows:
             part = order[max(0, stop - _FILL_ROWS) : stop]
             part = part[readable[max(0, stop - _FILL_ROWS) : stop] & ~tier.resident[part]]
             if part.size:
+                # Only rows that may fit are read: a full tier (refilled after each change
+                # of other writers) would otherwise decode a chunk to throw it away.
+                room = tier.room_rows()
+                if room <= 0:
+                    return
+                part = part[-room:]
                 values = self.read(part, keys, unwritten_as_zeros=False, unreadable_as_zeros=False)
                 if not tier.put(part, values, older=True):
                     return

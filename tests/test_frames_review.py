@@ -1,0 +1,104 @@
+"""Regressions found in review of the RAM tier of frames (``zarr_rb/core/frames.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_identical
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+from zarr_rb import ZarrStorage
+from zarr_rb.core.arrays import StoreArrays
+
+
+def _episode(n: int, stack: int, side: int, dtype: torch.dtype, start: int = 0) -> TensorDict:
+    frames = torch.stack(
+        [
+            ((torch.arange(side * side) + t * 7) % 251).view(side, side)
+            for t in range(start, start + n + stack)
+        ]
+    ).to(dtype)
+    obs = torch.stack([frames[t : t + stack] for t in range(n)])
+    nxt = torch.stack([frames[t + 1 : t + 1 + stack] for t in range(n)])
+    return TensorDict({"obs": obs, "next": {"obs": nxt}}, batch_size=[n])
+
+
+@pytest.mark.parametrize(("stack", "side", "dtype"), [(3, 30, torch.uint8), (3, 45, torch.float32)])
+def test_frames_not_on_8_byte_boundaries(
+    tmp_path: Path, stack: int, side: int, dtype: torch.dtype
+) -> None:
+    """A frame of 900 bytes (``[3, 30, 30]`` uint8): two frames line up as 8-byte words,
+    the second frame of a row does not start on an 8-byte boundary. One-row extends compared
+    words with bytes and raised (``The size of tensor a (225) must match ... (1800)``)."""
+    storage = ZarrStorage(16, tmp_path / "rb.zarr")  # ram_bytes="auto"
+    twin = LazyTensorStorage(16)
+    rb, rb_twin = (TensorDictReplayBuffer(storage=s, batch_size=2) for s in (storage, twin))
+    for t in range(3):
+        data = _episode(1, stack, side, dtype, start=t)
+        rb.extend(data)
+        rb_twin.extend(data)
+    # A write whose tensors start at an odd byte (a view into a larger buffer).
+    data = _episode(4, stack, side, dtype, start=3)
+    flat = torch.zeros(data["obs"].numel() * data["obs"].element_size() + 3, dtype=torch.uint8)
+    flat[3:] = data["obs"].reshape(-1).view(torch.uint8)
+    data["obs"] = (
+        flat[3:].view(dtype).view(data["obs"].shape) if dtype == torch.uint8 else data["obs"]
+    )
+    rb.extend(data)
+    rb_twin.extend(data)
+    everything = torch.arange(len(twin))
+    assert_identical(
+        storage.get(everything).exclude("index"), twin.get(everything).exclude("index")
+    )
+    tier = storage._store.ram.frames
+    assert tier is not None
+    tier.check()
+    assert bool(tier.resident[: len(twin)].all())
+    storage.close()
+
+
+def test_admission_record_stays_bounded(tmp_path: Path) -> None:
+    """A tier that never needs to evict kept one entry per write for ever (1-row writes: a
+    leak of an array and a tuple per ``rb.add``)."""
+    storage = ZarrStorage(8, tmp_path / "rb.zarr", ram_bytes=2**22)
+    for t in range(200):
+        storage.set(torch.tensor([t % 8]), _episode(1, 4, 16, torch.uint8, start=t))
+    tier = storage._store.ram.frames
+    assert tier is not None
+    tier.check()
+    assert len(tier._admitted) <= 2 * 64 + 1, len(tier._admitted)
+    storage.close()
+
+
+def test_a_full_tier_does_not_read_rows_to_drop_them(tmp_path: Path) -> None:
+    """With a budget given, a shared writer's tier is filled again after other writers'
+    changes; once full, each fill read a chunk of up to 1,024 rows from the store, decoded
+    them, and dropped them (the chunk did not fit), at every read after every refresh."""
+    path = tmp_path / "rb.zarr"
+    rows = 1500
+    learner = ZarrStorage(rows, path, shared=True, ram_bytes=200 * 256 + rows * 32 + 4096)
+    TensorDictReplayBuffer(storage=learner, batch_size=8).extend(_episode(1200, 4, 16, torch.uint8))
+    collector = ZarrStorage(path=path, mode="r+", shared=True, ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=collector, batch_size=8)
+    read = StoreArrays.read
+    counted = [0]
+
+    def counting(self, requests, lengths=None):  # type: ignore[no-untyped-def]
+        counted[0] += int(np.size(requests.get(("obs",), ())))
+        return read(self, requests, lengths)
+
+    with mock.patch.object(StoreArrays, "read", counting):
+        for i in range(3):
+            rb.extend(_episode(5, 4, 16, torch.uint8, start=2000 + 10 * i))
+            learner.refresh()
+            counted[0] = 0
+            learner.get(torch.tensor([0]))
+            assert counted[0] <= 64, counted[0]
+    learner._store.ram.frames.check()
+    collector.close()
+    learner.close()
