@@ -341,3 +341,26 @@ def test_rows_past_the_budget_are_read_from_the_store() -> None:
         storage.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_budget_too_small_for_the_ids_of_every_row_keeps_no_tier() -> None:
+    """Two leaves kept by the tier, and a budget that leaves one of them no frame: no row
+    could be admitted, so there is no tier (and rows read from the store)."""
+    directory = Path(tempfile.mkdtemp(prefix="zarr_rb-frames-"))
+    try:
+        # Shares by bytes per row: 1/17 for obs (under the 16,000 bytes of its ids), 16/17
+        # for depth (room for 19 frames).
+        storage = ZarrStorage(1000, directory / "rb.zarr", ram_bytes=100_000)
+        data = TensorDict(
+            {
+                "obs": torch.ones(4, 4, 16, 16, dtype=torch.uint8),
+                "depth": torch.ones(4, 4, 64, 64, dtype=torch.uint8),
+            },
+            [4],
+        )
+        storage.set(torch.arange(4), data)
+        assert storage._store.ram.frames is None
+        assert_identical(storage.get(torch.arange(4)), data)
+        storage.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -190,8 +190,10 @@ class FrameTier:
 
     @property
     def capacity(self) -> int:
-        """Frames the tier may hold, over its pools."""
-        return sum(pool.capacity for pool in self._pools.values())
+        """Frames the tier may hold, over its pools; 0 when one of them can hold none (a row
+        needs frames in every pool: none could be admitted)."""
+        capacities = [pool.capacity for pool in self._pools.values()]
+        return sum(capacities) if min(capacities, default=0) else 0
 
     @property
     def nbytes(self) -> int:
