@@ -364,3 +364,34 @@ def test_a_budget_too_small_for_the_ids_of_every_row_keeps_no_tier() -> None:
         storage.close()
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_writing_other_keys_keeps_the_rows_frames_in_ram() -> None:
+    """A write of some small keys (a column written back) leaves the frames as they are:
+    the rows stay in the tier; a write of one frame key of a pair takes them out."""
+    directory = Path(tempfile.mkdtemp(prefix="zarr_rb-frames-"))
+    try:
+        storage = ZarrStorage(100, directory / "rb.zarr", ram_bytes=2**22)
+        twin = LazyTensorStorage(100)
+        obs, nxt = Episodes(0).rows(100, random.Random(3))
+        data = TensorDict(
+            {"obs": obs, "reward": torch.zeros(100), "next": {"obs": nxt}}, batch_size=[100]
+        )
+        for s in (storage, twin):
+            s.set(torch.arange(100), data)
+        rows = torch.tensor([5, 50, 70])
+        for s in (storage, twin):
+            s.set(rows, TensorDict({"reward": torch.ones(3)}, [3]), set_cursor=False)
+        tier = storage._store.ram.frames
+        assert tier is not None
+        assert bool(tier.resident.all())
+        changed = TensorDict({"obs": torch.zeros(3, 4, SIDE, SIDE, dtype=torch.uint8)}, [3])
+        for s in (storage, twin):
+            s.set(rows, changed, set_cursor=False)
+        assert not tier.resident[rows.numpy()].any()
+        tier.check()
+        everything = torch.arange(100)
+        assert_identical(storage.get(everything), twin.get(everything))
+        storage.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

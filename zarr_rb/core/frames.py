@@ -236,8 +236,11 @@ class FrameTier:
         """
         if not rows.size or not self.keys:
             return False
-        if not self.keys <= values.keys():
-            self.release(rows)
+        written = self.keys & values.keys()
+        if not written:
+            return bool(self.resident[rows].all())  # other keys: the frames stand
+        if written != self.keys:
+            self.release(rows)  # some frames changed, their twins not given: read from disk
             return False
         last = None if older or self._last is None or not self.resident[self._last] else self._last
         plans = {spec.key: _plan(spec, values, self._frames_of(spec, last)) for spec in self.specs}
