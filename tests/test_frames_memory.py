@@ -17,20 +17,14 @@ pytestmark = pytest.mark.skipif(
 
 CHILD = textwrap.dedent(
     """
-    import json, os, sys
-    import numpy as np, torch
+    import json, sys
+    import torch
     from tensordict import TensorDict
     from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
     from zarr_rb import ZarrStorage
 
-    def resident(tensor):
-        page = os.sysconf("SC_PAGE_SIZE")
-        first = tensor.data_ptr() // page
-        last = (tensor.data_ptr() + tensor.untyped_storage().nbytes() - 1) // page
-        with open("/proc/self/pagemap", "rb") as fh:
-            fh.seek(first * 8)
-            entries = np.frombuffer(fh.read((last - first + 1) * 8), dtype=np.uint64)
-        return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page
+    sys.path.insert(0, sys.argv[5])  # the tests
+    from test_storage import resident_bytes as resident
 
     where, rows, ram_bytes, shared = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     ram_bytes = ram_bytes if ram_bytes == "auto" else int(ram_bytes)
@@ -66,6 +60,7 @@ CHILD = textwrap.dedent(
 
 def run_child(tmp_path: Path, rows: int, ram_bytes: str, shared: bool) -> dict[str, int]:
     arguments = [str(tmp_path / "rb.zarr"), str(rows), ram_bytes, "yes" if shared else "no"]
+    arguments.append(str(Path(__file__).parent))
     out = subprocess.run(
         [sys.executable, "-c", CHILD, *arguments],
         capture_output=True,
