@@ -253,6 +253,8 @@ class RamRows:
             on_disk[key] = readable & ~hit
         out: dict[Key, torch.Tensor] = {}
         index = torch.from_numpy(rows)
+        tier = self.frames
+        in_tier = np.zeros(rows.size, dtype=bool) if tier is None else tier.resident_rows(rows)
         # Plain leaves first: they include the lengths that ragged leaves are read by.
         for group in plain_then_ragged(store.leaves, wanted):
             mirrored = [key for key in group if key in self.mirror.keys]
@@ -264,10 +266,10 @@ class RamRows:
             # Rows of the RAM tier: those resident and readable (on disk or staged).
             tiered = {}
             for key in group:
-                if self.frames is not None and key in self.frames.keys:
-                    resident = self.frames.resident_rows(rows) & (on_disk[key] | hit)
+                if tier is not None and key in tier.keys:
+                    resident = in_tier & (on_disk[key] | hit)
                     if resident.all():
-                        out[key] = self.frames.gather(key, rows)
+                        out[key] = tier.gather(key, rows)
                     elif resident.any():
                         tiered[key] = resident
                         on_disk[key] = on_disk[key] & ~resident
@@ -299,9 +301,9 @@ class RamRows:
                     offsets = rows[positions] - block.index * cache.block_rows
                     staged = block.values[key][torch.from_numpy(offsets)]
                     place(tensor, torch.from_numpy(positions), staged)
-                if key in tiered and self.frames is not None:
+                if key in tiered and tier is not None:
                     picked = np.flatnonzero(tiered[key])
-                    gathered = self.frames.gather(key, rows[picked])
+                    gathered = tier.gather(key, rows[picked])
                     place(tensor, torch.from_numpy(picked), gathered)
                 out[key] = tensor
         return {key: out[key] for key in keys}

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
+from zarr_rb.engine.rows import is_run
 from zarr_rb.util.keys import Key
 
 Write = tuple[np.ndarray, Mapping[Key, torch.Tensor]]
@@ -160,8 +161,8 @@ class WriteBuffer:
         block's width, which grows to the width of ``values``."""
         target = block.values[key]
         if key not in self._ragged:
-            first = int(offsets[0]) if offsets.numel() else 0
-            if offsets.numel() and int(offsets[-1]) - first + 1 == offsets.numel():
+            if is_run(offsets.numpy()):
+                first = int(offsets[0])
                 target[first : first + offsets.numel()] = values  # a run of rows: one copy
             else:
                 target[offsets] = values
