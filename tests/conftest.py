@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import re
@@ -147,6 +148,23 @@ def crash_at_row_write(at: int):
             writes += 1
             if writes == at:
                 raise Crash
+
+    with observe_io(observe):
+        yield
+
+
+@contextlib.contextmanager
+def fail_at_row_write(at: int, count: int = 1):
+    """Fail ``count`` writes of row data from the ``at``-th inside the block, as a full
+    disk does (``OSError`` ENOSPC)."""
+    writes = 0
+
+    def observe(kind: str, where: object) -> None:
+        nonlocal writes
+        if kind == "write" and "data" in str(where):
+            writes += 1
+            if at <= writes < at + count:
+                raise OSError(errno.ENOSPC, "No space left on device", str(where))
 
     with observe_io(observe):
         yield

@@ -15,7 +15,13 @@ extended rows since the last flush (the ones committed):
 
 The twin then becomes the reopened state, and the buffers go on. Stores have ``ndim=1`` or
 ``2``, blocks of 2 to 8 rows or the automatic layout, and sometimes rows too wide for a block
-of the default layout and for one chunk (the layout's limits lowered to a test's scale).
+of the default layout and for one chunk (the layout's limits lowered to a test's scale);
+the RAM tier on (``ram_bytes="auto"``) or off (``0``).
+
+Writes may fail (a full disk at a given write of row data, once or several times): the
+failed extend, overwrite or flush raises a typed error and keeps what it wrote in RAM, so
+every row still reads as the twin's, and a crash before the retry reopens at the last
+commit as after any crash.
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ import contextlib
 import dataclasses
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
 import torch
-from conftest import Crash, assert_identical, crash_at_row_write
+from conftest import Crash, assert_identical, crash_at_row_write, fail_at_row_write
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -46,6 +53,7 @@ from zarr_rb.errors import (
     NoSavedBufferError,
     RowsNotCommittedError,
     SaveOverwrittenError,
+    StoreWriteError,
 )
 from zarr_rb.testing import simulate_crash
 
@@ -85,8 +93,11 @@ class CrashMachine(RuleBasedStateMachine):
         block_rows=st.sampled_from([2, 4, 8, None]),
         envs=st.sampled_from([1, 1, 3]),
         wide_rows=st.booleans(),
+        ram_bytes=st.sampled_from(["auto", 0]),
     )
-    def setup(self, block_rows: int | None, envs: int, wide_rows: bool) -> None:
+    def setup(
+        self, block_rows: int | None, envs: int, wide_rows: bool, ram_bytes: int | str
+    ) -> None:
         self.limits = contextlib.ExitStack()
         if wide_rows:
             # Rows too wide for a block of the default layout and for one chunk, at a scale
@@ -100,8 +111,16 @@ class CrashMachine(RuleBasedStateMachine):
         self.compression = Compression(block_rows=block_rows, chunk_rows=2 if block_rows else 1)
         self.envs = envs
         self.ndim = 1 if envs == 1 else 2
+        self.ram_bytes = ram_bytes
+        self.fault: tuple[int, int] | None = None  # (at, count): see _writes_may_fail
         self.zarr = self._buffer(
-            ZarrStorage(ROWS * envs, self.path, ndim=self.ndim, compression=self.compression)
+            ZarrStorage(
+                ROWS * envs,
+                self.path,
+                ndim=self.ndim,
+                compression=self.compression,
+                ram_bytes=ram_bytes,
+            )
         )
         self.twin = self._buffer(LazyTensorStorage(ROWS * envs, ndim=self.ndim))
         self.version = 0
@@ -124,7 +143,23 @@ class CrashMachine(RuleBasedStateMachine):
 
     def _reopened(self) -> ZarrStorage:
         # With its capacity: a store closed before its first write was never made.
-        return ZarrStorage(ROWS * self.envs, self.path, ndim=self.ndim)
+        return ZarrStorage(ROWS * self.envs, self.path, ndim=self.ndim, ram_bytes=self.ram_bytes)
+
+    @contextlib.contextmanager
+    def _writes_may_fail(self) -> Iterator[list[StoreWriteError]]:
+        """Inside, the writes of row data fail as :attr:`fault` says (then it is reset): the
+        call raises a typed error (given in the list yielded), and keeps what it wrote in
+        RAM for the next flush."""
+        fault, self.fault = self.fault, None
+        failed: list[StoreWriteError] = []
+        if fault is None:
+            yield failed
+            return
+        with fail_at_row_write(*fault):
+            try:
+                yield failed
+            except StoreWriteError as error:
+                failed.append(error)
 
     def _buffer(self, storage: Any) -> TensorDictReplayBuffer:
         return TensorDictReplayBuffer(storage=storage, batch_size=4)
@@ -162,7 +197,16 @@ class CrashMachine(RuleBasedStateMachine):
         versions = torch.arange(self.version + 1, self.version + 1 + n)
         self.version += n
         start = self.cursor
-        self.zarr.extend(rows_of(versions, self.envs))
+        first = self.zarr.storage.schema is None
+        with self._writes_may_fail() as failed:
+            self.zarr.extend(rows_of(versions, self.envs))
+        if failed and first:
+            # Creating the store failed: nothing was written, nothing is kept (no array
+            # holds the rows), and the writer stays where it was.
+            assert "the rows of this write were not stored" in str(failed[0])
+            assert len(self.zarr) == 0
+            assert int(self.zarr._writer._cursor) == 0
+            return
         # An extend longer than the ring repeats indices, and LazyTensorStorage writes them
         # with one index_put_, which leaves repeated indices undefined: a row can then mix
         # two of the extend's rows (seen: `step` of one, `obs` of the other). The twin takes
@@ -193,10 +237,15 @@ class CrashMachine(RuleBasedStateMachine):
         self.version += len(rows)
         batch = rows_of(versions, self.envs)
         for rb in (self.zarr, self.twin):
-            if self.envs > 1:
-                rb[:, torch.tensor(rows)] = batch
-            else:
-                rb[torch.tensor(rows)] = batch
+            # (With ndim=2, TorchRL writes rb[:, i] = rows key by key, into storage[:]; a
+            # failure in the middle leaves the keys written before it, as on TorchRL's
+            # storages: the fault waits for a write made in one call.)
+            fails = rb is self.zarr and self.envs == 1
+            with self._writes_may_fail() if fails else contextlib.nullcontext([]):
+                if self.envs > 1:
+                    rb[:, torch.tensor(rows)] = batch
+                else:
+                    rb[torch.tensor(rows)] = batch
         for row, version in zip(rows, versions.tolist(), strict=True):
             self.versions[row] = version
             self.overwritten.setdefault(row, []).append(version)
@@ -206,6 +255,22 @@ class CrashMachine(RuleBasedStateMachine):
     def flush(self) -> None:
         self.zarr.storage.flush()
         self._mark_durable()
+
+    @rule(at=st.integers(1, 6), count=st.integers(1, 3))
+    def next_write_fails(self, at: int, count: int) -> None:
+        """The next extend or overwrite meets a full disk at its ``at``-th write of row
+        data, for ``count`` writes: it raises a typed error (or succeeds, when it writes
+        less), and every row reads as written; a later flush writes them."""
+        self.fault = (at, count)
+
+    @rule(at=st.integers(1, 3))
+    def flush_that_fails(self, at: int) -> None:
+        """A flush meets a full disk: it raises, nothing becomes durable that was not, and
+        the rows it kept read as written."""
+        self.fault = (at, 1)
+        with self._writes_may_fail():
+            self.zarr.storage.flush()
+            self._mark_durable()
 
     @rule()
     def empty(self) -> None:

@@ -89,3 +89,94 @@ def test_rows_after_a_failed_write_wait_for_it_rather_than_leave_a_hole(tmp_path
     reader = ZarrStorage(path=path, read_only=True)
     assert reader.get(torch.arange(len(reader)))["step"].tolist() == list(range(24))
     storage.close()
+
+
+def frames_of(values: torch.Tensor) -> TensorDict:
+    """Rows whose frames (a large leaf, kept on disk with ``ram_bytes=0``) derive from
+    their step."""
+    obs = (values[:, None, None] * 7 + torch.arange(32 * 32).view(32, 32)) % 251
+    return TensorDict({"step": values, "obs": obs.to(torch.uint8)}, [values.numel()])
+
+
+@pytest.mark.parametrize("ram_bytes", [0, "auto"])
+def test_a_failed_write_of_some_keys_reads_back_whole(tmp_path: Path, ram_bytes) -> None:
+    """A write that leaves a key out (``"index"``, which TorchRL's writers add on extend)
+    and fails is kept for the next flush: every key it wrote reads back new, from RAM,
+    whether the key is mirrored (``step``) or read from disk (``obs``), never new ``step``
+    with the old frames; the flush writes it whole."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(8, path, compression=Compression(block_rows=4), ram_bytes=ram_bytes)
+    rb = TensorDictReplayBuffer(storage=storage)
+    rb.extend(frames_of(torch.arange(8)))
+    storage.flush()
+
+    def no_space(kind: str, where: object) -> None:
+        if kind == "write" and "data" in str(where):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with observe_io(no_space), pytest.raises(StoreWriteError):
+        rb[torch.tensor([2, 5])] = frames_of(torch.tensor([100, 200]))
+    expected = frames_of(torch.tensor([0, 1, 100, 3, 4, 200, 6, 7]))
+    rows = torch.arange(8)
+    assert storage._store.unreadable_rows().size == 0
+    for _ in range(2):  # before the retry, and after it
+        got = storage.get(rows)
+        assert got["step"].tolist() == expected["step"].tolist()
+        assert torch.equal(got["obs"], expected["obs"])
+        storage.flush()
+    storage.close()
+    with ZarrStorage(path=path, read_only=True) as reader:
+        assert torch.equal(reader.get(rows)["obs"], expected["obs"])
+
+
+def test_a_failed_first_write_says_its_rows_were_not_stored(tmp_path: Path) -> None:
+    """The first write makes the arrays; when that fails, nothing of it is kept, and the
+    error says to write the rows again (not to flush: there is nothing to flush)."""
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(8, tmp_path / "rb.zarr"))
+
+    def no_space(kind: str, where: object) -> None:
+        if kind == "write" and "data" in str(where):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with observe_io(no_space), pytest.raises(StoreWriteError) as error:
+        rb.extend(steps(torch.arange(4)))
+    assert "the rows of this write were not stored" in str(error.value)
+    assert "write them again" in str(error.value)
+    assert len(rb) == 0
+    rb.extend(steps(torch.arange(4)))
+    assert rb.storage.get(torch.arange(4))["step"].tolist() == [0, 1, 2, 3]
+    rb.storage.close()
+
+
+def test_a_failed_write_of_some_keys_in_place_keeps_the_rows_other_keys(tmp_path: Path) -> None:
+    """Rows written since the last commit into a slot no record names are rewritten in
+    place; when a write of some of their keys fails there, those cells may be torn on disk
+    (the rows stop being whole, and no commit declares them), but the other keys' cells
+    still hold their data: the rows read back whole, the failed keys from RAM."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(8, path, compression=Compression(block_rows=4), ram_bytes=0)
+    storage.set(torch.arange(8), frames_of(torch.arange(8)))
+    storage.flush()
+    row = torch.tensor([1])
+    # A write of one key: block 0 moves to a free slot, committed by the next commit only.
+    storage.set(row, TensorDict({"step": torch.tensor([10])}, [1]), set_cursor=False)
+
+    def no_space(kind: str, where: object) -> None:
+        if kind == "write" and "data" in str(where):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with observe_io(no_space), pytest.raises(StoreWriteError):
+        storage.set(row, TensorDict({"obs": frames_of(torch.tensor([20]))["obs"]}, [1]))
+    expected = frames_of(torch.arange(8))
+    expected["step"][1] = 10
+    expected["obs"][1] = frames_of(torch.tensor([20]))["obs"][0]
+    assert storage._store.unreadable_rows().size == 0
+    got = storage.get(torch.arange(8))
+    assert got["step"].tolist() == expected["step"].tolist()
+    assert torch.equal(got["obs"], expected["obs"])
+    storage.flush()
+    storage.close()
+    with ZarrStorage(path=path, read_only=True) as reader:
+        got = reader.get(torch.arange(8))
+        assert got["step"].tolist() == expected["step"].tolist()
+        assert torch.equal(got["obs"], expected["obs"])

@@ -104,7 +104,9 @@ class StoreAPI(StoreFacts, Protocol):
     ) -> Mapping[Key, torch.Tensor]: ...
     @property
     def write_cache(self) -> WriteBuffer | None: ...
-    def writing(self, what: str) -> contextlib.AbstractContextManager[None]: ...
+    def writing(
+        self, what: str, *, kept: bool = True
+    ) -> contextlib.AbstractContextManager[None]: ...
 
 
 class Commits(abc.ABC):
@@ -199,10 +201,6 @@ class Commits(abc.ABC):
     @abc.abstractmethod
     def flush(self) -> None:
         """Publish a commit covering every row written (those waiting in RAM first)."""
-
-    @abc.abstractmethod
-    def discard(self) -> None:
-        """Forget writes waiting to be retried (the rows in RAM are the store's)."""
 
     @abc.abstractmethod
     def empty(self) -> None:

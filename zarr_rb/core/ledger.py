@@ -124,6 +124,17 @@ class Ledger:
             for cells in self._cells.values():
                 cells &= ~complete
 
+    def fail_write(self, lost: np.ndarray, keys: Collection[Key]) -> None:
+        """A write of ``keys`` failed; ``lost``: the rows it made stop being intact (they
+        were). Its cells may be torn, so the rows stay not intact, but their cells of the
+        other keys still hold their data."""
+        lost = self.fit(lost)
+        if not lost.any():
+            return
+        for key in self._keys - set(keys):
+            cells = self._cells.setdefault(key, self.mask())
+            cells |= lost
+
     def rebase(self, readable: np.ndarray) -> None:
         """The rows held are now those of another commit (a save being loaded):
         ``readable``, whole, and nothing written key by key."""

@@ -40,7 +40,9 @@ class LifetimeOwner(Protocol):
     def flush(self) -> None: ...
     def write_past(self, slot: int) -> None: ...
     def publish_meta(self) -> None: ...
-    def writing(self, what: str) -> contextlib.AbstractContextManager[None]: ...
+    def writing(
+        self, what: str, *, kept: bool = True
+    ) -> contextlib.AbstractContextManager[None]: ...
 
 
 class Lifetime:
@@ -105,7 +107,7 @@ class Lifetime:
         store.write_past(0)  # made by this writer: no other ever wrote into it
         try:
             store.publish_meta()
-            with store.writing("creating the data group"):
+            with store.writing("creating the data group", kept=False):
                 store.engine.create_group(DATA_GROUP)
         except BaseException:
             # Nothing was published (the root record is written whole or not at all) or the

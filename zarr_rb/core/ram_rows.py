@@ -236,9 +236,13 @@ class RamRows:
         assert ledger is not None
         hit, served = cache.staged_rows(rows)
         wanted = with_lengths(store.leaves, keys)
+        # Cells of failed writes of some keys, kept for a retry: the newest values there.
+        patches = {key: cache.patched(rows, key) for key in wanted} if cache.patches else {}
+        patched = {key: cache.patched_mask(rows, key) for key in patches}
+        nothing = np.zeros(rows.size, dtype=bool)
         on_disk: dict[Key, np.ndarray] = {}
         for key in wanted:
-            readable = ledger.readable(rows, key) | hit
+            readable = ledger.readable(rows, key) | hit | patched.get(key, nothing)
             if not readable.all() and not unreadable_as_zeros:
                 lost = ~readable
                 if unwritten_as_zeros:
@@ -250,7 +254,7 @@ class RamRows:
                         "or a write to them was interrupted (a crash or a failed write) and "
                         "they have not been rewritten since",
                     )
-            on_disk[key] = readable & ~hit
+            on_disk[key] = readable & ~hit & ~patched.get(key, nothing)
         out: dict[Key, torch.Tensor] = {}
         index = torch.from_numpy(rows)
         tier = self.frames
@@ -306,6 +310,12 @@ class RamRows:
                     gathered = tier.gather(key, rows[picked])
                     place(tensor, torch.from_numpy(picked), gathered)
                 out[key] = tensor
+            for key in group:
+                if patches.get(key):
+                    tensor = out[key].clone()
+                    for positions, values in patches[key]:
+                        place(tensor, torch.from_numpy(positions), values)
+                    out[key] = tensor
         return {key: out[key] for key in keys}
 
 

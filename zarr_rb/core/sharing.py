@@ -211,9 +211,6 @@ class Sharing(SharingSaves):
     def flush(self) -> None:
         self.refresh()  # nothing waits in RAM: every write was published
 
-    def discard(self) -> None:
-        pass  # no write waits for a retry: each is published as it is made
-
     def set_length(self, length: int) -> None:
         pass  # the record's: rows are counted as commits place them, never set
 

@@ -35,7 +35,7 @@ from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.history import Extended
 from zarr_rb.core.reader import reread_commit
 from zarr_rb.core.solo_saves import SoloSaves
-from zarr_rb.core.solo_writes import block_write, without_cells
+from zarr_rb.core.solo_writes import block_write
 from zarr_rb.errors import NotSupportedError
 from zarr_rb.format.commit import ERA_SLOTS, Commit, ObjectEra, commit_from_mask
 from zarr_rb.format.names import ATTRS_KEY, FORMAT_NON_TENSOR
@@ -79,7 +79,7 @@ class SoloCommits(SoloSaves):
         self, schema: Schema, block_rows: int, samples: Mapping[Key, torch.Tensor] | None
     ) -> None:
         store = self.store
-        with store.writing("creating the arrays"):
+        with store.writing("creating the arrays", kept=False):
             store.arrays.create(schema.leaves, schema.batch_shape, block_rows, samples=samples)
         self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows)
         store.attach_schema(schema, block_rows)
@@ -100,7 +100,7 @@ class SoloCommits(SoloSaves):
             # The record says this writer holds its slots before it writes zeros there, and
             # names the keys only after (a reader of it would meet cells holding nothing).
             self._first_own_slot()
-        with store.writing("creating the arrays of new keys"):
+        with store.writing("creating the arrays of new keys", kept=False):
             store.arrays.create(leaves, physical_shape, block_rows, samples=samples)
         grown = schema.with_leaves(leaves)
         # A store of format 1 that takes leaves format 1 cannot read becomes format 2, so
@@ -119,7 +119,7 @@ class SoloCommits(SoloSaves):
         # readers), so that those rows stay whole with the new keys; rows waiting in RAM get
         # zeros there too (add_key).
         committed = self._committed_slots()
-        with store.writing("writing zeros into new keys"):
+        with store.writing("writing zeros into new keys", kept=False):
             futures = []
             row_sets = []
             for start, stop in _runs(on_disk, block_rows):
@@ -155,9 +155,8 @@ class SoloCommits(SoloSaves):
             self.cursor = cursor
             if store.archive:
                 self._extended.add(rows, cursor, store.rows)
-        if self._retries:
-            # Failed writes waiting to be written again must not land over these newer rows.
-            self._retries = without_cells(self._retries, rows, values.keys())
+        # Failed writes waiting to be written again must not land over these newer rows.
+        store.write_cache.supersede(rows, values.keys())
         values, zeros = self._zeros_where_unwritten(rows, values)
         store.ram.update(rows, values)
         if values.keys() == store.leaves.keys():
@@ -193,14 +192,10 @@ class SoloCommits(SoloSaves):
         store.write_cache.clear()
         if writes:
             self._write_or_keep(writes)
-        while self._retries:
-            retry = self._retries[0]
-            self._write_to_disk([retry])
-            self._retries.pop(0)
+        while (patch := store.write_cache.first_patch()) is not None:
+            self._write_to_disk([patch])
+            store.write_cache.drop_first_patch()
         self._commit()
-
-    def discard(self) -> None:
-        self._retries.clear()
 
     def move_cursor(self, cursor: int) -> None:
         super().move_cursor(cursor)

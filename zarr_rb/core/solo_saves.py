@@ -57,11 +57,11 @@ class SoloSaves(SoloWrites):
         )
         ledger.rebase(readable)
         # The rows committed since the save are dropped: the epoch moves (unless they are
-        # the save's rows, as when a save is loaded right after it was made).
-        self._rewrote_published = (commit.length, commit.holes, commit.slots) != (
-            store.committed.length,
-            store.committed.holes,
-            store.committed.slots,
+        # the save's rows, as when a save is loaded right after it was made: the same
+        # positions read the same rows, whatever the maps say of blocks past them).
+        committed = store.committed
+        self._rewrote_published = not (
+            commit.length == committed.length and commit.serves_alike(committed, commit.length)
         )
 
     def overwrote_since(self, epoch: int) -> bool:

@@ -8,7 +8,7 @@ from it) that writes; see ``docs/design/ring.md``, "Step 1" and "Step 5".
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -29,8 +29,6 @@ class SoloWrites(SoloSlots):
     """The writes of a store of one writer (see the module's docstring)."""
 
     def _init_writes(self) -> None:
-        self._retries: list[Write] = []
-        """Writes of some keys that failed: written again by the next flush."""
         self._rewrote_published = False
         """Rows the last commit declared readable were written over (in other slots) since:
         the next commit moves the epoch."""
@@ -131,13 +129,14 @@ class SoloWrites(SoloSlots):
 
     def _keep_for_retry(self, writes: Sequence[Write]) -> None:
         """Keep the rows of failed writes, so that the next flush writes them again: whole
-        rows wait in RAM (and are served from there), writes of some keys are queued."""
+        rows wait in RAM in blocks, writes of some keys as patches (both are read from
+        there)."""
         assert self.store.write_cache is not None
         for rows, values in writes:
             if values.keys() == self.store.leaves.keys():
                 self.store.write_cache.stage(rows, values, force=True)
             else:
-                self._retries.append((rows, values))
+                self.store.write_cache.keep_patch((rows, values))
 
     def _write_to_disk(self, writes: Sequence[Write]) -> None:
         """Write rows. A block whose rows hold data (committed, or written since) is
@@ -159,11 +158,12 @@ class SoloWrites(SoloSlots):
         moved, before, copies, in_place, seeds = self._copy_on_write(writes, touched)
         # Rows rewritten in slots no record refers to (moved since the last commit): not
         # whole while the write runs (a failed write leaves them to be written again).
-        self.store.ledger.start_write(in_place)
+        lost = self.store.ledger.start_write(in_place)
         try:
             self.store.arrays.write_rows([*copies, *writes], seeds=seeds)
         except BaseException:
             self.block_map.assign(moved, before)  # the blocks' rows are where they were
+            self.store.ledger.fail_write(lost, keys)
             raise
         if self.store.lifetime.creates_once:
             written = np.concatenate([np.empty(0, np.int64), *(r for r, _ in [*copies, *writes])])
@@ -256,22 +256,6 @@ class SoloWrites(SoloSlots):
                 copies.append((requests[key], {key: values}))
         block_map.assign(blocks, fresh)
         return blocks, before, copies, in_place, seeds
-
-
-def without_cells(writes: Sequence[Write], rows: np.ndarray, keys: Iterable[Key]) -> list[Write]:
-    """``writes`` without the cells of ``keys`` in ``rows`` (a newer write holds them)."""
-    keys = set(keys)
-    out: list[Write] = []
-    for written, values in writes:
-        kept = ~np.isin(written, rows)
-        index = torch.from_numpy(np.flatnonzero(kept))
-        covered = {key: value[index] for key, value in values.items() if key in keys}
-        others = {key: value for key, value in values.items() if key not in keys}
-        if covered and kept.any():
-            out.append((written[kept], covered))
-        if others:
-            out.append((written, others))
-    return out
 
 
 def block_write(block: Block) -> Write:

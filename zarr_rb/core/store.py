@@ -290,21 +290,28 @@ class Store:
         return out
 
     @contextlib.contextmanager
-    def writing(self, what: str) -> Iterator[None]:
-        """Turn a failed write (a full disk, an I/O error) into a :class:`StoreWriteError`."""
+    def writing(self, what: str, *, kept: bool = True) -> Iterator[None]:
+        """Turn a failed write (a full disk, an I/O error) into a :class:`StoreWriteError`.
+
+        ``kept``: the rows of the call that failed wait in RAM for a retry (else the call
+        stored nothing of them, and the caller must write them again)."""
         try:
             yield
         except (OSError, ValueError) as err:
             if isinstance(err, ZarrRBError):
                 raise
             reason = short_reason(err)
+            if kept:
+                rows = "rows not yet committed are kept in RAM"
+                then = "retry with flush() or zarr_rb.save(), or reopen the store"
+            else:
+                rows = "the rows of this write were not stored"
+                then = "write them again"
             raise StoreWriteError(
                 errno_of(err),
                 f"store {self.url!r}: {what} failed ({reason}). The store "
                 f"stays at its last commit (generation {self.committed.generation}, length "
-                f"{self.committed.length}); rows not yet committed are kept in RAM. Free "
-                "space or fix the disk, then retry with flush() or zarr_rb.save(), or reopen "
-                "the store",
+                f"{self.committed.length}); {rows}. Free space or fix the disk, then {then}",
             ) from None
 
     def write_past(self, slot: int) -> None:
@@ -344,9 +351,8 @@ class Store:
         """Forget rows held in RAM (after ``empty``)."""
         self.version += 1
         if self.write_cache is not None:
-            self.write_cache.clear()
+            self.write_cache.forget()
         self.ram.clear()
-        self.commits.discard()
 
     def start_archive(self) -> None:
         """Keep every row extended from the next commit on (an archive's history); a store
@@ -427,6 +433,14 @@ class Store:
         unreadable = ~readable
         if not self.read_only:
             unreadable &= ~self.ram.staged_mask(n)
+            assert self.write_cache is not None
+            rows = np.flatnonzero(unreadable)
+            # Rows not whole on disk whose every cell is readable: on disk, or kept in RAM
+            # from a failed write of some keys.
+            whole = np.ones(rows.size, dtype=bool)
+            for key in self.leaves:
+                whole &= ledger.readable(rows, key) | self.write_cache.patched_mask(rows, key)
+            unreadable[rows[whole]] = False
         return np.flatnonzero(unreadable)
 
     @serialized

@@ -9,7 +9,7 @@ TorchRL's writers); scattered writes go straight to disk, so a random
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -58,6 +58,10 @@ class WriteBuffer:
         self._blocks: dict[int, Block] = {}
         self._spare: dict[Key, torch.Tensor] | None = None
         """The tensors of a block written to disk, for the next new block (see :meth:`reuse`)."""
+        self._patches: list[Write] = []
+        """Writes of some keys of rows not held in a block, whose write to disk failed, in
+        the order made: the next flush writes them again, and reads take those cells from
+        here (a newer write of the same cells drops them, see :meth:`supersede`)."""
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -66,7 +70,58 @@ class WriteBuffer:
         return iter(list(self._blocks.values()))
 
     def clear(self) -> None:
+        """Let go of the blocks (taken to be written)."""
         self._blocks.clear()
+
+    def forget(self) -> None:
+        """Forget every row held, blocks and patches (``empty``)."""
+        self._blocks.clear()
+        self._patches.clear()
+
+    # --- patches: failed writes of some keys -----------------------------------------------
+
+    def keep_patch(self, write: Write) -> None:
+        """Keep a write of some keys that failed, for the next flush and for reads."""
+        self._patches.append(write)
+
+    @property
+    def patches(self) -> int:
+        """How many patches are kept."""
+        return len(self._patches)
+
+    def first_patch(self) -> Write | None:
+        """The oldest patch kept (to write again), or ``None``."""
+        return self._patches[0] if self._patches else None
+
+    def drop_first_patch(self) -> None:
+        """The oldest patch is on disk now."""
+        self._patches.pop(0)
+
+    def supersede(self, rows: np.ndarray, keys: Iterable[Key]) -> None:
+        """A newer write holds the cells of ``keys`` in ``rows``: patches drop them (the
+        next flush must not write older values over newer ones)."""
+        if self._patches:
+            self._patches = without_cells(self._patches, rows, keys)
+
+    def patched_mask(self, rows: np.ndarray, key: Key) -> np.ndarray:
+        """Which of ``rows`` have their cell of ``key`` in a patch."""
+        mask = np.zeros(rows.size, dtype=bool)
+        for positions, _ in self.patched(rows, key):
+            mask[positions] = True
+        return mask
+
+    def patched(self, rows: np.ndarray, key: Key) -> list[tuple[np.ndarray, torch.Tensor]]:
+        """The cells of ``key`` that patches hold for ``rows`` (any order, repeats
+        allowed), oldest first: the positions (into ``rows``) and their values."""
+        found: list[tuple[np.ndarray, torch.Tensor]] = []
+        for written, values in self._patches:
+            if key not in values:
+                continue
+            where = np.searchsorted(written, rows).clip(max=written.size - 1)
+            positions = np.flatnonzero(written[where] == rows)
+            if positions.size:
+                found.append((positions, values[key][torch.from_numpy(where[positions])]))
+        return found
 
     def pop(self, index: int) -> Block:
         return self._blocks.pop(index)
@@ -214,3 +269,19 @@ class WriteBuffer:
                 hit[positions] = True
                 served.append((block, positions))
         return hit, served
+
+
+def without_cells(writes: Sequence[Write], rows: np.ndarray, keys: Iterable[Key]) -> list[Write]:
+    """``writes`` without the cells of ``keys`` in ``rows`` (a newer write holds them)."""
+    keys = set(keys)
+    out: list[Write] = []
+    for written, values in writes:
+        kept = ~np.isin(written, rows)
+        index = torch.from_numpy(np.flatnonzero(kept))
+        covered = {key: value[index] for key, value in values.items() if key in keys}
+        others = {key: value for key, value in values.items() if key not in keys}
+        if covered and kept.any():
+            out.append((written[kept], covered))
+        if others:
+            out.append((written, others))
+    return out
