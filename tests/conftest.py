@@ -8,6 +8,7 @@ import gc
 import os
 import re
 import uuid
+from typing import Any
 
 import pytest
 import torch
@@ -168,3 +169,60 @@ def fail_at_row_write(at: int, count: int = 1):
 
     with observe_io(observe):
         yield
+
+
+class HeldBackWrites:
+    """Writes of rows that land only when waited for (a slow disk, as seen by a block
+    written while the next rows come), or never, if the writer dies first (:meth:`drop`)."""
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+
+    def drop(self) -> None:
+        """The process dies: the writes not waited for never land."""
+        for future in self.pending:
+            future.dropped = True
+        self.pending.clear()
+
+
+class _HeldBackFuture:
+    def __init__(self, start: Any, held: HeldBackWrites) -> None:
+        self._start = start
+        self._held = held
+        self.dropped = False
+        self._done = False
+
+    def result(self) -> None:
+        if self.dropped:
+            raise ValueError("the writer died before this write landed")
+        if not self._done:
+            self._done = True
+            with contextlib.suppress(ValueError):
+                self._held.pending.remove(self)
+            self._start().result()
+
+
+@contextlib.contextmanager
+def writes_held_back():
+    """Inside, every write of row data started by the arrays lands when it is waited for
+    (see :class:`HeldBackWrites`)."""
+    from zarr_rb.engine import rows as engine_rows
+
+    held = HeldBackWrites()
+    original = engine_rows.RowArray.start_write_rows
+
+    def start(self: Any, rows: Any, values: Any, *, behind: bool = False) -> Any:
+        # The real write (its announcement included: a fault or a crash injected at it
+        # happens then) starts when the write is waited for, from a copy of the values.
+        copy = values.copy()
+        width = int(values.shape[1]) if self.ragged else None
+        keys = self.chunk_keys(rows, width, run=engine_rows.is_run(rows))
+        future = _HeldBackFuture(lambda: original(self, rows, copy, behind=behind)[0], held)
+        held.pending.append(future)
+        return future, keys
+
+    engine_rows.RowArray.start_write_rows = start  # type: ignore[method-assign]
+    try:
+        yield held
+    finally:
+        engine_rows.RowArray.start_write_rows = original  # type: ignore[method-assign]

@@ -16,7 +16,9 @@ extended rows since the last flush (the ones committed):
 The twin then becomes the reopened state, and the buffers go on. Stores have ``ndim=1`` or
 ``2``, blocks of 2 to 8 rows or the automatic layout, and sometimes rows too wide for a block
 of the default layout and for one chunk (the layout's limits lowered to a test's scale);
-the RAM tier on (``ram_bytes="auto"``) or off (``0``).
+the RAM tier on (``ram_bytes="auto"``) or off (``0``); writes of rows landing as they are
+started, or only when waited for (a crash then finds a block written while the next rows
+come not on disk at all).
 
 Writes may fail (a full disk at a given write of row data, once or several times): the
 failed extend, overwrite or flush raises a typed error and keeps what it wrote in RAM, so
@@ -37,7 +39,13 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import Crash, assert_identical, crash_at_row_write, fail_at_row_write
+from conftest import (
+    Crash,
+    assert_identical,
+    crash_at_row_write,
+    fail_at_row_write,
+    writes_held_back,
+)
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -94,11 +102,20 @@ class CrashMachine(RuleBasedStateMachine):
         envs=st.sampled_from([1, 1, 3]),
         wide_rows=st.booleans(),
         ram_bytes=st.sampled_from(["auto", 0]),
+        held_back=st.booleans(),
     )
     def setup(
-        self, block_rows: int | None, envs: int, wide_rows: bool, ram_bytes: int | str
+        self,
+        block_rows: int | None,
+        envs: int,
+        wide_rows: bool,
+        ram_bytes: int | str,
+        held_back: bool,
     ) -> None:
         self.limits = contextlib.ExitStack()
+        # Writes of rows land only when waited for: a crash finds the block written while
+        # the next rows come not on disk at all (else it lands as it is started).
+        self.held = self.limits.enter_context(writes_held_back()) if held_back else None
         if wide_rows:
             # Rows too wide for a block of the default layout and for one chunk, at a scale
             # a test can run: blocks of 1 row, each row cut into several chunks.
@@ -353,7 +370,7 @@ class CrashMachine(RuleBasedStateMachine):
     def crash(self, load: bool) -> None:
         """The writer dies without flushing; the store reopens at its last commit (or is
         loaded from its last save)."""
-        simulate_crash(self.zarr.storage)
+        self._die()
         if load and self.saved is not None:
             self._load_after_crash()
             return
@@ -376,9 +393,14 @@ class CrashMachine(RuleBasedStateMachine):
             if self.versions[(start + i) % ROWS] is not None:
                 self._rewritten()
             self.extended.append(((start + i) % ROWS, version))
-        simulate_crash(self.zarr.storage)
+        self._die()
         self.zarr = self._buffer(self._reopened())
         self._check_reopened()
+
+    def _die(self) -> None:
+        if self.held is not None:
+            self.held.drop()
+        simulate_crash(self.zarr.storage)
 
     def _load_after_crash(self) -> None:
         """``zarr_rb.load`` after a crash restores the save: its length, writer cursor and

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fail_at_row_write, writes_held_back
 from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
@@ -179,4 +180,40 @@ def test_a_failed_write_of_some_keys_in_place_keeps_the_rows_other_keys(tmp_path
     with ZarrStorage(path=path, read_only=True) as reader:
         got = reader.get(torch.arange(8))
         assert got["step"].tolist() == expected["step"].tolist()
+        assert torch.equal(got["obs"], expected["obs"])
+
+
+@pytest.mark.parametrize("then", ["extend", "flush"])
+def test_a_block_write_that_fails_behind_an_extend_is_raised_by_the_next_call(
+    tmp_path: Path, then: str
+) -> None:
+    """An extend that fills a block starts its write and returns; when that write fails,
+    the next call that waits for it (the extend that fills the next block, a flush) raises,
+    the store stays at its last commit, every row reads as written, and a flush once the
+    disk has room commits them all."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(64, path, compression=Compression(block_rows=8), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage)
+    with writes_held_back():
+        rb.extend(frames_of(torch.arange(4)))
+        rb.extend(frames_of(torch.arange(4, 8)))  # block 0 full: written behind
+        if then == "extend":  # it waits for block 0 before it writes block 1
+            call = lambda: rb.extend(frames_of(torch.arange(8, 16)))  # noqa: E731
+        else:
+            call = storage.flush
+        with fail_at_row_write(1, 100), pytest.raises(StoreWriteError) as error:
+            call()
+    assert "an earlier extend" in str(error.value) or then == "flush"
+    written = 16 if then == "extend" else 8
+    with ZarrStorage(path=path, read_only=True) as reader:
+        assert len(reader) == 0  # the last commit: block 0 was never declared
+    expected = frames_of(torch.arange(written))
+    got = storage.get(torch.arange(written))
+    assert got["step"].tolist() == expected["step"].tolist()
+    assert torch.equal(got["obs"], expected["obs"])
+    storage.flush()
+    storage.close()
+    with ZarrStorage(path=path, read_only=True) as reader:
+        got = reader.get(torch.arange(len(reader)))
+        assert len(reader) == written
         assert torch.equal(got["obs"], expected["obs"])

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
+import tensorstore as ts
 import torch
 
 from zarr_rb.core.disk_reads import RowsOwner, padded, read_rows, read_rows_all
@@ -49,7 +50,22 @@ class ArraysOwner(RowsOwner, Protocol):
     @property
     def lifetime(self) -> _Hold: ...
 
-    def writing(self, what: str) -> contextlib.AbstractContextManager[None]: ...
+    def writing(
+        self, what: str, *, kept: bool = True
+    ) -> contextlib.AbstractContextManager[None]: ...
+
+
+@dataclasses.dataclass(eq=False)
+class PendingWrite:
+    """A write of rows started and not waited for (see :meth:`StoreArrays.start_rows`)."""
+
+    futures: list[ts.WriteFutures]
+    behind: bool
+    """Whether commits made until it finishes do not depend on it (see
+    :meth:`StoreArrays.start_rows`)."""
+    written: list[tuple[RowArray, list[str]]]
+    """The chunk objects each array writes: durable at the first commit after the write
+    completes (a commit while it runs may sync them before they hold their data)."""
 
 
 class StoreArrays:
@@ -58,6 +74,8 @@ class StoreArrays:
     def __init__(self, store: ArraysOwner) -> None:
         self.store = store
         self._open: dict[Key, RowArray] = {}
+        self._pending: list[PendingWrite] = []
+        """Writes started and not finished: waited for at close."""
 
     def expected_shape(self, leaf: LeafSpec) -> tuple[int | None, ...]:
         """The shape a leaf's array must have (``None``: any length along that dimension:
@@ -125,7 +143,13 @@ class StoreArrays:
         return array
 
     def close(self) -> None:
-        """Forget the opened arrays (the store is closed)."""
+        """Forget the opened arrays (the store is closed), once the writes started have
+        ended (whatever their outcome: no write lands after the store is let go)."""
+        for pending in self._pending:
+            for future in pending.futures:
+                with contextlib.suppress(Exception):
+                    future.result()
+        self._pending.clear()
         self._open.clear()
 
     def create(
@@ -230,8 +254,18 @@ class StoreArrays:
             self._create_rows(writes, seeds, physical=physical)
             return
         assert not seeds
+        self.finish(self.start_rows(writes, physical=physical))
+
+    def start_rows(
+        self, writes: Sequence[Write], *, physical: bool = False, behind: bool = False
+    ) -> PendingWrite:
+        """Start writing rows (as :meth:`write_rows`, to objects that may be written over)
+        and return without waiting: :meth:`finish` waits. The values must not change until
+        then. ``behind``: no commit made before it finishes depends on the objects it
+        writes (they hold no row such a commit declares)."""
+        store = self.store
+        pending = PendingWrite([], behind, [])
         with store.writing("writing rows"):
-            futures = []
             try:
                 for rows, values in writes:
                     at = rows if physical else store.physical(rows)
@@ -242,16 +276,35 @@ class StoreArrays:
                             if not tensor.shape[1]:
                                 continue  # empty rows: nothing to write
                             array.grow(tensor.shape[1])
-                        futures.append(array.write_rows(at, to_numpy(tensor)))
-            finally:
-                errors = []
-                for future in futures:
-                    try:
-                        future.result()
-                    except ValueError as err:
-                        errors.append(err)
+                        future, keys = array.start_write_rows(at, to_numpy(tensor), behind=behind)
+                        pending.futures.append(future)
+                        pending.written.append((array, keys))
+            except BaseException:
+                self._wait(pending)  # what was started ends before the error is raised
+                raise
+        self._pending.append(pending)
+        return pending
+
+    def finish(self, pending: PendingWrite, *, what: str = "writing rows") -> None:
+        """Wait for a write :meth:`start_rows` started; raises the first of its errors."""
+        self._pending.remove(pending)
+        with self.store.writing(what):
+            errors = self._wait(pending)
             if errors:
                 raise errors[0]
+        for array, keys in pending.written:
+            # (Again: a commit while it ran may have synced them before they were whole.)
+            array.mark_written(keys, behind=pending.behind)
+
+    @staticmethod
+    def _wait(pending: PendingWrite) -> list[ValueError]:
+        errors = []
+        for future in pending.futures:
+            try:
+                future.result()
+            except ValueError as err:
+                errors.append(err)
+        return errors
 
     def _create_rows(
         self, writes: Sequence[Write], seeds: Sequence[tuple[int, int]], *, physical: bool

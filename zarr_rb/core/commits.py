@@ -203,6 +203,12 @@ class Commits(abc.ABC):
         """Publish a commit covering every row written (those waiting in RAM first)."""
 
     @abc.abstractmethod
+    def settle(self, *, keep: bool = True) -> None:
+        """Finish the writes of rows started and not finished (a writer's block written
+        while its next rows come); ``keep=False``: their rows are being dropped, so a
+        failure is not raised."""
+
+    @abc.abstractmethod
     def empty(self) -> None:
         """Publish a commit of no rows (the store reset its length and cursor)."""
 

@@ -200,6 +200,8 @@ class RamRows:
         for block, positions in served:
             offsets = torch.from_numpy(positions - block.index * store.write_cache.block_rows)
             copy[torch.from_numpy(positions)] = block.values[key][offsets]
+        for positions, values in store.write_cache.patched(every_row, key):
+            copy[torch.from_numpy(positions)] = values
         return copy
 
     # --- the write buffer ------------------------------------------------------------------
@@ -209,12 +211,28 @@ class RamRows:
         mask = np.zeros(rows, dtype=bool)
         cache = self.store.write_cache
         assert cache is not None
-        for block in cache:
+        for block in cache.held():
             start = block.index * cache.block_rows
             if start < rows:
                 stop = min(start + block.length, rows)
                 mask[start:stop] |= block.dirty[: stop - start]
         return mask
+
+    def unreadable_rows(self, rows: int) -> np.ndarray:
+        """Which of the first ``rows`` rows this writer cannot read: neither whole on disk
+        nor held in RAM (whole, or cell by cell: on disk, or kept from a failed write of
+        some keys)."""
+        ledger, cache = self.store.ledger, self.store.write_cache
+        assert ledger is not None
+        assert cache is not None
+        unreadable = ~(ledger.first(ledger.intact, rows) | self.staged_mask(rows))
+        if unreadable.any():
+            lost = np.flatnonzero(unreadable)
+            whole = np.ones(lost.size, dtype=bool)
+            for key in self.store.leaves:
+                whole &= ledger.readable(lost, key) | cache.patched_mask(lost, key)
+            unreadable[lost[whole]] = False
+        return np.flatnonzero(unreadable)
 
     # --- reads -----------------------------------------------------------------------------
 

@@ -211,6 +211,9 @@ class Sharing(SharingSaves):
     def flush(self) -> None:
         self.refresh()  # nothing waits in RAM: every write was published
 
+    def settle(self, *, keep: bool = True) -> None:
+        pass  # each write is waited for, and published, as it is made
+
     def set_length(self, length: int) -> None:
         pass  # the record's: rows are counted as commits place them, never set
 

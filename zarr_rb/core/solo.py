@@ -23,6 +23,7 @@ See ``docs/design/ring.md``, "Step 1" and "Owners".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,11 +37,10 @@ from zarr_rb.core.history import Extended
 from zarr_rb.core.reader import reread_commit
 from zarr_rb.core.solo_saves import SoloSaves
 from zarr_rb.core.solo_writes import block_write
-from zarr_rb.errors import NotSupportedError
+from zarr_rb.errors import NotSupportedError, StoreWriteError
 from zarr_rb.format.commit import ERA_SLOTS, Commit, ObjectEra, commit_from_mask
 from zarr_rb.format.names import ATTRS_KEY, FORMAT_NON_TENSOR
 from zarr_rb.format.record import Saved, StoreMeta
-from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.runs import RunMap
 from zarr_rb.format.schema import LeafSpec, Schema, leaves_by_key
 from zarr_rb.util.keys import Key
@@ -88,6 +88,7 @@ class SoloCommits(SoloSaves):
     def add_leaves(
         self, leaves: Sequence[LeafSpec], samples: Mapping[Key, torch.Tensor] | None
     ) -> None:
+        self.settle()
         store = self.store
         schema = store.schema
         assert schema is not None
@@ -150,6 +151,12 @@ class SoloCommits(SoloSaves):
             # Rows extended since the last commit, written over: into the history first, as
             # they were extended.
             store.flush()
+        writing = store.write_cache.writing
+        if writing is not None and (
+            cursor is None or np.any(rows // store.write_cache.block_rows == writing.index)
+        ):
+            # Only an extend past the block in flight goes on beside it.
+            self.settle()
         store.version += 1
         if cursor is not None:
             self.cursor = cursor
@@ -171,8 +178,16 @@ class SoloCommits(SoloSaves):
                 picked = torch.from_numpy(elsewhere)
                 writes.append((rows[elsewhere], {k: v[picked] for k, v in values.items()}))
         if writes:
-            self._write_or_keep(writes)
-            store.write_cache.reuse(blocks)
+            if cursor is not None and self._writes_behind(writes, blocks):
+                self._write_behind(blocks[0])
+            else:
+                try:
+                    self.settle()
+                except BaseException:
+                    self._keep_for_retry(writes)  # (the rows of this call wait too)
+                    raise
+                self._write_or_keep(writes)
+                store.write_cache.reuse(blocks)
             if values.keys() == store.leaves.keys():
                 # (Writes of some keys wait for the next commit: a writer that writes a
                 # buffer column by column, as TorchRL's checkpointers do, moves each block
@@ -188,6 +203,10 @@ class SoloCommits(SoloSaves):
     def flush(self) -> None:
         store = self.store
         assert store.write_cache is not None
+        with contextlib.suppress(StoreWriteError):
+            # A block write in flight that failed waits again with the others: this flush
+            # writes it (and raises if it fails again).
+            self.settle()
         writes = [block_write(block) for block in store.write_cache]
         store.write_cache.clear()
         if writes:
@@ -198,11 +217,13 @@ class SoloCommits(SoloSaves):
         self._commit()
 
     def move_cursor(self, cursor: int) -> None:
+        self.settle()
         super().move_cursor(cursor)
         self._written_from = cursor
         self._extended.restart()
 
     def empty(self) -> None:
+        self.settle(keep=False)  # (the store discarded its rows first: nothing is in flight)
         store = self.store
         if self.meta.saved is not None:
             # The rows of the last save are gone: so is the save.
@@ -221,6 +242,7 @@ class SoloCommits(SoloSaves):
         self._publish_mask(store.ledger.mask(), rewrite=True)
 
     def withdraw(self, positions: np.ndarray, physical: np.ndarray, seen: Commit) -> int:
+        self.settle()
         store = self.store
         ledger = store.ledger
         assert ledger is not None
@@ -256,6 +278,7 @@ class SoloCommits(SoloSaves):
         return commit
 
     def leave(self) -> None:
+        self.settle(keep=False)  # (a close flushed first: nothing is in flight)
         if self.late_writes_alone:
             self.store.collect()  # the slots of the writers before, which it moved out of
             self._release_slots()
@@ -305,7 +328,7 @@ class SoloCommits(SoloSaves):
                 first = offset + found - lo
                 break
             offset += hi - lo
-        for block in self.store.write_cache:
+        for block in self.store.write_cache.held():
             offsets = np.flatnonzero(block.dirty[: block.length])
             distance = (block.index * self.store.write_cache.block_rows + offsets - start) % rows
             waiting = distance[distance < first]
@@ -357,12 +380,6 @@ class SoloCommits(SoloSaves):
         self._rewrote_published = False
         if waiting is not None:
             self._extended.keep(waiting)
-
-    def _slots_record(self) -> SlotMap | None:
-        """The writer's map as a commit records it (``None``: the identity)."""
-        if not isinstance(self.positions, SlotMap) or self.positions.is_identity:
-            return None
-        return self.positions.copy()
 
     def publish(self, commit: Commit, *, saved: Saved | None = None, rows: bool = True) -> None:
         """Publish ``commit`` (with ``saved``, the new last save). ``rows=False``: a record

@@ -75,6 +75,7 @@ class SoloSaves(SoloWrites):
         self._first_own_slot()
 
     def publish_saved(self, saved: Saved, *, tag: str | None, last: bool = True) -> None:
+        self.settle()  # (a save flushed first: nothing is in flight)
         store = self.store
         commit = store.committed
         saved = dataclasses.replace(saved, pinned=True, slots=commit.slots, holes=commit.holes)

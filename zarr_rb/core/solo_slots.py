@@ -63,6 +63,7 @@ class SoloSlots(Commits):
         raise NotImplementedError
 
     def collect(self) -> int:
+        self.settle()
         if not isinstance(self.positions, SlotMap) or self.positions.is_identity:
             return 0
         store = self.store

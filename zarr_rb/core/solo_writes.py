@@ -8,14 +8,17 @@ from it) that writes; see ``docs/design/ring.md``, "Step 1" and "Step 5".
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
+from zarr_rb.core.arrays import PendingWrite
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.solo_slots import SoloSlots
 from zarr_rb.core.write_cache import Block, Write
+from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.schema import plain_then_ragged
 from zarr_rb.util.keys import Key
 
@@ -25,10 +28,30 @@ STAGED_RAGGED_BYTES = 128 * 2**20
 long that their block would take more than this are written at once instead."""
 
 
+@dataclasses.dataclass(eq=False)
+class _Started:
+    """A write of rows started: what finishing it (or undoing it) needs."""
+
+    pending: PendingWrite | None
+    """The arrays' write in flight (``None``: written already)."""
+    writes: list[Write]
+    touched: np.ndarray
+    was_intact: np.ndarray
+    keys: set[Key]
+    moved: np.ndarray
+    """Blocks moved by copy-on-write, and the slots they were in."""
+    before: np.ndarray
+    lost: np.ndarray
+    """Rows that stopped being intact when the write started (rewritten in place)."""
+
+
 class SoloWrites(SoloSlots):
     """The writes of a store of one writer (see the module's docstring)."""
 
     def _init_writes(self) -> None:
+        self._in_flight: _Started | None = None
+        """The write of a full block started by an extend and not finished: the next call
+        that writes, flushes or moves rows finishes it (``docs/design/block-writes.md``)."""
         self._rewrote_published = False
         """Rows the last commit declared readable were written over (in other slots) since:
         the next commit moves the epoch."""
@@ -144,6 +167,12 @@ class SoloWrites(SoloSlots):
         leaves alone; the next commit switches the block to it, and until then the block's
         old slot stays as it was (a crash or a failed write leaves it whole). Rows never
         written go straight into their block's slot."""
+        self._finish_write(self._start_write(writes))
+
+    def _start_write(self, writes: Sequence[Write], *, behind: bool = False) -> _Started:
+        """Start :meth:`_write_to_disk`: everything up to waiting for the arrays' writes
+        (objects created once are written whole here). ``behind``: commits made before it
+        finishes do not depend on what it writes."""
         assert self.store.ledger is not None
         assert self.positions is not None
         self.store.lifetime.check_hold()
@@ -159,17 +188,106 @@ class SoloWrites(SoloSlots):
         # Rows rewritten in slots no record refers to (moved since the last commit): not
         # whole while the write runs (a failed write leaves them to be written again).
         lost = self.store.ledger.start_write(in_place)
+        started = _Started(None, [*copies, *writes], touched, was_intact, keys, moved, before, lost)
         try:
-            self.store.arrays.write_rows([*copies, *writes], seeds=seeds)
+            if self.store.lifetime.creates_once:
+                self.store.arrays.write_rows(started.writes, seeds=seeds)
+            else:
+                started.pending = self.store.arrays.start_rows(started.writes, behind=behind)
         except BaseException:
-            self.block_map.assign(moved, before)  # the blocks' rows are where they were
-            self.store.ledger.fail_write(lost, keys)
+            self._undo_write(started)
             raise
+        return started
+
+    def _finish_write(self, started: _Started, *, what: str = "writing rows") -> None:
+        """Wait for a write :meth:`_start_write` started; its rows become intact."""
+        assert self.store.ledger is not None
+        if started.pending is not None:
+            try:
+                self.store.arrays.finish(started.pending, what=what)
+            except BaseException:
+                self._undo_write(started)
+                raise
         if self.store.lifetime.creates_once:
-            written = np.concatenate([np.empty(0, np.int64), *(r for r, _ in [*copies, *writes])])
+            written = np.concatenate([np.empty(0, np.int64), *(rows for rows, _ in started.writes)])
             slots = np.unique(self.physical(written) // self.block_map.block_rows)
             self._created_slots.extend(slots.tolist())
-        self.store.ledger.finish_write(touched, was_intact, keys)
+        self.store.ledger.finish_write(started.touched, started.was_intact, started.keys)
+
+    def _undo_write(self, started: _Started) -> None:
+        """A write failed: its blocks are where they were, and the rows it rewrote in place
+        are not whole (their cells of other keys still are)."""
+        assert self.store.ledger is not None
+        self.block_map.assign(started.moved, started.before)
+        self.store.ledger.fail_write(started.lost, started.keys)
+
+    # --- a block written while the next rows come ------------------------------------------
+
+    def _writes_behind(self, writes: Sequence[Write], blocks: Sequence[Block]) -> bool:
+        """Whether an extend's ``writes`` are one full block that may be written while the
+        next rows come: on a local store of one writer (objects written over in place, no
+        lease), outside an archive (whose history takes rows as they reach the disk), with
+        every leaf stored in objects of one block."""
+        return (
+            len(blocks) == 1
+            and len(writes) == 1
+            and blocks[0].full
+            and not self.store.lifetime.creates_once
+            and not self.late_writes_alone
+            and not self.store.archive
+            # Objects of the block's rows alone: a commit made while they are written
+            # declares no row they hold (a shard of several blocks would hold some).
+            and len(self.store.arrays.whole_block_keys()) == len(self.store.leaves)
+        )
+
+    def _write_behind(self, block: Block) -> None:
+        """Start writing a full block (popped from the write buffer) and return: the block
+        is read from the write buffer until the write finishes (:meth:`settle`). The write
+        before it finishes first: one block is in flight at most."""
+        assert self.store.write_cache is not None
+        write = block_write(block)
+        try:
+            self.settle()
+            started = self._start_write([write], behind=True)
+        except BaseException:
+            self._keep_for_retry([write])
+            raise
+        self._in_flight = started
+        self.store.write_cache.start_writing(block)
+
+    def settle(self, *, keep: bool = True) -> None:
+        """Finish the block write in flight, if any: its rows become intact (the next commit
+        declares them). If it failed, the block waits in the write buffer for the next
+        flush and the error is raised; ``keep=False``: its rows are being dropped (an
+        empty, a save loaded), and the outcome does not matter."""
+        started, self._in_flight = self._in_flight, None
+        if started is None:
+            return
+        cache = self.store.write_cache
+        assert cache is not None
+        try:
+            self._finish_write(started, what="writing a block of rows (an earlier extend's)")
+        except BaseException:
+            cache.not_written()
+            if keep:
+                raise
+            return
+        cache.written()
+
+    def _slots_record(self) -> SlotMap | None:
+        """The writer's map as a commit records it (``None``: the identity). A block whose
+        write is in flight is recorded in the slot it was in: its new one does not hold it
+        yet."""
+        positions = self.positions
+        if not isinstance(positions, SlotMap):
+            return None
+        started = self._in_flight
+        if started is not None and started.moved.size:
+            positions = positions.copy()
+            positions.assign(started.moved, started.before)
+        if positions.is_identity:
+            return None
+        return positions.copy()
 
     def _copy_on_write(
         self, writes: Sequence[Write], touched: np.ndarray
@@ -233,8 +351,14 @@ class SoloWrites(SoloSlots):
         else:
             with self.store.writing("copying blocks to other slots"):
                 for key in whole:
-                    for source, target in zip(before.tolist(), fresh.tolist(), strict=True):
-                        self.store.arrays.get(key).copy_chunk(source, target)
+                    # (Not a block whose every row the write covers: nothing of it is kept.)
+                    kept = ~_written_mask(writes, key, ledger.extent)
+                    moved_blocks = zip(
+                        blocks.tolist(), before.tolist(), fresh.tolist(), strict=True
+                    )
+                    for block, source, target in moved_blocks:
+                        if kept[block * block_rows : (block + 1) * block_rows].any():
+                            self.store.arrays.get(key).copy_chunk(source, target)
         others = [key for key in self.store.leaves if key not in whole]
         for group in plain_then_ragged(self.store.leaves, others):
             requests = {}
@@ -256,6 +380,15 @@ class SoloWrites(SoloSlots):
                 copies.append((requests[key], {key: values}))
         block_map.assign(blocks, fresh)
         return blocks, before, copies, in_place, seeds
+
+
+def _written_mask(writes: Sequence[Write], key: Key, rows: int) -> np.ndarray:
+    """Which of the first ``rows`` rows ``writes`` write a value of ``key`` into."""
+    mask = np.zeros(rows, dtype=bool)
+    for written, values in writes:
+        if key in values:
+            mask[written[written < rows]] = True
+    return mask
 
 
 def block_write(block: Block) -> Write:

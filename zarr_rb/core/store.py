@@ -300,19 +300,7 @@ class Store:
         except (OSError, ValueError) as err:
             if isinstance(err, ZarrRBError):
                 raise
-            reason = short_reason(err)
-            if kept:
-                rows = "rows not yet committed are kept in RAM"
-                then = "retry with flush() or zarr_rb.save(), or reopen the store"
-            else:
-                rows = "the rows of this write were not stored"
-                then = "write them again"
-            raise StoreWriteError(
-                errno_of(err),
-                f"store {self.url!r}: {what} failed ({reason}). The store "
-                f"stays at its last commit (generation {self.committed.generation}, length "
-                f"{self.committed.length}); {rows}. Free space or fix the disk, then {then}",
-            ) from None
+            raise _write_error(self.url, self.committed, what, err, kept=kept) from None
 
     def write_past(self, slot: int) -> None:
         """Write no slot below ``slot`` (see :meth:`SoloCommits.write_past`): a writer that
@@ -350,6 +338,7 @@ class Store:
     def discard(self) -> None:
         """Forget rows held in RAM (after ``empty``)."""
         self.version += 1
+        self.commits.settle(keep=False)
         if self.write_cache is not None:
             self.write_cache.forget()
         self.ram.clear()
@@ -425,23 +414,9 @@ class Store:
         if self.schema is None:
             return np.empty(0, dtype=np.int64)
         assert self.ledger is not None
-        n = self.length_rows
-        ledger = self.ledger
-        readable = ledger.first(ledger.published if self.read_only else ledger.intact, n)
-        if readable.all():
-            return np.empty(0, dtype=np.int64)
-        unreadable = ~readable
         if not self.read_only:
-            unreadable &= ~self.ram.staged_mask(n)
-            assert self.write_cache is not None
-            rows = np.flatnonzero(unreadable)
-            # Rows not whole on disk whose every cell is readable: on disk, or kept in RAM
-            # from a failed write of some keys.
-            whole = np.ones(rows.size, dtype=bool)
-            for key in self.leaves:
-                whole &= ledger.readable(rows, key) | self.write_cache.patched_mask(rows, key)
-            unreadable[rows[whole]] = False
-        return np.flatnonzero(unreadable)
+            return self.ram.unreadable_rows(self.length_rows)
+        return np.flatnonzero(~self.ledger.first(self.ledger.published, self.length_rows))
 
     @serialized
     def refresh(self) -> Commit:
@@ -477,3 +452,21 @@ class Store:
         """The directory of a local store, the URL of any other."""
         location = self.engine.location
         return location.root if isinstance(location, LocalLocation) else location.url
+
+
+def _write_error(
+    url: str, committed: Commit, what: str, err: Exception, *, kept: bool
+) -> StoreWriteError:
+    """The error of a failed write (see :meth:`Store.writing`)."""
+    if kept:
+        rows = "rows not yet committed are kept in RAM"
+        then = "retry with flush() or zarr_rb.save(), or reopen the store"
+    else:
+        rows = "the rows of this write were not stored"
+        then = "write them again"
+    return StoreWriteError(
+        errno_of(err),
+        f"store {url!r}: {what} failed ({short_reason(err)}). The store stays at its last "
+        f"commit (generation {committed.generation}, length {committed.length}); {rows}. "
+        f"Free space or fix the disk, then {then}",
+    )

@@ -58,6 +58,9 @@ class WriteBuffer:
         self._blocks: dict[int, Block] = {}
         self._spare: dict[Key, torch.Tensor] | None = None
         """The tensors of a block written to disk, for the next new block (see :meth:`reuse`)."""
+        self._writing: Block | None = None
+        """A full block whose write to disk was started and has not finished: its rows are
+        read from here (they are not on disk yet), and nothing else writes into it."""
         self._patches: list[Write] = []
         """Writes of some keys of rows not held in a block, whose write to disk failed, in
         the order made: the next flush writes them again, and reads take those cells from
@@ -67,16 +70,51 @@ class WriteBuffer:
         return len(self._blocks)
 
     def __iter__(self) -> Iterator[Block]:
+        """The blocks waiting to be written (not the one being written)."""
         return iter(list(self._blocks.values()))
 
+    def held(self) -> Iterator[Block]:
+        """Every block whose rows are read from here: those waiting and the one being
+        written."""
+        blocks = list(self._blocks.values())
+        if self._writing is not None:
+            blocks.append(self._writing)
+        return iter(blocks)
+
     def clear(self) -> None:
-        """Let go of the blocks (taken to be written)."""
+        """Let go of the blocks waiting (taken to be written)."""
         self._blocks.clear()
 
     def forget(self) -> None:
-        """Forget every row held, blocks and patches (``empty``)."""
+        """Forget every row held, blocks and patches (``empty``; no block is being
+        written)."""
+        assert self._writing is None
         self._blocks.clear()
         self._patches.clear()
+
+    # --- the block being written -----------------------------------------------------------
+
+    @property
+    def writing(self) -> Block | None:
+        return self._writing
+
+    def start_writing(self, block: Block) -> None:
+        """``block`` (popped) is being written: its rows are read from here until then."""
+        assert self._writing is None
+        self._writing = block
+
+    def written(self) -> None:
+        """The block being written is on disk: its memory serves the next block."""
+        assert self._writing is not None
+        block, self._writing = self._writing, None
+        self.reuse([block])
+
+    def not_written(self) -> None:
+        """The block's write failed: it waits again, for the next flush."""
+        assert self._writing is not None
+        block, self._writing = self._writing, None
+        assert block.index not in self._blocks
+        self._blocks[block.index] = block
 
     # --- patches: failed writes of some keys -----------------------------------------------
 
@@ -256,10 +294,11 @@ class WriteBuffer:
         """
         hit = np.zeros(rows.size, dtype=bool)
         served: list[tuple[Block, np.ndarray]] = []
-        if not self._blocks:
+        if not self._blocks and self._writing is None:
             return hit, served
         block_ids = rows // self.block_rows
-        for index, block in self._blocks.items():
+        for block in self.held():
+            index = block.index
             positions = np.flatnonzero(block_ids == index)
             if not positions.size:
                 continue

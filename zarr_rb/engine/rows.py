@@ -282,16 +282,39 @@ class RowArray:
 
         The chunk files written are made durable by the next commit.
         """
+        future, _ = self.start_write_rows(rows, values)
+        return future
+
+    def start_write_rows(
+        self, rows: np.ndarray, values: np.ndarray, *, behind: bool = False
+    ) -> tuple[ts.WriteFutures, list[str]]:
+        """:meth:`write_rows`, also returning the chunk objects it writes: a commit made
+        before the write completes may sync them before they hold their data, so the
+        caller marks them again once it has (:meth:`mark_written`). ``behind``: commits
+        made until then do not depend on them (announced as such)."""
         width = int(values.shape[1]) if self.ragged else None
         announce("write", self._location.path_of(self.path))
         run = is_run(rows)
         keys = self.chunk_keys(rows, width, run=run)
+        if behind:
+            for key in keys:
+                announce("behind", self._location.path_of(key))
         self._location.written(keys)
         if self._cache is not None:
             self._cache.invalidate(keys)
         if run:
-            return self._region(slice(int(rows[0]), int(rows[0]) + rows.size), width).write(values)
-        return self._region(rows, width).write(values)
+            region = self._region(slice(int(rows[0]), int(rows[0]) + rows.size), width)
+        else:
+            region = self._region(rows, width)
+        return region.write(values), keys
+
+    def mark_written(self, keys: list[str], *, behind: bool = False) -> None:
+        """Objects written: made durable by the next commit (``behind``: by a write
+        started with ``behind``, which has landed)."""
+        if behind:
+            for key in keys:
+                announce("landed", self._location.path_of(key))
+        self._location.written(keys)
 
     def create_rows(
         self,

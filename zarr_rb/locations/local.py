@@ -351,8 +351,12 @@ class Durability:
                 dirs.add(parent.parent)
                 parent = parent.parent
         # Deepest first: a directory's own entries before its entry in its parent.
+        missing = set()
         for directory in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 fsync(directory)
-        self._durable_dirs |= new_dirs
+            except FileNotFoundError:
+                missing.add(directory)
+        # (A directory not made yet, by a write still running, is synced once it is.)
+        self._durable_dirs |= new_dirs - missing
         self._written.difference_update(files)

@@ -4,7 +4,9 @@ message of a TensorStore error, bounded JSON parsing).
 Every change the engine makes to a store is announced here before it happens:
 ``"write"`` (rows, a chunk, a metadata file), ``"remove"`` (a leftover
 temporary), ``"fsync"`` (a file or a directory) and ``"publish"`` (the rename
-that makes a commit visible). Observers installed with :func:`observe_io` see
+that makes a commit visible); ``"behind"`` and ``"landed"`` (per file) bracket the
+write of a block that runs while the next rows come, which no commit made meanwhile
+depends on. Observers installed with :func:`observe_io` see
 them in order, and may raise (an injected ``ENOSPC``) or stop the process (a
 simulated crash) at any of them; the reliability tests are built on this.
 """
@@ -19,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path, PurePath
 from typing import Any, Literal
 
-IOKind = Literal["write", "remove", "fsync", "publish"]
+IOKind = Literal["write", "remove", "fsync", "publish", "behind", "landed"]
 IOObserver = Callable[[IOKind, PurePath], None]
 
 _observers: list[IOObserver] = []
