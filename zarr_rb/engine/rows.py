@@ -291,7 +291,7 @@ class RowArray:
         """:meth:`write_rows`, also returning the chunk objects it writes: a commit made
         before the write completes may sync them before they hold their data, so the
         caller marks them again once it has (:meth:`mark_written`). ``behind``: commits
-        made until then do not depend on them (announced as such)."""
+        made until then do not depend on them (announced as such), and do not sync them."""
         width = int(values.shape[1]) if self.ragged else None
         announce("write", self._location.path_of(self.path))
         run = is_run(rows)
@@ -299,7 +299,8 @@ class RowArray:
         if behind:
             for key in keys:
                 announce("behind", self._location.path_of(key))
-        self._location.written(keys)
+        else:
+            self._location.written(keys)
         if self._cache is not None:
             self._cache.invalidate(keys)
         if run:
