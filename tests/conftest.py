@@ -7,6 +7,7 @@ import errno
 import gc
 import os
 import re
+import threading
 import uuid
 from typing import Any
 
@@ -177,12 +178,17 @@ class HeldBackWrites:
 
     def __init__(self) -> None:
         self.pending: list[Any] = []
+        self.gates: dict[int, threading.Event] = {}
+        self.dropped = False
 
     def drop(self) -> None:
         """The process dies: the writes not waited for never land."""
+        self.dropped = True
         for future in self.pending:
             future.dropped = True
         self.pending.clear()
+        for gate in self.gates.values():
+            gate.set()
 
 
 class _HeldBackFuture:
@@ -205,11 +211,15 @@ class _HeldBackFuture:
 @contextlib.contextmanager
 def writes_held_back():
     """Inside, every write of row data started by the arrays lands when it is waited for
-    (see :class:`HeldBackWrites`)."""
+    (see :class:`HeldBackWrites`); a write started to land on its own thread (a block
+    written while the next rows come) waits there until the writer waits for it."""
+    from zarr_rb.core import arrays as core_arrays
     from zarr_rb.engine import rows as engine_rows
 
     held = HeldBackWrites()
     original = engine_rows.RowArray.start_write_rows
+    land_method = core_arrays.StoreArrays.__dict__["_land"]
+    land, finish = core_arrays.StoreArrays._land, core_arrays.StoreArrays.finish
 
     def start(self: Any, rows: Any, values: Any, *, behind: bool = False) -> Any:
         # The real write (its announcement included: a fault or a crash injected at it
@@ -221,8 +231,25 @@ def writes_held_back():
         held.pending.append(future)
         return future, keys
 
+    def gated_land(pending: Any) -> Any:
+        gate = held.gates.setdefault(id(pending), threading.Event())
+        gate.wait()
+        if held.dropped:
+            return [ValueError("the writer died before this write landed")]
+        return land(pending)
+
+    def opening_finish(self: Any, pending: Any, **kwargs: Any) -> Any:
+        held.gates.setdefault(id(pending), threading.Event()).set()
+        return finish(self, pending, **kwargs)
+
     engine_rows.RowArray.start_write_rows = start  # type: ignore[method-assign]
+    core_arrays.StoreArrays._land = staticmethod(gated_land)  # type: ignore[method-assign,assignment]
+    core_arrays.StoreArrays.finish = opening_finish  # type: ignore[method-assign]
     try:
         yield held
     finally:
+        for gate in held.gates.values():
+            gate.set()  # (no thread is left waiting)
         engine_rows.RowArray.start_write_rows = original  # type: ignore[method-assign]
+        core_arrays.StoreArrays._land = land_method  # type: ignore[method-assign]
+        core_arrays.StoreArrays.finish = finish  # type: ignore[method-assign]

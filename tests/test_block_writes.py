@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
-from conftest import assert_identical, writes_held_back
+from conftest import assert_identical, fail_at_row_write, writes_held_back
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
-from zarr_rb import Compression, ZarrStorage
+from zarr_rb import Compression, StoreWriteError, ZarrStorage
 from zarr_rb.testing import simulate_crash
 
 
@@ -106,3 +107,58 @@ def test_a_write_into_the_block_in_flight_waits_for_it(tmp_path):
         rb.storage.close()
     with ZarrStorage(path=path, read_only=True) as reader:
         assert reader.get(torch.arange(4))["step"].tolist() == [0, 50, 2, 3]
+
+
+def test_published_rows_of_a_block_moved_since_the_last_commit_stay_declared(tmp_path):
+    """A write of some keys moves a block of published rows to a new slot without a
+    commit; the extend that fills the block then writes it in place there. A commit made
+    while that write ran would withdraw the published rows (holes inside the length), so
+    the block is written at once: readers, and the store after a crash, find every row."""
+    path = tmp_path / "rb.zarr"
+    rb = buffer(path)
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16), batch_size=4)
+    extend_by_two(rb, twin, range(16))
+    rb.storage.flush()
+    extend_by_two(rb, twin, range(100, 102))  # rows 0, 1: the ring wrapped
+    patch = TensorDict({"step": torch.tensor([900, 901])}, [2])
+    for b in (rb, twin):
+        b.storage.set(torch.tensor([2, 3]), patch, set_cursor=False)
+    extend_by_two(rb, twin, range(102, 104))  # block 0 full
+    with ZarrStorage(path=path, read_only=True) as reader:
+        assert reader._store.committed.holes == ()
+    simulate_crash(rb.storage)
+    with ZarrStorage(path=path, read_only=True) as reader:
+        assert len(reader) == 16
+        assert reader._store.unreadable_rows().size == 0
+        reader.get(torch.arange(16))  # every row readable
+
+
+@pytest.mark.parametrize("call", ["overwrite", "extend"])
+def test_a_call_that_finds_the_block_write_failed_keeps_its_own_rows(tmp_path, call):
+    """The write of the block in flight fails when a later call waits for it: that call
+    raises, and its own rows are kept as well as the block's (read back, and written by
+    the next flush)."""
+    path = tmp_path / "rb.zarr"
+    with writes_held_back():
+        rb = buffer(path)
+        twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16), batch_size=4)
+        extend_by_two(rb, twin, range(16))
+        rb.storage.flush()
+        extend_by_two(rb, twin, range(100, 104))  # block 0 again: in flight
+
+        def write(b: TensorDictReplayBuffer) -> None:
+            if call == "overwrite":
+                b[torch.tensor([1, 9])] = rows_of(torch.tensor([500, 501]))
+            else:
+                b.extend(rows_of(torch.arange(200, 214)))  # it wraps onto block 0
+
+        with fail_at_row_write(1, 100), pytest.raises(StoreWriteError):
+            write(rb)
+        write(twin)
+        every = torch.arange(16)
+        for _ in range(2):  # before the flush and after it
+            assert_identical(
+                rb.storage.get(every).exclude("index"), twin.storage.get(every).exclude("index")
+            )
+            rb.storage.flush()
+        rb.storage.close()

@@ -7,6 +7,7 @@ where a position is among them is the owner of the positions' business
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -66,6 +67,9 @@ class PendingWrite:
     written: list[tuple[RowArray, list[str]]]
     """The chunk objects each array writes: durable at the first commit after the write
     completes (a commit while it runs may sync them before they hold their data)."""
+    landed: concurrent.futures.Future[list[ValueError]] | None = None
+    """A write ``behind``: its wait and the sync of its objects, on a thread of its own (the
+    errors of the write)."""
 
 
 class StoreArrays:
@@ -76,6 +80,8 @@ class StoreArrays:
         self._open: dict[Key, RowArray] = {}
         self._pending: list[PendingWrite] = []
         """Writes started and not finished: waited for at close."""
+        self._landing: concurrent.futures.ThreadPoolExecutor | None = None
+        """The thread that waits for writes ``behind`` and syncs what they wrote."""
 
     def expected_shape(self, leaf: LeafSpec) -> tuple[int | None, ...]:
         """The shape a leaf's array must have (``None``: any length along that dimension:
@@ -146,10 +152,12 @@ class StoreArrays:
         """Forget the opened arrays (the store is closed), once the writes started have
         ended (whatever their outcome: no write lands after the store is let go)."""
         for pending in self._pending:
-            for future in pending.futures:
-                with contextlib.suppress(Exception):
-                    future.result()
+            with contextlib.suppress(Exception):
+                self._wait(pending)
         self._pending.clear()
+        if self._landing is not None:
+            self._landing.shutdown()
+            self._landing = None
         self._open.clear()
 
     def create(
@@ -282,6 +290,12 @@ class StoreArrays:
             except BaseException:
                 self._wait(pending)  # what was started ends before the error is raised
                 raise
+        if behind:
+            if self._landing is None:
+                self._landing = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="zarr_rb-landing"
+                )
+            pending.landed = self._landing.submit(self._land, pending)
         self._pending.append(pending)
         return pending
 
@@ -296,8 +310,24 @@ class StoreArrays:
             # (Again: a commit while it ran may have synced them before they were whole.)
             array.mark_written(keys, behind=pending.behind)
 
+    @classmethod
+    def _land(cls, pending: PendingWrite) -> list[ValueError]:
+        """Wait for a write and sync what it wrote (on the landing thread)."""
+        errors = cls._wait_futures(pending)
+        if not errors:
+            for array, keys in pending.written:
+                array.sync_objects(keys)
+        return errors
+
+    @classmethod
+    def _wait(cls, pending: PendingWrite) -> list[ValueError]:
+        """Wait for a write; returns its errors."""
+        if pending.landed is not None:
+            return pending.landed.result()
+        return cls._wait_futures(pending)
+
     @staticmethod
-    def _wait(pending: PendingWrite) -> list[ValueError]:
+    def _wait_futures(pending: PendingWrite) -> list[ValueError]:
         errors = []
         for future in pending.futures:
             try:

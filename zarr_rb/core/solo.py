@@ -37,6 +37,7 @@ from zarr_rb.core.history import Extended
 from zarr_rb.core.reader import reread_commit
 from zarr_rb.core.solo_saves import SoloSaves
 from zarr_rb.core.solo_writes import block_write
+from zarr_rb.core.write_cache import Block, Write
 from zarr_rb.errors import NotSupportedError, StoreWriteError
 from zarr_rb.format.commit import ERA_SLOTS, Commit, ObjectEra, commit_from_mask
 from zarr_rb.format.names import ATTRS_KEY, FORMAT_NON_TENSOR
@@ -88,7 +89,10 @@ class SoloCommits(SoloSaves):
     def add_leaves(
         self, leaves: Sequence[LeafSpec], samples: Mapping[Key, torch.Tensor] | None
     ) -> None:
-        self.settle()
+        with contextlib.suppress(StoreWriteError):
+            # (A block write in flight that failed waits in RAM again, zeros of the new
+            # keys included, for the next flush: the write adding the keys goes on.)
+            self.settle()
         store = self.store
         schema = store.schema
         assert schema is not None
@@ -152,11 +156,17 @@ class SoloCommits(SoloSaves):
             # they were extended.
             store.flush()
         writing = store.write_cache.writing
+        failed: StoreWriteError | None = None
         if writing is not None and (
             cursor is None or np.any(rows // store.write_cache.block_rows == writing.index)
         ):
-            # Only an extend past the block in flight goes on beside it.
-            self.settle()
+            # Only an extend past the block in flight goes on beside it. If that block's
+            # write failed, it waits in RAM again, this call's rows are written (or kept)
+            # as usual, and the failure is raised at the end.
+            try:
+                self.settle()
+            except StoreWriteError as error:
+                failed = error
         store.version += 1
         if cursor is not None:
             self.cursor = cursor
@@ -178,21 +188,41 @@ class SoloCommits(SoloSaves):
                 picked = torch.from_numpy(elsewhere)
                 writes.append((rows[elsewhere], {k: v[picked] for k, v in values.items()}))
         if writes:
-            if cursor is not None and self._writes_behind(writes, blocks):
-                self._write_behind(blocks[0])
-            else:
+            behind = self._block_behind(blocks) if cursor is not None else None
+            if behind is not None:
+                # The others first (older rows), then the newest full block, written while
+                # the next rows come.
+                index = blocks.index(behind)
+                now = writes[:index] + writes[index + 1 :]
                 try:
-                    self.settle()
+                    self._write_now(now, blocks[:index] + blocks[index + 1 :])
                 except BaseException:
-                    self._keep_for_retry(writes)  # (the rows of this call wait too)
+                    self._keep_for_retry([writes[index]])
                     raise
-                self._write_or_keep(writes)
-                store.write_cache.reuse(blocks)
+                self._write_behind(behind)
+            else:
+                self._write_now(writes, blocks)
             if values.keys() == store.leaves.keys():
                 # (Writes of some keys wait for the next commit: a writer that writes a
                 # buffer column by column, as TorchRL's checkpointers do, moves each block
                 # once, not once per key.)
                 self._commit()
+        if failed is not None:
+            raise failed
+
+    def _write_now(self, writes: list[Write], blocks: list[Block]) -> None:
+        """Write to disk and wait (after the block write in flight, if any): ``blocks`` are
+        the blocks taken out of the write buffer that ``writes`` write."""
+        if not writes:
+            return
+        try:
+            self.settle()
+        except BaseException:
+            self._keep_for_retry(writes)  # (the rows of this call wait too)
+            raise
+        self._write_or_keep(writes)
+        assert self.store.write_cache is not None
+        self.store.write_cache.reuse(blocks)
 
     def append(self, values: Mapping[Key, torch.Tensor], count: int) -> np.ndarray:
         raise NotSupportedError(

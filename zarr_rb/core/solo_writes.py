@@ -18,6 +18,7 @@ from zarr_rb.core.arrays import PendingWrite
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.solo_slots import SoloSlots
 from zarr_rb.core.write_cache import Block, Write
+from zarr_rb.engine.rows import is_run
 from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.schema import plain_then_ragged
 from zarr_rb.util.keys import Key
@@ -121,7 +122,16 @@ class SoloWrites(SoloSlots):
                     [block_write(self.store.write_cache.pop(b.index)) for b in older]
                 )
             return [(rows, values)], []
-        direct, full = self.store.write_cache.stage(rows, values)
+        cache = self.store.write_cache
+        direct, full = cache.stage(rows, values)
+        if sequential and direct and self._writes_behind_here():
+            # The newest whole block the extend covers is copied into the write buffer (its
+            # memory is the caller's), to be written while the next rows come.
+            start, stop = min(direct, key=lambda run: self._age(int(rows[run[1] - 1])))
+            if is_run(rows[start:stop]) and cache.is_whole_block(rows[start], stop - start):
+                direct.remove((start, stop))
+                picked = {key: value[start:stop] for key, value in values.items()}
+                full.extend(cache.stage(rows[start:stop], picked, force=True)[1])
         if sequential and rows.size:
             block_rows = self.store.write_cache.block_rows
             last = (self.cursor - 1) % self.store.write_cache.rows // block_rows
@@ -223,16 +233,28 @@ class SoloWrites(SoloSlots):
 
     # --- a block written while the next rows come ------------------------------------------
 
-    def _writes_behind(self, writes: Sequence[Write], blocks: Sequence[Block]) -> bool:
-        """Whether an extend's ``writes`` are one full block that may be written while the
-        next rows come: on a local store of one writer (objects written over in place, no
-        lease), outside an archive (whose history takes rows as they reach the disk), with
-        every leaf stored in objects of one block."""
+    def _age(self, row: int) -> int:
+        """How many rows an extend wrote after ``row`` (0: the last one it wrote)."""
+        assert self.store.write_cache is not None
+        return (self.cursor - 1 - row) % self.store.write_cache.rows
+
+    def _block_behind(self, blocks: Sequence[Block]) -> Block | None:
+        """Of the blocks an extend takes out of RAM to write, the full one it wrote last,
+        if it may be written while the next rows come (:meth:`_writes_behind_here`)."""
+        assert self.store.write_cache is not None
+        block_rows = self.store.write_cache.block_rows
+        full = [block for block in blocks if block.full]
+        if not full or not self._writes_behind_here():
+            return None
+        return min(full, key=lambda block: self._age(block.index * block_rows + block.length - 1))
+
+    def _writes_behind_here(self) -> bool:
+        """Whether this store writes blocks while the next rows come: a local store of one
+        writer (objects written over in place, no lease), outside an archive (whose history
+        takes rows as they reach the disk), with every leaf stored in objects of one
+        block."""
         return (
-            len(blocks) == 1
-            and len(writes) == 1
-            and blocks[0].full
-            and not self.store.lifetime.creates_once
+            not self.store.lifetime.creates_once
             and not self.late_writes_alone
             and not self.store.archive
             # Objects of the block's rows alone: a commit made while they are written
@@ -249,6 +271,14 @@ class SoloWrites(SoloSlots):
         try:
             self.settle()
             started = self._start_write([write], behind=True)
+            assert self.store.ledger is not None
+            if (started.lost & self.store.ledger.published).any():
+                # Published rows rewritten in place (their block moved since the last
+                # commit, which still names the old slot): a commit made meanwhile would
+                # withdraw them. Written now instead.
+                self._finish_write(started)
+                self.store.write_cache.reuse([block])
+                return
         except BaseException:
             self._keep_for_retry([write])
             raise

@@ -309,6 +309,10 @@ class RowArray:
             region = self._region(rows, width)
         return region.write(values), keys
 
+    def sync_objects(self, keys: list[str]) -> None:
+        """Make these objects of the array durable now (any thread)."""
+        self._location.sync_objects(keys)
+
     def mark_written(self, keys: list[str], *, behind: bool = False) -> None:
         """Objects written: made durable by the next commit (``behind``: by a write
         started with ``behind``, which has landed)."""

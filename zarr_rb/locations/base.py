@@ -270,6 +270,10 @@ class Location(abc.ABC):
     def sync(self) -> None:  # noqa: B027 (optional hook)
         """Make every object written so far durable (the barrier before a commit)."""
 
+    def sync_objects(self, keys: Iterable[str]) -> None:  # noqa: B027 (optional hook)
+        """Make these objects' content durable now (from any thread: it changes no state of
+        this location; the next :meth:`sync` still syncs what they are in)."""
+
     def child(self, key: str) -> Location:
         """The location of the store at ``key`` below this one (a snapshot's target)."""
         raise NotImplementedError(f"{type(self).__name__} has no child locations")

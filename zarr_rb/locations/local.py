@@ -269,6 +269,11 @@ class LocalLocation(Location):
     def sync(self) -> None:
         self.durability.sync()
 
+    def sync_objects(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                fsync(self.root / key)
+
 
 def write_atomically(path: Path, payload: bytes, *, publish: bool = False) -> None:
     """Replace ``path``: a crash leaves the old or the new bytes.

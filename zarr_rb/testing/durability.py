@@ -97,6 +97,11 @@ class DurabilityRecorder:
                 parent = parent.parent
             self._behind_made[path] = made
             self._behind.update(made)
+            # Its directory, durable as it is, is durable without it too.
+            parent = made[-1].parent
+            synced = self._synced_dirs.get(parent, set())
+            if _entry_state(parent) in synced:
+                synced.add(_entry_state(parent, frozenset(self._behind)))
         elif kind == "landed":
             # Checked at the next publish, whatever the ones before saw of them.
             made = self._behind_made.pop(path, [path])
