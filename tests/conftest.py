@@ -179,16 +179,13 @@ class HeldBackWrites:
     def __init__(self) -> None:
         self.pending: list[Any] = []
         self.gates: dict[int, threading.Event] = {}
-        self.dropped = False
+        self.open = False  # every write lands as it is started
 
     def drop(self) -> None:
         """The process dies: the writes not waited for never land."""
-        self.dropped = True
         for future in self.pending:
             future.dropped = True
         self.pending.clear()
-        for gate in self.gates.values():
-            gate.set()
 
 
 class _HeldBackFuture:
@@ -232,10 +229,11 @@ def writes_held_back():
         return future, keys
 
     def gated_land(pending: Any) -> Any:
+        # Until the writer waits for it, or dies (its writes are dropped: they fail here).
         gate = held.gates.setdefault(id(pending), threading.Event())
-        gate.wait()
-        if held.dropped:
-            return [ValueError("the writer died before this write landed")]
+        while not gate.wait(0.01):
+            if held.open or all(getattr(f, "dropped", False) for f in pending.futures):
+                break
         return land(pending)
 
     def opening_finish(self: Any, pending: Any, **kwargs: Any) -> Any:
@@ -248,8 +246,7 @@ def writes_held_back():
     try:
         yield held
     finally:
-        for gate in held.gates.values():
-            gate.set()  # (no thread is left waiting)
+        held.open = True  # (no thread is left waiting)
         engine_rows.RowArray.start_write_rows = original  # type: ignore[method-assign]
         core_arrays.StoreArrays._land = land_method  # type: ignore[method-assign]
         core_arrays.StoreArrays.finish = finish  # type: ignore[method-assign]
