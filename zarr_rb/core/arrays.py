@@ -152,8 +152,12 @@ class StoreArrays:
         """Forget the opened arrays (the store is closed), once the writes started have
         ended (whatever their outcome: no write lands after the store is let go)."""
         for pending in self._pending:
-            with contextlib.suppress(Exception):
+            try:
                 self._wait(pending)
+            except KeyboardInterrupt:
+                raise
+            except BaseException:
+                pass
         self._pending.clear()
         if self._landing is not None:
             self._landing.shutdown()

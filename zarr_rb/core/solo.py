@@ -37,7 +37,6 @@ from zarr_rb.core.history import Extended
 from zarr_rb.core.reader import reread_commit
 from zarr_rb.core.solo_saves import SoloSaves
 from zarr_rb.core.solo_writes import block_write
-from zarr_rb.core.write_cache import Block, Write
 from zarr_rb.errors import NotSupportedError, StoreWriteError
 from zarr_rb.format.commit import ERA_SLOTS, Commit, ObjectEra, commit_from_mask
 from zarr_rb.format.names import ATTRS_KEY, FORMAT_NON_TENSOR
@@ -188,17 +187,8 @@ class SoloCommits(SoloSaves):
                 picked = torch.from_numpy(elsewhere)
                 writes.append((rows[elsewhere], {k: v[picked] for k, v in values.items()}))
         if writes:
-            behind = self._block_behind(blocks) if cursor is not None else None
+            behind = self._block_behind(writes, blocks) if cursor is not None else None
             if behind is not None:
-                # The others first (older rows), then the newest full block, written while
-                # the next rows come.
-                index = blocks.index(behind)
-                now = writes[:index] + writes[index + 1 :]
-                try:
-                    self._write_now(now, blocks[:index] + blocks[index + 1 :])
-                except BaseException:
-                    self._keep_for_retry([writes[index]])
-                    raise
                 self._write_behind(behind)
             else:
                 self._write_now(writes, blocks)
@@ -209,20 +199,6 @@ class SoloCommits(SoloSaves):
                 self._commit()
         if failed is not None:
             raise failed
-
-    def _write_now(self, writes: list[Write], blocks: list[Block]) -> None:
-        """Write to disk and wait (after the block write in flight, if any): ``blocks`` are
-        the blocks taken out of the write buffer that ``writes`` write."""
-        if not writes:
-            return
-        try:
-            self.settle()
-        except BaseException:
-            self._keep_for_retry(writes)  # (the rows of this call wait too)
-            raise
-        self._write_or_keep(writes)
-        assert self.store.write_cache is not None
-        self.store.write_cache.reuse(blocks)
 
     def append(self, values: Mapping[Key, torch.Tensor], count: int) -> np.ndarray:
         raise NotSupportedError(

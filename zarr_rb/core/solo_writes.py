@@ -18,7 +18,6 @@ from zarr_rb.core.arrays import PendingWrite
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.solo_slots import SoloSlots
 from zarr_rb.core.write_cache import Block, Write
-from zarr_rb.engine.rows import is_run
 from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.schema import plain_then_ragged
 from zarr_rb.util.keys import Key
@@ -92,6 +91,20 @@ class SoloWrites(SoloSlots):
                 )
         return values, zeros
 
+    def _write_now(self, writes: list[Write], blocks: list[Block]) -> None:
+        """Write to disk and wait (after the block write in flight, if any): ``blocks`` are
+        the blocks taken out of the write buffer that ``writes`` write."""
+        if not writes:
+            return
+        try:
+            self.settle()
+        except BaseException:
+            self._keep_for_retry(writes)  # (the rows of this call wait too)
+            raise
+        self._write_or_keep(writes)
+        assert self.store.write_cache is not None
+        self.store.write_cache.reuse(blocks)
+
     def _write_or_keep(self, writes: Sequence[Write]) -> None:
         """Write to disk; what a failed write held is kept for the next flush to retry."""
         try:
@@ -122,16 +135,7 @@ class SoloWrites(SoloSlots):
                     [block_write(self.store.write_cache.pop(b.index)) for b in older]
                 )
             return [(rows, values)], []
-        cache = self.store.write_cache
-        direct, full = cache.stage(rows, values)
-        if sequential and direct and self._writes_behind_here():
-            # The newest whole block the extend covers is copied into the write buffer (its
-            # memory is the caller's), to be written while the next rows come.
-            start, stop = min(direct, key=lambda run: self._age(int(rows[run[1] - 1])))
-            if is_run(rows[start:stop]) and cache.is_whole_block(rows[start], stop - start):
-                direct.remove((start, stop))
-                picked = {key: value[start:stop] for key, value in values.items()}
-                full.extend(cache.stage(rows[start:stop], picked, force=True)[1])
+        direct, full = self.store.write_cache.stage(rows, values)
         if sequential and rows.size:
             block_rows = self.store.write_cache.block_rows
             last = (self.cursor - 1) % self.store.write_cache.rows // block_rows
@@ -233,20 +237,14 @@ class SoloWrites(SoloSlots):
 
     # --- a block written while the next rows come ------------------------------------------
 
-    def _age(self, row: int) -> int:
-        """How many rows an extend wrote after ``row`` (0: the last one it wrote)."""
-        assert self.store.write_cache is not None
-        return (self.cursor - 1 - row) % self.store.write_cache.rows
-
-    def _block_behind(self, blocks: Sequence[Block]) -> Block | None:
-        """Of the blocks an extend takes out of RAM to write, the full one it wrote last,
-        if it may be written while the next rows come (:meth:`_writes_behind_here`)."""
-        assert self.store.write_cache is not None
-        block_rows = self.store.write_cache.block_rows
-        full = [block for block in blocks if block.full]
-        if not full or not self._writes_behind_here():
-            return None
-        return min(full, key=lambda block: self._age(block.index * block_rows + block.length - 1))
+    def _block_behind(self, writes: Sequence[Write], blocks: Sequence[Block]) -> Block | None:
+        """The block an extend's ``writes`` write, if they are one full block staged in RAM
+        that may be written while the next rows come (:meth:`_writes_behind_here`): no other
+        row is written now, so the commits made meanwhile, which leave it out, still
+        declare a prefix of the rows in the order written."""
+        if len(writes) == 1 and len(blocks) == 1 and blocks[0].full:
+            return blocks[0] if self._writes_behind_here() else None
+        return None
 
     def _writes_behind_here(self) -> bool:
         """Whether this store writes blocks while the next rows come: a local store of one

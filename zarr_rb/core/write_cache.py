@@ -164,12 +164,6 @@ class WriteBuffer:
     def pop(self, index: int) -> Block:
         return self._blocks.pop(index)
 
-    def is_whole_block(self, first: int, count: int) -> bool:
-        """Whether ``count`` rows from ``first`` are exactly one block."""
-        return first % self.block_rows == 0 and count == self._block_rows_in_array(
-            first // self.block_rows
-        )
-
     def _block_rows_in_array(self, index: int) -> int:
         return min(self.block_rows, self.rows - index * self.block_rows)
 

@@ -277,21 +277,18 @@ class RowArray:
         return self._read_region(rows, rows, width)
 
     def write_rows(self, rows: np.ndarray, values: np.ndarray) -> ts.WriteFutures:
-        """Start writing ``values[i]`` to row ``rows[i]`` (``rows`` unique); rows of a ragged
-        array up to the width of ``values`` (widen it first with :meth:`grow`).
-
-        The chunk files written are made durable by the next commit.
-        """
+        """Start writing ``values[i]`` to row ``rows[i]`` (``rows`` unique; see
+        :meth:`start_write_rows`), made durable by the next commit."""
         future, _ = self.start_write_rows(rows, values)
         return future
 
     def start_write_rows(
         self, rows: np.ndarray, values: np.ndarray, *, behind: bool = False
     ) -> tuple[ts.WriteFutures, list[str]]:
-        """:meth:`write_rows`, also returning the chunk objects it writes: a commit made
-        before the write completes may sync them before they hold their data, so the
-        caller marks them again once it has (:meth:`mark_written`). ``behind``: commits
-        made until then do not depend on them (announced as such), and do not sync them."""
+        """Start writing rows (of a ragged array, up to the width of ``values``: widen it
+        first with :meth:`grow`); returns the write and the chunk objects it writes.
+        ``behind``: commits made before it completes neither depend on them (announced
+        as such) nor sync them; the caller marks them once it has (:meth:`mark_written`)."""
         width = int(values.shape[1]) if self.ragged else None
         announce("write", self._location.path_of(self.path))
         run = is_run(rows)
