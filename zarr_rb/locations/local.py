@@ -270,9 +270,10 @@ class LocalLocation(Location):
         self.durability.sync()
 
     def sync_objects(self, keys: Iterable[str]) -> None:
+        # (Ahead of the commit's own sync, which announces it: see fsync.)
         for key in keys:
             with contextlib.suppress(FileNotFoundError):
-                fsync(self.root / key)
+                fsync(self.root / key, announced=False)
 
 
 def write_atomically(path: Path, payload: bytes, *, publish: bool = False) -> None:

@@ -42,9 +42,13 @@ def announce(kind: IOKind, path: PurePath) -> None:
         observer(kind, path)
 
 
-def fsync(path: Path) -> None:
-    """fsync a file or a directory (a directory's fsync makes its entries durable)."""
-    announce("fsync", path)
+def fsync(path: Path, *, announced: bool = True) -> None:
+    """fsync a file or a directory (a directory's fsync makes its entries durable).
+    ``announced=False``: not told to observers (a sync off the writer's thread, ahead of
+    the announced one that a commit makes: its instant follows no order a test can
+    replay)."""
+    if announced:
+        announce("fsync", path)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
