@@ -256,8 +256,12 @@ class RamRows:
         wanted = with_lengths(store.leaves, keys)
         # Cells of failed writes of some keys, kept for a retry: the newest values there.
         patches = {key: cache.patched(rows, key) for key in wanted} if cache.patches else {}
-        patched = {key: cache.patched_mask(rows, key) for key in patches}
         nothing = np.zeros(rows.size, dtype=bool)
+        patched = {}
+        for key, found in patches.items():
+            patched[key] = nothing.copy()
+            for positions, _ in found:
+                patched[key][positions] = True
         on_disk: dict[Key, np.ndarray] = {}
         for key in wanted:
             readable = ledger.readable(rows, key) | hit | patched.get(key, nothing)

@@ -144,22 +144,29 @@ class WriteBuffer:
     def patched_mask(self, rows: np.ndarray, key: Key) -> np.ndarray:
         """Which of ``rows`` have their cell of ``key`` in a patch."""
         mask = np.zeros(rows.size, dtype=bool)
-        for positions, _ in self.patched(rows, key):
+        for positions, _, _ in self._matches(rows, key):
             mask[positions] = True
         return mask
 
     def patched(self, rows: np.ndarray, key: Key) -> list[tuple[np.ndarray, torch.Tensor]]:
         """The cells of ``key`` that patches hold for ``rows`` (any order, repeats
         allowed), oldest first: the positions (into ``rows``) and their values."""
-        found: list[tuple[np.ndarray, torch.Tensor]] = []
+        return [
+            (positions, values[torch.from_numpy(where)])
+            for positions, where, values in self._matches(rows, key)
+        ]
+
+    def _matches(
+        self, rows: np.ndarray, key: Key
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
+        """For each patch holding cells of ``key`` for some of ``rows``, oldest first: the
+        positions (into ``rows``), where the patch holds them, and its values of ``key``."""
         for written, values in self._patches:
-            if key not in values:
-                continue
-            where = np.searchsorted(written, rows).clip(max=written.size - 1)
-            positions = np.flatnonzero(written[where] == rows)
-            if positions.size:
-                found.append((positions, values[key][torch.from_numpy(where[positions])]))
-        return found
+            if key in values:
+                where = np.searchsorted(written, rows).clip(max=written.size - 1)
+                positions = np.flatnonzero(written[where] == rows)
+                if positions.size:
+                    yield positions, where[positions], values[key]
 
     def pop(self, index: int) -> Block:
         return self._blocks.pop(index)
