@@ -102,3 +102,30 @@ def test_a_full_tier_does_not_read_rows_to_drop_them(tmp_path: Path) -> None:
     learner._store.ram.frames.check()
     collector.close()
     learner.close()
+
+
+@pytest.mark.parametrize("blank_heads", [1.0, 0.2])
+def test_frames_alike_at_their_start_are_compared_whole(tmp_path: Path, blank_heads: float) -> None:
+    """Frames are compared by their first bytes before their whole bytes: frames that start
+    alike (a blank top of the screen) and differ further on stay distinct, whether most
+    rows start alike (``1.0``) or a few (``0.2``)."""
+    g = torch.Generator().manual_seed(3)
+    rows, stack, side = 96, 4, 24
+    obs = torch.randint(0, 255, (rows, stack, side, side), dtype=torch.uint8, generator=g)
+    nxt = torch.cat([obs[1:], obs[-1:]])  # an episode: next[k] is obs[k + 1] ...
+    nxt[::7, :, -1, -1] ^= 1  # ... but for its last byte, now and then
+    obs[1::5, :-1, -1, -1] ^= 1  # stacks that do not continue the row before, by one byte
+    blank = torch.rand(rows, generator=g) < blank_heads
+    obs[blank, :, :6] = 0  # the first 144 bytes of each frame alike
+    nxt[blank, :, :6] = 0
+    data = TensorDict({"obs": obs, "next": {"obs": nxt}}, batch_size=[rows])
+    storage = ZarrStorage(rows, tmp_path / "rb.zarr")  # ram_bytes="auto"
+    twin = LazyTensorStorage(rows)
+    for s in (storage, twin):
+        rb = TensorDictReplayBuffer(storage=s, batch_size=2)
+        for start in range(0, rows, 32):
+            rb.extend(data[start : start + 32])
+    storage._store.ram.frames.check()
+    assert int(storage._store.ram.frames.resident.sum()) == rows
+    every = torch.arange(rows)
+    assert_identical(storage.get(every).exclude("index"), twin.get(every).exclude("index"))
