@@ -162,3 +162,23 @@ def test_a_call_that_finds_the_block_write_failed_keeps_its_own_rows(tmp_path, c
             )
             rb.storage.flush()
         rb.storage.close()
+
+
+def test_the_memory_of_a_block_written_behind_is_never_reused(tmp_path):
+    """TensorStore writes a block in flight from the block's own memory, without a copy,
+    and may keep a reference to it after the write: that memory must never take other
+    rows (a block reused for the next rows would change what TensorStore holds)."""
+    rb = buffer(tmp_path / "rb.zarr")
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16), batch_size=4)
+    extend_by_two(rb, twin, range(4))  # block 0 full: written behind
+    block = rb.storage._store.write_cache.writing
+    assert block is not None
+    as_written = {key: value.clone() for key, value in block.values.items()}
+    extend_by_two(rb, twin, range(4, 12))  # block 0 finishes, blocks 1 and 2 follow
+    rb.storage.flush()
+    for key, value in block.values.items():
+        assert torch.equal(value, as_written[key]), key
+    every = torch.arange(12)
+    assert_identical(
+        rb.storage.get(every).exclude("index"), twin.storage.get(every).exclude("index")
+    )

@@ -274,7 +274,8 @@ class StoreArrays:
         """Start writing rows (as :meth:`write_rows`, to objects that may be written over)
         and return without waiting: :meth:`finish` waits. The values must not change until
         then. ``behind``: no commit made before it finishes depends on the objects it
-        writes (they hold no row such a commit declares)."""
+        writes (they hold no row such a commit declares), and the values must never change
+        (TensorStore writes them without a copy, and may keep them)."""
         store = self.store
         pending = PendingWrite([], behind, [])
         with store.writing("writing rows"):

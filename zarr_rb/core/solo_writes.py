@@ -275,8 +275,7 @@ class SoloWrites(SoloSlots):
                 # commit, which still names the old slot): a commit made meanwhile would
                 # withdraw them. Written now instead.
                 self._finish_write(started)
-                self.store.write_cache.reuse([block])
-                return
+                return  # (its memory is not reused: see WriteBuffer.written)
         except BaseException:
             self._keep_for_retry([write])
             raise

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from zarr_rb.core.mirror import zeros
 from zarr_rb.engine.rows import is_run
 from zarr_rb.util.keys import Key
 
@@ -104,17 +105,22 @@ class WriteBuffer:
         self._writing = block
 
     def written(self) -> None:
-        """The block being written is on disk: its memory serves the next block."""
+        """The block being written is on disk. Its memory is not reused: TensorStore wrote
+        it without a copy and may keep it (it is unmapped once neither holds it)."""
         assert self._writing is not None
-        block, self._writing = self._writing, None
-        self.reuse([block])
+        self._writing = None
 
     def not_written(self) -> None:
-        """The block's write failed: it waits again, for the next flush."""
+        """The block's write failed: a copy of it waits again, for the next flush (the
+        memory written from stays as it is: TensorStore may keep it)."""
         assert self._writing is not None
         block, self._writing = self._writing, None
         assert block.index not in self._blocks
-        self._blocks[block.index] = block
+        values = {}
+        for key, value in block.values.items():
+            values[key] = zeros(tuple(value.shape), value.dtype)
+            values[key].copy_(value)
+        self._blocks[block.index] = dataclasses.replace(block, values=values)
 
     # --- patches: failed writes of some keys -----------------------------------------------
 
@@ -184,14 +190,13 @@ class WriteBuffer:
 
     def _new_block(self, index: int) -> Block:
         n = self.block_rows
-        # Uninitialised: only rows marked dirty are ever read or written (ragged leaves
-        # start empty: zeros, as their padding must be).
+        # Zeros, as ragged leaves' padding must be (other leaves: only rows marked dirty
+        # are ever read or written).
         values, self._spare = self._spare, None
         if values is None:
+            # (Large ones are mappings of their own: given back whole once let go.)
             values = {
-                key: (torch.zeros if key in self._ragged else torch.empty)(
-                    (n, *shape), dtype=self._dtypes[key]
-                )
+                key: zeros((n, *shape), self._dtypes[key])
                 for key, shape in self._element_shapes.items()
             }
         dirty = np.zeros(n, dtype=bool)

@@ -288,7 +288,9 @@ class RowArray:
         """Start writing rows (of a ragged array, up to the width of ``values``: widen it
         first with :meth:`grow`); returns the write and the chunk objects it writes.
         ``behind``: commits made before it completes neither depend on them (announced
-        as such) nor sync them; the caller marks them once it has (:meth:`mark_written`)."""
+        as such) nor sync them; the caller marks them once it has (:meth:`mark_written`).
+        Its ``values`` are then TensorStore's to keep, written without a copy: they must
+        never change."""
         width = int(values.shape[1]) if self.ragged else None
         announce("write", self._location.path_of(self.path))
         run = is_run(rows)
@@ -304,7 +306,7 @@ class RowArray:
             region = self._region(slice(int(rows[0]), int(rows[0]) + rows.size), width)
         else:
             region = self._region(rows, width)
-        return region.write(values), keys
+        return region.write(values, can_reference_source_data_indefinitely=behind), keys
 
     def sync_objects(self, keys: list[str]) -> None:
         """Make these objects of the array durable now (any thread)."""
