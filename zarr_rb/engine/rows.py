@@ -287,10 +287,9 @@ class RowArray:
     ) -> tuple[ts.WriteFutures, list[str]]:
         """Start writing rows (of a ragged array, up to the width of ``values``: widen it
         first with :meth:`grow`); returns the write and the chunk objects it writes.
-        ``behind``: commits made before it completes neither depend on them (announced
-        as such) nor sync them; the caller marks them once it has (:meth:`mark_written`).
-        Its ``values`` are then TensorStore's to keep, written without a copy: they must
-        never change."""
+        ``behind``: commits made before it completes neither depend on them (announced)
+        nor sync them (see :meth:`mark_written`); ``values``, written without a copy, are
+        TensorStore's to keep: they must never change."""
         width = int(values.shape[1]) if self.ragged else None
         announce("write", self._location.path_of(self.path))
         run = is_run(rows)
@@ -302,11 +301,10 @@ class RowArray:
             self._location.written(keys)
         if self._cache is not None:
             self._cache.invalidate(keys)
-        if run:
-            region = self._region(slice(int(rows[0]), int(rows[0]) + rows.size), width)
-        else:
-            region = self._region(rows, width)
-        return region.write(values, can_reference_source_data_indefinitely=behind), keys
+        at = slice(int(rows[0]), int(rows[0]) + rows.size) if run else rows
+        return self._region(at, width).write(
+            values, can_reference_source_data_indefinitely=behind
+        ), keys
 
     def sync_objects(self, keys: list[str]) -> None:
         """Make these objects of the array durable now (any thread)."""
