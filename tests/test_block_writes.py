@@ -8,6 +8,7 @@ write would.
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -164,20 +165,31 @@ def test_a_call_that_finds_the_block_write_failed_keeps_its_own_rows(tmp_path, c
         rb.storage.close()
 
 
-def test_the_memory_of_a_block_written_behind_is_never_reused(tmp_path):
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_block_written_behind_takes_other_rows_only_once_tensorstore_let_go(tmp_path, kept):
     """TensorStore writes a block in flight from the block's own memory, without a copy,
-    and may keep a reference to it after the write: that memory must never take other
-    rows (a block reused for the next rows would change what TensorStore holds)."""
+    and may keep a reference to it after the write: that memory takes the next rows only
+    once TensorStore let go of it (``kept``: it does not, here)."""
+    from zarr_rb.engine.rows import RowArray
+
+    held = []
+    start_write_rows = RowArray.start_write_rows
+
+    def keeping(self, rows, values, *, behind=False):
+        if behind and kept:
+            held.append(values)  # as TensorStore may
+        return start_write_rows(self, rows, values, behind=behind)
+
     rb = buffer(tmp_path / "rb.zarr")
     twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16), batch_size=4)
-    extend_by_two(rb, twin, range(4))  # block 0 full: written behind
-    block = rb.storage._store.write_cache.writing
-    assert block is not None
-    as_written = {key: value.clone() for key, value in block.values.items()}
-    extend_by_two(rb, twin, range(4, 12))  # block 0 finishes, blocks 1 and 2 follow
-    rb.storage.flush()
-    for key, value in block.values.items():
-        assert torch.equal(value, as_written[key]), key
+    with mock.patch.object(RowArray, "start_write_rows", keeping):
+        extend_by_two(rb, twin, range(4))  # block 0 full: written behind
+        (block,) = [rb.storage._store.write_cache.writing]
+        as_written = {key: value.clone() for key, value in block.values.items()}
+        extend_by_two(rb, twin, range(4, 12))  # block 0 finishes, blocks 1 and 2 follow
+        rb.storage.flush()
+    reused = not all(torch.equal(v, as_written[k]) for k, v in block.values.items())
+    assert reused is not kept
     every = torch.arange(12)
     assert_identical(
         rb.storage.get(every).exclude("index"), twin.storage.get(every).exclude("index")

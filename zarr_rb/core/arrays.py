@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -70,6 +71,15 @@ class PendingWrite:
     landed: concurrent.futures.Future[list[ValueError]] | None = None
     """A write ``behind``: its wait and the sync of its objects, on a thread of its own (the
     errors of the write)."""
+    lent: list[weakref.ref[np.ndarray]] = dataclasses.field(default_factory=list)
+    """A write ``behind``: the arrays TensorStore writes without a copy (see
+    :meth:`released`)."""
+
+    def released(self) -> bool:
+        """Whether TensorStore holds none of the arrays it wrote without a copy: their
+        memory may take other values. (TensorStore may keep them after the write; it lets
+        go of them when it completes, as measured, and this checks it each time.)"""
+        return all(ref() is None for ref in self.lent)
 
 
 class StoreArrays:
@@ -289,7 +299,11 @@ class StoreArrays:
                             if not tensor.shape[1]:
                                 continue  # empty rows: nothing to write
                             array.grow(tensor.shape[1])
-                        future, keys = array.start_write_rows(at, to_numpy(tensor), behind=behind)
+                        source = to_numpy(tensor)
+                        future, keys = array.start_write_rows(at, source, behind=behind)
+                        if behind:
+                            pending.lent.append(weakref.ref(source))
+                        del source
                         pending.futures.append(future)
                         pending.written.append((array, keys))
             except BaseException:

@@ -275,7 +275,9 @@ class SoloWrites(SoloSlots):
                 # commit, which still names the old slot): a commit made meanwhile would
                 # withdraw them. Written now instead.
                 self._finish_write(started)
-                return  # (its memory is not reused: see WriteBuffer.written)
+                if started.pending is None or started.pending.released():
+                    self.store.write_cache.reuse([block])  # (see WriteBuffer.written)
+                return
         except BaseException:
             self._keep_for_retry([write])
             raise
@@ -299,7 +301,7 @@ class SoloWrites(SoloSlots):
             if keep:
                 raise
             return
-        cache.written()
+        cache.written(released=started.pending is None or started.pending.released())
 
     def _slots_record(self) -> SlotMap | None:
         """The writer's map as a commit records it (``None``: the identity). A block whose

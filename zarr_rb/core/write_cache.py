@@ -104,11 +104,14 @@ class WriteBuffer:
         assert self._writing is None
         self._writing = block
 
-    def written(self) -> None:
-        """The block being written is on disk. Its memory is not reused: TensorStore wrote
-        it without a copy and may keep it (it is unmapped once neither holds it)."""
+    def written(self, *, released: bool) -> None:
+        """The block being written is on disk. TensorStore wrote it without a copy: its
+        memory serves the next block once TensorStore let go of it (``released``), and is
+        otherwise left to TensorStore (unmapped once neither holds it)."""
         assert self._writing is not None
-        self._writing = None
+        block, self._writing = self._writing, None
+        if released:
+            self.reuse([block])
 
     def not_written(self) -> None:
         """The block's write failed: a copy of it waits again, for the next flush (the
