@@ -244,6 +244,23 @@ class CrashMachine(RuleBasedStateMachine):
             self.versions[row] = version
             self.extended.append((row, version))
 
+    @precondition(lambda self: self.envs == 1)
+    @rule(part=st.integers(1, 7), then=st.integers(0, 3), die=st.booleans())
+    def fill_the_block(self, part: int, then: int, die: bool) -> None:
+        """Extend to the end of the block the cursor is in (from its start: by ``part`` of
+        it first), then by ``then`` rows more: a block filled in RAM by extends is written
+        while the next rows come, and the next extend commits while it is in flight (over
+        rows already written, once the ring has wrapped: in a slot of its own). ``die``:
+        the writer crashes then, the block perhaps still in flight."""
+        block = self.block_rows
+        if self.cursor % block == 0 and part < block:
+            self.extend(part)
+        self.extend(block - self.cursor % block)
+        if then:
+            self.extend(then)
+        if die:
+            self.crash(load=False)
+
     @precondition(lambda self: self.length > 0)
     @rule(data=st.data())
     def overwrite(self, data: st.DataObject) -> None:
