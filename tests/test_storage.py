@@ -469,6 +469,17 @@ def test_repeated_gather_is_a_fresh_copy_of_current_rows(pair):
     assert_identical(storage.get(index), reference.get(index))
 
 
+def test_a_repeated_gather_keeps_negative_zeros(store_path):
+    """A sampler reads the same rows twice; the second read is a copy of the first, bit for
+    bit (``TensorDict.clone`` adds 0 to float tensors, which turned ``-0.0`` into ``0.0``)."""
+    storage = ZarrStorage(8, store_path, ram_bytes=0)
+    storage.set(torch.arange(3), TensorDict({"f": torch.tensor([1.0, -0.0, -0.0])}, [3]))
+    index = torch.arange(3)
+    for _ in range(2):
+        assert storage.get(index)["f"].signbit().tolist() == [False, True, True]
+    storage.close()
+
+
 def test_runs_of_rows_read_in_order(pair):
     storage, reference = pair
     index = torch.cat([torch.arange(20, 28), torch.arange(0, 8), torch.arange(5, 13)])

@@ -296,10 +296,13 @@ def flip_list(data: list[Any]) -> Any:
 
 
 def clone(data: Any) -> Any:
-    """A copy of data of any kind."""
-    if kind_of(data) == "pytree":
-        return pytree.tree_map(torch.clone, data)
-    return data.clone()
+    """A copy of data of any kind, bit for bit: tensor by tensor (``TensorDict.clone`` adds
+    0 to its tensors, which turns ``-0.0`` into ``0.0``)."""
+    return pytree.tree_map(_copied, data)
+
+
+def _copied(leaf: Any) -> Any:
+    return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
 
 
 def select(data: Any, index: Any) -> Any:
