@@ -194,3 +194,26 @@ def test_a_block_written_behind_takes_other_rows_only_once_tensorstore_let_go(tm
     assert_identical(
         rb.storage.get(every).exclude("index"), twin.storage.get(every).exclude("index")
     )
+
+
+def test_a_commit_made_while_the_block_ending_a_whole_ring_is_written(tmp_path):
+    """Four extends of 2 rows fill an 8-row ring; the last one fills block 1, written while
+    the next rows come. The commit made then declares rows 0-3 and must record the cursor
+    after them: the writer's cursor is back at 0 after exactly one ring, which read as no
+    row extended since the last commit (found by review: it recorded cursor 0, a state
+    the buffer never was in, and the next extend after a crash left rows 4-5 unreadable)."""
+    path = tmp_path / "rb.zarr"
+    with writes_held_back() as held:
+        storage = ZarrStorage(8, path, compression=Compression(block_rows=4), ram_bytes=0)
+        rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+        for start in range(0, 8, 2):
+            rb.extend(rows_of(torch.arange(start, start + 2)))
+        held.drop()
+        simulate_crash(rb.storage)
+    with ZarrStorage(path=path) as reopened:
+        rb = TensorDictReplayBuffer(storage=reopened, batch_size=2)
+        assert (len(rb), int(rb._writer._cursor)) in {(4, 4), (8, 0)}
+        rb.extend(rows_of(torch.tensor([50, 51])))
+        assert reopened._store.unreadable_rows().size == 0
+        every = torch.arange(len(reopened))
+        assert reopened.get(every)["step"].tolist()[:6] == [0, 1, 2, 3, 50, 51]

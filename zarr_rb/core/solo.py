@@ -62,6 +62,9 @@ class SoloCommits(SoloSaves):
         self._written_from = meta.commit.cursor
         """Where the rows written since the last commit (or since the cursor was moved)
         start: the commit records how far from there they are committed."""
+        self._advanced = 0
+        """Rows extended since then: from a whole ring on, the cursor is back where they
+        started, and every position holds one of them."""
         self._extended = Extended()
         """An archive's positions extended since the last commit (its history grows by
         those a commit publishes)."""
@@ -169,6 +172,7 @@ class SoloCommits(SoloSaves):
         store.version += 1
         if cursor is not None:
             self.cursor = cursor
+            self._advanced += int(rows.size)
             if store.archive:
                 self._extended.add(rows, cursor, store.rows)
         # Failed writes waiting to be written again must not land over these newer rows.
@@ -226,6 +230,7 @@ class SoloCommits(SoloSaves):
         self.settle()
         super().move_cursor(cursor)
         self._written_from = cursor
+        self._advanced = 0
         self._extended.restart()
 
     def empty(self) -> None:
@@ -312,16 +317,19 @@ class SoloCommits(SoloSaves):
             readable[first_missing:] = False
         self._publish_mask(readable, rewrite=self._rewrote_published)
 
-    def _committable_cursor(self, readable: np.ndarray) -> int:
+    def _committable_cursor(self, readable: np.ndarray) -> tuple[int, int]:
         """The cursor a commit that declares the ``readable`` rows records: this writer's,
         unless rows it wrote since the last commit still wait in RAM or are not readable in
         it (withdrawn while they are rewritten); then the first of them in ring order, so
         that a writer reopened after a crash appends right after the rows the commit
         publishes (or, in a full ring, rewrites the oldest or withdrawn ones first), never
-        over rows it published."""
+        over rows it published. Also returns how many rows were extended from there."""
         assert self.store.write_cache is not None
         start, rows = self._written_from, self.store.write_cache.rows
         span = (self.cursor - start) % rows
+        if self._advanced >= rows:
+            # A whole ring or more: the oldest of the newest rows is at the cursor.
+            start, span = self.cursor, rows
         first = span
         # The span in ring order: one or two runs of rows (never a mask over all of them).
         runs = [(start, min(start + span, rows))]
@@ -340,7 +348,7 @@ class SoloCommits(SoloSaves):
             waiting = distance[distance < first]
             if waiting.size:
                 first = int(waiting.min())
-        return (start + first) % rows
+        return (start + first) % rows, span - first
 
     def _publish_mask(
         self, readable: np.ndarray, *, length: int | None = None, rewrite: bool = False
@@ -348,11 +356,9 @@ class SoloCommits(SoloSaves):
         """Publish a commit declaring the ``readable`` rows; ``rewrite``: rows the last
         commit declared readable are about to be written over (the epoch moves)."""
         assert self.store.ledger is not None
+        cursor, after = self._committable_cursor(readable)
         commit = commit_from_mask(
-            readable,
-            generation=self.committed.generation + 1,
-            cursor=self._committable_cursor(readable),
-            length=length,
+            readable, generation=self.committed.generation + 1, cursor=cursor, length=length
         )
         commit = dataclasses.replace(
             commit, epoch=self.committed.epoch + rewrite, slots=self._slots_record()
@@ -382,6 +388,7 @@ class SoloCommits(SoloSaves):
         ):
             return
         self.publish(commit)
+        self._advanced = after  # (the rows extended since its cursor)
         self.store.ledger.published_as(readable)
         self._rewrote_published = False
         if waiting is not None:
@@ -412,6 +419,7 @@ class SoloCommits(SoloSaves):
         self.committed = commit
         if rows:
             self._written_from = commit.cursor
+            self._advanced = 0
         self._schema_on_disk = meta.schema
         self._replaced_published = replaced
         self._created_slots.clear()
