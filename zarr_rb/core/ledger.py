@@ -76,9 +76,19 @@ class Ledger:
         """The first ``rows`` rows of a mask over the extent (unset past it)."""
         return _padded(mask[:rows], rows)
 
-    def add_keys(self, keys: Iterable[Key]) -> None:
-        """New columns: every intact row holds them (their values are written with them)."""
+    def add_keys(self, keys: Iterable[Key], zeroed: np.ndarray | None = None) -> None:
+        """New columns: every intact row holds them (their values are written with them),
+        and so do the rows ``zeroed`` (a mask) that are not: zeros were written into their
+        cells of the new keys, and their other cells stand as they were."""
+        keys = set(keys)
         self._keys.update(keys)
+        if zeroed is None:
+            return
+        partial = self.fit(zeroed) & ~self.intact
+        if partial.any():
+            for key in keys:
+                cells = self._cells.setdefault(key, self.mask())
+                cells |= partial
 
     def withdrawal_for(self, touched: np.ndarray) -> np.ndarray | None:
         """The readable mask to publish before rewriting ``touched`` rows, or ``None`` when

@@ -102,7 +102,7 @@ class SoloCommits(SoloSaves):
         assert store.ledger is not None
         block_rows = store.meta.block_rows or 1
         physical_shape = (store.physical_rows, *schema.batch_shape[1:])
-        on_disk = store.ledger.intact | store.ledger.published
+        on_disk = store.ledger.held()  # (rows with cells of some keys written, too)
         if on_disk.any():
             # The record says this writer holds its slots before it writes zeros there, and
             # names the keys only after (a reader of it would meet cells holding nothing).
@@ -146,7 +146,7 @@ class SoloCommits(SoloSaves):
                     futures.append(store.arrays.get(leaf.key).write_rows(rows, zeros))
             for future in futures:
                 future.result()
-        store.ledger.add_keys(leaf.key for leaf in leaves)
+        store.ledger.add_keys((leaf.key for leaf in leaves), zeroed=on_disk)
 
     def write(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, cursor: int | None
