@@ -74,11 +74,18 @@ class SoloWrites(SoloSlots):
             return values, []
         assert self.store.write_cache is not None
         assert self.store.ledger is not None
-        hit, _ = self.store.write_cache.staged_rows(rows)
-        # Past the committed rows: cells never written. (Inside them, a cell that cannot be
-        # read was lost to a crash or a failed write: it stays unreadable, not zero.)
+        cache = self.store.write_cache
+        hit, _ = cache.staged_rows(rows)
+        # Past the committed rows: cells never written, but those held in RAM (in a block,
+        # or a failed write of some keys waiting to be written again). (Inside them, a cell
+        # that cannot be read was lost to a crash or a failed write: it stays unreadable,
+        # not zero.)
         fresh = rows >= self.committed.length
-        empty = {key: ~(self.store.ledger.readable(rows, key) | hit) & fresh for key in missing}
+        empty = {
+            key: ~(self.store.ledger.readable(rows, key) | hit | cache.patched_mask(rows, key))
+            & fresh
+            for key in missing
+        }
         if all(cells.all() for cells in empty.values()):
             return self.store.whole_rows(rows, values), []
         zeros: list[Write] = []
