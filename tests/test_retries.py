@@ -282,3 +282,38 @@ def test_a_failed_write_of_some_keys_of_a_withdrawn_last_row_keeps_its_cells(
     with ZarrStorage(path=path, read_only=True) as reader:
         for key in ("step", "obs", "r"):
             assert torch.equal(reader.get(every)[key], twin.storage.get(every)[key]), key
+
+
+def test_a_committed_row_whose_overwrite_failed_in_place_survives_a_crash(tmp_path: Path) -> None:
+    """Row 0 (committed) is written over twice: the first write moves its block to a slot
+    of its own (no commit), the second, in place there, fails. The next commit must not
+    withdraw row 0 (it named the block's new slot, where row 0 is torn, and declared a
+    hole): it names the slot the last commit named, and a crash then reopens with row 0's
+    committed value (found by review)."""
+    from zarr_rb.testing import simulate_crash
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(8, path, compression=Compression(block_rows=2), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(_rows(torch.arange(6)))
+    rb.storage.flush()
+    rb[torch.tensor([1])] = _rows(torch.tensor([10]))  # "index" left out: no commit
+    with fail_at_row_write(1, 3), pytest.raises(StoreWriteError):
+        rb[torch.tensor([0])] = _rows(torch.tensor([20]))
+    assert rb.storage.get(torch.arange(2))["step"].tolist() == [20, 10]
+    rb.extend(_rows(torch.arange(6, 8)))  # block 3 full: written, and a commit
+    simulate_crash(rb.storage)
+    with ZarrStorage(path=path) as reopened:
+        assert reopened._store.unreadable_rows().size == 0
+        assert len(reopened) == 8 or len(reopened) == 6
+        assert reopened.get(torch.arange(2))["step"].tolist() == [0, 1]
+    # Without a crash, the failed write is made again by the next flush, and committed.
+    storage = ZarrStorage(8, path, ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb[torch.tensor([1])] = _rows(torch.tensor([10]))
+    with fail_at_row_write(1, 3), pytest.raises(StoreWriteError):
+        rb[torch.tensor([0])] = _rows(torch.tensor([20]))
+    rb.storage.flush()
+    simulate_crash(rb.storage)
+    with ZarrStorage(path=path, read_only=True) as reader:
+        assert reader.get(torch.arange(2))["step"].tolist() == [20, 10]

@@ -313,17 +313,47 @@ class SoloWrites(SoloSlots):
     def _slots_record(self) -> SlotMap | None:
         """The writer's map as a commit records it (``None``: the identity). A block whose
         write is in flight is recorded in the slot it was in: its new one does not hold it
-        yet."""
+        yet. So is a block :meth:`_kept_where_committed` names, in its committed slot."""
         positions = self.positions
         if not isinstance(positions, SlotMap):
             return None
         started = self._in_flight
-        if started is not None and started.moved.size:
+        kept = self._kept_where_committed()
+        if (started is not None and started.moved.size) or kept.size:
             positions = positions.copy()
-            positions.assign(started.moved, started.before)
+            if started is not None and started.moved.size:
+                positions.assign(started.moved, started.before)
+            positions.assign(kept, self._committed_slots().slots[kept])
         if positions.is_identity:
             return None
         return positions.copy()
+
+    def _kept_where_committed(self) -> np.ndarray:
+        """Blocks moved since the last commit that hold rows it declares that are not whole
+        where the blocks are now, because a write over them in place failed (it waits in
+        RAM to be made again): the next commits name the slot the last commit named, where
+        those rows are whole, and declare the rows it declared there, until the write is
+        made. A crash then loses the rows written since, not the rows committed."""
+        ledger = self.store.ledger
+        cache = self.store.write_cache
+        positions = self.positions
+        none = np.empty(0, dtype=np.int64)
+        if ledger is None or cache is None or not isinstance(positions, SlotMap):
+            return none
+        torn = ledger.published & ~ledger.intact
+        if not torn.any():
+            return none
+        waiting = self.store.ram.staged_mask(ledger.extent)
+        patched = cache.patched_rows()
+        waiting[patched[patched < ledger.extent]] = True
+        torn &= waiting  # (not rows withdrawn as damaged: those stay withdrawn)
+        if not torn.any():
+            return none
+        blocks = np.unique(np.flatnonzero(torn) // positions.block_rows)
+        committed = self._committed_slots().slots
+        blocks = blocks[blocks < min(positions.slots.size, committed.size)]
+        moved: np.ndarray = blocks[positions.slots[blocks] != committed[blocks]]
+        return moved
 
     def _copy_on_write(
         self, writes: Sequence[Write], touched: np.ndarray

@@ -150,6 +150,10 @@ class WriteBuffer:
         if self._patches:
             self._patches = without_cells(self._patches, rows, keys)
 
+    def patched_rows(self) -> np.ndarray:
+        """The rows some patch holds cells of (sorted, unique)."""
+        return np.unique(np.concatenate([np.empty(0, np.int64), *(r for r, _ in self._patches)]))
+
     def patched_mask(self, rows: np.ndarray, key: Key) -> np.ndarray:
         """Which of ``rows`` have their cell of ``key`` in a patch."""
         mask = np.zeros(rows.size, dtype=bool)
