@@ -38,7 +38,8 @@ def measure(game: str, rows: int, rounds: int, work: Path) -> dict[str, Any]:
     for name, settings in SETTINGS.items():
         where = work / f"{game}-{len(stores)}"
         compression = zarr_rb.Compression(**settings)
-        storage = zarr_rb.ZarrStorage(rows, where / "rb.zarr", compression=compression)
+        # ram_bytes=0: rows decoded from the store, not gathered from the writer's RAM tier.
+        storage = zarr_rb.ZarrStorage(rows, where / "rb.zarr", compression=compression, ram_bytes=0)
         stores[name] = (storage, where)
     memmap_dir = work / f"{game}-memmap"
     stores["LazyMemmapStorage"] = (LazyMemmapStorage(rows, scratch_dir=memmap_dir), memmap_dir)
