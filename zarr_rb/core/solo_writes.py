@@ -328,33 +328,6 @@ class SoloWrites(SoloSlots):
             return None
         return positions.copy()
 
-    def _kept_where_committed(self) -> np.ndarray:
-        """Blocks moved since the last commit that hold rows it declares that are not whole
-        where the blocks are now, because a write over them in place failed (it waits in
-        RAM to be made again): the next commits name the slot the last commit named, where
-        those rows are whole, and declare the rows it declared there, until the write is
-        made. A crash then loses the rows written since, not the rows committed."""
-        ledger = self.store.ledger
-        cache = self.store.write_cache
-        positions = self.positions
-        none = np.empty(0, dtype=np.int64)
-        if ledger is None or cache is None or not isinstance(positions, SlotMap):
-            return none
-        torn = ledger.published & ~ledger.intact
-        if not torn.any():
-            return none
-        waiting = self.store.ram.staged_mask(ledger.extent)
-        patched = cache.patched_rows()
-        waiting[patched[patched < ledger.extent]] = True
-        torn &= waiting  # (not rows withdrawn as damaged: those stay withdrawn)
-        if not torn.any():
-            return none
-        blocks = np.unique(np.flatnonzero(torn) // positions.block_rows)
-        committed = self._committed_slots().slots
-        blocks = blocks[blocks < min(positions.slots.size, committed.size)]
-        moved: np.ndarray = blocks[positions.slots[blocks] != committed[blocks]]
-        return moved
-
     def _copy_on_write(
         self, writes: Sequence[Write], touched: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, list[Write], np.ndarray, list[tuple[int, int]]]:
