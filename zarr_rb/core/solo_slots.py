@@ -1,7 +1,8 @@
 """Which slots a store of one writer writes into: the block map and the maps that keep
 slots in use (the last commit, kept saves, an archive's history), free slots and the
 arrays' growth, the slots a writer on a lease reserves in the record before it writes
-there, and the collection of the objects no record refers to.
+there, the blocks whose committed slot commits keep naming (committed rows torn by a failed
+write in place), and the collection of the objects no record refers to.
 
 :class:`SoloSlots` is the part of :class:`~zarr_rb.core.solo.SoloCommits` (which derives
 from it) that owns this state; see ``docs/design/ring.md``, "S3 and fencing" and "Step 4".
