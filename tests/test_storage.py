@@ -480,6 +480,27 @@ def test_a_repeated_gather_keeps_negative_zeros(store_path):
     storage.close()
 
 
+def test_a_torchrl_dump_with_strings_loads_bit_for_bit(tmp_path):
+    """A LazyTensorStorage dump with a string per row and negative zeros: its rows are
+    copied block by block, strings and signs kept (a copy tensor by tensor through the
+    TensorDict's pytree failed on the strings; found by review)."""
+    from tensordict import NonTensorStack
+    from torchrl.data import TensorDictReplayBuffer
+
+    data = TensorDict(
+        {"obs": torch.tensor([1.0, -0.0, 2.0]), "s": NonTensorStack("a", "b", "c")}, [3]
+    )
+    theirs = TensorDictReplayBuffer(storage=LazyTensorStorage(8), batch_size=2)
+    theirs.extend(data)
+    theirs.dumps(tmp_path / "dump")
+    ours = TensorDictReplayBuffer(storage=ZarrStorage(8, tmp_path / "z.zarr"), batch_size=2)
+    ours.loads(tmp_path / "dump")
+    got = ours.storage.get(torch.arange(3))
+    assert list(got["s"]) == ["a", "b", "c"]
+    assert got["obs"].signbit().tolist() == [False, True, False]
+    ours.storage.close()
+
+
 def test_runs_of_rows_read_in_order(pair):
     storage, reference = pair
     index = torch.cat([torch.arange(20, 28), torch.arange(0, 8), torch.arange(5, 13)])

@@ -296,13 +296,15 @@ def flip_list(data: list[Any]) -> Any:
 
 
 def clone(data: Any) -> Any:
-    """A copy of data of any kind, bit for bit: tensor by tensor (``TensorDict.clone`` adds
-    0 to its tensors, which turns ``-0.0`` into ``0.0``)."""
-    return pytree.tree_map(_copied, data)
-
-
-def _copied(leaf: Any) -> Any:
-    return leaf.clone() if isinstance(leaf, torch.Tensor) else leaf
+    """A copy of data of any kind, bit for bit."""
+    if kind_of(data) == "pytree":
+        return pytree.tree_map(torch.clone, data)
+    out = data.clone()
+    # TensorDict.clone adds 0 to float tensors, which turns -0.0 into 0.0: copied again.
+    for copy, source in zip(tensors_of(out), tensors_of(data), strict=True):
+        if copy.is_floating_point():
+            copy.copy_(source)
+    return out
 
 
 def select(data: Any, index: Any) -> Any:
