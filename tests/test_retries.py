@@ -317,3 +317,45 @@ def test_a_committed_row_whose_overwrite_failed_in_place_survives_a_crash(tmp_pa
     simulate_crash(rb.storage)
     with ZarrStorage(path=path, read_only=True) as reader:
         assert reader.get(torch.arange(2))["step"].tolist() == [20, 10]
+
+
+def _crash_and_read(rb: TensorDictReplayBuffer, path: Path) -> tuple[list[int], int]:
+    from zarr_rb.testing import simulate_crash
+
+    simulate_crash(rb.storage)
+    with ZarrStorage(path=path) as reopened:
+        assert reopened._store.unreadable_rows().size == 0
+        steps = reopened.get(torch.arange(len(reopened)))["step"].tolist()
+        return steps, int(TensorDictReplayBuffer(storage=reopened)._writer._cursor)
+
+
+def test_commits_wait_while_a_failed_write_over_committed_rows_waits(tmp_path: Path) -> None:
+    """While a failed write over committed rows in place waits to be made again, the
+    writer's commits wait. A first version committed the rows the last commit declared in
+    the block's old slot, but moved the cursor past rows extended into that block since, or
+    declared rows extended after them: after a crash the store held a state the buffer never
+    was in (found by review)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(8, path, compression=Compression(block_rows=4), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(_rows(torch.arange(8)))
+    rb.extend(_rows(torch.arange(8, 13)))  # rows 0-4
+    rb.storage.flush()  # rows: 8 9 10 11 12 5 6 7, cursor 5
+    rb[torch.tensor([6])] = _rows(torch.tensor([6])).exclude("obs")  # block 1 moves
+    with fail_at_row_write(1, 3), pytest.raises(StoreWriteError):
+        rb[torch.tensor([4])] = _rows(torch.tensor([12])).exclude("obs")  # in place: fails
+    rb.extend(_rows(torch.arange(13, 16)))  # rows 5-7
+    rb.extend(_rows(torch.tensor([16])))  # row 0: block 1 written
+    assert _crash_and_read(rb, path) == ([8, 9, 10, 11, 12, 5, 6, 7], 5)
+    # The ring not full yet: rows extended into the block, then rows after them.
+    path = tmp_path / "second.zarr"
+    storage = ZarrStorage(8, path, compression=Compression(block_rows=4), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(_rows(torch.arange(6)))
+    rb.storage.flush()
+    rb[torch.tensor([5])] = _rows(torch.tensor([5])).exclude("obs")  # block 1 moves
+    with fail_at_row_write(1, 3), pytest.raises(StoreWriteError):
+        rb[torch.tensor([4])] = _rows(torch.tensor([4])).exclude("obs")  # in place: fails
+    rb.extend(_rows(torch.arange(6, 8)))
+    rb.extend(_rows(torch.arange(8, 12)))  # rows 0-3: the ring wraps
+    assert _crash_and_read(rb, path) == ([0, 1, 2, 3, 4, 5], 6)

@@ -306,14 +306,14 @@ class SoloCommits(SoloSaves):
             self.publish(dataclasses.replace(self.committed, length=0, holes=()))
             return
         assert self.store.ledger is not None
+        if self._kept_where_committed().size:
+            # A write over committed rows in place failed and waits in RAM: the record
+            # stays at the last commit (where those rows are whole) until a flush makes
+            # the write (docs/design/ring.md, "A write over rows in place that fails").
+            return
         # Rows waiting in RAM keep their previous, still intact, committed content.
         ledger = self.store.ledger
         readable = ledger.intact & ~(self.store.ram.staged_mask(ledger.extent) & ~ledger.published)
-        for block in self._kept_where_committed().tolist():
-            # (In the slot the last commit named: the rows it declared there.)
-            block_rows = self.block_map.block_rows
-            rows = slice(block * block_rows, (block + 1) * block_rows)
-            readable[rows] = ledger.published[rows]
         readable[self.store.length_rows :] = False
         # Rows past the committed ones are published as a prefix: rows after one that is
         # not on disk (a failed write kept in RAM) wait for it, rather than leave a hole.

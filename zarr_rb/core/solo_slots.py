@@ -125,9 +125,10 @@ class SoloSlots(Commits):
     def _kept_where_committed(self) -> np.ndarray:
         """Blocks moved since the last commit that hold rows it declares that are not whole
         where the blocks are now, because a write over them in place failed (it waits in
-        RAM to be made again): the next commits name the slot the last commit named, where
-        those rows are whole, and declare the rows it declared there, until the write is
-        made. A crash then loses the rows written since, not the rows committed."""
+        RAM to be made again): until the write is made, the writer's commits wait (the
+        record stays at the last commit), and a record published meanwhile (a withdrawal)
+        names the slot the last commit named, where those rows are whole. A crash then
+        loses the rows written since, not the rows committed."""
         ledger = self.store.ledger
         cache = self.store.write_cache
         positions = self.positions
