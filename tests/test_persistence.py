@@ -472,3 +472,33 @@ def test_snapshot_leaves_out_interrupted_write_temporaries(tmp_path):
     leftovers = [p for p in snapshot.rglob("*") if p.name.endswith((".__lock", ".tmp"))]
     assert leftovers == []
     assert len(zarr_rb.load(snapshot)) == len(rb)
+
+
+def test_an_extend_around_the_ring_into_the_block_an_earlier_one_ended_in(tmp_path):
+    """Row 3 waits in RAM (block 0) from an extend of one row; the next extend writes rows
+    4-7 (block 1) and ends in block 0 again (row 0). Block 0 holds a row older than rows
+    4-7, so it is written with them: a commit must never declare rows 4-7 while row 3,
+    extended before them, waits (found by review: after a crash the store held rows 4-7
+    new and row 3 old, cursor 3)."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from zarr_rb import Compression
+    from zarr_rb.testing import simulate_crash
+
+    def rows(v):
+        return TensorDict(
+            {"step": v, "obs": (v[:, None] * torch.ones(300)).to(torch.uint8)}, [v.numel()]
+        )
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(8, path, compression=Compression(block_rows=4), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(rows(torch.arange(11)))  # rows 0-7, then 0-2: cursor 3
+    rb.storage.flush()
+    rb.extend(rows(torch.tensor([11])))  # row 3, in RAM
+    rb.extend(rows(torch.arange(12, 17)))  # rows 4-7 and row 0
+    simulate_crash(rb.storage)
+    with ZarrStorage(path=path) as reopened:
+        steps = reopened.get(torch.arange(len(reopened)))["step"].tolist()
+        cursor = int(TensorDictReplayBuffer(storage=reopened)._writer._cursor)
+    assert (steps, cursor) == ([16, 9, 10, 11, 12, 13, 14, 15], 1)

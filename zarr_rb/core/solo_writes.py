@@ -142,11 +142,16 @@ class SoloWrites(SoloSlots):
                     [block_write(self.store.write_cache.pop(b.index)) for b in older]
                 )
             return [(rows, values)], []
+        before = {block.index for block in self.store.write_cache}
         direct, full = self.store.write_cache.stage(rows, values)
         if sequential and rows.size:
             block_rows = self.store.write_cache.block_rows
             last = (self.cursor - 1) % self.store.write_cache.rows // block_rows
             passed = {block.index for block in self.store.write_cache} - {last}
+            if last in before and (rows // block_rows != last).any():
+                # The extend went around the ring back into the block an earlier one ended
+                # in: that block's earlier rows come before this extend's other rows.
+                passed.add(last)
             full = sorted(set(full) | passed)
         blocks = [self.store.write_cache.pop(index) for index in full]
         if len(self.store.write_cache) > _MAX_STAGED_BLOCKS:
