@@ -226,22 +226,33 @@ def _rows(v: torch.Tensor) -> TensorDict:
     )
 
 
+def _failed_in_place(
+    path: Path, extends: list[torch.Tensor], moved: int, torn: int, step: int, *, count: int = 3
+) -> TensorDictReplayBuffer:
+    """A buffer of 8 rows (blocks of 4) given ``extends`` then flushed; a write of some keys
+    of row ``moved`` moves its block (no commit), then a write of some keys of row ``torn``
+    there, in place, fails (``count`` faults)."""
+    storage = ZarrStorage(8, path, compression=Compression(block_rows=4), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    for steps in extends:
+        rb.extend(_rows(steps))
+    rb.storage.flush()
+    rb[torch.tensor([moved])] = _rows(torch.tensor([moved])).exclude("obs")
+    with fail_at_row_write(1, count), pytest.raises(StoreWriteError):
+        rb[torch.tensor([torn])] = _rows(torch.tensor([step])).exclude("obs")
+    return rb
+
+
 def test_a_key_added_while_a_failed_write_of_some_keys_waits(tmp_path: Path) -> None:
     """A failed in-place write of some keys of a committed row, then an extend that adds a
     key: zeros go into the row's cell of the new key too, and the row is whole again once
     the failed write is written (it stayed unreadable for good: the new key was counted
     only for whole rows; found by review)."""
     path = tmp_path / "rb.zarr"
-    storage = ZarrStorage(8, path, compression=Compression(block_rows=4), ram_bytes=0)
-    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
-    rb.extend(_rows(torch.arange(6)))
-    rb.storage.flush()
-    rb[torch.tensor([1])] = _rows(torch.tensor([50])).exclude("obs")  # block 0 moves
-    with fail_at_row_write(1, 2), pytest.raises(StoreWriteError):
-        rb[torch.tensor([0])] = _rows(torch.tensor([100])).exclude("obs")  # in place: fails
+    rb = _failed_in_place(path, [torch.arange(6)], moved=1, torn=0, step=100, count=2)
     rb.extend(_rows(torch.tensor([6, 7])).set("extra", torch.ones(2)))
     rb.storage.flush()
-    expected = [100, 50, 2, 3, 4, 5, 6, 7]
+    expected = [100, 1, 2, 3, 4, 5, 6, 7]
     assert rb.storage.get(torch.arange(8))["step"].tolist() == expected
     assert rb.storage.get(torch.arange(8))["extra"].tolist() == [0.0] * 6 + [1.0] * 2
     rb.storage.close()
@@ -336,26 +347,14 @@ def test_commits_wait_while_a_failed_write_over_committed_rows_waits(tmp_path: P
     declared rows extended after them: after a crash the store held a state the buffer never
     was in (found by review)."""
     path = tmp_path / "rb.zarr"
-    storage = ZarrStorage(8, path, compression=Compression(block_rows=4), ram_bytes=0)
-    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
-    rb.extend(_rows(torch.arange(8)))
-    rb.extend(_rows(torch.arange(8, 13)))  # rows 0-4
-    rb.storage.flush()  # rows: 8 9 10 11 12 5 6 7, cursor 5
-    rb[torch.tensor([6])] = _rows(torch.tensor([6])).exclude("obs")  # block 1 moves
-    with fail_at_row_write(1, 3), pytest.raises(StoreWriteError):
-        rb[torch.tensor([4])] = _rows(torch.tensor([12])).exclude("obs")  # in place: fails
+    # Rows 8 9 10 11 12 5 6 7, cursor 5; block 1 moved, row 4 torn in place.
+    rb = _failed_in_place(path, [torch.arange(8), torch.arange(8, 13)], moved=6, torn=4, step=12)
     rb.extend(_rows(torch.arange(13, 16)))  # rows 5-7
     rb.extend(_rows(torch.tensor([16])))  # row 0: block 1 written
     assert _crash_and_read(rb, path) == ([8, 9, 10, 11, 12, 5, 6, 7], 5)
     # The ring not full yet: rows extended into the block, then rows after them.
     path = tmp_path / "second.zarr"
-    storage = ZarrStorage(8, path, compression=Compression(block_rows=4), ram_bytes=0)
-    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
-    rb.extend(_rows(torch.arange(6)))
-    rb.storage.flush()
-    rb[torch.tensor([5])] = _rows(torch.tensor([5])).exclude("obs")  # block 1 moves
-    with fail_at_row_write(1, 3), pytest.raises(StoreWriteError):
-        rb[torch.tensor([4])] = _rows(torch.tensor([4])).exclude("obs")  # in place: fails
+    rb = _failed_in_place(path, [torch.arange(6)], moved=5, torn=4, step=4)
     rb.extend(_rows(torch.arange(6, 8)))
     rb.extend(_rows(torch.arange(8, 12)))  # rows 0-3: the ring wraps
     assert _crash_and_read(rb, path) == ([0, 1, 2, 3, 4, 5], 6)
