@@ -44,6 +44,11 @@ class _Started:
     lost: np.ndarray
     """Rows that stopped being intact when the write started (rewritten in place)."""
 
+    def released(self) -> bool:
+        """Whether the memory it wrote from may take other rows (see
+        :meth:`PendingWrite.released`)."""
+        return self.pending is None or self.pending.released()
+
 
 class SoloWrites(SoloSlots):
     """The writes of a store of one writer (see the module's docstring)."""
@@ -287,7 +292,7 @@ class SoloWrites(SoloSlots):
                 # commit, which still names the old slot): a commit made meanwhile would
                 # withdraw them. Written now instead.
                 self._finish_write(started)
-                if started.pending is None or started.pending.released():
+                if started.released():
                     self.store.write_cache.reuse([block])  # (see WriteBuffer.written)
                 return
         except BaseException:
@@ -313,7 +318,7 @@ class SoloWrites(SoloSlots):
             if keep:
                 raise
             return
-        cache.written(released=started.pending is None or started.pending.released())
+        cache.written(released=started.released())
 
     def _slots_record(self) -> SlotMap | None:
         """The writer's map as a commit records it (``None``: the identity). A block whose
