@@ -217,3 +217,27 @@ def test_a_commit_made_while_the_block_ending_a_whole_ring_is_written(tmp_path):
         assert reopened._store.unreadable_rows().size == 0
         every = torch.arange(len(reopened))
         assert reopened.get(every)["step"].tolist()[:6] == [0, 1, 2, 3, 50, 51]
+
+
+def test_a_mirrored_leaf_read_whole_while_a_moved_block_is_written(tmp_path):
+    """Found by the crash machine: after ``empty()``, a full block over rows that held data
+    is written to a new slot while the next rows come, and the first read then copies the
+    small leaves (the mirror) whole. The block's rows must come from the write buffer: its
+    new slot holds nothing until the write lands (read from there, a missing chunk)."""
+    path = tmp_path / "rb.zarr"
+    with writes_held_back():
+        rb = buffer(path, ram_bytes="auto")
+        twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16), batch_size=4)
+        try:
+            extend_by_two(rb, twin, range(6))
+            rb.storage.flush()
+            for b in (rb, twin):
+                b.empty()
+            extend_by_two(rb, twin, range(100, 104))  # block 0 again: to a new slot, behind
+            assert rb.storage._store.write_cache.writing is not None
+            every = torch.arange(4)
+            assert_identical(
+                rb.storage.get(every).exclude("index"), twin.storage.get(every).exclude("index")
+            )
+        finally:
+            rb.storage.close()

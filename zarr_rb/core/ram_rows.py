@@ -192,11 +192,13 @@ class RamRows:
         leaf = store.leaf(key)
         copy = zeros((covered, *store.element_shape(leaf)), TORCH_DTYPES[leaf.dtype])
         # Only cells known to be on disk: others were never written, or were lost to a
-        # crash or a failed write, and are not readable until they are rewritten.
+        # crash or a failed write, and are not readable until they are rewritten. Rows
+        # held in the write buffer come from there: a block being written to a new slot
+        # is not there yet.
         every_row = np.arange(covered)
-        on_disk = np.flatnonzero(store.ledger.readable(every_row, key))
+        staged, served = store.write_cache.staged_rows(every_row)
+        on_disk = np.flatnonzero(store.ledger.readable(every_row, key) & ~staged)
         put_rows(copy, on_disk, store.arrays.read({key: on_disk})[key])
-        _, served = store.write_cache.staged_rows(every_row)
         for block, positions in served:
             offsets = torch.from_numpy(positions - block.index * store.write_cache.block_rows)
             copy[torch.from_numpy(positions)] = block.values[key][offsets]
