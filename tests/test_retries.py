@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import fail_at_row_write, writes_held_back
-from tensordict import TensorDict
+from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack
 from torchrl.data import TensorDictReplayBuffer
 
 from zarr_rb import Compression, StoreWriteError, ZarrStorage
@@ -360,18 +360,12 @@ def test_commits_wait_while_a_failed_write_over_committed_rows_waits(tmp_path: P
     assert _crash_and_read(rb, path) == ([0, 1, 2, 3, 4, 5], 6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a write that is not an extend commits a block holding rows of a failed extend "
-    "that wait in RAM, ahead of that extend's earlier rows",
-)
 def test_an_overwrite_after_a_failed_extend_commits_its_rows_in_order(tmp_path: Path) -> None:
     """Extend [0]; an extend of steps 1-8 (rows 1-7, then row 0) fails and waits in RAM; an
     overwrite of row 1 fills block 0 (row 0 holding step 8) and writes it. The commit then
-    declares row 0 = step 8 while steps 2-7 wait: after a crash the store holds a state the
-    buffer never was in (found by review; not fixed yet)."""
-    from zarr_rb.testing import simulate_crash
-
+    declared row 0 = step 8 while steps 2-7 waited: after a crash the store held a state the
+    buffer never was in (found by review). A write to given rows that writes blocks waiting
+    in RAM now writes them all."""
     path = tmp_path / "rb.zarr"
     storage = ZarrStorage(8, path, compression=Compression(block_rows=2), ram_bytes=0)
     rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
@@ -381,7 +375,42 @@ def test_an_overwrite_after_a_failed_extend_commits_its_rows_in_order(tmp_path: 
     row = rb.storage.get(torch.tensor([1])).clone()
     row["r"] = torch.tensor([1000.0])
     rb[torch.tensor([1])] = row  # every key: a commit
-    simulate_crash(rb.storage)
-    with ZarrStorage(path=path) as reopened:
-        steps = reopened.get(torch.arange(len(reopened)))["step"].tolist()
-    assert steps == list(range(len(steps)))
+    # The states the buffer went through: steps 0 to p - 1 extended, in a ring of 8 rows.
+    states = []
+    for p in range(10):
+        ring: list[int | None] = [None] * 8
+        for step in range(p):
+            ring[step % 8] = step
+        states.append(([step for step in ring if step is not None], p % 8))
+    assert _crash_and_read(rb, path) in states
+
+
+def _ragged(steps: range, tokens: int) -> LazyStackedTensorDict:
+    return lazy_stack(
+        [
+            TensorDict({"step": torch.tensor(s), "tokens": torch.full((tokens,), s)}, [])
+            for s in steps
+        ]
+    )
+
+
+def test_a_row_too_long_to_wait_in_ram_lands_after_a_failed_extend_s_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full ring; an extend of two rows fails and waits in RAM; the next extend's row is
+    too long to wait in RAM (written at once). It must not land before the rows that wait:
+    the next commit, at the cursor of the first of them, would declare the long row in
+    place of the one it follows."""
+    monkeypatch.setattr("zarr_rb.core.solo_writes.STAGED_RAGGED_BYTES", 64 * 1024)
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(
+        8, path, compression=Compression(block_rows=2), ram_bytes=0, ragged=["tokens"]
+    )
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(_ragged(range(8), 3))
+    rb.storage.flush()
+    with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
+        rb.extend(_ragged(range(8, 10), 3))
+    rb.extend(_ragged(range(10, 11), 20_000))  # 80 kB a row: written at once
+    states = [([*range(8, 8 + p), *range(p, 8)], p) for p in range(4)]
+    assert _crash_and_read(rb, path) in states

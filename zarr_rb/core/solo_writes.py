@@ -137,34 +137,37 @@ class SoloWrites(SoloSlots):
         earlier extend ended in) is written now, so that the rows a commit publishes
         always run up to the cursor it records, with no row left behind in RAM.
         """
-        assert self.store.write_cache is not None
+        cache = self.store.write_cache
+        assert cache is not None
         if self._too_long_to_stage(values):
-            # Written now, after the rows of their blocks that wait in RAM (older values).
-            waiting = {int(i) for i in np.unique(rows // self.store.write_cache.block_rows)}
-            older = [block for block in self.store.write_cache if block.index in waiting]
-            if older:
-                self._write_or_keep(
-                    [block_write(self.store.write_cache.pop(b.index)) for b in older]
-                )
+            # Written now, after the rows that wait in RAM (older values, and earlier
+            # extends' rows: see below).
+            waiting = {int(i) for i in np.unique(rows // cache.block_rows)}
+            if sequential or any(block.index in waiting for block in cache):
+                older = [block_write(cache.pop(block.index)) for block in cache]
+                if older:
+                    self._write_or_keep(older)
             return [(rows, values)], []
-        before = {block.index for block in self.store.write_cache}
-        direct, full = self.store.write_cache.stage(rows, values)
+        before = {block.index for block in cache}
+        direct, full = cache.stage(rows, values)
         if sequential and rows.size:
-            block_rows = self.store.write_cache.block_rows
-            last = (self.cursor - 1) % self.store.write_cache.rows // block_rows
-            passed = {block.index for block in self.store.write_cache} - {last}
+            block_rows = cache.block_rows
+            last = (self.cursor - 1) % cache.rows // block_rows
+            passed = {block.index for block in cache} - {last}
             if last in before and (rows // block_rows != last).any():
                 # The extend went around the ring back into the block an earlier one ended
                 # in: that block's earlier rows come before this extend's other rows.
                 passed.add(last)
             full = sorted(set(full) | passed)
-        blocks = [self.store.write_cache.pop(index) for index in full]
-        if len(self.store.write_cache) > _MAX_STAGED_BLOCKS:
-            # Too many partially filled blocks: write the oldest ones as they are.
-            oldest = [block.index for block in self.store.write_cache][
-                : len(self.store.write_cache) - _MAX_STAGED_BLOCKS
-            ]
-            blocks.extend(self.store.write_cache.pop(index) for index in oldest)
+        elif full or len(cache) > _MAX_STAGED_BLOCKS:
+            # (Past _MAX_STAGED_BLOCKS partly filled blocks, they are written as they are.)
+            # A write to given rows that writes blocks waiting in RAM writes them all: one
+            # may hold the newest rows extended (the block the cursor is in), and others
+            # earlier rows of extends that failed and wait for a retry. Written alone, the
+            # newest would be on disk before those, and the next commit would declare a
+            # state the buffer never was in.
+            full = [block.index for block in cache]
+        blocks = [cache.pop(index) for index in full]
         writes: list[Write] = [block_write(block) for block in blocks]
         # Slices of the caller's tensors: views, not copies.
         writes.extend(
