@@ -263,15 +263,44 @@ class CrashMachine(RuleBasedStateMachine):
         if die:
             self.crash(load=False)
 
+    @precondition(lambda self: self.envs == 1)
+    @rule(
+        n=st.integers(2, ROWS + 4),
+        at=st.integers(1, 3),
+        back=st.integers(1, 8),
+        die=st.booleans(),
+    )
+    def write_over_a_failed_extend(self, n: int, at: int, back: int, die: bool) -> None:
+        """An extend of ``n`` rows fails (a full disk at its ``at``-th write of row data)
+        and its rows wait in RAM; the user catches the error and writes over one of them
+        (``back`` rows before the cursor), which fills its block: what is then written
+        must not land before the extend's earlier rows. ``die``: the writer crashes then."""
+        self.fault = (at, 1)
+        self.extend(n)
+        if self.length:
+            self._overwrite([(self.cursor - min(back, n)) % ROWS % self.length], whole=True)
+        if die:
+            self.crash(load=False)
+
     @precondition(lambda self: self.length > 0)
-    @rule(data=st.data())
-    def overwrite(self, data: st.DataObject) -> None:
-        rows = data.draw(
-            st.lists(st.integers(0, self.length - 1), min_size=1, max_size=4, unique=True)
+    @rule(data=st.data(), whole=st.booleans())
+    def overwrite(self, data: st.DataObject, whole: bool) -> None:
+        self._overwrite(
+            data.draw(
+                st.lists(st.integers(0, self.length - 1), min_size=1, max_size=4, unique=True)
+            ),
+            whole=whole,
         )
+
+    def _overwrite(self, rows: list[int], *, whole: bool) -> None:
+        """``rb[rows] = ...``; ``whole``: with every key the buffer's rows hold (TorchRL's
+        ``index`` too), as a row read from the buffer and changed is written back; else
+        without ``index``, which writes some keys of each row."""
         versions = torch.arange(self.version + 1, self.version + 1 + len(rows))
         self.version += len(rows)
         batch = rows_of(versions, self.envs)
+        if whole and self.envs == 1:
+            batch["index"] = torch.tensor(rows)
         for rb in (self.zarr, self.twin):
             # (With ndim=2, TorchRL writes rb[:, i] = rows key by key, into storage[:]; a
             # failure in the middle leaves the keys written before it, as on TorchRL's
