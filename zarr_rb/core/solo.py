@@ -190,6 +190,12 @@ class SoloCommits(SoloSaves):
             if elsewhere.size:
                 picked = torch.from_numpy(elsewhere)
                 writes.append((rows[elsewhere], {k: v[picked] for k, v in values.items()}))
+                if cursor is not None:
+                    # An extend of some keys: the rows extended before, waiting in RAM,
+                    # land with these, not after (docs/design/ring.md, "Rows land in the
+                    # order they were extended").
+                    blocks = [store.write_cache.pop(block.index) for block in store.write_cache]
+                    writes = [*map(block_write, blocks), *writes]
         if writes:
             behind = self._block_behind(writes, blocks) if cursor is not None else None
             if behind is not None:

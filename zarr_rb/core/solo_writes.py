@@ -105,7 +105,9 @@ class SoloWrites(SoloSlots):
 
     def _write_now(self, writes: list[Write], blocks: list[Block]) -> None:
         """Write to disk and wait (after the block write in flight, if any): ``blocks`` are
-        the blocks taken out of the write buffer that ``writes`` write."""
+        the blocks taken out of the write buffer that ``writes`` write. Failed writes of
+        some keys that wait in RAM (patches) are written again with them: rows of an extend
+        among them come before these."""
         if not writes:
             return
         try:
@@ -113,7 +115,10 @@ class SoloWrites(SoloSlots):
         except BaseException:
             self._keep_for_retry(writes)  # (the rows of this call wait too)
             raise
-        self._write_or_keep(writes)
+        assert self.store.write_cache is not None
+        # (Their cells are none of these writes': each write drops the cells it rewrites
+        # from the patches, see WriteBuffer.supersede.)
+        self._write_or_keep([*self.store.write_cache.take_patches(), *writes])
         assert self.store.write_cache is not None
         self.store.write_cache.reuse(blocks)
 
@@ -141,12 +146,15 @@ class SoloWrites(SoloSlots):
         assert cache is not None
         if self._too_long_to_stage(values):
             # Written now, after the rows that wait in RAM (older values, and earlier
-            # extends' rows: see below).
+            # extends' rows: see below). If those fail, these rows wait with them.
             waiting = {int(i) for i in np.unique(rows // cache.block_rows)}
             if sequential or any(block.index in waiting for block in cache):
-                older = [block_write(cache.pop(block.index)) for block in cache]
-                if older:
-                    self._write_or_keep(older)
+                older = [cache.pop(block.index) for block in cache]
+                try:
+                    self._write_now([block_write(block) for block in older], older)
+                except BaseException:
+                    self._keep_for_retry([(rows, values)])
+                    raise
             return [(rows, values)], []
         before = {block.index for block in cache}
         direct, full = cache.stage(rows, values)
@@ -263,7 +271,11 @@ class SoloWrites(SoloSlots):
         row is written now, so the commits made meanwhile, which leave it out, still
         declare a prefix of the rows in the order written."""
         if len(writes) == 1 and len(blocks) == 1 and blocks[0].full:
-            return blocks[0] if self._writes_behind_here() else None
+            # (Not while failed writes of some keys wait: they are written first, see
+            # _write_now.)
+            assert self.store.write_cache is not None
+            behind = self._writes_behind_here() and not self.store.write_cache.patches
+            return blocks[0] if behind else None
         return None
 
     def _writes_behind_here(self) -> bool:

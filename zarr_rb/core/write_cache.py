@@ -140,6 +140,11 @@ class WriteBuffer:
         """The oldest patch kept (to write again), or ``None``."""
         return self._patches[0] if self._patches else None
 
+    def take_patches(self) -> list[Write]:
+        """Every patch kept, oldest first (to write again: kept again if that fails)."""
+        patches, self._patches = self._patches, []
+        return patches
+
     def drop_first_patch(self) -> None:
         """The oldest patch is on disk now."""
         self._patches.pop(0)
