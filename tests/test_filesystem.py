@@ -333,3 +333,51 @@ def test_mode_w_leaves_only_what_a_fresh_store_has(tmp_path):
         array = data[key]
         assert isinstance(array, zarr.Array)
         assert torch.equal(torch.from_numpy(array[:6]), plain[key])
+
+
+def test_a_sync_run_by_a_collection_inside_a_sync_does_not_deadlock(tmp_path: Path) -> None:
+    """A commit fsyncs its files on threads. A garbage collection in the middle may run the
+    finalizer of another storage, which closes it and syncs its own files: it must not wait
+    on the first sync's locks (a test hung there once). The collections here run a sync
+    each, as such a finalizer would; in a child process, so that a hang fails this test
+    rather than stops the run."""
+    script = textwrap.dedent(
+        """
+        import gc, sys
+        from pathlib import Path
+        from zarr_rb.locations import local
+
+        files = []
+        for i in range(8):
+            path = Path(sys.argv[1]) / f"f{i}"
+            path.write_bytes(b"x")
+            files.append(path)
+        inside = []
+
+        def finalizer_like(phase, info):
+            if phase == "start" and not inside:
+                inside.append(True)
+                try:
+                    local._fsync_together(files[:2])
+                finally:
+                    inside.clear()
+
+        gc.callbacks.append(finalizer_like)
+        gc.set_threshold(1)
+        for _ in range(5):
+            local._fsync_together(files)
+        gc.callbacks.remove(finalizer_like)
+        print("synced")
+        """
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("a sync run by a collection inside another sync waits for it forever")
+    assert done.stdout.strip() == "synced", done.stderr
