@@ -139,6 +139,21 @@ class Crash(BaseException):
     """The writer dies here (nothing on the way catches a BaseException)."""
 
 
+def crash_and_read(rb: Any, path: Any) -> tuple[list[int], int]:
+    """``rb``'s writer crashes; its store is opened again: the ``step`` of each of its rows
+    and its writer's cursor (every row of ``[0, len)`` must be readable)."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    from zarr_rb import ZarrStorage
+    from zarr_rb.testing import simulate_crash
+
+    simulate_crash(rb.storage)
+    with ZarrStorage(path=path) as reopened:
+        assert reopened._store.unreadable_rows().size == 0
+        steps = reopened.get(torch.arange(len(reopened)))["step"].tolist()
+        return steps, int(TensorDictReplayBuffer(storage=reopened)._writer._cursor)
+
+
 @contextlib.contextmanager
 def crash_at_row_write(at: int):
     """Raise :class:`Crash` at the ``at``-th write of row data inside the block."""

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import fail_at_row_write, writes_held_back
-from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack
+from conftest import crash_and_read, fail_at_row_write, writes_held_back
+from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
 from zarr_rb import Compression, StoreWriteError, ZarrStorage
@@ -334,16 +334,6 @@ def test_a_committed_row_whose_overwrite_failed_in_place_survives_a_crash(tmp_pa
         assert reader.get(torch.arange(2))["step"].tolist() == [20, 10]
 
 
-def _crash_and_read(rb: TensorDictReplayBuffer, path: Path) -> tuple[list[int], int]:
-    from zarr_rb.testing import simulate_crash
-
-    simulate_crash(rb.storage)
-    with ZarrStorage(path=path) as reopened:
-        assert reopened._store.unreadable_rows().size == 0
-        steps = reopened.get(torch.arange(len(reopened)))["step"].tolist()
-        return steps, int(TensorDictReplayBuffer(storage=reopened)._writer._cursor)
-
-
 def _states(rows: list[int], cursor: int, steps: list[int]) -> list[tuple[list[int], int]]:
     """The states of a ring of 8 rows holding ``rows`` with its writer at ``cursor``, then
     extended by each of ``steps`` in turn: (its rows' steps, its cursor) after each."""
@@ -371,13 +361,13 @@ def test_commits_wait_while_a_failed_write_over_committed_rows_waits(tmp_path: P
     rb.extend(_rows(torch.arange(13, 16)))  # rows 5-7
     rb.extend(_rows(torch.tensor([16])))  # row 0: block 1 written
     committed = [8, 9, 10, 11, 12, 5, 6, 7]
-    assert _crash_and_read(rb, path) in _states(committed, 5, [13, 14, 15, 16])
+    assert crash_and_read(rb, path) in _states(committed, 5, [13, 14, 15, 16])
     # The ring not full yet: rows extended into the block, then rows after them.
     path = tmp_path / "second.zarr"
     rb = _failed_in_place(path, [torch.arange(6)], moved=5, torn=4, step=4)
     rb.extend(_rows(torch.arange(6, 8)))
     rb.extend(_rows(torch.arange(8, 12)))  # rows 0-3: the ring wraps
-    assert _crash_and_read(rb, path) in _states(list(range(6)), 6, list(range(6, 12)))
+    assert crash_and_read(rb, path) in _states(list(range(6)), 6, list(range(6, 12)))
 
 
 def test_an_overwrite_after_a_failed_extend_commits_its_rows_in_order(tmp_path: Path) -> None:
@@ -402,35 +392,4 @@ def test_an_overwrite_after_a_failed_extend_commits_its_rows_in_order(tmp_path: 
         for step in range(p):
             ring[step % 8] = step
         states.append(([step for step in ring if step is not None], p % 8))
-    assert _crash_and_read(rb, path) in states
-
-
-def _ragged(steps: range, tokens: int) -> LazyStackedTensorDict:
-    return lazy_stack(
-        [
-            TensorDict({"step": torch.tensor(s), "tokens": torch.full((tokens,), s)}, [])
-            for s in steps
-        ]
-    )
-
-
-def test_a_row_too_long_to_wait_in_ram_lands_after_a_failed_extend_s_rows(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A full ring; an extend of two rows fails and waits in RAM; the next extend's row is
-    too long to wait in RAM (written at once). It must not land before the rows that wait:
-    the next commit, at the cursor of the first of them, would declare the long row in
-    place of the one it follows."""
-    monkeypatch.setattr("zarr_rb.core.solo_writes.STAGED_RAGGED_BYTES", 64 * 1024)
-    path = tmp_path / "rb.zarr"
-    storage = ZarrStorage(
-        8, path, compression=Compression(block_rows=2), ram_bytes=0, ragged=["tokens"]
-    )
-    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
-    rb.extend(_ragged(range(8), 3))
-    rb.storage.flush()
-    with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
-        rb.extend(_ragged(range(8, 10), 3))
-    rb.extend(_ragged(range(10, 11), 20_000))  # 80 kB a row: written at once
-    states = [([*range(8, 8 + p), *range(p, 8)], p) for p in range(4)]
-    assert _crash_and_read(rb, path) in states
+    assert crash_and_read(rb, path) in states
