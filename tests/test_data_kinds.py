@@ -624,7 +624,7 @@ def test_a_patch_of_a_values_column_is_refused_before_anything_is_written(store_
 
 
 def test_rows_too_long_to_wait_in_ram_are_written_at_once_after_older_ones(store_path, monkeypatch):
-    monkeypatch.setattr("zarr_rb.core.solo_writes.STAGED_RAGGED_BYTES", 64 * 1024)
+    monkeypatch.setattr("zarr_rb.core.solo_staging.STAGED_RAGGED_BYTES", 64 * 1024)
     ours, theirs = both(12, store_path, LazyStackStorage)
     writes = [token_rows([5, 3], seed=1), token_rows([5000], seed=2), token_rows([2, 4000, 1])]
     writes += [token_rows([7] * 8, seed=4)]  # wraps over the long rows

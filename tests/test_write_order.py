@@ -65,7 +65,7 @@ def extended(rows: int) -> list[tuple[list[int], int]]:
 
 @pytest.fixture
 def long_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("zarr_rb.core.solo_writes.STAGED_RAGGED_BYTES", 64 * 1024)
+    monkeypatch.setattr("zarr_rb.core.solo_staging.STAGED_RAGGED_BYTES", 64 * 1024)
 
 
 @pytest.mark.usefixtures("long_rows")

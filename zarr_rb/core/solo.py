@@ -12,9 +12,10 @@
   writes there, so that the late writes of a stalled writer before it land in slots no
   one else writes (see :class:`~zarr_rb.format.commit.LeaseFloor`).
 
-One object, :class:`SoloCommits`, owns all of it; its code is in four modules by concern:
+One object, :class:`SoloCommits`, owns all of it; its code is in five modules by concern:
 this one (the interface, commits), :mod:`~zarr_rb.core.solo_saves` (saves and versions),
-:mod:`~zarr_rb.core.solo_writes` (staging and copy-on-write) and
+:mod:`~zarr_rb.core.solo_staging` (which rows are written now, which wait in RAM),
+:mod:`~zarr_rb.core.solo_writes` (writes and copy-on-write) and
 :mod:`~zarr_rb.core.solo_slots` (free slots, reservations, collection), the classes it
 derives from.
 
@@ -179,23 +180,7 @@ class SoloCommits(SoloSaves):
         store.write_cache.supersede(rows, values.keys())
         values, zeros = self._zeros_where_unwritten(rows, values)
         store.ram.update(rows, values)
-        if values.keys() == store.leaves.keys():
-            writes, blocks = self._stage_rows(rows, values, sequential=cursor is not None)
-        else:
-            blocks = []
-            # Rows waiting in RAM take the new values there; the others are written now.
-            in_ram = store.write_cache.patch(rows, values)
-            elsewhere = np.flatnonzero(~in_ram)
-            writes = zeros
-            if elsewhere.size:
-                picked = torch.from_numpy(elsewhere)
-                writes.append((rows[elsewhere], {k: v[picked] for k, v in values.items()}))
-                if cursor is not None:
-                    # An extend of some keys: the rows extended before, waiting in RAM,
-                    # land with these, not after (docs/design/ring.md, "Rows land in the
-                    # order they were extended").
-                    blocks = [store.write_cache.pop(block.index) for block in store.write_cache]
-                    writes = [*map(block_write, blocks), *writes]
+        writes, blocks = self._writes_for(rows, values, zeros, sequential=cursor is not None)
         if writes:
             behind = self._block_behind(writes, blocks) if cursor is not None else None
             if behind is not None:

@@ -11,14 +11,14 @@ import itertools
 
 import numpy as np
 
-from zarr_rb.core.solo_writes import SoloWrites
+from zarr_rb.core.solo_staging import SoloStaging
 from zarr_rb.format.commit import Commit
 from zarr_rb.format.names import STATE_GROUP
 from zarr_rb.format.record import Saved
 from zarr_rb.format.ring import SlotMap
 
 
-class SoloSaves(SoloWrites):
+class SoloSaves(SoloStaging):
     """The saves and versions of :class:`~zarr_rb.core.solo.SoloCommits`."""
 
     @abc.abstractmethod

@@ -22,11 +22,6 @@ from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.schema import plain_then_ragged
 from zarr_rb.util.keys import Key
 
-_MAX_STAGED_BLOCKS = 8
-STAGED_RAGGED_BYTES = 128 * 2**20
-"""A block of rows of different lengths waits in RAM padded to its longest row; rows so
-long that their block would take more than this are written at once instead."""
-
 
 @dataclasses.dataclass(eq=False)
 class _Started:
@@ -130,68 +125,6 @@ class SoloWrites(SoloSlots):
             self._keep_for_retry(writes)
             raise
 
-    def _stage_rows(
-        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, sequential: bool
-    ) -> tuple[list[Write], list[Block]]:
-        """Stage whole rows in RAM by block; returns what must be written now, and the
-        blocks taken out of RAM to be written (their memory serves again once they are).
-
-        ``sequential``: the rows are a writer's extend, ending just before :attr:`cursor`.
-        Only the block it ends in may then stay in RAM: every other staged block (one it
-        went past, partly on disk already after a flush in its middle, or the block an
-        earlier extend ended in) is written now, so that the rows a commit publishes
-        always run up to the cursor it records, with no row left behind in RAM.
-        """
-        cache = self.store.write_cache
-        assert cache is not None
-        if self._too_long_to_stage(values):
-            # Written now, after the rows that wait in RAM (older values, and earlier
-            # extends' rows: see below). If those fail, these rows wait with them.
-            waiting = {int(i) for i in np.unique(rows // cache.block_rows)}
-            if sequential or any(block.index in waiting for block in cache):
-                older = [cache.pop(block.index) for block in cache]
-                try:
-                    self._write_now([block_write(block) for block in older], older)
-                except BaseException:
-                    self._keep_for_retry([(rows, values)])
-                    raise
-            return [(rows, values)], []
-        before = {block.index for block in cache}
-        direct, full = cache.stage(rows, values)
-        if sequential and rows.size:
-            block_rows = cache.block_rows
-            last = (self.cursor - 1) % cache.rows // block_rows
-            passed = {block.index for block in cache} - {last}
-            if last in before and (rows // block_rows != last).any():
-                # The extend went around the ring back into the block an earlier one ended
-                # in: that block's earlier rows come before this extend's other rows.
-                passed.add(last)
-            full = sorted(set(full) | passed)
-        elif full or len(cache) > _MAX_STAGED_BLOCKS:
-            # (Past _MAX_STAGED_BLOCKS partly filled blocks, they are written as they are.)
-            # A write to given rows that writes blocks waiting in RAM writes them all: one
-            # may hold the newest rows extended (the block the cursor is in), and others
-            # earlier rows of extends that failed and wait for a retry. Written alone, the
-            # newest would be on disk before those, and the next commit would declare a
-            # state the buffer never was in.
-            full = [block.index for block in cache]
-        blocks = [cache.pop(index) for index in full]
-        writes: list[Write] = [block_write(block) for block in blocks]
-        # Slices of the caller's tensors: views, not copies.
-        writes.extend(
-            (rows[start:stop], {key: value[start:stop] for key, value in values.items()})
-            for start, stop in direct
-        )
-        return writes, blocks
-
-    def _too_long_to_stage(self, values: Mapping[Key, torch.Tensor]) -> bool:
-        assert self.store.write_cache is not None
-        block_rows = self.store.write_cache.block_rows
-        return any(
-            self.store.leaf(key).ragged and block_rows * value[:1].nbytes > STAGED_RAGGED_BYTES
-            for key, value in values.items()
-        )
-
     def _keep_for_retry(self, writes: Sequence[Write]) -> None:
         """Keep the rows of failed writes, so that the next flush writes them again: whole
         rows wait in RAM in blocks, writes of some keys as patches (both are read from
@@ -264,19 +197,6 @@ class SoloWrites(SoloSlots):
         self.store.ledger.fail_write(started.lost, started.keys)
 
     # --- a block written while the next rows come ------------------------------------------
-
-    def _block_behind(self, writes: Sequence[Write], blocks: Sequence[Block]) -> Block | None:
-        """The block an extend's ``writes`` write, if they are one full block staged in RAM
-        that may be written while the next rows come (:meth:`_writes_behind_here`): no other
-        row is written now, so the commits made meanwhile, which leave it out, still
-        declare a prefix of the rows in the order written."""
-        if len(writes) == 1 and len(blocks) == 1 and blocks[0].full:
-            # (Not while failed writes of some keys wait: they are written first, see
-            # _write_now.)
-            assert self.store.write_cache is not None
-            behind = self._writes_behind_here() and not self.store.write_cache.patches
-            return blocks[0] if behind else None
-        return None
 
     def _writes_behind_here(self) -> bool:
         """Whether this store writes blocks while the next rows come: a local store of one
