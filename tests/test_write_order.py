@@ -176,3 +176,47 @@ def test_a_failed_extend_of_some_keys_is_not_committed_past(tmp_path: Path) -> N
         rb.extend(_rows(torch.arange(8, 10)).exclude("r"))
     rb.extend(_rows(torch.arange(10, 12)))  # rows 2-3 (block 1, whole): a commit
     _at_their_step_or_rewritten(crash_and_read(rb, path))
+
+
+def test_a_failed_extend_of_some_keys_with_the_blocks_before_it_keeps_other_cells(
+    tmp_path: Path,
+) -> None:
+    """Row 0 waits in RAM; a write of some keys moves block 0 (no commit); an extend of
+    some keys of row 1, written with block 0 (every key) before it, fails in place. Row
+    1's cell of the key it left out was not written and stays readable (when both went in
+    one call, the ledger took every key as written to row 1: it read as lost, and the next
+    flush committed a hole there)."""
+    path = tmp_path / "rb.zarr"
+    rb = _full_ring(path, ragged=False)
+    rb.extend(_rows(torch.tensor([8])))  # row 0 waits in RAM
+    rb[torch.tensor([1])] = _rows(torch.tensor([50])).exclude("r")  # block 0 moves
+    with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
+        rb.extend(_rows(torch.tensor([9])).exclude("r"))  # row 1, in place
+    assert rb.storage._store.unreadable_rows().size == 0
+    assert rb.storage.get(torch.arange(2))["step"].tolist() == [8, 9]
+    rb.storage.flush()
+    steps, cursor = crash_and_read(rb, path)
+    assert (steps[:2], cursor) == ([8, 9], 2)
+
+
+def test_a_failed_write_retried_with_a_write_of_other_keys_keeps_their_cells(
+    tmp_path: Path,
+) -> None:
+    """A write of ``r`` to row 6 fails and waits; a write of the other keys of row 4 (its
+    block moved since the last commit) is made with it and fails in place. Row 4's ``r``
+    was not written and stays readable (in one call, the ledger took it as written: row 4
+    read as lost, and the next flush committed a hole there)."""
+    path = tmp_path / "rb.zarr"
+    rb = _full_ring(path, ragged=False)
+    rb[torch.tensor([4])] = _rows(torch.tensor([40])).exclude("r")  # block 2 moves
+    with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
+        rb[torch.tensor([6])] = _rows(torch.tensor([60])).select("r")
+    # Data writes 1-5: the failed write, again (block 3 copied to a new slot, then row 6's
+    # r); 6: row 4's.
+    with fail_at_row_write(6, 1), pytest.raises(StoreWriteError):
+        rb[torch.tensor([4])] = _rows(torch.tensor([41])).exclude("r")
+    assert rb.storage._store.write_cache.patched_rows().tolist() == [4]
+    assert rb.storage._store.unreadable_rows().size == 0
+    rb.storage.flush()
+    steps, _ = crash_and_read(rb, path)
+    assert steps[4] == 41

@@ -113,9 +113,25 @@ class SoloWrites(SoloSlots):
         assert self.store.write_cache is not None
         # (Their cells are none of these writes': each write drops the cells it rewrites
         # from the patches, see WriteBuffer.supersede.)
-        self._write_or_keep([*self.store.write_cache.take_patches(), *writes])
-        assert self.store.write_cache is not None
+        self._write_in_turn([*self.store.write_cache.take_patches(), *writes])
         self.store.write_cache.reuse(blocks)
+
+    def _write_in_turn(self, writes: Sequence[Write]) -> None:
+        """Write to disk in order, one call per run of writes of the same keys: a call
+        counts its keys as written to every row it writes (a failed one, as torn there).
+        What a failed call and those after it hold is kept for the next flush to retry."""
+        runs: list[list[Write]] = []
+        for write in writes:
+            if runs and runs[-1][0][1].keys() == write[1].keys():
+                runs[-1].append(write)
+            else:
+                runs.append([write])
+        for done, run in enumerate(runs):
+            try:
+                self._write_to_disk(run)
+            except BaseException:
+                self._keep_for_retry([write for later in runs[done:] for write in later])
+                raise
 
     def _write_or_keep(self, writes: Sequence[Write]) -> None:
         """Write to disk; what a failed write held is kept for the next flush to retry."""
