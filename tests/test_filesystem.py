@@ -336,11 +336,12 @@ def test_mode_w_leaves_only_what_a_fresh_store_has(tmp_path):
 
 
 def test_a_sync_run_by_a_collection_inside_a_sync_does_not_deadlock(tmp_path: Path) -> None:
-    """A commit fsyncs its files on threads. A garbage collection in the middle may run the
-    finalizer of another storage, which closes it and syncs its own files: it must not wait
-    on the first sync's locks (a test hung there once). The collections here run a sync
-    each, as such a finalizer would; in a child process, so that a hang fails this test
-    rather than stops the run."""
+    """A garbage collection in the middle of a commit's sync may run the finalizer of
+    another storage, which closes it and syncs its own files: that sync must not wait on
+    anything the first one holds (a version that fsynced on a pool of threads hung there,
+    inside the pool's ``submit``). The collections here run a sync each, as such a
+    finalizer would; in a child process, so that a hang fails this test rather than stops
+    the run."""
     script = textwrap.dedent(
         """
         import gc, sys

@@ -10,15 +10,15 @@ renames inside a short ``flock`` critical section on ``.zarr_rb.cas.lock``.
 from __future__ import annotations
 
 import builtins
-import concurrent.futures
 import contextlib
+import ctypes
 import errno
 import fcntl
-import gc
 import hashlib
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -347,12 +347,8 @@ class Durability:
     def sync(self) -> None:
         """fsync every file written since the last call, then the directories they are in.
 
-        The fsyncs of the files, then of the directories, run together on threads: the
-        disk takes them as one queue (on ext4, the 77 files of a 58 MB commit synced in 29
-        ms, against 42 ms one after the other). Each is announced first, in order, on the
-        caller's thread, so that observers see the same sequence on every run. All are
-        done before the commit that needs them is published, so their order does not
-        matter."""
+        The files' write-back starts for all of them at once (see
+        :func:`_fsync_together`)."""
         files = sorted(self._written)
         dirs: set[Path] = set()
         new_dirs: set[Path] = set()
@@ -372,34 +368,56 @@ class Durability:
         self._written.difference_update(files)
 
 
-_SYNC_THREADS = 8
-
-
 def _fsync_together(paths: list[Path]) -> list[bool]:
-    """fsync ``paths`` (announced in order first), several at once; whether each was found
-    (a file or directory removed meanwhile is skipped). The first error is raised once all
-    have finished."""
+    """fsync ``paths`` (each announced first, in order); whether each was found (a file or
+    directory removed meanwhile is skipped). The write-back of every file is started first
+    (:func:`_start_writeback`), so that the disk takes them as one queue and each fsync
+    then waits for little (the 77 files of a 58 MB commit: 33 ms, against 43 ms for the
+    fsyncs alone, on ext4; as fast as fsyncs on 8 threads, with no thread to start, to stop
+    at exit, or to lose in a forked child)."""
     for path in paths:
         announce("fsync", path)
-
-    def one(path: Path) -> bool:
+    if len(paths) > 1:
+        for path in paths:
+            _start_writeback(path)
+    found = []
+    for path in paths:
         try:
             fsync(path, announced=False)
         except FileNotFoundError:
-            return False
-        return True
+            found.append(False)
+        else:
+            found.append(True)
+    return found
 
-    if len(paths) < 2:
-        return [one(path) for path in paths]
-    # No garbage collection meanwhile: one may run a finalizer that closes another store,
-    # whose sync would start threads of its own inside this one's ``submit``, on locks that
-    # are not re-entrant (a deadlock, seen).
-    collecting = gc.isenabled()
-    gc.disable()
+
+def _load_sync_file_range() -> Any:
+    """Linux's ``sync_file_range`` from the C library, or ``None`` where there is none."""
     try:
-        with concurrent.futures.ThreadPoolExecutor(min(_SYNC_THREADS, len(paths))) as pool:
-            futures = [pool.submit(one, path) for path in paths]
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+"""Start the write-back of the dirty pages of a range, and return (``linux/fs.h``)."""
+
+
+def _start_writeback(path: Path) -> None:
+    """Start writing a regular file's dirty pages to disk, without waiting (a hint: the fsync
+    that follows is what makes them durable, and reports errors)."""
+    if _SYNC_FILE_RANGE is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
     finally:
-        if collecting:
-            gc.enable()
-    return [future.result() for future in futures]
+        os.close(fd)
