@@ -81,6 +81,7 @@ def rows_of(versions: torch.Tensor, envs: int) -> TensorDict:
             "step": v,
             "obs": obs.to(torch.uint8),  # 1 KiB per element: a large, sharded leaf
             "next": {"reward": (v * 0.5).to(torch.float32)[..., None]},
+            "fixed": torch.zeros_like(v, dtype=torch.int16),  # the same in every row
         },
         batch_size=v.shape,
     )
@@ -210,15 +211,16 @@ class CrashMachine(RuleBasedStateMachine):
     # --- writes ------------------------------------------------------------------------
 
     @rule(n=st.integers(1, ROWS + 4))
-    def extend(self, n: int) -> None:
+    def extend(self, n: int, *, some_keys: bool = False) -> None:
         if self.envs > 1:
             n = max(n, 2)  # TorchRL's index of a one-step extend of [envs, 1] fails to broadcast
         versions = torch.arange(self.version + 1, self.version + 1 + n)
         self.version += n
         start = self.cursor
         first = self.zarr.storage.schema is None
+        rows = rows_of(versions, self.envs)
         with self._writes_may_fail() as failed:
-            self.zarr.extend(rows_of(versions, self.envs))
+            self.zarr.extend(rows.exclude("fixed") if some_keys else rows)
         if failed and first:
             # Creating the store failed: nothing was written, nothing is kept (no array
             # holds the rows), and the writer stays where it was.
@@ -245,6 +247,15 @@ class CrashMachine(RuleBasedStateMachine):
                 self.rewritten_since_save = True
             self.versions[row] = version
             self.extended.append((row, version))
+
+    @precondition(lambda self: self.envs == 1 and self.length == ROWS)
+    @rule(n=st.integers(1, ROWS + 4))
+    def extend_some_keys(self, n: int) -> None:
+        """An extend that leaves out a key the buffer holds, as TorchRL allows (the rows
+        keep their cells of it): one whose value every row shares, so that each row still
+        holds one version. Its rows are written at once (the rows extended before them,
+        waiting in RAM, with them); a failed one waits in RAM as a write of some keys."""
+        self.extend(n, some_keys=True)
 
     @precondition(lambda self: self.envs == 1)
     @rule(part=st.integers(1, 7), then=st.integers(0, 3), die=st.booleans())
