@@ -220,3 +220,19 @@ def test_a_failed_write_retried_with_a_write_of_other_keys_keeps_their_cells(
     rb.storage.flush()
     steps, _ = crash_and_read(rb, path)
     assert steps[4] == 41
+
+
+def test_a_row_written_over_in_ram_after_its_extend_landed_does_not_hold_the_cursor_back(
+    tmp_path: Path,
+) -> None:
+    """An extend of some keys writes row 0 at once; then row 0 is written over with every
+    key, which waits in RAM, and a write of block 2 commits. Row 0's extended value is on
+    disk: the commit's cursor must be past it (it stopped at row 0, which waits in RAM, as
+    if its extend had not landed: after a crash the store held step 8 at row 0 with the
+    cursor before it; found by the crash machine)."""
+    path = tmp_path / "rb.zarr"
+    rb = _full_ring(path, ragged=False)
+    rb.extend(_rows(torch.tensor([8])).exclude("r"))  # row 0, written at once
+    rb[torch.tensor([0])] = _rows(torch.tensor([100])).set("index", torch.tensor([0]))
+    rb[torch.tensor([4, 5])] = _rows(torch.tensor([104, 105])).set("index", torch.tensor([4, 5]))
+    _at_their_step_or_rewritten(crash_and_read(rb, path))

@@ -174,6 +174,7 @@ class SoloCommits(SoloSaves):
         if cursor is not None:
             self.cursor = cursor
             self._advanced += int(rows.size)
+            self._unlanded = np.union1d(self._unlanded, rows)
             if store.archive:
                 self._extended.add(rows, cursor, store.rows)
         # Failed writes waiting to be written again must not land over these newer rows.
@@ -338,12 +339,14 @@ class SoloCommits(SoloSaves):
                 first = offset + found - lo
                 break
             offset += hi - lo
-        for block in self.store.write_cache.held():
-            offsets = np.flatnonzero(block.dirty[: block.length])
-            distance = (block.index * self.store.write_cache.block_rows + offsets - start) % rows
-            waiting = distance[distance < first]
-            if waiting.size:
-                first = int(waiting.min())
+        # Rows extended whose values are not on disk yet (those no longer held in RAM were
+        # dropped: an empty, a save loaded).
+        unlanded = self._unlanded
+        self._unlanded = unlanded = unlanded[np.isin(unlanded, self.store.write_cache.held_rows())]
+        distance = (unlanded - start) % rows
+        waiting = distance[distance < first]
+        if waiting.size:
+            first = int(waiting.min())
         return (start + first) % rows, span - first
 
     def _publish_mask(

@@ -55,6 +55,11 @@ class SoloWrites(SoloSlots):
         self._rewrote_published = False
         """Rows the last commit declared readable were written over (in other slots) since:
         the next commit moves the epoch."""
+        self._unlanded = np.empty(0, dtype=np.int64)
+        """Rows extended whose extended values are not on disk yet (in RAM, in flight, or
+        kept after a failed write): a commit's cursor stops at the first of them. Not
+        rows written over in RAM after their extend landed (an overwrite may or may not be
+        committed; counted, it held the cursor back before rows on disk)."""
         self._created_slots: list[int] = []
         """Slots this writer created objects in since its last record (objects created
         once: the next record's ``object_era`` lists them for readers' caches)."""
@@ -199,6 +204,12 @@ class SoloWrites(SoloSlots):
             except BaseException:
                 self._undo_write(started)
                 raise
+        if self._unlanded.size:
+            # (Not rows that still wait in RAM: cells of an extend kept after it failed.)
+            assert self.store.write_cache is not None
+            landed = np.flatnonzero(started.touched)
+            landed = landed[~np.isin(landed, self.store.write_cache.held_rows(writing=False))]
+            self._unlanded = np.setdiff1d(self._unlanded, landed, assume_unique=True)
         if self.store.lifetime.creates_once:
             written = np.concatenate([np.empty(0, np.int64), *(rows for rows, _ in started.writes)])
             slots = np.unique(self.physical(written) // self.block_map.block_rows)

@@ -155,6 +155,14 @@ class WriteBuffer:
         if self._patches:
             self._patches = without_cells(self._patches, rows, keys)
 
+    def held_rows(self, *, writing: bool = True) -> np.ndarray:
+        """The rows held here (sorted, unique): in a block waiting (and in the one being
+        written, with ``writing``), or with cells in a patch."""
+        blocks = self.held() if writing else iter(self)
+        parts = [self.patched_rows()]
+        parts += [block.index * self.block_rows + np.flatnonzero(block.dirty) for block in blocks]
+        return np.unique(np.concatenate(parts))
+
     def patched_rows(self) -> np.ndarray:
         """The rows some patch holds cells of (sorted, unique)."""
         return np.unique(np.concatenate([np.empty(0, np.int64), *(r for r, _ in self._patches)]))
