@@ -59,8 +59,13 @@ def _full_ring(path: Path, *, ragged: bool) -> TensorDictReplayBuffer:
 
 
 def extended(rows: int) -> list[tuple[list[int], int]]:
-    """The states of the full ring extended by 0 to ``rows`` rows: (steps, cursor)."""
-    return [([*range(8, 8 + p), *range(p, 8)], p) for p in range(rows + 1)]
+    """The states of the full ring extended by 0 to ``rows`` rows (steps 8, 9, ... from row
+    0 on, around the ring as many times as they go): (steps, cursor)."""
+    ring, states = list(range(8)), [(list(range(8)), 0)]
+    for step in range(8, 8 + rows):
+        ring[step % 8] = step
+        states.append((list(ring), (step + 1) % 8))
+    return states
 
 
 @pytest.fixture
@@ -236,3 +241,20 @@ def test_a_row_written_over_in_ram_after_its_extend_landed_does_not_hold_the_cur
     rb[torch.tensor([0])] = _rows(torch.tensor([100])).set("index", torch.tensor([0]))
     rb[torch.tensor([4, 5])] = _rows(torch.tensor([104, 105])).set("index", torch.tensor([4, 5]))
     _at_their_step_or_rewritten(crash_and_read(rb, path))
+
+
+def test_a_failed_extend_of_some_keys_replaced_on_the_next_lap_is_not_committed_past(
+    tmp_path: Path,
+) -> None:
+    """Rows 6-7's extend of some keys fails and waits as a patch; the next extend goes
+    around the ring over row 6 again (its cells in the patch are dropped: newer values),
+    and row 6 waits in RAM. No commit may stop at row 6 then: it would declare row 6's
+    value of the lap before (step 14), which never reached the disk (the store reopened
+    with step 6 there; found by review). The commits wait until row 6 lands."""
+    path = tmp_path / "rb.zarr"
+    rb = _full_ring(path, ragged=False)
+    rb.extend(_rows(torch.arange(8, 14)))  # rows 0-5: cursor 6
+    with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
+        rb.extend(_rows(torch.arange(14, 16)).exclude("r"))  # rows 6-7: kept as a patch
+    rb.extend(_rows(torch.arange(16, 23)))  # rows 7, 0-6: row 6 waits in RAM
+    assert crash_and_read(rb, path) in extended(15)

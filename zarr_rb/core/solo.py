@@ -174,7 +174,7 @@ class SoloCommits(SoloSaves):
         if cursor is not None:
             self.cursor = cursor
             self._advanced += int(rows.size)
-            self._unlanded = np.union1d(self._unlanded, rows)
+            self._being_extended(rows)
             if store.archive:
                 self._extended.add(rows, cursor, store.rows)
         # Failed writes waiting to be written again must not land over these newer rows.
@@ -303,6 +303,11 @@ class SoloCommits(SoloSaves):
             # stays at the last commit (where those rows are whole) until a flush makes
             # the write (docs/design/ring.md, "A write over rows in place that fails").
             return
+        if np.isin(self._skipped, self._still_unlanded()).any():
+            # A row extended again before its previous value landed, and not on disk yet:
+            # every state from that value on needs one or the other (docs/design/ring.md,
+            # "Rows land in the order they were extended").
+            return
         # Rows waiting in RAM keep their previous, still intact, committed content.
         ledger = self.store.ledger
         readable = ledger.intact & ~(self.store.ram.staged_mask(ledger.extent) & ~ledger.published)
@@ -339,11 +344,7 @@ class SoloCommits(SoloSaves):
                 first = offset + found - lo
                 break
             offset += hi - lo
-        # Rows extended whose values are not on disk yet (those no longer held in RAM were
-        # dropped: an empty, a save loaded).
-        unlanded = self._unlanded
-        self._unlanded = unlanded = unlanded[np.isin(unlanded, self.store.write_cache.held_rows())]
-        distance = (unlanded - start) % rows
+        distance = (self._still_unlanded() - start) % rows
         waiting = distance[distance < first]
         if waiting.size:
             first = int(waiting.min())

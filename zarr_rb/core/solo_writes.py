@@ -60,6 +60,10 @@ class SoloWrites(SoloSlots):
         kept after a failed write): a commit's cursor stops at the first of them. Not
         rows written over in RAM after their extend landed (an overwrite may or may not be
         committed; counted, it held the cursor back before rows on disk)."""
+        self._skipped = np.empty(0, dtype=np.int64)
+        """Rows extended again while their previous extended value was not on disk yet (a
+        lap over rows of a failed extend kept in RAM): that value never lands, so no commit
+        may declare a state that needs it; commits wait until the row lands again."""
         self._created_slots: list[int] = []
         """Slots this writer created objects in since its last record (objects created
         once: the next record's ``object_era`` lists them for readers' caches)."""
@@ -102,6 +106,23 @@ class SoloWrites(SoloSlots):
                     (rows[cells], {key: torch.zeros(shape, dtype=TORCH_DTYPES[leaf.dtype])})
                 )
         return values, zeros
+
+    def _still_unlanded(self) -> np.ndarray:
+        """The rows extended whose values are not on disk yet (:attr:`_unlanded`, without
+        rows no longer held in RAM: dropped by an empty or a save loaded)."""
+        assert self.store.write_cache is not None
+        held = self.store.write_cache.held_rows()
+        self._unlanded = self._unlanded[np.isin(self._unlanded, held)]
+        self._skipped = self._skipped[np.isin(self._skipped, held)]
+        return self._unlanded
+
+    def _being_extended(self, rows: np.ndarray) -> None:
+        """``rows`` are extended now: their values are not on disk yet, and those whose
+        previous extended value was not either never will have it there."""
+        lapped = np.intersect1d(self._still_unlanded(), rows)
+        if lapped.size:
+            self._skipped = np.union1d(self._skipped, lapped)
+        self._unlanded = np.union1d(self._unlanded, rows)
 
     def _write_now(self, writes: list[Write], blocks: list[Block]) -> None:
         """Write to disk and wait (after the block write in flight, if any): ``blocks`` are
@@ -210,6 +231,7 @@ class SoloWrites(SoloSlots):
             landed = np.flatnonzero(started.touched)
             landed = landed[~np.isin(landed, self.store.write_cache.held_rows(writing=False))]
             self._unlanded = np.setdiff1d(self._unlanded, landed, assume_unique=True)
+            self._skipped = np.setdiff1d(self._skipped, landed, assume_unique=True)
         if self.store.lifetime.creates_once:
             written = np.concatenate([np.empty(0, np.int64), *(rows for rows, _ in started.writes)])
             slots = np.unique(self.physical(written) // self.block_map.block_rows)
