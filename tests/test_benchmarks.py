@@ -229,3 +229,12 @@ def test_checkpoint_and_dqn_loop_benchmarks_smoke(tmp_path, monkeypatch, capsys)
         "ZarrStorage, ram_bytes=0",
     }
     assert all(r["sample_ms"] > 0 and r["peak_rss_gb"] > 0 for r in results.values())
+
+
+def test_sync_benchmark_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import sync
+
+    result = sync.main(["--files", "3", "--kb", "4", "--rounds", "2", "--dir", str(tmp_path)])
+    assert set(result["median_ms"]) == {"fsync", "write-back, then fsync"}
+    assert "3 files of 4 kB" in capsys.readouterr().out
