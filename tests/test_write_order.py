@@ -263,3 +263,29 @@ def test_a_failed_extend_of_some_keys_replaced_on_the_next_lap_is_not_committed_
             assert crash_and_read(rb, path) == extended(15)[-1]
         else:
             assert crash_and_read(rb, path) in extended(15)
+
+
+def test_a_row_written_over_before_its_failed_extend_landed_holds_the_commits(
+    tmp_path: Path,
+) -> None:
+    """An extend of some keys of rows 6, 7, 0, 1 fails and waits as patches; row 6 is
+    then written over with every key (waiting in RAM: its extended value never lands),
+    and a write of block 2 writes the other patches and commits. That commit may not
+    stop at row 6 with rows 7, 0, 1 extended past it on disk: row 6 holds neither its
+    extended value nor the overwrite's there. The commits wait until row 6 lands (found
+    by a random sequence tester in review)."""
+    for flushed in (False, True):
+        path = tmp_path / f"{flushed}.zarr"
+        rb = _full_ring(path, ragged=False)
+        rb.extend(_rows(torch.arange(8, 14)))  # rows 0-5: cursor 6
+        with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
+            rb.extend(_rows(torch.arange(14, 18)).exclude("r"))  # rows 6, 7, 0, 1
+        rb[torch.tensor([6])] = _rows(torch.tensor([106])).set("index", torch.tensor([6]))
+        rb[torch.tensor([4, 5])] = _rows(torch.tensor([104, 105])).set(
+            "index", torch.tensor([4, 5])
+        )
+        if flushed:
+            rb.storage.flush()
+            assert crash_and_read(rb, path) == ([16, 17, 10, 11, 104, 105, 106, 15], 2)
+        else:
+            _at_their_step_or_rewritten(crash_and_read(rb, path))

@@ -171,10 +171,10 @@ class SoloCommits(SoloSaves):
             except StoreWriteError as error:
                 failed = error
         store.version += 1
+        self._being_written(rows, extended=cursor is not None)
         if cursor is not None:
             self.cursor = cursor
             self._advanced += int(rows.size)
-            self._being_extended(rows)
             if store.archive:
                 self._extended.add(rows, cursor, store.rows)
         # Failed writes waiting to be written again must not land over these newer rows.
@@ -304,7 +304,7 @@ class SoloCommits(SoloSaves):
             # the write (docs/design/ring.md, "A write over rows in place that fails").
             return
         if np.isin(self._skipped, self._still_unlanded()).any():
-            # A row extended again before its previous value landed, and not on disk yet:
+            # A row written again before its extended value landed, and not on disk yet:
             # every state from that value on needs one or the other (docs/design/ring.md,
             # "Rows land in the order they were extended").
             return

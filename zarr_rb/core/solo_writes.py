@@ -61,9 +61,9 @@ class SoloWrites(SoloSlots):
         rows written over in RAM after their extend landed (an overwrite may or may not be
         committed; counted, it held the cursor back before rows on disk)."""
         self._skipped = np.empty(0, dtype=np.int64)
-        """Rows extended again while their previous extended value was not on disk yet (a
-        lap over rows of a failed extend kept in RAM): that value never lands, so no commit
-        may declare a state that needs it; commits wait until the row lands again."""
+        """Rows written again while their extended value was not on disk yet (a lap, or a
+        write over them, after a failed extend kept in RAM): that value never lands, so no
+        commit may declare a state that needs it; commits wait until the row lands."""
         self._created_slots: list[int] = []
         """Slots this writer created objects in since its last record (objects created
         once: the next record's ``object_era`` lists them for readers' caches)."""
@@ -116,13 +116,15 @@ class SoloWrites(SoloSlots):
         self._skipped = self._skipped[np.isin(self._skipped, held)]
         return self._unlanded
 
-    def _being_extended(self, rows: np.ndarray) -> None:
-        """``rows`` are extended now: their values are not on disk yet, and those whose
-        previous extended value was not either never will have it there."""
-        lapped = np.intersect1d(self._still_unlanded(), rows)
-        if lapped.size:
-            self._skipped = np.union1d(self._skipped, lapped)
-        self._unlanded = np.union1d(self._unlanded, rows)
+    def _being_written(self, rows: np.ndarray, *, extended: bool) -> None:
+        """``rows`` are written now (``extended``: by an extend, whose values are not on
+        disk yet). Those whose extended value was not on disk yet never will have it
+        there: the value they get replaces it (a lap, or a write over them)."""
+        replaced = np.intersect1d(self._still_unlanded(), rows)
+        if replaced.size:
+            self._skipped = np.union1d(self._skipped, replaced)
+        if extended:
+            self._unlanded = np.union1d(self._unlanded, rows)
 
     def _write_now(self, writes: list[Write], blocks: list[Block]) -> None:
         """Write to disk and wait (after the block write in flight, if any): ``blocks`` are
