@@ -211,11 +211,7 @@ class SoloCommits(SoloSaves):
             self.settle()
         writes = [block_write(block) for block in store.write_cache]
         store.write_cache.clear()
-        if writes:
-            self._write_or_keep(writes)
-        while (patch := store.write_cache.first_patch()) is not None:
-            self._write_to_disk([patch])
-            store.write_cache.drop_first_patch()
+        self._write_in_turn([*store.write_cache.take_patches(), *writes])
         self._commit()
 
     def move_cursor(self, cursor: int) -> None:

@@ -161,14 +161,6 @@ class SoloWrites(SoloSlots):
                 self._keep_for_retry([write for later in runs[done:] for write in later])
                 raise
 
-    def _write_or_keep(self, writes: Sequence[Write]) -> None:
-        """Write to disk; what a failed write held is kept for the next flush to retry."""
-        try:
-            self._write_to_disk(writes)
-        except BaseException:
-            self._keep_for_retry(writes)
-            raise
-
     def _keep_for_retry(self, writes: Sequence[Write]) -> None:
         """Keep the rows of failed writes, so that the next flush writes them again: whole
         rows wait in RAM in blocks, writes of some keys as patches (both are read from

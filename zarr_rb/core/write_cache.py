@@ -136,18 +136,10 @@ class WriteBuffer:
         """How many patches are kept."""
         return len(self._patches)
 
-    def first_patch(self) -> Write | None:
-        """The oldest patch kept (to write again), or ``None``."""
-        return self._patches[0] if self._patches else None
-
     def take_patches(self) -> list[Write]:
         """Every patch kept, oldest first (to write again: kept again if that fails)."""
         patches, self._patches = self._patches, []
         return patches
-
-    def drop_first_patch(self) -> None:
-        """The oldest patch is on disk now."""
-        self._patches.pop(0)
 
     def supersede(self, rows: np.ndarray, keys: Iterable[Key]) -> None:
         """A newer write holds the cells of ``keys`` in ``rows``: patches drop them (the
