@@ -106,6 +106,8 @@ class _Pool:
     def __init__(self, spec: FrameKeys, capacity: int) -> None:
         self.capacity = capacity
         self.frames = zeros((capacity, *spec.frame_shape), spec.dtype)
+        self.frame_bytes: np.ndarray = _as_bytes(self.frames)
+        """``frames`` as ``[capacity, frame_nbytes]`` bytes (the same memory)."""
         self.refs = zeros((capacity,), torch.int32).numpy()
         self._free = np.empty(capacity, dtype=np.int32)
         self._top = 0
@@ -379,10 +381,16 @@ class FrameTier:
                 (plan.fresh_slots >= i * per_key) & (plan.fresh_slots < (i + 1) * per_key)
             ]
             if chosen.size:
-                taken = source.index_select(0, torch.from_numpy(chosen - i * per_key))
-                pool.frames.index_copy_(
-                    0, torch.from_numpy(slot_ids[chosen].astype(np.int64)), taken.to(spec.dtype)
-                )
+                # (Copied by numpy, as bytes: torch's index_copy_ takes 5 times as long, and
+                # its threads spin on the cores that encode the rows for the disk.)
+                picked = chosen - i * per_key
+                if source.dtype == spec.dtype:
+                    taken = _as_bytes(source)[picked]
+                else:
+                    taken = _as_bytes(
+                        source.index_select(0, torch.from_numpy(picked)).to(spec.dtype)
+                    )
+                pool.frame_bytes[slot_ids[chosen]] = taken
             ids = slot_ids[i * per_key : (i + 1) * per_key].reshape(
                 rows.size, spec.lanes, spec.stack
             )
@@ -496,38 +504,52 @@ def _resolve(links: np.ndarray) -> np.ndarray:
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> np.ndarray:
     """Whether ``a[k, e]`` and ``b[k, e]`` hold the same bytes, for every row and lane (bytes,
-    not values: ``-0.0`` is not ``0.0``, and a NaN equals itself)."""
+    not values: ``-0.0`` is not ``0.0``, and a NaN equals itself).
+
+    Compared by numpy, on one core: torch's kernels would take the other core too, and spin
+    there after each one, while it encodes the rows for the disk.
+    """
     if not a.numel():
         return np.zeros(a.shape[:2], dtype=bool)
     words_a, words_b = _words(a), _words(b)
     if words_a.shape[-1] <= 2 * _HEAD:
-        return (words_a == words_b).all(-1).numpy()
+        same: np.ndarray = (words_a == words_b).all(-1)
+        return same
     # The heads first: frames that differ (another episode, frames no codec shrinks)
     # mostly differ there, and are not read whole.
     same = (words_a[..., :_HEAD] == words_b[..., :_HEAD]).all(-1)
-    rows, lanes = same.nonzero(as_tuple=True)
-    if rows.numel() > same.numel() // 2:
-        return (same & (words_a == words_b).all(-1)).numpy()
-    if rows.numel():
+    rows, lanes = same.nonzero()
+    if rows.size > same.size // 2:
+        same &= (words_a == words_b).all(-1)
+    elif rows.size:
         same[rows, lanes] = (words_a[rows, lanes] == words_b[rows, lanes]).all(-1)
-    return same.numpy()
+    return same
 
 
 _HEAD = 16
 """Words of each frame compared before the whole frames (:func:`_same`)."""
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
+def _words(t: torch.Tensor) -> np.ndarray:
     """``t`` as ``[rows, lanes, words]`` of its bytes: 8 at a time where they line up."""
     t = t.reshape(*t.shape[:2], -1)
     try:
-        t = t.view(torch.uint8)
+        raw = t.view(torch.uint8)
     except RuntimeError:
-        t = t.contiguous().view(torch.uint8)
-    if t.shape[-1] % 8 == 0:
-        try:
-            return t.view(torch.int64)
-        except RuntimeError:  # rows that do not start on an 8-byte boundary: a copy that
-            # does (the other side of a comparison may be words: both must be)
-            return t.clone().view(torch.int64)
-    return t
+        raw = t.contiguous().view(torch.uint8)
+    words = raw.numpy()
+    if words.shape[-1] % 8 == 0:
+        return words.view(np.int64)  # (numpy reads words that do not start on 8 bytes too)
+    return words
+
+
+def _as_bytes(frames: torch.Tensor) -> np.ndarray:
+    """``frames`` (``[n, *frame]``) as ``[n, frame_nbytes]`` bytes: the same memory where
+    it can be, else a copy."""
+    flat = frames.reshape(frames.shape[0], math.prod(frames.shape[1:]))
+    try:
+        raw = flat.view(torch.uint8)
+    except RuntimeError:
+        raw = flat.contiguous().view(torch.uint8)
+    out: np.ndarray = raw.numpy()
+    return out
