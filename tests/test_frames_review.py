@@ -12,7 +12,7 @@ from conftest import assert_identical
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
-from zarr_rb import ZarrStorage
+from zarr_rb import Compression, ZarrStorage
 from zarr_rb.core.arrays import StoreArrays
 
 
@@ -129,3 +129,28 @@ def test_frames_alike_at_their_start_are_compared_whole(tmp_path: Path, blank_he
     assert int(storage._store.ram.frames.resident.sum()) == rows
     every = torch.arange(rows)
     assert_identical(storage.get(every).exclude("index"), twin.get(every).exclude("index"))
+
+
+def test_an_error_of_the_tier_is_raised_once_the_rows_are_written(tmp_path: Path) -> None:
+    """The frames go into the tier while TensorStore encodes the rows for the disk: an error
+    there is raised once the extend's rows are written and committed (they are then read
+    from the store), and the buffer goes on."""
+    from zarr_rb.core.frames import FrameTier
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(64, path, compression=Compression(block_rows=16))  # RAM tier on
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    first = _episode(32, 4, 24, torch.uint8)
+    rb.extend(first[:16])
+    with (
+        mock.patch.object(FrameTier, "put", side_effect=MemoryError("no room")),
+        pytest.raises(MemoryError, match="no room"),
+    ):
+        rb.extend(first[16:])  # a whole block, written within the call
+    assert len(storage) == 32
+    assert_identical(storage.get(torch.arange(32)).exclude("index"), first)
+    rb.extend(_episode(8, 4, 24, torch.uint8, start=40))
+    storage.close()
+    with ZarrStorage(path=path) as reopened:  # committed before the error was raised
+        assert len(reopened) == 40
+        assert_identical(reopened.get(torch.arange(32)).exclude("index"), first)

@@ -110,8 +110,12 @@ class RamRows:
         """Whether this writer keeps leaves in RAM (which other writers' rows change)."""
         return self.mirror.held or (self.frames is not None and bool(self.frames.resident.any()))
 
-    def update(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
-        """Rows (unique) this writer wrote or placed: into the copies of mirrored leaves."""
+    def update(
+        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, frames: bool = True
+    ) -> None:
+        """Rows (unique) this writer wrote or placed: into the copies of mirrored leaves,
+        and into the tier of frames unless ``frames`` is false (then :meth:`update_frames`
+        follows)."""
         first = self.store.rows_reached == 0
         if rows.size and int(rows.max()) >= self.rows_written:
             self.rows_written = int(rows.max()) + 1
@@ -122,6 +126,11 @@ class RamRows:
             for key in self.mirror.missing():
                 self.mirror.copy_of(key, self._reach(), self._load)
         self.mirror.put(rows, values, self.rows_written)
+        if frames:
+            self.update_frames(rows, values)
+
+    def update_frames(self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]) -> None:
+        """The frames of rows :meth:`update` took without them."""
         if self.frames is not None:
             self.frames.put(rows, values)
 

@@ -180,19 +180,26 @@ class SoloCommits(SoloSaves):
         # Failed writes waiting to be written again must not land over these newer rows.
         store.write_cache.supersede(rows, values.keys())
         values, zeros = self._zeros_where_unwritten(rows, values)
-        store.ram.update(rows, values)
-        writes, blocks = self._writes_for(rows, values, zeros, sequential=cursor is not None)
-        if writes:
-            behind = self._block_behind(writes, blocks) if cursor is not None else None
-            if behind is not None:
-                self._write_behind(behind)
-            else:
-                self._write_now(writes, blocks)
-            if values.keys() == store.leaves.keys():
-                # (Writes of some keys wait for the next commit: a writer that writes a
-                # buffer column by column, as TorchRL's checkpointers do, moves each block
-                # once, not once per key.)
-                self._commit()
+        store.ram.update(rows, values, frames=False)
+        # The frames go into the RAM tier while TensorStore encodes the rows for the disk,
+        # on the core it leaves (nothing here reads the tier before this call returns).
+        frames = _Deferred(lambda: store.ram.update_frames(rows, values))
+        try:
+            writes, blocks = self._writes_for(rows, values, zeros, sequential=cursor is not None)
+            if writes:
+                behind = self._block_behind(writes, blocks) if cursor is not None else None
+                if behind is not None:
+                    self._write_behind(behind)
+                else:
+                    self._write_now(writes, blocks, meanwhile=frames.run)
+                if values.keys() == store.leaves.keys():
+                    # (Writes of some keys wait for the next commit: a writer that writes a
+                    # buffer column by column, as TorchRL's checkpointers do, moves each
+                    # block once, not once per key.)
+                    self._commit()
+        finally:
+            frames.run()
+        frames.raise_error()
         if failed is not None:
             raise failed
 
@@ -458,3 +465,26 @@ def _runs(mask: np.ndarray, step: int) -> Iterator[tuple[int, int]]:
     for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
         for first in range(start, stop, step):
             yield first, min(stop, (first // step + 1) * step)
+
+
+@dataclasses.dataclass
+class _Deferred:
+    """A call made once, when :meth:`run` is first called; its error, if any, is kept for
+    :meth:`raise_error` (a write that started beside it still finishes first)."""
+
+    call: Callable[[], None]
+    done: bool = False
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        try:
+            self.call()
+        except BaseException as error:  # (raised by raise_error)
+            self.error = error
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error

@@ -9,7 +9,7 @@ from it) that writes; see ``docs/design/ring.md``, "Step 1" and "Step 5".
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -126,11 +126,18 @@ class SoloWrites(SoloSlots):
         if extended:
             self._unlanded = np.union1d(self._unlanded, rows)
 
-    def _write_now(self, writes: list[Write], blocks: list[Block]) -> None:
+    def _write_now(
+        self,
+        writes: list[Write],
+        blocks: list[Block],
+        *,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
         """Write to disk and wait (after the block write in flight, if any): ``blocks`` are
         the blocks taken out of the write buffer that ``writes`` write. Failed writes of
         some keys that wait in RAM (patches) are written again with them: rows of an extend
-        among them come before these."""
+        among them come before these. ``meanwhile`` (which must not raise) is called once
+        the first write is started, while TensorStore encodes it."""
         if not writes:
             return
         try:
@@ -141,13 +148,16 @@ class SoloWrites(SoloSlots):
         assert self.store.write_cache is not None
         # (Their cells are none of these writes': each write drops the cells it rewrites
         # from the patches, see WriteBuffer.supersede.)
-        self._write_in_turn([*self.store.write_cache.take_patches(), *writes])
+        self._write_in_turn([*self.store.write_cache.take_patches(), *writes], meanwhile=meanwhile)
         self.store.write_cache.reuse(blocks)
 
-    def _write_in_turn(self, writes: Sequence[Write]) -> None:
+    def _write_in_turn(
+        self, writes: Sequence[Write], *, meanwhile: Callable[[], None] | None = None
+    ) -> None:
         """Write to disk in order, one call per run of writes of the same keys: a call
         counts its keys as written to every row it writes (a failed one, as torn there).
-        What a failed call and those after it hold is kept for the next flush to retry."""
+        What a failed call and those after it hold is kept for the next flush to retry.
+        ``meanwhile``: see :meth:`_write_now`."""
         runs: list[list[Write]] = []
         for write in writes:
             if runs and runs[-1][0][1].keys() == write[1].keys():
@@ -156,7 +166,8 @@ class SoloWrites(SoloSlots):
                 runs.append([write])
         for done, run in enumerate(runs):
             try:
-                self._write_to_disk(run)
+                self._write_to_disk(run, meanwhile=meanwhile)
+                meanwhile = None
             except BaseException:
                 self._keep_for_retry([write for later in runs[done:] for write in later])
                 raise
@@ -172,13 +183,19 @@ class SoloWrites(SoloSlots):
             else:
                 self.store.write_cache.keep_patch((rows, values))
 
-    def _write_to_disk(self, writes: Sequence[Write]) -> None:
+    def _write_to_disk(
+        self, writes: Sequence[Write], *, meanwhile: Callable[[], None] | None = None
+    ) -> None:
         """Write rows. A block whose rows hold data (committed, or written since) is
         written by copy-on-write: into a free slot, with the rows of the block this write
         leaves alone; the next commit switches the block to it, and until then the block's
         old slot stays as it was (a crash or a failed write leaves it whole). Rows never
-        written go straight into their block's slot."""
-        self._finish_write(self._start_write(writes))
+        written go straight into their block's slot. ``meanwhile`` (which must not raise)
+        is called once the write is started, before it is waited for."""
+        started = self._start_write(writes)
+        if meanwhile is not None:
+            meanwhile()
+        self._finish_write(started)
 
     def _start_write(self, writes: Sequence[Write], *, behind: bool = False) -> _Started:
         """Start :meth:`_write_to_disk`: everything up to waiting for the arrays' writes
