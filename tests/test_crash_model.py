@@ -13,6 +13,12 @@ extended rows since the last flush (the ones committed):
   version an overwrite (``rb[i] = ...``) put there since (an overwrite may or may not have
   been committed), never anything else, and never a hole: every position is readable.
 
+A row has two groups of keys, each with its own version: ``("next", "reward")`` and the
+others (:data:`GROUPS`). An extend or an overwrite may leave one out, as TorchRL allows (the
+rows keep their cells of it), so a row can hold versions of two writes; each group of each
+row is checked against its own version (an extend of the ``p`` committed writes only the
+groups it wrote).
+
 The twin then becomes the reopened state, and the buffers go on. Stores have ``ndim=1`` or
 ``2``, blocks of 2 to 8 rows or the automatic layout, and sometimes rows too wide for a block
 of the default layout and for one chunk (the layout's limits lowered to a test's scale);
@@ -69,18 +75,51 @@ ROWS = 20
 """Rows (along the first dimension) of the ring."""
 
 
-def rows_of(versions: torch.Tensor, envs: int) -> TensorDict:
+GROUPS = ("main", "reward")
+"""The key groups of a row, each holding the version of the last write of it: ``reward``
+(``("next", "reward")``) and ``main`` (every other key of :func:`rows_of`)."""
+
+LEFT_OUT: dict[str | None, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    None: ((), GROUPS),
+    "fixed": (("fixed",), GROUPS),  # a key every row shares: it changes no version
+    "reward": (("next",), ("main",)),
+    "main": (("step", "obs", "fixed"), ("reward",)),
+}
+"""What a write may leave out: the keys of :func:`rows_of` it leaves out, and the groups it
+then writes."""
+
+Versions = dict[str, list[int | None]]
+"""Group -> the version of each row's cells of that group (``None``: never written)."""
+
+
+def no_rows() -> Versions:
+    return {group: [None] * ROWS for group in GROUPS}
+
+
+def copied(versions: Versions) -> Versions:
+    return {group: list(rows) for group, rows in versions.items()}
+
+
+def rows_of(versions: torch.Tensor, envs: int, rewards: torch.Tensor | None = None) -> TensorDict:
     """Rows whose every element derives from the version of the write that made it: ``[n]``
-    batches, or ``[envs, n]`` for a store of ``ndim=2`` (TorchRL extends along dim 1)."""
-    v = versions.to(torch.int64)
-    if envs > 1:
-        v = v[None, :] * envs + torch.arange(envs)[:, None]  # [envs, n]
+    batches, or ``[envs, n]`` for a store of ``ndim=2`` (TorchRL extends along dim 1).
+    ``("next", "reward")`` derives from ``rewards`` (by default ``versions``): the version
+    of its own group, when the row's groups were written by different writes."""
+
+    def spread(versions: torch.Tensor) -> torch.Tensor:
+        v = versions.to(torch.int64)
+        if envs > 1:
+            v = v[None, :] * envs + torch.arange(envs)[:, None]  # [envs, n]
+        return v
+
+    v = spread(versions)
+    r = v if rewards is None else spread(rewards)
     obs = (v[..., None, None, None] * 7 + torch.arange(4 * 16 * 16).view(4, 16, 16)) % 251
     return TensorDict(
         {
             "step": v,
             "obs": obs.to(torch.uint8),  # 1 KiB per element: a large, sharded leaf
-            "next": {"reward": (v * 0.5).to(torch.float32)[..., None]},
+            "next": {"reward": (r * 0.5).to(torch.float32)[..., None]},
             "fixed": torch.zeros_like(v, dtype=torch.int16),  # the same in every row
         },
         batch_size=v.shape,
@@ -89,10 +128,10 @@ def rows_of(versions: torch.Tensor, envs: int) -> TensorDict:
 
 @dataclasses.dataclass
 class Durable:
-    """The twin's state at a point the store must keep: its rows' versions, length (rows)
-    and writer cursor."""
+    """The twin's state at a point the store must keep: its rows' versions (of each group),
+    length (rows) and writer cursor."""
 
-    versions: list[int | None]
+    versions: Versions
     length: int
     cursor: int
 
@@ -144,10 +183,12 @@ class CrashMachine(RuleBasedStateMachine):
         )
         self.twin = self._buffer(LazyTensorStorage(ROWS * envs, ndim=self.ndim))
         self.version = 0
-        self.versions: list[int | None] = [None] * ROWS  # the twin's rows
-        self.durable = Durable([None] * ROWS, 0, 0)
-        self.extended: list[tuple[int, int]] = []  # (row, version) extended since durable
-        self.overwritten: dict[int, list[int]] = {}  # row -> versions overwritten since
+        self.versions = no_rows()  # the twin's rows
+        self.durable = Durable(no_rows(), 0, 0)
+        # (row, version, groups written) extended since durable
+        self.extended: list[tuple[int, int, tuple[str, ...]]] = []
+        # (group, row) -> versions overwritten since
+        self.overwritten: dict[tuple[str, int], list[int]] = {}
         self.saved: Durable | None = None
         self.dumped: Durable | None = None
         self.rewritten_since_save = False  # rows that held data written over since
@@ -198,12 +239,12 @@ class CrashMachine(RuleBasedStateMachine):
         return int(self.twin._writer._cursor)
 
     def _mark_durable(self) -> None:
-        self.durable = Durable(list(self.versions), self.length, self.cursor)
+        self.durable = self._state()
         self.extended = []
         self.overwritten = {}
 
     def _state(self) -> Durable:
-        return Durable(list(self.versions), self.length, self.cursor)
+        return Durable(copied(self.versions), self.length, self.cursor)
 
     def _rewritten(self) -> None:
         self.rewritten_since_save = self.rewritten_since_dump = True
@@ -211,16 +252,16 @@ class CrashMachine(RuleBasedStateMachine):
     # --- writes ------------------------------------------------------------------------
 
     @rule(n=st.integers(1, ROWS + 4))
-    def extend(self, n: int, *, some_keys: bool = False) -> None:
+    def extend(self, n: int, *, left_out: str | None = None) -> None:
         if self.envs > 1:
             n = max(n, 2)  # TorchRL's index of a one-step extend of [envs, 1] fails to broadcast
         versions = torch.arange(self.version + 1, self.version + 1 + n)
         self.version += n
         start = self.cursor
         first = self.zarr.storage.schema is None
-        rows = rows_of(versions, self.envs)
+        keys, groups = LEFT_OUT[left_out]
         with self._writes_may_fail() as failed:
-            self.zarr.extend(rows.exclude("fixed") if some_keys else rows)
+            self.zarr.extend(rows_of(versions, self.envs).exclude(*keys))
         if failed and first:
             # Creating the store failed: nothing was written, nothing is kept (no array
             # holds the rows), and the writer stays where it was.
@@ -231,13 +272,14 @@ class CrashMachine(RuleBasedStateMachine):
         # An extend longer than the ring repeats indices, and LazyTensorStorage writes them
         # with one index_put_, which leaves repeated indices undefined: a row can then mix
         # two of the extend's rows (seen: `step` of one, `obs` of the other). The twin takes
-        # such an extend in two halves, each shorter than the ring.
+        # such an extend in two halves, each shorter than the ring. (It writes the keys given
+        # alone, the rows keeping their other cells, as ZarrStorage must: the same rows.)
         halves = [versions] if n <= ROWS else [versions[: n // 2], versions[n // 2 :]]
         for half in halves:
-            self.twin.extend(rows_of(half, self.envs))
+            self.twin.extend(rows_of(half, self.envs).exclude(*keys))
         for i, version in enumerate(versions.tolist()):
             row = (start + i) % ROWS
-            if self.versions[row] is not None:
+            if self.versions["main"][row] is not None:
                 self._rewritten()
             elif self.saved is not None and row // self.block_rows < -(
                 -self.saved.length // self.block_rows
@@ -245,17 +287,49 @@ class CrashMachine(RuleBasedStateMachine):
                 # A block holding rows of the save, copied on write: its rows of the save
                 # are the same, but the store's map cannot tell them from new ones.
                 self.rewritten_since_save = True
-            self.versions[row] = version
-            self.extended.append((row, version))
+            for group in groups:
+                self.versions[group][row] = version
+            self.extended.append((row, version, groups))
 
     @precondition(lambda self: self.envs == 1 and self.length == ROWS)
-    @rule(n=st.integers(1, ROWS + 4))
-    def extend_some_keys(self, n: int) -> None:
-        """An extend that leaves out a key the buffer holds, as TorchRL allows (the rows
-        keep their cells of it): one whose value every row shares, so that each row still
-        holds one version. Its rows are written at once (the rows extended before them,
-        waiting in RAM, with them); a failed one waits in RAM as a write of some keys."""
-        self.extend(n, some_keys=True)
+    @rule(
+        n=st.integers(1, ROWS + 4),
+        left_out=st.sampled_from(["reward", "main", "reward", "fixed"]),
+        at=st.none() | st.integers(1, 3),
+        back=st.none() | st.integers(1, 8),
+        then=st.none() | st.integers(0, ROWS - 1),
+        die=st.booleans(),
+    )
+    def extend_some_keys(
+        self,
+        n: int,
+        left_out: str,
+        at: int | None,
+        back: int | None,
+        then: int | None,
+        die: bool,
+    ) -> None:
+        """An extend that leaves out keys the buffer holds, as TorchRL allows (the rows keep
+        their cells of them): a group (see :data:`LEFT_OUT`), so that its rows hold versions
+        of two writes, or ``fixed``, whose value every row shares. Its rows are written at
+        once (the rows extended before them, waiting in RAM, with them); a failed one
+        (``at``: a full disk at its ``at``-th write of row data) waits in RAM as a write of
+        some keys (a patch). (Once the ring is full: every row it writes holds data.)
+
+        Then, as the bugs of these paths needed: ``back``, one of its rows (``back`` rows
+        before the cursor) is written over with every key (it waits in RAM, perhaps before
+        its extended value landed); ``then``, the block of row ``then`` is written over
+        whole, which writes it at once and commits while those rows wait; ``die``, the
+        writer crashes, which shows what the commits declared."""
+        if at is not None:
+            self.fault = (at, 1)
+        self.extend(n, left_out=left_out)
+        if back is not None:
+            self._overwrite([(self.cursor - min(back, n)) % ROWS], whole=True)
+        if then is not None:
+            self._overwrite(self._block_of(then), whole=True)
+        if die:
+            self.crash(load=False)
 
     @precondition(lambda self: self.envs == 1)
     @rule(part=st.integers(1, 7), then=st.integers(0, 3), die=st.booleans())
@@ -280,36 +354,92 @@ class CrashMachine(RuleBasedStateMachine):
         at=st.integers(1, 3),
         back=st.integers(1, 8),
         die=st.booleans(),
+        left_out=st.sampled_from([None, "reward", "main"]),
+        over_left_out=st.sampled_from([None, None, "reward", "main"]),
+        then=st.none() | st.integers(0, ROWS - 1),
+        lap=st.booleans(),
     )
-    def write_over_a_failed_extend(self, n: int, at: int, back: int, die: bool) -> None:
+    def write_over_a_failed_extend(
+        self,
+        n: int,
+        at: int,
+        back: int,
+        die: bool,
+        left_out: str | None,
+        over_left_out: str | None,
+        then: int | None,
+        lap: bool,
+    ) -> None:
         """An extend of ``n`` rows fails (a full disk at its ``at``-th write of row data)
         and its rows wait in RAM; the user catches the error and writes over one of them
         (``back`` rows before the cursor), which fills its block: what is then written
-        must not land before the extend's earlier rows. ``die``: the writer crashes then."""
+        must not land before the extend's earlier rows. Once the ring is full, the extend
+        may leave a group out (its rows then wait as patches, and the row written over
+        is then alone in RAM), and the write over may leave a group out (else it writes
+        every key). ``lap``: the write over is the next lap of the ring, an extend that
+        ends at that row (where it waits in RAM). ``then``: the block of a row is written
+        over whole, which writes it at once and commits, the failed rows perhaps still
+        waiting. ``die``: the writer crashes then."""
         self.fault = (at, 1)
-        self.extend(n)
-        if self.length:
-            self._overwrite([(self.cursor - min(back, n)) % ROWS % self.length], whole=True)
+        some_keys = self.length == ROWS and self.envs == 1
+        self.extend(n, left_out=left_out if some_keys else None)
+        if lap and self.length:
+            self.extend(ROWS - min(back, n) + 1, left_out=over_left_out if some_keys else None)
+        elif self.length:
+            self._overwrite(
+                [(self.cursor - min(back, n)) % ROWS % self.length],
+                whole=over_left_out is None,
+                left_out=over_left_out,
+            )
+        if then is not None and self.length:
+            self._overwrite(self._block_of(then % self.length), whole=True)
         if die:
             self.crash(load=False)
 
     @precondition(lambda self: self.length > 0)
-    @rule(data=st.data(), whole=st.booleans())
-    def overwrite(self, data: st.DataObject, whole: bool) -> None:
-        self._overwrite(
-            data.draw(
-                st.lists(st.integers(0, self.length - 1), min_size=1, max_size=4, unique=True)
-            ),
-            whole=whole,
-        )
+    @rule(row=st.integers(0, ROWS - 1), die=st.booleans())
+    def commit_with_rows_waiting(self, row: int, die: bool) -> None:
+        """Every key of the rows of a block (``row``'s) written over: a full block is
+        written at once and commits, while rows of other writes may wait in RAM (in
+        blocks, or failed writes of some keys as patches); what it declares must be a
+        state the buffer went through. ``die``: the writer crashes then, which shows it
+        (a flush would write every row first)."""
+        self._overwrite(self._block_of(row % self.length), whole=True)
+        if die:
+            self.crash(load=False)
 
-    def _overwrite(self, rows: list[int], *, whole: bool) -> None:
+    @precondition(lambda self: self.length > 0)
+    @rule(
+        data=st.data(),
+        whole=st.booleans(),
+        left_out=st.sampled_from([None, "reward", "main"]),
+        block=st.booleans(),
+    )
+    def overwrite(
+        self, data: st.DataObject, whole: bool, left_out: str | None, block: bool
+    ) -> None:
+        """``rb[rows] = ...`` (see :meth:`_overwrite`); ``block``: every row of the block of
+        the first one, so that a write of every key fills it (it is written at once, and
+        commits), where a few rows drawn at random mostly wait in RAM."""
+        rows = data.draw(
+            st.lists(st.integers(0, self.length - 1), min_size=1, max_size=4, unique=True)
+        )
+        self._overwrite(self._block_of(rows[0]) if block else rows, whole=whole, left_out=left_out)
+
+    def _block_of(self, row: int) -> list[int]:
+        """The rows of ``row``'s block that the buffer holds."""
+        start = row - row % self.block_rows
+        return list(range(start, min(start + self.block_rows, self.length)))
+
+    def _overwrite(self, rows: list[int], *, whole: bool, left_out: str | None = None) -> None:
         """``rb[rows] = ...``; ``whole``: with every key the buffer's rows hold (TorchRL's
         ``index`` too), as a row read from the buffer and changed is written back; else
-        without ``index``, which writes some keys of each row."""
+        without ``index``, which writes some keys of each row, and without the group
+        ``left_out`` too (TorchRL's storages write the keys given alone)."""
         versions = torch.arange(self.version + 1, self.version + 1 + len(rows))
         self.version += len(rows)
-        batch = rows_of(versions, self.envs)
+        keys, groups = LEFT_OUT[None if whole else left_out]
+        batch = rows_of(versions, self.envs).exclude(*keys)
         if whole and self.envs == 1:
             batch["index"] = torch.tensor(rows)
         for rb in (self.zarr, self.twin):
@@ -323,8 +453,9 @@ class CrashMachine(RuleBasedStateMachine):
                 else:
                     rb[torch.tensor(rows)] = batch
         for row, version in zip(rows, versions.tolist(), strict=True):
-            self.versions[row] = version
-            self.overwritten.setdefault(row, []).append(version)
+            for group in groups:
+                self.versions[group][row] = version
+                self.overwritten.setdefault((group, row), []).append(version)
         self._rewritten()
 
     @rule()
@@ -352,7 +483,7 @@ class CrashMachine(RuleBasedStateMachine):
     def empty(self) -> None:
         for rb in (self.zarr, self.twin):
             rb.empty()
-        self.versions = [None] * ROWS
+        self.versions = no_rows()
         self._mark_durable()
         self._rewritten()
         self.saved_gone = True
@@ -449,9 +580,9 @@ class CrashMachine(RuleBasedStateMachine):
         with crash_at_row_write(at), contextlib.suppress(Crash):
             self.zarr.extend(rows_of(versions, self.envs))
         for i, version in enumerate(versions.tolist()):
-            if self.versions[(start + i) % ROWS] is not None:
+            if self.versions["main"][(start + i) % ROWS] is not None:
                 self._rewritten()
-            self.extended.append(((start + i) % ROWS, version))
+            self.extended.append(((start + i) % ROWS, version, GROUPS))
         self._die()
         self.zarr = self._buffer(self._reopened())
         self._check_reopened()
@@ -478,7 +609,8 @@ class CrashMachine(RuleBasedStateMachine):
         assert int(self.zarr._writer._cursor) == saved.cursor
         # The store kept the saved rows, whatever was written over them since.
         stored = self._stored_versions(saved.length)
-        assert stored[: saved.length] == saved.versions[: saved.length]
+        for group in GROUPS:
+            assert stored[group][: saved.length] == saved.versions[group][: saved.length]
         self._adopt(stored, saved.length, saved.cursor)
 
     def _check_reopened(self) -> None:
@@ -488,18 +620,16 @@ class CrashMachine(RuleBasedStateMachine):
         # Candidates: how many of the rows extended since the durable point were committed.
         fits = []
         for p in range(len(self.extended) + 1):
-            versions = list(durable.versions)
-            for row, version in self.extended[:p]:
-                versions[row] = version
             if (durable.cursor + p) % ROWS != cursor:
                 continue
-            if (
-                min(
-                    ROWS, max(durable.length, max((r + 1 for r, _ in self.extended[:p]), default=0))
-                )
-                != length
-            ):
+            ends = (row + 1 for row, _, _ in self.extended[:p])
+            if min(ROWS, max(durable.length, max(ends, default=0))) != length:
                 continue
+            # Each extend wrote its own groups alone: the others keep the version before.
+            versions = copied(durable.versions)
+            for row, version, groups in self.extended[:p]:
+                for group in groups:
+                    versions[group][row] = version
             fits.append(versions)
         assert fits, (
             f"reopened at length {length}, cursor {cursor}: no number of the "
@@ -510,52 +640,60 @@ class CrashMachine(RuleBasedStateMachine):
         failures = []
         for versions in fits:
             bad = [
-                row
+                (group, row)
+                for group in GROUPS
                 for row in range(length)
-                if stored[row] is not None
-                and stored[row] != versions[row]
-                and stored[row] not in self.overwritten.get(row, [])
+                if stored[group][row] is not None
+                and stored[group][row] != versions[group][row]
+                and stored[group][row] not in self.overwritten.get((group, row), [])
             ]
             if not bad:
                 break
             failures.append(bad)
         else:
-            raise AssertionError(f"rows {failures} hold versions the buffer never committed")
+            raise AssertionError(
+                f"(group, row)s {failures} hold versions the buffer never committed: stored "
+                f"{stored}, candidates {fits}"
+            )
         self._adopt(stored, length, cursor)
 
-    def _stored_versions(self, length: int) -> list[int | None]:
-        """The version of each row of the reopened store (``None``: a hole), checked whole."""
+    def _stored_versions(self, length: int) -> Versions:
+        """The version of each group of each row of the reopened store (``None``: a hole),
+        checked whole."""
         storage = self.zarr.storage
         holes = set(storage._store.unreadable_rows().tolist())
         assert not holes, f"holes {sorted(holes)} in [0, len): every position must be readable"
-        out: list[int | None] = [None] * ROWS
+        out = no_rows()
         readable = [row for row in range(length) if row not in holes]
         if readable:
             got = storage.get(torch.tensor(readable))
             for i, row in enumerate(readable):
-                step = got["step"][i].reshape(-1)
-                version = int(step[0]) // self.envs
+                version = int(got["step"][i].reshape(-1)[0]) // self.envs
+                reward = int(got["next", "reward"][i].reshape(-1)[0] * 2) // self.envs
                 assert_identical(
                     got[i].exclude("index"),
-                    rows_of(torch.tensor([version]), self.envs)[
+                    rows_of(torch.tensor([version]), self.envs, torch.tensor([reward]))[
                         (slice(None), 0) if self.envs > 1 else 0
                     ],
                 )
-                out[row] = version
+                out["main"][row], out["reward"][row] = version, reward
         for row in holes:
             with pytest.raises(RowsNotCommittedError):
                 storage.get(torch.tensor([row]))
         return out
 
-    def _adopt(self, versions: list[int | None], length: int, cursor: int) -> None:
+    def _adopt(self, versions: Versions, length: int, cursor: int) -> None:
         """The twin becomes the reopened state."""
         self.twin = self._buffer(LazyTensorStorage(ROWS * self.envs, ndim=self.ndim))
         if length:
             # Holes read as zeros on the twin: never compared (samplers skip them).
-            full = torch.tensor([versions[row] or 0 for row in range(length)])
-            self.twin.extend(rows_of(full, self.envs))
+            full = {g: torch.tensor([v or 0 for v in versions[g][:length]]) for g in GROUPS}
+            self.twin.extend(rows_of(full["main"], self.envs, full["reward"]))
             self.twin._writer._cursor = cursor
-        self.versions = [versions[row] if row < length else None for row in range(ROWS)]
+        self.versions = {
+            group: [v if row < length else None for row, v in enumerate(versions[group])]
+            for group in GROUPS
+        }
         self._mark_durable()
 
     # --- checks --------------------------------------------------------------------------
