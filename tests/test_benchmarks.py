@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -238,3 +239,19 @@ def test_sync_benchmark_smoke(tmp_path, monkeypatch, capsys):
     result = sync.main(["--files", "3", "--kb", "4", "--rounds", "2", "--dir", str(tmp_path)])
     assert set(result["median_ms"]) == {"fsync", "write-back, then fsync"}
     assert "3 files of 4 kB" in capsys.readouterr().out
+
+
+def test_fill_benchmark_smoke(tmp_path):
+    out = tmp_path / "fill.json"
+    argv = ["--dataset", "random", "--rows", "64", "--rounds", "2"]
+    argv += ["--dir", str(tmp_path), "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "fill.py"), *argv],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "| zarr-0 |" in result.stdout
+    fills = json.loads(out.read_text())["fills"]
+    assert set(fills) == {"memmap", "zarr", "zarr-0"}
+    assert all(f["wall_s"] > 0 and f["cpu_s"] > 0 and len(f["all"]) == 2 for f in fills.values())

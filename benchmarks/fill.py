@@ -1,0 +1,98 @@
+"""How long a fill of a buffer takes, and how much CPU: fresh storages filled with the same
+rows by ``extend`` (1,024 rows at a time, as ``run.py --parts datasets``; ZarrStorage's
+fills end with ``flush()``), in turn, rounds alternating; medians of wall-clock seconds and
+of the process's CPU seconds (every thread). CPU counts what the fill takes from a busy
+machine, where wall-clock times vary most::
+
+    python benchmarks/fill.py                        # Breakout, 8,192 rows, 5 rounds
+    python benchmarks/fill.py --dataset random --storages zarr,zarr-0
+
+To compare two versions of zarr_rb, run it from each checkout in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+STORAGES = ("memmap", "zarr", "zarr-0")
+"""``--storages`` choices: LazyMemmapStorage, ZarrStorage (default settings), and
+ZarrStorage with ``ram_bytes=0``."""
+BATCH = 1024
+
+
+def fill(kind: str, data: Any, where: Path) -> tuple[float, float]:
+    """Wall-clock and CPU seconds of one fresh fill of a ``kind`` storage with ``data``."""
+    from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
+
+    from zarr_rb import ZarrStorage
+
+    rows = data.shape[0]
+    path = Path(tempfile.mkdtemp(dir=where))
+    try:
+        if kind == "memmap":
+            storage: Any = LazyMemmapStorage(rows, scratch_dir=path)
+        else:
+            storage = ZarrStorage(
+                rows, path / "rb.zarr", ram_bytes=0 if kind == "zarr-0" else "auto"
+            )
+        rb = TensorDictReplayBuffer(storage=storage, batch_size=256)
+        wall, cpu = time.perf_counter(), time.process_time()
+        for start in range(0, rows, BATCH):
+            rb.extend(data[start : start + BATCH])
+        if kind != "memmap":
+            storage.flush()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        if kind != "memmap":
+            storage.close()
+        return wall, cpu
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default="breakout", help="as run.py's (or 'random')")
+    parser.add_argument("--rows", type=int, default=8192)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--storages", default=",".join(STORAGES))
+    parser.add_argument("--dir", type=Path, default=None, help="where the stores go")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    kinds = args.storages.split(",")
+    unknown = set(kinds) - set(STORAGES)
+    if unknown:
+        parser.error(f"unknown storages {sorted(unknown)}: expected some of {STORAGES}")
+    sys.path.insert(0, str(HERE))
+    import run
+
+    data = run.dataset(args.dataset, args.rows)
+    times: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
+    with tempfile.TemporaryDirectory(dir=args.dir) as where:
+        for round_ in range(args.rounds):
+            for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
+                times[kind].append(fill(kind, data, Path(where)))
+    gb = data.bytes() / 1e9
+    print(f"{args.dataset}, {args.rows:,} rows ({gb:.2f} GB), medians of {args.rounds} fills")
+    print("| storage | wall s | CPU s | GB/s |\n|---|---|---|---|")
+    result: dict[str, Any] = {"dataset": args.dataset, "rows": args.rows, "gb": gb, "fills": {}}
+    for kind, pairs in times.items():
+        wall = statistics.median(w for w, _ in pairs)
+        cpu = statistics.median(c for _, c in pairs)
+        print(f"| {kind} | {wall:.3f} | {cpu:.3f} | {gb / wall:.2f} |")
+        result["fills"][kind] = {"wall_s": wall, "cpu_s": cpu, "all": pairs}
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
