@@ -154,3 +154,59 @@ def test_an_error_of_the_tier_is_raised_once_the_rows_are_written(tmp_path: Path
     with ZarrStorage(path=path) as reopened:  # committed before the error was raised
         assert len(reopened) == 40
         assert_identical(reopened.get(torch.arange(32)).exclude("index"), first)
+
+
+def test_rows_whose_frames_failed_to_go_into_the_tier_are_not_read_as_their_old_frames(
+    tmp_path: Path,
+) -> None:
+    """An extend over resident rows whose frames fail to go into the tier (found by review):
+    the rows are written and committed, so the tier must not serve their old frames; with
+    the write failing too, its error is raised, noting the tier's."""
+    from conftest import fail_at_row_write
+
+    from zarr_rb.errors import StoreWriteError
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(32, path, compression=Compression(block_rows=16))
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(_episode(32, 4, 24, torch.uint8))  # every row resident
+    new = _episode(16, 4, 24, torch.uint8, start=100)
+    plan = "zarr_rb.core.frames._plan"
+    with mock.patch(plan, side_effect=MemoryError("no room")), pytest.raises(MemoryError):
+        rb.extend(new)  # rows 0-15 again
+    live = storage.get(torch.arange(32)).exclude("index")
+    assert_identical(live[:16], new)
+    newer = _episode(16, 4, 24, torch.uint8, start=200)
+    with (
+        mock.patch(plan, side_effect=MemoryError("no room")),
+        fail_at_row_write(1, 100),
+        pytest.raises(StoreWriteError) as raised,
+    ):
+        rb.extend(newer)  # rows 16-31
+    assert any("frames into RAM failed too" in note for note in raised.value.__notes__)
+    storage.flush()
+    live = storage.get(torch.arange(32)).exclude("index")
+    assert_identical(live[16:], newer)
+    storage.close()
+    with ZarrStorage(path=path) as reopened:
+        assert_identical(reopened.get(torch.arange(32)).exclude("index"), live)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool])
+def test_frames_of_one_byte_values_every_other_byte(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Frames of 1-byte values whose last dimension is strided (found by review): numpy
+    cannot read them as 8-byte words without a copy, and the extend raised."""
+    storage = ZarrStorage(32, tmp_path / "rb.zarr", compression=Compression(block_rows=16))
+    twin = LazyTensorStorage(32)
+    rb, rb_twin = (TensorDictReplayBuffer(storage=s, batch_size=2) for s in (storage, twin))
+    for start in (0, 100):
+        data = _episode(16, 4, 24, torch.uint8, start=start).apply(lambda t: (t % 2).to(dtype))
+        wide = data.apply(lambda t: torch.repeat_interleave(t, 2, dim=-1)[..., ::2])
+        assert not wide["obs"].is_contiguous()
+        rb.extend(wide)
+        rb_twin.extend(data)
+    everything = torch.arange(32)
+    assert_identical(
+        storage.get(everything).exclude("index"), twin.get(everything).exclude("index")
+    )
+    storage.close()

@@ -235,7 +235,20 @@ class FrameTier:
 
         ``older``: rows older than every resident row (a fill from the store, newest first):
         admitted only where they fit without evicting, and evicted before the others.
+
+        A put that fails leaves the rows it was given with frames out of the tier: they are
+        read from where their new values are, never as their old frames.
         """
+        try:
+            return self._put(rows, values, older=older)
+        except BaseException:
+            if self.keys & values.keys():
+                self.release(rows)
+            raise
+
+    def _put(
+        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, older: bool = False
+    ) -> bool:
         if not rows.size or not self.keys:
             return False
         written = self.keys & values.keys()
@@ -255,7 +268,7 @@ class FrameTier:
             if not keep:
                 return False
             newest = {key: values[key][-keep:] for key in self.keys}
-            return self.put(rows[-keep:], newest, older=older)
+            return self._put(rows[-keep:], newest, older=older)
         pins = {spec.key: self._ids_of(spec, last) for spec in self.specs}
         for key, ids in pins.items():
             self._pools[key].hold(ids)  # the last row's frames stay while they are linked to
@@ -539,6 +552,9 @@ def _words(t: torch.Tensor) -> np.ndarray:
         raw = t.contiguous().view(torch.uint8)
     words = raw.numpy()
     if words.shape[-1] % 8 == 0:
+        if words.strides[-1] != 1:
+            # Frames of 1-byte values every other byte, say: bytes that line up, a copy.
+            words = np.ascontiguousarray(words)
         return words.view(np.int64)  # (numpy reads words that do not start on 8 bytes too)
     return words
 

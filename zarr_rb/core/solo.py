@@ -197,11 +197,15 @@ class SoloCommits(SoloSaves):
                     # buffer column by column, as TorchRL's checkpointers do, moves each
                     # block once, not once per key.)
                     self._commit()
-        finally:
+        except BaseException as error:
             frames.run()
-        frames.raise_error()
+            frames.note_on(error)
+            raise
+        frames.run()
         if failed is not None:
+            frames.note_on(failed)
             raise failed
+        frames.raise_error()
 
     def append(self, values: Mapping[Key, torch.Tensor], count: int) -> np.ndarray:
         raise NotSupportedError(
@@ -470,7 +474,8 @@ def _runs(mask: np.ndarray, step: int) -> Iterator[tuple[int, int]]:
 @dataclasses.dataclass
 class _Deferred:
     """A call made once, when :meth:`run` is first called; its error, if any, is kept for
-    :meth:`raise_error` (a write that started beside it still finishes first)."""
+    :meth:`raise_error` (a write that started beside it still finishes first), or noted on
+    the write's own error."""
 
     call: Callable[[], None]
     done: bool = False
@@ -488,3 +493,8 @@ class _Deferred:
     def raise_error(self) -> None:
         if self.error is not None:
             raise self.error
+
+    def note_on(self, error: BaseException) -> None:
+        """Note this call's error, if any, on ``error`` (raised instead)."""
+        if self.error is not None:
+            error.add_note(f"putting the rows' frames into RAM failed too: {self.error!r}")
