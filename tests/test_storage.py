@@ -548,3 +548,25 @@ def test_a_storage_collected_in_the_middle_of_another_ones_write_flushes_nothing
     assert len(reader) == 24
     assert (reader[4:24]["a"] == 1).all()
     reader.close()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_extend_of_no_rows_changes_nothing(tmp_path: Path, shared: bool) -> None:
+    """As on LazyTensorStorage (found by review: the write buffer raised a ValueError from
+    ``zip``)."""
+    from torchrl.data import TensorDictReplayBuffer
+
+    data = TensorDict({"obs": torch.arange(12.0).view(4, 3)}, [4])
+    zarr = TensorDictReplayBuffer(
+        storage=ZarrStorage(10, tmp_path / "rb.zarr", shared=shared), batch_size=2
+    )
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(10), batch_size=2)
+    for rb in (zarr, twin):
+        rb.extend(data)
+        rb.extend(data[:0])
+        rb.extend(data[:2])
+        rb.extend(data[:0])
+    assert len(zarr) == len(twin) == 6
+    assert int(zarr._writer._cursor) == int(twin._writer._cursor)
+    assert_identical(zarr[:]["obs"], twin[:]["obs"])
+    zarr.storage.close()

@@ -265,6 +265,8 @@ class Store:
         every commit made during the write records where its rows end.
         """
         self.check_writable()
+        if not rows.size:
+            return  # (an extend of no rows, which TorchRL's storages take: nothing changes)
         self.commits.write(rows, values, cursor=cursor)
 
     @serialized
