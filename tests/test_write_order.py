@@ -289,3 +289,28 @@ def test_a_row_written_over_before_its_failed_extend_landed_holds_the_commits(
             assert crash_and_read(rb, path) == ([16, 17, 10, 11, 104, 105, 106, 15], 2)
         else:
             _at_their_step_or_rewritten(crash_and_read(rb, path))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open bug: a failed extend of some keys is split into a block and a patch kept "
+    "for a retry, and the next write writes the patch before the block (rows extended "
+    "later land first)",
+)
+def test_a_failed_extend_of_some_keys_does_not_land_before_the_row_extended_before_it(
+    tmp_path: Path,
+) -> None:
+    """Found by the crash machine with versions per key group. Row 0 (step 8) waits in RAM;
+    an extend of some keys of rows 1-2 writes block 0 with them, and fails: row 0 waits in
+    RAM again (a block), rows 1-2 as a patch. A write of some keys to another row writes
+    the patches first, but not block 0: rows 1-2 land before row 0. The next commit (rows
+    4-5 written over) stops its cursor at row 0 and declares rows 1-2 with steps 9-10:
+    after a crash the store holds them with cursor 0, a state the buffer never was in."""
+    path = tmp_path / "rb.zarr"
+    rb = _full_ring(path, ragged=False)
+    rb.extend(_rows(torch.tensor([8])))  # row 0 waits in RAM
+    with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
+        rb.extend(_rows(torch.arange(9, 11)).exclude("r"))  # rows 1-2, with block 0
+    rb[torch.tensor([6])] = _rows(torch.tensor([106])).select("r")  # writes the patches
+    rb[torch.tensor([4, 5])] = _rows(torch.tensor([104, 105])).set("index", torch.tensor([4, 5]))
+    _at_their_step_or_rewritten(crash_and_read(rb, path))
