@@ -545,12 +545,7 @@ _HEAD = 16
 
 def _words(t: torch.Tensor) -> np.ndarray:
     """``t`` as ``[rows, lanes, words]`` of its bytes: 8 at a time where they line up."""
-    t = t.reshape(*t.shape[:2], -1)
-    try:
-        raw = t.view(torch.uint8)
-    except RuntimeError:
-        raw = t.contiguous().view(torch.uint8)
-    words = raw.numpy()
+    words = _bytes_of(t.reshape(*t.shape[:2], -1))
     if words.shape[-1] % 8 == 0:
         if words.strides[-1] != 1:
             # Frames of 1-byte values every other byte, say: bytes that line up, a copy.
@@ -562,10 +557,15 @@ def _words(t: torch.Tensor) -> np.ndarray:
 def _as_bytes(frames: torch.Tensor) -> np.ndarray:
     """``frames`` (``[n, *frame]``) as ``[n, frame_nbytes]`` bytes: the same memory where
     it can be, else a copy."""
-    flat = frames.reshape(frames.shape[0], math.prod(frames.shape[1:]))
+    return _bytes_of(frames.reshape(frames.shape[0], math.prod(frames.shape[1:])))
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """``t``'s elements as bytes along its last dimension, in numpy: the same memory where
+    it can be, else a copy."""
     try:
-        raw = flat.view(torch.uint8)
+        raw = t.view(torch.uint8)
     except RuntimeError:
-        raw = flat.contiguous().view(torch.uint8)
+        raw = t.contiguous().view(torch.uint8)
     out: np.ndarray = raw.numpy()
     return out
