@@ -729,16 +729,9 @@ TestCrashMachine = CrashMachine.TestCase
 
 @pytest.mark.slow
 def test_crash_machine_long(request):
-    """The same machine, many more sequences.
-
-    Derandomized while the bug that
-    ``test_write_order.py::test_a_failed_extend_of_some_keys_does_not_land_before_the_row_extended_before_it``
-    expects to fail is open: random seeds find it (two of three long runs did), and every
-    run of the slow selection would be a draw. Drop ``derandomize`` with its fix.
-    """
+    """The same machine, many more sequences, new ones on every run."""
     runner = CrashMachine.TestCase("runTest")
     runner.settings = settings(
-        derandomize=True,
         max_examples=400,
         stateful_step_count=40,
         deadline=None,

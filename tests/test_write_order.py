@@ -291,26 +291,48 @@ def test_a_row_written_over_before_its_failed_extend_landed_holds_the_commits(
             _at_their_step_or_rewritten(crash_and_read(rb, path))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open bug: a failed extend of some keys is split into a block and a patch kept "
-    "for a retry, and the next write writes the patch before the block (rows extended "
-    "later land first)",
-)
 def test_a_failed_extend_of_some_keys_does_not_land_before_the_row_extended_before_it(
     tmp_path: Path,
 ) -> None:
     """Found by the crash machine with versions per key group. Row 0 (step 8) waits in RAM;
-    an extend of some keys of rows 1-2 writes block 0 with them, and fails: row 0 waits in
-    RAM again (a block), rows 1-2 as a patch. A write of some keys to another row writes
-    the patches first, but not block 0: rows 1-2 land before row 0. The next commit (rows
-    4-5 written over) stops its cursor at row 0 and declares rows 1-2 with steps 9-10:
-    after a crash the store holds them with cursor 0, a state the buffer never was in."""
+    an extend of some keys of rows 1-2 writes block 0 with them, and fails. Row 0 waited in
+    RAM again as a block, rows 1-2 as a patch, and a write of some keys to another row
+    wrote the patches first, but not block 0: rows 1-2 landed before row 0. The next commit
+    (rows 4-5 written over) stopped its cursor at row 0 and declared rows 1-2 with steps
+    9-10: after a crash the store held them with cursor 0, a state the buffer never was
+    in. Now row 0 is written first, and that commit goes past rows 0-2."""
     path = tmp_path / "rb.zarr"
     rb = _full_ring(path, ragged=False)
     rb.extend(_rows(torch.tensor([8])))  # row 0 waits in RAM
     with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
         rb.extend(_rows(torch.arange(9, 11)).exclude("r"))  # rows 1-2, with block 0
-    rb[torch.tensor([6])] = _rows(torch.tensor([106])).select("r")  # writes the patches
+    rb[torch.tensor([6])] = _rows(torch.tensor([106])).select("r")  # writes what waits
     rb[torch.tensor([4, 5])] = _rows(torch.tensor([104, 105])).set("index", torch.tensor([4, 5]))
-    _at_their_step_or_rewritten(crash_and_read(rb, path))
+    got = crash_and_read(rb, path)
+    _at_their_step_or_rewritten(got)
+    assert got == ([8, 9, 10, 3, 104, 105, 6, 7], 3)
+
+
+def test_a_failed_block_written_behind_lands_before_the_extend_of_some_keys_after_it(
+    tmp_path: Path,
+) -> None:
+    """Block 0 (rows 0-1) is written behind; row 2 waits in RAM; an extend of some keys of
+    rows 3-4 waits for block 0's write first, and that write fails. Block 0 is older than
+    every row of the extend: it must land before them. (Kept as a block, it waited while
+    the extend's rows, kept as patches, landed with the next write: a commit then stopped
+    at row 0 with rows 2-4 holding their new steps on disk.)"""
+    path = tmp_path / "rb.zarr"
+    with writes_held_back():
+        rb = _full_ring(path, ragged=False)
+        rb.extend(_rows(torch.tensor([8])))  # row 0 waits in RAM
+        rb.extend(_rows(torch.arange(9, 11)))  # block 0 full: written behind; row 2 waits
+        assert rb.storage._store.write_cache.writing is not None
+        with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
+            rb.extend(_rows(torch.arange(11, 13)).exclude("r"))  # rows 3-4
+        rb[torch.tensor([6])] = _rows(torch.tensor([106])).select("r")  # writes what waits
+        rb[torch.tensor([6, 7])] = _rows(torch.tensor([106, 107])).set(
+            "index", torch.tensor([6, 7])
+        )
+        got = crash_and_read(rb, path)
+    _at_their_step_or_rewritten(got)
+    assert got == ([8, 9, 10, 11, 12, 5, 106, 107], 5)

@@ -140,12 +140,17 @@ class SoloWrites(SoloSlots):
         the first write is started, while TensorStore encodes it."""
         if not writes:
             return
+        assert self.store.write_cache is not None
+        behind = self.store.write_cache.writing
         try:
             self.settle()
         except BaseException:
-            self._keep_for_retry(writes)  # (the rows of this call wait too)
+            # The rows of this call wait too, after the block written behind (which waits
+            # in RAM again): it was extended before every one of them.
+            assert behind is not None
+            older = block_write(self.store.write_cache.pop(behind.index))
+            self._keep_for_retry([older, *writes])
             raise
-        assert self.store.write_cache is not None
         # (Their cells are none of these writes': each write drops the cells it rewrites
         # from the patches, see WriteBuffer.supersede.)
         self._write_in_turn([*self.store.write_cache.take_patches(), *writes], meanwhile=meanwhile)
@@ -173,15 +178,22 @@ class SoloWrites(SoloSlots):
                 raise
 
     def _keep_for_retry(self, writes: Sequence[Write]) -> None:
-        """Keep the rows of failed writes, so that the next flush writes them again: whole
-        rows wait in RAM in blocks, writes of some keys as patches (both are read from
-        there)."""
-        assert self.store.write_cache is not None
-        for rows, values in writes:
-            if values.keys() == self.store.leaves.keys():
-                self.store.write_cache.stage(rows, values, force=True)
+        """Keep the rows of failed ``writes`` (in the order made), so that the next flush
+        writes them again: writes of some keys as patches, and whole rows in blocks in RAM,
+        but those before a write of some keys, which are patches too (both are read from
+        there). Patches are written before the blocks waiting in RAM (see
+        :meth:`_write_now`): rows extended before a patch's, kept in a block, would land
+        after it."""
+        cache = self.store.write_cache
+        assert cache is not None
+        every = self.store.leaves.keys()
+        some_keys = [i for i, (_, values) in enumerate(writes) if values.keys() != every]
+        last_patch = some_keys[-1] if some_keys else -1
+        for i, (rows, values) in enumerate(writes):
+            if i <= last_patch:
+                cache.keep_patch((rows, values))
             else:
-                self.store.write_cache.keep_patch((rows, values))
+                cache.stage(rows, values, force=True)
 
     def _write_to_disk(
         self, writes: Sequence[Write], *, meanwhile: Callable[[], None] | None = None

@@ -63,9 +63,10 @@ class WriteBuffer:
         """A full block whose write to disk was started and has not finished: its rows are
         read from here (they are not on disk yet), and nothing else writes into it."""
         self._patches: list[Write] = []
-        """Writes of some keys of rows not held in a block, whose write to disk failed, in
-        the order made: the next flush writes them again, and reads take those cells from
-        here (a newer write of the same cells drops them, see :meth:`supersede`)."""
+        """Writes of rows not held in a block, whose write to disk failed, in the order
+        made (of some keys, and whole rows written before one of them): the next flush
+        writes them again, and reads take those cells from here (a newer write of the
+        same cells drops them, see :meth:`supersede`)."""
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -125,10 +126,10 @@ class WriteBuffer:
             values[key].copy_(value)
         self._blocks[block.index] = dataclasses.replace(block, values=values)
 
-    # --- patches: failed writes of some keys -----------------------------------------------
+    # --- patches: failed writes kept in order ---------------------------------------------
 
     def keep_patch(self, write: Write) -> None:
-        """Keep a write of some keys that failed, for the next flush and for reads."""
+        """Keep a write that failed, for the next flush and for reads."""
         self._patches.append(write)
 
     @property
