@@ -260,6 +260,79 @@ def test_a_key_added_while_a_failed_write_of_some_keys_waits(tmp_path: Path) -> 
         assert reader.get(torch.arange(8))["step"].tolist() == expected
 
 
+def _ring_of_8(path: Path, steps: int) -> TensorDictReplayBuffer:
+    """A buffer of 8 rows (blocks of 2) holding steps ``0 .. steps - 1``, committed, of
+    :func:`_rows`."""
+    storage = ZarrStorage(8, path, compression=Compression(block_rows=2), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(_rows(torch.arange(steps)))
+    rb.storage.flush()
+    return rb
+
+
+def test_a_key_added_while_a_failed_block_written_behind_waits_reads_zeros_there(
+    tmp_path: Path,
+) -> None:
+    """Rows 0-5 committed; extends of rows 6, then 7 fill block 3, written behind; an extend
+    of some keys of rows 0-1 waits for it, and block 3's write fails. Block 3 waits as a
+    patch, as it was extended before the rows that wait after it. A later extend adds a
+    key: rows 6-7 must read zeros in it, as every other row written without it does (they
+    read as holding nothing there, and the flush committed length 6 with cursor 6 over
+    rows 0-1 holding steps 8-9; found by review)."""
+    path = tmp_path / "rb.zarr"
+    with writes_held_back():
+        rb = _ring_of_8(path, 6)
+        rb.extend(_rows(torch.tensor([6])))  # row 6 waits in RAM
+        rb.extend(_rows(torch.tensor([7])))  # block 3 full: written behind
+        assert rb.storage._store.write_cache.writing is not None
+        with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
+            rb.extend(_rows(torch.arange(8, 10)).exclude("r"))  # rows 0-1
+        rb.extend(_rows(torch.tensor([10])).set("extra", torch.ones(1)))  # row 2: a new key
+        assert rb.storage._store.unreadable_rows().tolist() == []
+        got = rb.storage.get(torch.arange(8))
+        assert got["step"].tolist() == [8, 9, 10, 3, 4, 5, 6, 7]
+        assert got["extra"].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+        rb.storage.flush()
+        assert crash_and_read(rb, path) == ([8, 9, 10, 3, 4, 5, 6, 7], 3)
+
+
+def test_a_key_added_while_a_row_kept_before_a_failed_extend_of_some_keys_waits_reads_zeros(
+    tmp_path: Path,
+) -> None:
+    """Rows 0-6 committed; row 7 (step 7) waits in RAM; an extend of some keys of rows 0-1
+    writes block 3 (row 7, every key) before it and fails: row 7 waits as a patch, before
+    theirs. A later extend adds a key: row 7 must read zeros in it."""
+    path = tmp_path / "rb.zarr"
+    rb = _ring_of_8(path, 7)
+    rb.extend(_rows(torch.tensor([7])))  # row 7 waits in RAM (block 3)
+    with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
+        rb.extend(_rows(torch.arange(8, 10)).exclude("r"))  # rows 0-1, with block 3
+    rb.extend(_rows(torch.tensor([10])).set("extra", torch.ones(1)))  # row 2: a new key
+    assert rb.storage._store.unreadable_rows().tolist() == []
+    got = rb.storage.get(torch.arange(8))
+    assert got["step"].tolist() == [8, 9, 10, 3, 4, 5, 6, 7]
+    assert got["extra"].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+    rb.storage.flush()
+    assert crash_and_read(rb, path) == ([8, 9, 10, 3, 4, 5, 6, 7], 3)
+
+
+def test_a_key_added_while_a_failed_extend_of_some_keys_of_a_new_row_waits_reads_zeros(
+    tmp_path: Path,
+) -> None:
+    """Rows 0-6 committed; an extend of some keys of rows 7, 0 fails (row 7 never written:
+    zeros of ``r`` and its other keys wait as patches). A later extend adds a key: row 7
+    must read zeros in it (patches got none: new keys' zeros went to the blocks in RAM
+    and the rows on disk only)."""
+    path = tmp_path / "rb.zarr"
+    rb = _ring_of_8(path, 7)
+    with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
+        rb.extend(_rows(torch.arange(7, 9)).exclude("r"))  # rows 7, 0
+    rb.extend(_rows(torch.tensor([9])).set("extra", torch.ones(1)))  # row 1: a new key
+    assert rb.storage._store.unreadable_rows().tolist() == []
+    rb.storage.flush()
+    assert crash_and_read(rb, path) == ([8, 9, 2, 3, 4, 5, 6, 7], 2)
+
+
 def test_a_failed_write_of_some_keys_of_a_withdrawn_last_row_keeps_its_cells(
     tmp_path: Path,
 ) -> None:

@@ -301,7 +301,9 @@ class WriteBuffer:
         *,
         ragged: bool = False,
     ) -> None:
-        """A new leaf: held rows read as zeros in it until written."""
+        """A new leaf: held rows read as zeros in it until written. Each patch takes the
+        zeros of its rows (rows kept only there may never have been written to disk), so
+        that they land with the patch, in its place in the order."""
         self._element_shapes[key] = element_shape
         self._dtypes[key] = dtype
         self._spare = None
@@ -309,6 +311,10 @@ class WriteBuffer:
             self._ragged.add(key)
         for block in self._blocks.values():
             block.values[key] = torch.zeros((self.block_rows, *element_shape), dtype=dtype)
+        self._patches = [
+            (rows, {**values, key: torch.zeros((rows.size, *element_shape), dtype=dtype)})
+            for rows, values in self._patches
+        ]
 
     def staged_rows(self, rows: np.ndarray) -> tuple[np.ndarray, list[tuple[Block, np.ndarray]]]:
         """Which of ``rows`` (any order, repeats allowed) are held in RAM.
