@@ -141,6 +141,7 @@ def test_bad_positions_and_keys(pong: PongRun) -> None:
     assert positions.tolist() == [0, 499]
 
 
+@pytest.mark.slow  # (S3; the local store opens by default; CI runs it)
 def test_a_store_on_s3_opens_for_analysis(s3_server, s3_url, s3_options, pong: PongRun) -> None:
     """The analysis face on an object store: the view, its episodes, dask, a DataLoader whose
     spawned workers read the store themselves, and the command line with the AWS_* variables."""

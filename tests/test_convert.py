@@ -612,6 +612,7 @@ def _export_peak_rss(tmp_path: Path, rows: int) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
+@pytest.mark.slow  # (a child process measuring RSS; CI runs it)
 def test_export_memory_stays_bounded_by_its_blocks(tmp_path: Path) -> None:
     """The export holds about one block of rows at a time. Two leaks made it hold the
     whole buffer: TorchRL's memory maps kept every page written in the process, and the

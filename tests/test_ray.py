@@ -50,6 +50,7 @@ def _collect(url: str, frames: int) -> int:
     return written
 
 
+@pytest.mark.slow  # (Ray actors; the writer actors run by default; CI runs it)
 def test_collector_actors_write_one_store_while_a_learner_samples(cluster, store_path):
     url = str(store_path)
     learner = TensorDictReplayBuffer(storage=ZarrStorage(10_000, url, shared=True), batch_size=64)

@@ -369,6 +369,7 @@ def test_a_dead_writers_lease_expires_and_a_new_writer_gets_in(s3_server, s3_url
     storage.close()
 
 
+@pytest.mark.slow  # (test_s3_fencing covers fencing by default; CI runs it)
 def test_a_stalled_writer_is_fenced_and_cannot_overwrite_the_new_writer(
     s3_server, s3_url, s3_options
 ):
@@ -402,6 +403,7 @@ def test_a_stalled_writer_is_fenced_and_cannot_overwrite_the_new_writer(
         child.wait()
 
 
+@pytest.mark.slow  # (waits out lease periods; CI runs it)
 def test_lease_is_renewed_while_the_writer_lives(s3_url, s3_options):
     options = {**s3_options, "lease_seconds": 1.0}
     storage = ZarrStorage(CAPACITY, s3_url, storage_options=options)
@@ -494,6 +496,7 @@ def test_unreachable_endpoint_fails_in_bounded_time(s3_url, s3_options):
     assert time.monotonic() - started < 15
 
 
+@pytest.mark.slow  # (waits out timeouts; CI runs it)
 def test_a_hung_endpoint_fails_in_bounded_time(s3_url, s3_options):
     """A server that accepts connections and never answers."""
     listener = socket.socket()
@@ -609,6 +612,7 @@ def random_kills_on_s3(s3_server, s3_url, tmp_path, seeds) -> None:
     assert saved >= len(seeds) // 2
 
 
+@pytest.mark.slow  # (spawned writers; test_crash kills local ones by default; CI runs it)
 def test_sigkilled_writers_leave_the_store_at_its_last_commit(s3_server, s3_url, tmp_path):
     random_kills_on_s3(s3_server, s3_url, tmp_path, range(4))
 
@@ -618,6 +622,7 @@ def test_many_sigkilled_writers_on_s3(s3_server, s3_url, tmp_path):
     random_kills_on_s3(s3_server, s3_url, tmp_path, range(100, 140))
 
 
+@pytest.mark.slow  # (a spawned writer; test_crash kills local saves by default; CI runs it)
 def test_a_writer_killed_during_a_save_on_s3(s3_server, s3_url, tmp_path):
     from zarr_rb.testing import (
         CrashWorkload,

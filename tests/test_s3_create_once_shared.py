@@ -140,6 +140,7 @@ def test_writes_to_given_rows_by_shared_writers_create_objects_once(s3_url, opti
     assert overwrites(object_history(proxy, prefix_of(s3_url))) == []
 
 
+@pytest.mark.slow  # (test_s3_create_once checks the cache by default; CI runs it)
 def test_a_readers_cache_keeps_the_objects_of_slots_not_created_since(s3_url, options, proxy):
     a, model = first_writer(s3_url, options), twin()
     a.extend(batch(0, 32))
@@ -161,6 +162,7 @@ def test_a_readers_cache_keeps_the_objects_of_slots_not_created_since(s3_url, op
         rb.storage.close()
 
 
+@pytest.mark.slow  # (a second S3 server; CI runs it)
 def test_shared_writers_on_a_server_that_ignores_the_condition_write_as_before(
     s3_url, options, proxy
 ):
@@ -188,6 +190,7 @@ def _extend_in_child(url: str, options: dict, writer: int, batches: int) -> None
     storage.close()
 
 
+@pytest.mark.slow  # (spawned writers; two writers in one process run by default; CI runs it)
 def test_spawned_shared_writers_create_objects_once(s3_url, options, proxy):
     storage = ZarrStorage(400, s3_url, storage_options=options, compression=BLOCK, shared=True)
     rb = TensorDictReplayBuffer(storage=storage)

@@ -332,6 +332,7 @@ def test_multi_sync_collector_workers_write_straight_into_the_store(store_path):
     del GymEnv
 
 
+@pytest.mark.slow  # (the sync collector runs by default; CI runs it)
 def test_multi_async_collector_workers_write_straight_into_the_store(store_path):
     from torchrl.collectors import MultiAsyncCollector
 
