@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -452,6 +453,28 @@ def test_compression_settings_are_applied(store_path):
     assert obs.shards[0] >= 256
     assert group["data/r"].shards is None
     assert storage.nbytes_on_disk() < frames.numel() / 20
+
+
+def test_each_codec_has_its_default_level_and_refuses_levels_it_cannot_take(store_path):
+    """zstd's default is its fast level -1 (recorded with the store, so a reopen keeps it),
+    lz4's 1; a level out of a codec's range is refused when the settings are made, naming
+    the codec and its range."""
+    import zarr
+
+    assert Compression().level == -1
+    assert Compression(codec="lz4").level == 1
+    assert Compression(level=3).level == 3
+    with pytest.raises(ValueError, match="lz4 compression level from 0 to 9, got -1"):
+        Compression(codec="lz4", level=-1)
+    with pytest.raises(ValueError, match="zstd compression level from -131072 to 22, got 23"):
+        Compression(level=23)
+    storage = ZarrStorage(64, store_path)
+    storage.set(torch.arange(8), TensorDict({"obs": torch.zeros(8, 4, 84, 84)}, [8]))
+    storage.close()
+    codecs = zarr.open_group(store_path, mode="r")["data/obs"].metadata.to_dict()["codecs"]
+    assert '"level": -1' in json.dumps(codecs)
+    with ZarrStorage(path=store_path, read_only=True) as reader:
+        assert reader.compression.level == -1
 
 
 def test_repeated_gather_is_a_fresh_copy_of_current_rows(pair):

@@ -50,14 +50,23 @@ MIN_RATIO = 1.1
 is stored raw: compressing it would cost time on every write and read, for nothing."""
 
 
+DEFAULT_LEVELS: dict[str, int] = {"zstd": -1, "lz4": 1, "none": 1}
+"""The level of each codec when none is given (``"none"`` has no use for one)."""
+LEVELS: dict[str, tuple[int, int]] = {"zstd": (-(2**17), 22), "lz4": (0, 9), "none": (-(2**17), 22)}
+"""The levels each codec takes (zstd's negative ones are its fast levels)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Compression:
     """Chunking and compression settings of a :class:`~zarr_rb.ZarrStorage`.
 
     Args:
         codec: ``"zstd"`` (default), ``"lz4"`` (Blosc-LZ4 without shuffle) or ``"none"``.
-        level: compression level (zstd 1-22, lz4 1-9). Level 1 is fast and already
-            shrinks Atari frames by one to two orders of magnitude.
+        level: compression level: zstd -131072 to 22 (negative levels are its fast ones),
+            lz4 0-9. ``None`` (default): zstd -1, lz4 1. zstd -1 shrinks Atari frames by one
+            to two orders of magnitude (Pong 1/140, Ms. Pac-Man 1/28), and writes and reads
+            them about 10% faster than level 1 (1/143, 1/31), measured with
+            ``benchmarks/compression.py`` and ``benchmarks/fill.py``.
         chunk_rows: rows per inner chunk of large leaves. Random row reads decode one
             inner chunk per row, so keep it small.
         block_rows: rows per shard of large leaves, which is also the unit in which
@@ -73,7 +82,7 @@ class Compression:
     """
 
     codec: Codec = "zstd"
-    level: int = 1
+    level: int | None = None
     chunk_rows: int = 2
     block_rows: int | None = None
     large_row_bytes: int = 1024
@@ -81,6 +90,13 @@ class Compression:
     def __post_init__(self) -> None:
         if self.codec not in ("zstd", "lz4", "none"):
             raise ValueError(f"expected codec 'zstd', 'lz4' or 'none', got {self.codec!r}")
+        if self.level is None:
+            object.__setattr__(self, "level", DEFAULT_LEVELS[self.codec])
+        lo, hi = LEVELS[self.codec]
+        if not lo <= self._level <= hi:
+            raise ValueError(
+                f"expected a {self.codec} compression level from {lo} to {hi}, got {self.level}"
+            )
         if self.chunk_rows < 1:
             raise ValueError(f"expected chunk_rows >= 1, got {self.chunk_rows}")
         if self.block_rows is not None and (
@@ -95,11 +111,12 @@ class Compression:
         """The Zarr v3 bytes-to-bytes codecs for this setting."""
         from zarr.codecs import BloscCodec, ZstdCodec
 
+        level = self._level
         if self.codec == "zstd":
-            return [ZstdCodec(level=self.level)]
+            return [ZstdCodec(level=level)]
         if self.codec == "lz4":
             # Blosc's default shuffle for 1-byte types is bitshuffle, which hurts frames.
-            return [BloscCodec(cname="lz4", clevel=self.level, shuffle="noshuffle")]
+            return [BloscCodec(cname="lz4", clevel=level, shuffle="noshuffle")]
         return []
 
     def shrinks(self, sample: np.ndarray) -> bool:
@@ -114,11 +131,17 @@ class Compression:
         if not raw.size:
             return True
         codec = (
-            Zstd(level=self.level)
+            Zstd(level=self._level)
             if self.codec == "zstd"
-            else Blosc(cname="lz4", clevel=self.level, shuffle=Blosc.NOSHUFFLE)
+            else Blosc(cname="lz4", clevel=self._level, shuffle=Blosc.NOSHUFFLE)
         )
         return raw.size >= MIN_RATIO * len(codec.encode(raw))
+
+    @property
+    def _level(self) -> int:
+        """:attr:`level`, set (``__post_init__`` gives ``None`` the codec's default)."""
+        assert self.level is not None
+        return self.level
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
