@@ -333,6 +333,38 @@ def test_a_key_added_while_a_failed_extend_of_some_keys_of_a_new_row_waits_reads
     assert crash_and_read(rb, path) == ([8, 9, 2, 3, 4, 5, 6, 7], 2)
 
 
+def test_a_key_whose_zeros_could_not_be_written_is_not_added(tmp_path: Path) -> None:
+    """Rows 0-5 committed; an extend of rows 6-7 adds a key, and the write of its zeros into
+    the rows on disk fails (a full disk): the extend stores nothing ("not stored": write
+    them again), so the buffer must be as before, without the key. (It held the key with
+    those rows' cells of it never written: every read failed with ChunkCorruptedError, and
+    the next commit named the key, so the store reopened unreadable; found by the crash
+    machine.)"""
+    path = tmp_path / "rb.zarr"
+    rb = _ring_of_8(path, 6)
+    zeros = [0]
+
+    def no_space_for_zeros(kind: str, where: object) -> None:
+        if kind == "write" and str(where).endswith("data/extra"):  # (not its metadata)
+            zeros[0] += 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(where))
+
+    with observe_io(no_space_for_zeros), pytest.raises(StoreWriteError, match="not stored"):
+        rb.extend(_rows(torch.tensor([6, 7])).set("extra", torch.ones(2)))
+    assert zeros[0]
+    assert len(rb) == 6
+    got = rb.storage.get(torch.arange(6))
+    assert "extra" not in set(got.keys())
+    assert got["step"].tolist() == list(range(6))
+    rb.extend(_rows(torch.tensor([6, 7])).set("extra", torch.ones(2)))  # written again
+    got = rb.storage.get(torch.arange(8))
+    assert got["extra"].tolist() == [0] * 6 + [1] * 2
+    rb.storage.flush()
+    assert crash_and_read(rb, path) == (list(range(8)), 0)
+    with ZarrStorage(path=path, read_only=True) as reader:
+        assert reader.get(torch.arange(8))["extra"].tolist() == [0] * 6 + [1] * 2
+
+
 def test_a_failed_write_of_some_keys_of_a_withdrawn_last_row_keeps_its_cells(
     tmp_path: Path,
 ) -> None:

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -157,6 +157,12 @@ class StoreArrays:
             )
         self._open[key] = array
         return array
+
+    def forget(self, keys: Iterable[Key]) -> None:
+        """Forget the opened arrays of ``keys`` (keys the store did not take after all: made
+        again, they are opened again)."""
+        for key in keys:
+            self._open.pop(key, None)
 
     def close(self) -> None:
         """Forget the opened arrays (the store is closed), once the writes started have

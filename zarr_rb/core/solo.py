@@ -111,21 +111,35 @@ class SoloCommits(SoloSaves):
         with store.writing("creating the arrays of new keys", kept=False):
             store.arrays.create(leaves, physical_shape, block_rows, samples=samples)
         grown = schema.with_leaves(leaves)
+        # The zeros go to disk before the store takes the new keys: if their write fails,
+        # the store is without them, as the error says (the call stored nothing and is made
+        # again), not holding keys whose cells on disk were never written (unreadable).
+        store.leaves = leaves_by_key(grown.leaves)  # (the new arrays open by their leaves)
+        try:
+            self._zeros_in_new_keys(leaves, on_disk)
+        except BaseException:
+            store.leaves = leaves_by_key(schema.leaves)
+            store.arrays.forget(leaf.key for leaf in leaves)
+            raise
         # A store of format 1 that takes leaves format 1 cannot read becomes format 2, so
         # that an older zarr_rb refuses it (FormatVersionError) instead of misreading it.
         fmt = store.meta.format
         if any(leaf.value != "tensor" for leaf in leaves):
             fmt = max(fmt, FORMAT_NON_TENSOR)
         self.meta = dataclasses.replace(self.meta, schema=grown, format=fmt)
-        store.leaves = leaves_by_key(grown.leaves)
         for leaf in leaves:
             store.write_cache.add_key(
                 leaf.key, store.element_shape(leaf), TORCH_DTYPES[leaf.dtype], ragged=leaf.ragged
             )
         store.ram.choose()
-        # Zeros on disk for every row that holds data there (intact here, or published to
-        # readers), so that those rows stay whole with the new keys; rows waiting in RAM get
-        # zeros there too (add_key).
+        store.ledger.add_keys((leaf.key for leaf in leaves), zeroed=on_disk)
+
+    def _zeros_in_new_keys(self, leaves: Sequence[LeafSpec], on_disk: np.ndarray) -> None:
+        """Zeros on disk for every row that holds data there (intact here, or published to
+        readers), so that those rows stay whole with the new keys; rows waiting in RAM get
+        zeros there too (add_key)."""
+        store = self.store
+        block_rows = store.meta.block_rows or 1
         committed = self._committed_slots()
         with store.writing("writing zeros into new keys", kept=False):
             futures = []
@@ -147,7 +161,6 @@ class SoloCommits(SoloSaves):
                     futures.append(store.arrays.get(leaf.key).write_rows(rows, zeros))
             for future in futures:
                 future.result()
-        store.ledger.add_keys((leaf.key for leaf in leaves), zeroed=on_disk)
 
     def write(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, cursor: int | None
