@@ -8,7 +8,8 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
 
-from zarr_rb import ZarrStorage
+import zarr_rb
+from zarr_rb import Compression, ZarrStorage
 
 
 def fill(storage) -> TensorDictReplayBuffer:
@@ -34,3 +35,25 @@ def test_rows_written_without_a_later_column_read_zeros_and_are_committed(tmp_pa
     for key in ("index", "r", "x"):
         assert torch.equal(reopened[:][key].materialize(), expected[key])
     reopened.close()
+
+
+def test_a_save_whose_block_was_copied_on_write_loads_with_a_later_column_as_zeros(tmp_path):
+    """Rows 0-1 saved; rows 2-7 extended (block 0 is copied on write, and committed: the save
+    keeps its rows in the slot it names), then a write adds a column. ``zarr_rb.load`` of the
+    save gives its rows with zeros there (their slot got none: every read of them failed
+    with ChunkCorruptedError; found by the crash machine)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(12, path, compression=Compression(block_rows=4))
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(TensorDict({"x": torch.arange(2)}, [2]))
+    zarr_rb.save(rb)
+    rb.extend(TensorDict({"x": torch.arange(2, 8)}, [6]))
+    rb.extend(TensorDict({"x": torch.arange(8, 10), "y": torch.ones(2)}, [2]))
+    storage.close()
+    loaded = zarr_rb.load(path)
+    try:
+        got = loaded.storage.get(torch.arange(2))
+        assert got["x"].tolist() == [0, 1]
+        assert got["y"].tolist() == [0.0, 0.0]
+    finally:
+        loaded.storage.close()

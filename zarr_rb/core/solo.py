@@ -135,9 +135,9 @@ class SoloCommits(SoloSaves):
         store.ledger.add_keys((leaf.key for leaf in leaves), zeroed=on_disk)
 
     def _zeros_in_new_keys(self, leaves: Sequence[LeafSpec], on_disk: np.ndarray) -> None:
-        """Zeros on disk for every row that holds data there (intact here, or published to
-        readers), so that those rows stay whole with the new keys; rows waiting in RAM get
-        zeros there too (add_key)."""
+        """Zeros on disk for every row that holds data there (intact here, published to
+        readers, or kept by a save), so that those rows stay whole with the new keys; rows
+        waiting in RAM get zeros there too (add_key)."""
         store = self.store
         block_rows = store.meta.block_rows or 1
         committed = self._committed_slots()
@@ -153,6 +153,16 @@ class SoloCommits(SoloSaves):
             history = store.committed.history
             if history is not None:  # an archive's rows read as zeros in the new keys too
                 row_sets.append(np.unique(history.physical(np.arange(history.end))))
+            # So do a kept save's, in its slots (a block copied on write since is elsewhere
+            # now): zarr_rb.load serves them with the keys added since.
+            covered = np.concatenate(row_sets) if row_sets else np.zeros(0, np.int64)
+            for saved in self.meta.pinned():
+                commit = saved.commit(store.elements_per_row(store.schema))
+                rows = self._slots_of(commit).physical(np.arange(commit.length))
+                rows = np.setdiff1d(rows, covered)
+                if rows.size:
+                    row_sets.append(rows)
+                    covered = np.union1d(covered, rows)
             for rows in row_sets:
                 for leaf in leaves:
                     if leaf.ragged:
