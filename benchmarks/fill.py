@@ -6,6 +6,7 @@ machine, where wall-clock times vary most::
 
     python benchmarks/fill.py                        # Breakout, 8,192 rows, 5 rounds
     python benchmarks/fill.py --dataset random --storages zarr,zarr-0
+    python benchmarks/fill.py --storages memmap,zarr --levels 1,-1   # zstd levels, in turn
 
 To compare two versions of zarr_rb, run it from each checkout in turn.
 """
@@ -30,10 +31,14 @@ BATCH = 1024
 
 
 def fill(kind: str, data: Any, where: Path) -> tuple[float, float]:
-    """Wall-clock and CPU seconds of one fresh fill of a ``kind`` storage with ``data``."""
+    """Wall-clock and CPU seconds of one fresh fill of a ``kind`` storage with ``data``
+    (``zarr`` or ``zarr-0`` and ``@level``: at that zstd level)."""
     from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
 
-    from zarr_rb import ZarrStorage
+    from zarr_rb import Compression, ZarrStorage
+
+    kind, _, level = kind.partition("@")
+    compression = Compression(level=int(level)) if level else None
 
     rows = data.shape[0]
     path = Path(tempfile.mkdtemp(dir=where))
@@ -42,7 +47,10 @@ def fill(kind: str, data: Any, where: Path) -> tuple[float, float]:
             storage: Any = LazyMemmapStorage(rows, scratch_dir=path)
         else:
             storage = ZarrStorage(
-                rows, path / "rb.zarr", ram_bytes=0 if kind == "zarr-0" else "auto"
+                rows,
+                path / "rb.zarr",
+                ram_bytes=0 if kind == "zarr-0" else "auto",
+                compression=compression,
             )
         rb = TensorDictReplayBuffer(storage=storage, batch_size=256)
         wall, cpu = time.perf_counter(), time.process_time()
@@ -64,6 +72,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--storages", default=",".join(STORAGES))
+    parser.add_argument(
+        "--levels",
+        default="",
+        help="zstd levels to fill ZarrStorage at, in turn (default: its own)",
+    )
     parser.add_argument("--dir", type=Path, default=None, help="where the stores go")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -71,6 +84,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(kinds) - set(STORAGES)
     if unknown:
         parser.error(f"unknown storages {sorted(unknown)}: expected some of {STORAGES}")
+    if args.levels:
+        levels = [int(level) for level in args.levels.split(",")]
+        kinds = [
+            variant
+            for kind in kinds
+            for variant in ([kind] if kind == "memmap" else [f"{kind}@{n}" for n in levels])
+        ]
     sys.path.insert(0, str(HERE))
     import run
 
