@@ -4,8 +4,9 @@ A TorchRL transition stores ``obs`` and ``("next", "obs")``, and Atari observati
 of the last 4 frames: inside an episode ``next/obs[i] == obs[i + 1]``, and a stack shares 3
 frames with its neighbour. Storing each frame once would shrink the store 2x to 8x; whether it
 makes a random batch cheaper depends on what a read of scattered rows costs. This measures it
-on TensorStore arrays laid out as zarr_rb lays them out (sharded, zstd level 1, CRC32C), each
-layout read for the same 256 random transitions, in turn, so that noise falls on all alike::
+on TensorStore arrays laid out as zarr_rb lays them out (sharded, zstd, CRC32C; at level 1,
+zarr_rb's default when it was measured), each layout read for the same 256 random
+transitions, in turn, so that noise falls on all alike::
 
     python benchmarks/dedup.py                     # Pong and Ms. Pac-Man, 60 rounds
     python benchmarks/dedup.py --games breakout --rounds 100

@@ -64,9 +64,8 @@ class Compression:
         codec: ``"zstd"`` (default), ``"lz4"`` (Blosc-LZ4 without shuffle) or ``"none"``.
         level: compression level: zstd -131072 to 22 (negative levels are its fast ones),
             lz4 0-9. ``None`` (default): zstd -1, lz4 1. zstd -1 shrinks Atari frames by one
-            to two orders of magnitude (Pong 1/140, Ms. Pac-Man 1/28), and writes and reads
-            them about 10% faster than level 1 (1/143, 1/31), measured with
-            ``benchmarks/compression.py`` and ``benchmarks/fill.py``.
+            to two orders of magnitude (Pong 1/140, Ms. Pac-Man 1/28), and reads them
+            10-13% faster than level 1 (1/143, 1/31), with ``benchmarks/compression.py``.
         chunk_rows: rows per inner chunk of large leaves. Random row reads decode one
             inner chunk per row, so keep it small.
         block_rows: rows per shard of large leaves, which is also the unit in which
