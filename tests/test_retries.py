@@ -270,6 +270,18 @@ def _ring_of_8(path: Path, steps: int) -> TensorDictReplayBuffer:
     return rb
 
 
+def _add_a_key_at_row_2_and_reopen(rb: TensorDictReplayBuffer, path: Path) -> None:
+    """Extend row 2 (step 10) with a new key, ``extra``: every other row reads zeros in it,
+    and the store, flushed, reopens after a crash with rows 0-1 at steps 8-9 and cursor 3."""
+    rb.extend(_rows(torch.tensor([10])).set("extra", torch.ones(1)))
+    assert rb.storage._store.unreadable_rows().tolist() == []
+    got = rb.storage.get(torch.arange(8))
+    assert got["step"].tolist() == [8, 9, 10, 3, 4, 5, 6, 7]
+    assert got["extra"].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+    rb.storage.flush()
+    assert crash_and_read(rb, path) == ([8, 9, 10, 3, 4, 5, 6, 7], 3)
+
+
 def test_a_key_added_while_a_failed_block_written_behind_waits_reads_zeros_there(
     tmp_path: Path,
 ) -> None:
@@ -287,13 +299,7 @@ def test_a_key_added_while_a_failed_block_written_behind_waits_reads_zeros_there
         assert rb.storage._store.write_cache.writing is not None
         with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
             rb.extend(_rows(torch.arange(8, 10)).exclude("r"))  # rows 0-1
-        rb.extend(_rows(torch.tensor([10])).set("extra", torch.ones(1)))  # row 2: a new key
-        assert rb.storage._store.unreadable_rows().tolist() == []
-        got = rb.storage.get(torch.arange(8))
-        assert got["step"].tolist() == [8, 9, 10, 3, 4, 5, 6, 7]
-        assert got["extra"].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
-        rb.storage.flush()
-        assert crash_and_read(rb, path) == ([8, 9, 10, 3, 4, 5, 6, 7], 3)
+        _add_a_key_at_row_2_and_reopen(rb, path)
 
 
 def test_a_key_added_while_a_row_kept_before_a_failed_extend_of_some_keys_waits_reads_zeros(
@@ -307,13 +313,7 @@ def test_a_key_added_while_a_row_kept_before_a_failed_extend_of_some_keys_waits_
     rb.extend(_rows(torch.tensor([7])))  # row 7 waits in RAM (block 3)
     with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
         rb.extend(_rows(torch.arange(8, 10)).exclude("r"))  # rows 0-1, with block 3
-    rb.extend(_rows(torch.tensor([10])).set("extra", torch.ones(1)))  # row 2: a new key
-    assert rb.storage._store.unreadable_rows().tolist() == []
-    got = rb.storage.get(torch.arange(8))
-    assert got["step"].tolist() == [8, 9, 10, 3, 4, 5, 6, 7]
-    assert got["extra"].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
-    rb.storage.flush()
-    assert crash_and_read(rb, path) == ([8, 9, 10, 3, 4, 5, 6, 7], 3)
+    _add_a_key_at_row_2_and_reopen(rb, path)
 
 
 def test_a_key_added_while_a_failed_extend_of_some_keys_of_a_new_row_waits_reads_zeros(
