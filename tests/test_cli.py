@@ -56,7 +56,7 @@ def test_info_shows_keys_rows_episodes_and_the_writer(pong: PongRun, tmp_path: P
     assert f"single writer: pid {os.getpid()}" in text
     for key in ("observation", "next.reward", "collector.traj_ids"):
         assert key in text
-    assert "zstd 1" in text
+    assert "zstd -1" in text
     assert "holes     none" in text
 
 
