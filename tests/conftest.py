@@ -9,6 +9,8 @@ import os
 import re
 import threading
 import uuid
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -189,18 +191,33 @@ def fail_at_row_write(at: int, count: int = 1):
 
 class HeldBackWrites:
     """Writes of rows that land only when waited for (a slow disk, as seen by a block
-    written while the next rows come), or never, if the writer dies first (:meth:`drop`)."""
+    written while the next rows come), or never, if the writer dies first (:meth:`drop`).
+    Blocks written behind that :attr:`lands_now` picks land as they are started instead
+    (the disk took them at once): the write starts on the writer's thread, in its call,
+    and lands on its own."""
 
-    def __init__(self) -> None:
+    def __init__(self, lands_now: Callable[[int], bool] | None = None) -> None:
         self.pending: list[Any] = []
-        self.gates: dict[int, threading.Event] = {}
+        self.gates: weakref.WeakKeyDictionary[Any, threading.Event] = weakref.WeakKeyDictionary()
+        """The gate of each write started (by the object that waits for it: never by its
+        ``id``, which a later write may take once it is gone, and with it an open gate)."""
         self.open = False  # every write lands as it is started
+        self.lands_now = lands_now or (lambda n: False)
+        """Whether the ``n``-th block written behind (from 1) lands as it is started."""
+        self.behind = 0  # blocks written behind so far
+        self.starting_now = False  # the block being started lands as it is started
+        self.landing: list[Any] = []
+        """The landing of each block that lands as it is started (``PendingWrite.landed``)."""
 
     def drop(self) -> None:
-        """The process dies: the writes not waited for never land."""
+        """The process dies: the writes not waited for never land; those that land as they
+        are started have landed (so that none lands after the store is opened again)."""
         for future in self.pending:
             future.dropped = True
         self.pending.clear()
+        landing, self.landing = self.landing, []
+        for landed in landing:
+            landed.result()
 
 
 class _HeldBackFuture:
@@ -221,19 +238,23 @@ class _HeldBackFuture:
 
 
 @contextlib.contextmanager
-def writes_held_back():
+def writes_held_back(lands_now: Callable[[int], bool] | None = None):
     """Inside, every write of row data started by the arrays lands when it is waited for
     (see :class:`HeldBackWrites`); a write started to land on its own thread (a block
-    written while the next rows come) waits there until the writer waits for it."""
+    written while the next rows come) waits there until the writer waits for it, but the
+    blocks ``lands_now`` picks (by their number, from 1), which land as they are started."""
     from zarr_rb.core import arrays as core_arrays
     from zarr_rb.engine import rows as engine_rows
 
-    held = HeldBackWrites()
+    held = HeldBackWrites(lands_now)
     original = engine_rows.RowArray.start_write_rows
     land_method = core_arrays.StoreArrays.__dict__["_land"]
     land, finish = core_arrays.StoreArrays._land, core_arrays.StoreArrays.finish
+    start_rows = core_arrays.StoreArrays.start_rows
 
     def start(self: Any, rows: Any, values: Any, *, behind: bool = False) -> Any:
+        if held.starting_now:
+            return original(self, rows, values, behind=behind)
         # The real write (its announcement included: a fault or a crash injected at it
         # happens then) starts when the write is waited for, from a copy of the values.
         copy = values.copy()
@@ -243,19 +264,34 @@ def writes_held_back():
         held.pending.append(future)
         return future, keys
 
+    def counted_start_rows(self: Any, writes: Any, **kwargs: Any) -> Any:
+        # (On the writer's thread: which block lands at once follows the order of calls.)
+        if kwargs.get("behind"):
+            held.behind += 1
+            held.starting_now = held.lands_now(held.behind)
+        try:
+            pending = start_rows(self, writes, **kwargs)
+        finally:
+            now, held.starting_now = held.starting_now, False
+        if now:
+            held.gates.setdefault(pending, threading.Event()).set()
+            held.landing.append(pending.landed)
+        return pending
+
     def gated_land(pending: Any) -> Any:
         # Until the writer waits for it, or dies (its writes are dropped: they fail here).
-        gate = held.gates.setdefault(id(pending), threading.Event())
+        gate = held.gates.setdefault(pending, threading.Event())
         while not gate.wait(0.01):
             if held.open or all(getattr(f, "dropped", False) for f in pending.futures):
                 break
         return land(pending)
 
     def opening_finish(self: Any, pending: Any, **kwargs: Any) -> Any:
-        held.gates.setdefault(id(pending), threading.Event()).set()
+        held.gates.setdefault(pending, threading.Event()).set()
         return finish(self, pending, **kwargs)
 
     engine_rows.RowArray.start_write_rows = start  # type: ignore[method-assign]
+    core_arrays.StoreArrays.start_rows = counted_start_rows  # type: ignore[method-assign]
     core_arrays.StoreArrays._land = staticmethod(gated_land)  # type: ignore[method-assign,assignment]
     core_arrays.StoreArrays.finish = opening_finish  # type: ignore[method-assign]
     try:
@@ -263,5 +299,6 @@ def writes_held_back():
     finally:
         held.open = True  # (no thread is left waiting)
         engine_rows.RowArray.start_write_rows = original  # type: ignore[method-assign]
+        core_arrays.StoreArrays.start_rows = start_rows  # type: ignore[method-assign]
         core_arrays.StoreArrays._land = land_method  # type: ignore[method-assign]
         core_arrays.StoreArrays.finish = finish  # type: ignore[method-assign]

@@ -36,7 +36,8 @@ The twin then becomes the reopened state, and the buffers go on. Stores have ``n
 of the default layout and for one chunk (the layout's limits lowered to a test's scale);
 the RAM tier on (``ram_bytes="auto"``) or off (``0``); writes of rows landing as they are
 started, or only when waited for (a crash then finds a block written while the next rows
-come not on disk at all).
+come not on disk at all), or blocks written while the next rows come landing in turn as
+they are started and when waited for (the disk takes some at once).
 
 Writes may fail (a full disk at a given write of row data, once or several times): the
 failed extend, overwrite or flush raises a typed error and keeps what it wrote in RAM, so
@@ -196,7 +197,7 @@ class CrashMachine(RuleBasedStateMachine):
         envs=st.sampled_from([1, 1, 3]),
         wide_rows=st.sampled_from([False, False, True]),
         ram_bytes=st.sampled_from(["auto", 0]),
-        held_back=st.sampled_from([True, True, False]),
+        landing=st.sampled_from(["waited", "waited", "started", "mixed"]),
     )
     def setup(
         self,
@@ -204,12 +205,17 @@ class CrashMachine(RuleBasedStateMachine):
         envs: int,
         wide_rows: bool,
         ram_bytes: int | str,
-        held_back: bool,
+        landing: str,
     ) -> None:
         self.limits = contextlib.ExitStack()
-        # Writes of rows land only when waited for: a crash finds the block written while
-        # the next rows come not on disk at all (else it lands as it is started).
-        self.held = self.limits.enter_context(writes_held_back()) if held_back else None
+        # "waited": writes of rows land only when waited for (a crash finds the block
+        # written while the next rows come not on disk at all); "started": as they are
+        # started; "mixed": every second block written behind lands as it is started, the
+        # others when waited for.
+        self.held = None
+        if landing != "started":
+            lands_now = (lambda n: n % 2 == 0) if landing == "mixed" else None
+            self.held = self.limits.enter_context(writes_held_back(lands_now))
         if wide_rows:
             # Rows too wide for a block of the default layout and for one chunk, at a scale
             # a test can run: blocks of 1 row, each row cut into several chunks.
@@ -432,6 +438,20 @@ class CrashMachine(RuleBasedStateMachine):
         self.extend(block - self.cursor % block)
         if then:
             self.extend(then)
+        if die:
+            self.crash(load=False)
+
+    @precondition(lambda self: self.envs == 1 and 0 < self.length < ROWS)
+    @rule(past=st.integers(0, 7), die=st.booleans())
+    def extend_around_past_the_commit(self, past: int, die: bool) -> None:
+        """In the ring's first lap, one extend goes around the ring and ends ``past`` rows
+        past the length of the last commit, whose rows after it (perhaps the block of its
+        last row, in RAM or written behind) may not be committed yet: the rows it ends on
+        wait in RAM, and its commit must declare a state it went through (one declared the
+        new lap's rows before them, without its rows at the end of the ring, once).
+        ``die``: the writer crashes then."""
+        committed = self.zarr.storage._store.committed.length
+        self.extend(ROWS - self.cursor + committed + past)
         if die:
             self.crash(load=False)
 

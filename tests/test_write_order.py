@@ -336,3 +336,31 @@ def test_a_failed_block_written_behind_lands_before_the_extend_of_some_keys_afte
         got = crash_and_read(rb, path)
     _at_their_step_or_rewritten(got)
     assert got == ([8, 9, 10, 11, 12, 5, 106, 107], 5)
+
+
+def test_an_extend_that_wraps_past_the_committed_rows_of_the_first_lap_commits_a_state(
+    tmp_path: Path,
+) -> None:
+    """The ring's first lap, committed up to row 8 of 20 (blocks of 4; rows 8-11 were
+    extended, their block written while the next rows come), then one extend of 19 rows:
+    rows 12-19, then 0-10, its rows 8-10 waiting in RAM at the end. Its commit declared
+    rows 0-7 (with the new lap's values, rows past 8 waiting for rows 8-10 to land) and a
+    cursor at 11: a crash reopened a buffer of length 8 whose writer appended at 11, in
+    a state the buffer never was in (no state holds the new lap's rows 0-7 and not its rows
+    12-19). Every commit records a state the buffer went through."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(20, path, compression=Compression(block_rows=4, chunk_rows=2))
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    step = 0
+    states = [([], 0)]  # (steps of rows [0, len), cursor) after each row extended
+    ring: list[int] = []
+    for n in (1, 3, 1, 3, 2, 2, 19):
+        rb.extend(_rows(torch.arange(step, step + n)))
+        for s in range(step, step + n):
+            if len(ring) < 20:
+                ring.append(s)
+            else:
+                ring[s % 20] = s
+            states.append((list(ring), (s + 1) % 20))
+        step += n
+    assert crash_and_read(rb, path) in states

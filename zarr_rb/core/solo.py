@@ -264,7 +264,24 @@ class SoloCommits(SoloKeys):
         first_missing = _first_unset(readable, self.committed.length, self.store.length_rows)
         if first_missing is not None:
             readable[first_missing:] = False
-        self._publish_mask(readable, rewrite=self._rewrote_published)
+        cursor, after = self._committable_cursor(readable)
+        if _length_of(readable) < self._length_extended(after):
+            # The rows cut there were extended before the cursor: the extends since the
+            # last commit went around the ring past it (the first lap, committed short of
+            # the rows waiting), so no state they went through holds just these rows (they
+            # hold the new lap's values). Commits wait until those rows land.
+            return
+        self._publish_mask(readable, rewrite=self._rewrote_published, committable=(cursor, after))
+
+    def _length_extended(self, after: int) -> int:
+        """The length a commit whose cursor ``after`` rows extended since the last commit
+        precede must declare at least: one past the last row extended before that cursor
+        (the whole ring once they went around it)."""
+        assert self.store.write_cache is not None
+        extended = self._advanced - after
+        if not extended:
+            return 0
+        return min(self.store.write_cache.rows, self._written_from + extended)
 
     def _committable_cursor(self, readable: np.ndarray) -> tuple[int, int]:
         """The cursor a commit that declares the ``readable`` rows records: this writer's,
@@ -298,12 +315,20 @@ class SoloCommits(SoloKeys):
         return (start + first) % rows, span - first
 
     def _publish_mask(
-        self, readable: np.ndarray, *, length: int | None = None, rewrite: bool = False
+        self,
+        readable: np.ndarray,
+        *,
+        length: int | None = None,
+        rewrite: bool = False,
+        committable: tuple[int, int] | None = None,
     ) -> None:
         """Publish a commit declaring the ``readable`` rows; ``rewrite``: rows the last
-        commit declared readable are about to be written over (the epoch moves)."""
+        commit declared readable are about to be written over (the epoch moves).
+        ``committable``: :meth:`_committable_cursor` of ``readable``, if known."""
         assert self.store.ledger is not None
-        cursor, after = self._committable_cursor(readable)
+        if committable is None:
+            committable = self._committable_cursor(readable)
+        cursor, after = committable
         commit = commit_from_mask(
             readable, generation=self.committed.generation + 1, cursor=cursor, length=length
         )
@@ -388,6 +413,12 @@ class SoloCommits(SoloKeys):
         ):
             return ObjectEra(token=secrets.token_hex(8))
         return ObjectEra(token=era.token, slots=era.slots + created)
+
+
+def _length_of(readable: np.ndarray) -> int:
+    """One past the last row ``readable`` sets (the length a commit of it declares)."""
+    rows = np.flatnonzero(readable)
+    return int(rows[-1]) + 1 if rows.size else 0
 
 
 def _first_unset(mask: np.ndarray, start: int, stop: int) -> int | None:
