@@ -20,7 +20,9 @@ from conftest import crash_and_read, fail_at_row_write, writes_held_back
 from tensordict import LazyStackedTensorDict, TensorDict, lazy_stack
 from torchrl.data import TensorDictReplayBuffer
 
+import zarr_rb
 from zarr_rb import Compression, StoreWriteError, ZarrStorage
+from zarr_rb.testing import simulate_crash
 
 LONG = 20_000
 """Tokens of a row too long to wait in RAM (80 kB, with the limit lowered to 64 KiB)."""
@@ -364,3 +366,64 @@ def test_an_extend_that_wraps_past_the_committed_rows_of_the_first_lap_commits_a
             states.append((list(ring), (s + 1) % 20))
         step += n
     assert crash_and_read(rb, path) in states
+
+
+def test_a_failed_extend_s_rows_in_the_block_an_extend_ends_in_land_before_its_later_rows(
+    tmp_path: Path,
+) -> None:
+    """A full ring of 20 rows in blocks of 8, cursor at 4 (committed); an extend of rows
+    4-19 fails and waits in RAM (rows 4-7 in block 0, rows 8-19 in blocks 1-2). The next
+    extend (rows 0-2) ends in block 0 and wrote blocks 1-2 alone: rows 8-19 landed before
+    rows 4-7, which were extended before them, and the commit recorded cursor 4 with rows
+    8-19 new (a state the buffer never was in). Block 0 is written with them."""
+    path = tmp_path / "rb.zarr"
+    compression = Compression(block_rows=8, chunk_rows=2)
+    storage = ZarrStorage(20, path, compression=compression, ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(_rows(torch.arange(20)))
+    rb.extend(_rows(torch.arange(20, 24)))  # rows 0-3, the cursor at 4
+    rb.storage.flush()
+    with fail_at_row_write(1, 2), pytest.raises(StoreWriteError):
+        rb.extend(_rows(torch.arange(24, 40)))  # rows 4-19
+    rb.extend(_rows(torch.arange(40, 43)))  # rows 0-2
+    ring = [*range(20, 24), *range(4, 20)]
+    states = [(list(ring), 4)]
+    for step in range(24, 43):
+        ring[step % 20] = step
+        states.append((list(ring), (step + 1) % 20))
+    assert crash_and_read(rb, path) in states
+
+
+def _obs(value: float, n: int) -> TensorDict:
+    return TensorDict({"obs": torch.full((n, 3), value)}, [n])
+
+
+def test_a_flush_after_rows_set_twice_commits_them(tmp_path: Path) -> None:
+    """``storage.set`` of rows written since the last commit (the same rows again) moves
+    the cursor back, not on: a commit must not take them for rows that went on past the
+    rows on disk and wait (found by a review of the commit that waits when extends went
+    around the ring past rows waiting: it waited here, and the flush committed nothing)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(100, path, compression=Compression(block_rows=4))
+    storage.set(torch.arange(10), _obs(1.0, 10))
+    storage.flush()
+    storage.set(torch.arange(10), _obs(2.0, 10))  # the same rows again
+    storage.flush()
+    simulate_crash(storage)
+    with ZarrStorage(path=path) as reopened:
+        assert reopened.get(torch.arange(10))["obs"][:, 0].tolist() == [2.0] * 10
+
+
+def test_commits_go_on_after_rows_set_twice(tmp_path: Path) -> None:
+    """As above, then an extend from the writer's own cursor: the save commits every row."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(40, path, compression=Compression(block_rows=4))
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(_obs(0.0, 8))
+    storage.flush()
+    storage.set(torch.tensor([8, 9]), _obs(1.0, 2))
+    storage.set(torch.tensor([8, 9]), _obs(2.0, 2))
+    rb.extend(_obs(3.0, 12))  # the writer's cursor is 8: rows 8-19
+    zarr_rb.save(rb)
+    committed = storage._store.committed
+    assert (committed.length, committed.cursor) == (20, 20)

@@ -66,6 +66,10 @@ class SoloCommits(SoloKeys):
         self._advanced = 0
         """Rows extended since then: from a whole ring on, the cursor is back where they
         started, and every position holds one of them."""
+        self._out_of_order = False
+        """Rows written since then that moved the cursor without running on from it
+        (``storage.set`` at given rows, as TorchRL's max-value writer makes): the rows
+        since no longer run on from :attr:`_written_from` (see :meth:`_length_extended`)."""
         self._extended = Extended()
         """An archive's positions extended since the last commit (its history grows by
         those a commit publishes)."""
@@ -113,6 +117,8 @@ class SoloCommits(SoloKeys):
         store.version += 1
         self._being_written(rows, extended=cursor is not None)
         if cursor is not None:
+            if not _run_on(rows, self.cursor, cursor, store.write_cache.rows):
+                self._out_of_order = True
             self.cursor = cursor
             self._advanced += int(rows.size)
             if store.archive:
@@ -170,6 +176,7 @@ class SoloCommits(SoloKeys):
         super().move_cursor(cursor)
         self._written_from = cursor
         self._advanced = 0
+        self._out_of_order = False
         self._extended.restart()
 
     def empty(self) -> None:
@@ -265,7 +272,7 @@ class SoloCommits(SoloKeys):
         if first_missing is not None:
             readable[first_missing:] = False
         cursor, after = self._committable_cursor(readable)
-        if _length_of(readable) < self._length_extended(after):
+        if not self._out_of_order and _length_of(readable) < self._length_extended(after):
             # The rows cut there were extended before the cursor: the extends since the
             # last commit went around the ring past it (the first lap, committed short of
             # the rows waiting), so no state they went through holds just these rows (they
@@ -361,6 +368,7 @@ class SoloCommits(SoloKeys):
             return
         self.publish(commit)
         self._advanced = after  # (the rows extended since its cursor)
+        self._out_of_order &= after > 0
         self.store.ledger.published_as(readable)
         self._rewrote_published = False
         if waiting is not None:
@@ -392,6 +400,7 @@ class SoloCommits(SoloKeys):
         if rows:
             self._written_from = commit.cursor
             self._advanced = 0
+            self._out_of_order = False
         self._schema_on_disk = meta.schema
         self._replaced_published = replaced
         self._created_slots.clear()
@@ -413,6 +422,23 @@ class SoloCommits(SoloKeys):
         ):
             return ObjectEra(token=secrets.token_hex(8))
         return ObjectEra(token=era.token, slots=era.slots + created)
+
+
+def _run_on(rows: np.ndarray, start: int, cursor: int, ring: int) -> bool:
+    """Whether ``rows`` (sorted, unique) run on from ``start`` around a ring of ``ring``
+    rows, ending just before ``cursor`` (an extend's rows; every row, for a ring or more)."""
+    n = rows.size
+    if n >= ring:
+        return True
+    if (cursor - start) % ring != n:
+        return False
+    end = start + n
+    if end <= ring:
+        return bool(rows[0] == start and rows[-1] == end - 1)
+    wrapped = end - ring  # rows [0, wrapped) and [start, ring)
+    return bool(
+        rows[wrapped - 1] == wrapped - 1 and rows[wrapped] == start and rows[-1] == ring - 1
+    )
 
 
 def _length_of(readable: np.ndarray) -> int:

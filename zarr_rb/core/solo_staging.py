@@ -88,9 +88,11 @@ class SoloStaging(SoloWrites):
             block_rows = cache.block_rows
             last = (self.cursor - 1) % cache.rows // block_rows
             passed = {block.index for block in cache} - {last}
-            if last in before and (rows // block_rows != last).any():
-                # The extend went around the ring back into the block an earlier one ended
-                # in: that block's earlier rows come before this extend's other rows.
+            if last in before and (passed or (rows // block_rows != last).any()):
+                # The block it ends in waited in RAM with rows extended earlier: the extend
+                # went around the ring back into the block an earlier one ended in, or a
+                # failed extend's rows wait there and in the blocks written now. Its
+                # earlier rows come before the rows written now.
                 passed.add(last)
             full = sorted(set(full) | passed)
         elif full or len(cache) > _MAX_STAGED_BLOCKS:
