@@ -441,7 +441,7 @@ class CrashMachine(RuleBasedStateMachine):
         if die:
             self.crash(load=False)
 
-    @precondition(lambda self: self.envs == 1 and 0 < self.length < ROWS)
+    @precondition(lambda self: 0 < self.length < ROWS)
     @rule(past=st.integers(0, 7), die=st.booleans())
     def extend_around_past_the_commit(self, past: int, die: bool) -> None:
         """In the ring's first lap, one extend goes around the ring and ends ``past`` rows
@@ -982,9 +982,9 @@ class CrashMachine(RuleBasedStateMachine):
 
 
 CrashMachine.TestCase.settings = settings(
-    # (55, not 60, since keys are added: the run takes about as long as it did; its time
-    # depends on the sequences drawn, which the rules of added keys changed.)
-    max_examples=55,
+    # (45: the run's time depends on the sequences its seed draws, which each change to the
+    # rules changes; 45 take 17 s here, 55 took 31 s once blocks landed in three ways.)
+    max_examples=45,
     stateful_step_count=30,
     derandomize=True,  # the same sequences on every run; -m slow draws new ones
     database=None,
