@@ -427,3 +427,37 @@ def test_commits_go_on_after_rows_set_twice(tmp_path: Path) -> None:
     zarr_rb.save(rb)
     committed = storage._store.committed
     assert (committed.length, committed.cursor) == (20, 20)
+
+
+def test_an_extend_around_the_first_lap_after_a_row_set_at_a_given_position_commits_a_state(
+    tmp_path: Path,
+) -> None:
+    """As the test of an extend that wraps past the committed rows of the first lap, after
+    ``storage.set`` of one row (which moves the store's cursor, not the writer's): the
+    extend then does not run on from the store's cursor, which turned the check of those
+    commits off, and the commit declared length 6 with the cursor at 8 (found by a review).
+    Ring of 19 rows, blocks of 6."""
+    path = tmp_path / "rb.zarr"
+    compression = Compression(block_rows=6, chunk_rows=2)
+    storage = ZarrStorage(19, path, compression=compression, ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    ring: list[int] = []
+    states = [(list(ring), 0)]
+
+    def extend(steps: range) -> None:
+        rb.extend(_rows(torch.tensor(list(steps))))
+        for step in steps:
+            if len(ring) < 19:
+                ring.append(step)
+            else:
+                ring[step % 19] = step
+            states.append((list(ring), (step + 1) % 19))
+
+    for start, n in ((0, 4), (4, 2), (6, 4), (10, 4), (14, 2)):
+        extend(range(start, start + n))  # rows 0-15
+    row = _rows(torch.tensor([100])).set("index", torch.tensor([14]))
+    storage.set(torch.tensor([14]), row)  # the store's cursor at 15, the writer's at 16
+    ring[14] = 100
+    states.append((list(ring), 15))
+    extend(range(16, 27))  # rows 16-18, then 0-7
+    assert crash_and_read(rb, path) in states

@@ -272,13 +272,34 @@ class SoloCommits(SoloKeys):
         if first_missing is not None:
             readable[first_missing:] = False
         cursor, after = self._committable_cursor(readable)
-        if not self._out_of_order and _length_of(readable) < self._length_extended(after):
+        if self._declares_no_state(readable, first_missing, cursor, after):
             # The rows cut there were extended before the cursor: the extends since the
             # last commit went around the ring past it (the first lap, committed short of
             # the rows waiting), so no state they went through holds just these rows (they
             # hold the new lap's values). Commits wait until those rows land.
             return
         self._publish_mask(readable, rewrite=self._rewrote_published, committable=(cursor, after))
+
+    def _declares_no_state(
+        self, readable: np.ndarray, cut: int | None, cursor: int, after: int
+    ) -> bool:
+        """Whether a commit of ``readable`` (cut at row ``cut``: rows past the last commit
+        from there on are not on disk), with ``cursor`` and ``after`` rows extended past
+        it, would declare rows of the ring's first lap that no state the buffer went through
+        holds (see ``docs/design/ring.md``, "A commit declares rows past")."""
+        cache = self.store.write_cache
+        assert cache is not None
+        length = _length_of(readable)
+        if length >= cache.rows:
+            return False
+        if cursor > length:
+            return True  # (rows between the length and the cursor: never a state)
+        if not self._out_of_order:
+            return length < self._length_extended(after)
+        # Writes at given rows moved the cursor since the last commit: the rows since do
+        # not run on from it. A cut at a row waiting in RAM, after rows the last commit
+        # declared were written over, may be such an extend's.
+        return self._rewrote_published and cut is not None and bool(np.isin(cut, cache.held_rows()))
 
     def _length_extended(self, after: int) -> int:
         """The length a commit whose cursor ``after`` rows extended since the last commit
@@ -366,9 +387,10 @@ class SoloCommits(SoloKeys):
             and self.store.schema == self._schema_on_disk
         ):
             return
+        out_of_order = self._out_of_order
         self.publish(commit)
         self._advanced = after  # (the rows extended since its cursor)
-        self._out_of_order &= after > 0
+        self._out_of_order = out_of_order and after > 0
         self.store.ledger.published_as(readable)
         self._rewrote_published = False
         if waiting is not None:
