@@ -70,6 +70,29 @@ def extended(rows: int) -> list[tuple[list[int], int]]:
     return states
 
 
+class _Ring:
+    """The states a ring of ``size`` rows goes through, from empty, as steps are extended
+    into it (step ``s`` goes to row ``s % size``; each a consecutive step): the steps of
+    rows ``[0, len)`` and the cursor after each."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.rows: list[int] = []
+        self.states: list[tuple[list[int], int]] = [([], 0)]
+
+    def extend(self, steps: range) -> None:
+        for step in steps:
+            if len(self.rows) < self.size:
+                self.rows.append(step)
+            else:
+                self.rows[step % self.size] = step
+            self.states.append((list(self.rows), (step + 1) % self.size))
+
+    def since_now(self) -> None:
+        """Drop the states before this one (a durable point: a crash keeps it)."""
+        self.states = self.states[-1:]
+
+
 @pytest.fixture
 def long_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("zarr_rb.core.solo_staging.STAGED_RAGGED_BYTES", 64 * 1024)
@@ -353,19 +376,12 @@ def test_an_extend_that_wraps_past_the_committed_rows_of_the_first_lap_commits_a
     path = tmp_path / "rb.zarr"
     storage = ZarrStorage(20, path, compression=Compression(block_rows=4, chunk_rows=2))
     rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
-    step = 0
-    states = [([], 0)]  # (steps of rows [0, len), cursor) after each row extended
-    ring: list[int] = []
+    ring, step = _Ring(20), 0
     for n in (1, 3, 1, 3, 2, 2, 19):
         rb.extend(_rows(torch.arange(step, step + n)))
-        for s in range(step, step + n):
-            if len(ring) < 20:
-                ring.append(s)
-            else:
-                ring[s % 20] = s
-            states.append((list(ring), (s + 1) % 20))
+        ring.extend(range(step, step + n))
         step += n
-    assert crash_and_read(rb, path) in states
+    assert crash_and_read(rb, path) in ring.states
 
 
 def test_a_failed_extend_s_rows_in_the_block_an_extend_ends_in_land_before_its_later_rows(
@@ -386,12 +402,11 @@ def test_a_failed_extend_s_rows_in_the_block_an_extend_ends_in_land_before_its_l
     with fail_at_row_write(1, 2), pytest.raises(StoreWriteError):
         rb.extend(_rows(torch.arange(24, 40)))  # rows 4-19
     rb.extend(_rows(torch.arange(40, 43)))  # rows 0-2
-    ring = [*range(20, 24), *range(4, 20)]
-    states = [(list(ring), 4)]
-    for step in range(24, 43):
-        ring[step % 20] = step
-        states.append((list(ring), (step + 1) % 20))
-    assert crash_and_read(rb, path) in states
+    ring = _Ring(20)
+    ring.extend(range(24))
+    ring.since_now()  # (the flush)
+    ring.extend(range(24, 43))
+    assert crash_and_read(rb, path) in ring.states
 
 
 def _obs(value: float, n: int) -> TensorDict:
@@ -441,23 +456,17 @@ def test_an_extend_around_the_first_lap_after_a_row_set_at_a_given_position_comm
     compression = Compression(block_rows=6, chunk_rows=2)
     storage = ZarrStorage(19, path, compression=compression, ram_bytes=0)
     rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
-    ring: list[int] = []
-    states = [(list(ring), 0)]
+    ring = _Ring(19)
 
     def extend(steps: range) -> None:
         rb.extend(_rows(torch.tensor(list(steps))))
-        for step in steps:
-            if len(ring) < 19:
-                ring.append(step)
-            else:
-                ring[step % 19] = step
-            states.append((list(ring), (step + 1) % 19))
+        ring.extend(steps)
 
     for start, n in ((0, 4), (4, 2), (6, 4), (10, 4), (14, 2)):
         extend(range(start, start + n))  # rows 0-15
     row = _rows(torch.tensor([100])).set("index", torch.tensor([14]))
     storage.set(torch.tensor([14]), row)  # the store's cursor at 15, the writer's at 16
-    ring[14] = 100
-    states.append((list(ring), 15))
+    ring.rows[14] = 100
+    ring.states.append((list(ring.rows), 15))
     extend(range(16, 27))  # rows 16-18, then 0-7
-    assert crash_and_read(rb, path) in states
+    assert crash_and_read(rb, path) in ring.states
