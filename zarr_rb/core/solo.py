@@ -39,7 +39,13 @@ from zarr_rb.core.reader import reread_commit
 from zarr_rb.core.solo_keys import SoloKeys
 from zarr_rb.core.solo_writes import block_write
 from zarr_rb.errors import NotSupportedError, StoreWriteError
-from zarr_rb.format.commit import ERA_SLOTS, Commit, ObjectEra, commit_from_mask
+from zarr_rb.format.commit import (
+    ERA_SLOTS,
+    Commit,
+    ObjectEra,
+    commit_from_mask,
+    declared_length,
+)
 from zarr_rb.format.names import ATTRS_KEY
 from zarr_rb.format.record import Saved, StoreMeta
 from zarr_rb.format.runs import RunMap
@@ -289,7 +295,7 @@ class SoloCommits(SoloKeys):
         holds (see ``docs/design/ring.md``, "A commit declares rows past")."""
         cache = self.store.write_cache
         assert cache is not None
-        length = _length_of(readable)
+        length = declared_length(readable)
         if length >= cache.rows:
             return False
         if cursor > length:
@@ -461,12 +467,6 @@ def _run_on(rows: np.ndarray, start: int, cursor: int, ring: int) -> bool:
     return bool(
         rows[wrapped - 1] == wrapped - 1 and rows[wrapped] == start and rows[-1] == ring - 1
     )
-
-
-def _length_of(readable: np.ndarray) -> int:
-    """One past the last row ``readable`` sets (the length a commit of it declares)."""
-    rows = np.flatnonzero(readable)
-    return int(rows[-1]) + 1 if rows.size else 0
 
 
 def _first_unset(mask: np.ndarray, start: int, stop: int) -> int | None:

@@ -264,6 +264,13 @@ def mask_to_ranges(mask: np.ndarray) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True))
 
 
+def declared_length(readable: np.ndarray) -> int:
+    """One past the last ``True`` row of ``readable``: the length a commit of it declares
+    (see :func:`commit_from_mask`)."""
+    rows = np.flatnonzero(readable)
+    return int(rows[-1]) + 1 if rows.size else 0
+
+
 def commit_from_mask(
     readable: np.ndarray,
     *,
@@ -276,8 +283,7 @@ def commit_from_mask(
     ``length`` defaults to one past the last readable row; pass the current length to
     withdraw rows at the end as holes rather than shrinking the buffer.
     """
-    true_rows = np.flatnonzero(readable)
-    last = int(true_rows[-1]) + 1 if true_rows.size else 0
+    last = declared_length(readable)
     length = last if length is None else max(length, last)
     if length > readable.size:  # rows past the mask: none of them readable
         readable = np.concatenate((readable, np.zeros(length - readable.size, dtype=bool)))
