@@ -1,6 +1,6 @@
 """Every Python sample of the README and of the documentation's pages (``docs/``) runs as
-written: each in a fresh interpreter, a page's samples in order, in one working directory of
-that page's own, as a reader following the page would."""
+written: each as ``python -c`` would run it (``sample_runner``), a page's samples in order,
+in one working directory of that page's own, as a reader following the page would."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from s3_server import S3Server, create_bucket
+from sample_runner import SampleRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -78,11 +79,13 @@ def workdirs(tmp_path_factory: pytest.TempPathFactory, demo_store: Path) -> Call
 
 
 @pytest.fixture(scope="module")
-def s3_env(s3_server: S3Server) -> dict[str, str]:
-    """The environment of a machine pointed at the test S3 server, which has the bucket
+def runner(s3_server: S3Server) -> Iterator[SampleRunner]:
+    """Runs samples on a machine pointed at the test S3 server, which has the bucket
     ``buffers`` the samples use."""
     create_bucket(s3_server, "buffers")
-    return {**os.environ, **s3_server.env()}
+    runner = SampleRunner({**os.environ, **s3_server.env()})
+    yield runner
+    runner.close()
 
 
 @pytest.mark.parametrize(
@@ -91,16 +94,9 @@ def s3_env(s3_server: S3Server) -> dict[str, str]:
     ids=[f"{page}-{number}" for page, number, _ in SAMPLES],
 )
 def test_sample_runs(
-    workdirs: Callable[[str], Path], s3_env: dict[str, str], page: str, number: int, sample: str
+    workdirs: Callable[[str], Path], runner: SampleRunner, page: str, number: int, sample: str
 ) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", sample],
-        cwd=workdirs(page),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=s3_env,
-    )
+    result = runner.run(sample, cwd=workdirs(page), timeout=300)
     assert result.returncode == 0, f"{page}, sample {number} failed:\n{result.stderr[-3000:]}"
 
 

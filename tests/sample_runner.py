@@ -1,0 +1,171 @@
+"""Runs Python samples as ``python -c`` would, without paying for the imports each time.
+
+A sample run with ``python -c`` spends most of its time importing torch and TorchRL (about
+4 s here, for samples that run in under a second). ``SampleRunner`` starts one interpreter
+that imports those libraries and nothing else, then forks it once per sample. The child is
+the fresh interpreter the sample would have had, with the libraries already in
+``sys.modules``:
+
+- the sample runs as a fresh ``__main__`` module whose namespace holds nothing the runner
+  imported (a sample that forgets an import still fails), with ``sys.argv == ["-c"]``;
+- in its own working directory and process group, stdin from ``/dev/null``, stdout and
+  stderr captured;
+- it ends as an interpreter ends (threads that are not daemons are waited for, then
+  ``atexit`` handlers run), with the exit status ``python -c`` would give: 0, 1 after an
+  uncaught exception with its traceback on stderr, or the code of ``SystemExit``. The
+  modules are not torn down (that takes over a second with torch imported), so an object
+  that needs its ``__del__`` at exit to finish its work fails here, as it may for a user.
+
+The runner itself never runs a torch operation, so no thread pool of torch's exists when it
+forks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+# The libraries the samples import. Importing them before the fork is the whole point; a
+# sample importing anything else imports it itself, as it would in a fresh interpreter.
+PRELOAD = [
+    "numpy",
+    "torch",
+    "tensordict",
+    "torchrl.data",
+    "zarr_rb",
+    "zarr_rb.storage",
+]
+
+_SERVER = r"""
+import atexit, importlib, json, os, signal, sys, tempfile, threading, time, traceback, types
+
+for name in json.loads(sys.argv[1]):
+    importlib.import_module(name)
+requests, answers = sys.stdin, sys.stdout
+answers.write("ready\n")
+answers.flush()
+
+
+def run(code, cwd):
+    # In the forked child: become what `python -c code` run in cwd would be.
+    os.setpgid(0, 0)
+    os.chdir(cwd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    sys.stdin = open(0, closefd=False)
+    main = types.ModuleType("__main__")
+    main.__builtins__ = __builtins__
+    sys.modules["__main__"] = main
+    sys.argv = ["-c"]
+    try:
+        exec(compile(code, "<string>", "exec"), main.__dict__)
+        status = 0
+    except SystemExit as stop:
+        status = exit_status(stop.code)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    # The end of an interpreter, in CPython's order: wait for the threads that are not
+    # daemons, run the atexit handlers, flush. Tearing down the modules (over a second with
+    # torch imported) is left out: it has nothing to say about the sample.
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def exit_status(code):
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+for line in requests:
+    request = json.loads(line)
+    out = tempfile.TemporaryFile()
+    err = tempfile.TemporaryFile()
+    child = os.fork()
+    if child == 0:
+        run(request["code"], request["cwd"])
+    deadline = time.monotonic() + request["timeout"]
+    while True:
+        done, status = os.waitpid(child, os.WNOHANG)
+        if done:
+            returncode = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() > deadline:
+            os.killpg(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            returncode = None
+            break
+        time.sleep(0.01)
+    # Whatever the sample left running in its group goes with it, as a test's would.
+    try:
+        os.killpg(child, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    out.seek(0)
+    err.seek(0)
+    answers.write(json.dumps({
+        "returncode": returncode,
+        "stdout": out.read().decode(errors="replace"),
+        "stderr": err.read().decode(errors="replace"),
+    }) + "\n")
+    answers.flush()
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """What a sample did: its exit status (``None`` when it outran its timeout), its
+    output."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+
+class SampleRunner:
+    """One interpreter with the libraries imported, forked for each sample (``run``);
+    ``close`` ends it."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, json.dumps(PRELOAD)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        ready = self._answer()
+        if ready != "ready\n":
+            raise RuntimeError(f"the sample runner did not start: {ready!r}")
+
+    def _answer(self) -> str:
+        assert self._process.stdout is not None
+        return self._process.stdout.readline()
+
+    def run(self, code: str, cwd: Path, timeout: float) -> Result:
+        """Runs ``code`` as ``python -c code`` would in ``cwd``; waits for it to end."""
+        assert self._process.stdin is not None
+        request = {"code": code, "cwd": str(cwd), "timeout": timeout}
+        self._process.stdin.write(json.dumps(request) + "\n")
+        self._process.stdin.flush()
+        answer = self._answer()
+        if not answer:
+            raise RuntimeError("the sample runner ended while it ran a sample")
+        return Result(**json.loads(answer))
+
+    def close(self) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.close()
+        self._process.wait()
