@@ -75,6 +75,11 @@ class PendingWrite:
     """A write ``behind``: the arrays TensorStore writes without a copy (see
     :meth:`released`)."""
 
+    def has_landed(self) -> bool:
+        """Whether a write ``behind`` has finished (written and synced, or failed): waiting
+        for it returns at once."""
+        return self.landed is not None and self.landed.done()
+
     def released(self) -> bool:
         """Whether TensorStore holds none of the arrays it wrote without a copy: their
         memory may take other values. (TensorStore may keep them after the write; it lets

@@ -111,11 +111,15 @@ class SoloCommits(SoloKeys):
         writing = store.write_cache.writing
         failed: StoreWriteError | None = None
         if writing is not None and (
-            cursor is None or np.any(rows // store.write_cache.block_rows == writing.index)
+            cursor is None
+            or np.any(rows // store.write_cache.block_rows == writing.index)
+            or self._in_flight_landed()
         ):
-            # Only an extend past the block in flight goes on beside it. If that block's
-            # write failed, it waits in RAM again, this call's rows are written (or kept)
-            # as usual, and the failure is raised at the end.
+            # Only an extend past the block in flight goes on beside it, until that block
+            # has landed: then its memory serves the next block (without this, a third
+            # block of RAM would be held from one block write to the next). If that
+            # block's write failed, it waits in RAM again, this call's rows are written (or
+            # kept) as usual, and the failure is raised at the end.
             try:
                 self.settle()
             except StoreWriteError as error:

@@ -39,6 +39,10 @@ class _Started:
     lost: np.ndarray
     """Rows that stopped being intact when the write started (rewritten in place)."""
 
+    def has_landed(self) -> bool:
+        """Whether finishing it waits for nothing."""
+        return self.pending is None or self.pending.has_landed()
+
     def released(self) -> bool:
         """Whether the memory it wrote from may take other rows (see
         :meth:`PendingWrite.released`)."""
@@ -307,6 +311,13 @@ class SoloWrites(SoloSlots):
             raise
         self._in_flight = started
         self.store.write_cache.start_writing(block)
+
+    def _in_flight_landed(self) -> bool:
+        """Whether a block write is in flight, has finished, and TensorStore let go of its
+        memory: settling it now waits for nothing, and gives that memory to the next block
+        (:meth:`WriteBuffer.written`)."""
+        started = self._in_flight
+        return started is not None and started.has_landed() and started.released()
 
     def settle(self, *, keep: bool = True) -> None:
         """Finish the block write in flight, if any: its rows become intact (the next commit
