@@ -7,6 +7,7 @@ machine, where wall-clock times vary most::
     python benchmarks/fill.py                        # Breakout, 8,192 rows, 5 rounds
     python benchmarks/fill.py --dataset random --storages zarr,zarr-0
     python benchmarks/fill.py --storages memmap,zarr --levels 1,-1   # zstd levels, in turn
+    python benchmarks/fill.py --dataset random --breakdown   # where ZarrStorage's time goes
 
 To compare two versions of zarr_rb, run it from each checkout in turn.
 """
@@ -14,12 +15,17 @@ To compare two versions of zarr_rb, run it from each checkout in turn.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
+import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +72,48 @@ def fill(kind: str, data: Any, where: Path) -> tuple[float, float]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+STEPS = {
+    "frames into the RAM tier": ("zarr_rb.core.ram_rows", "RamRows", "update_frames"),
+    "waiting for TensorStore's write": ("zarr_rb.core.solo_writes", "SoloWrites", "_finish_write"),
+    "commits": ("zarr_rb.core.solo", "SoloCommits", "_commit"),
+}
+"""What ``--breakdown`` times on the filling thread: the parts of ZarrStorage's extends."""
+
+
+@contextlib.contextmanager
+def breakdown(seconds: dict[str, float]) -> Iterator[None]:
+    """Adds to ``seconds`` the time the calling thread spends in each of :data:`STEPS`, and
+    in ``os.fsync`` (in the commits and elsewhere), while inside."""
+    import importlib
+
+    caller = threading.get_ident()
+    patched = []
+
+    def timed(label: str, function: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != caller:
+                return function(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - start
+
+        return run
+
+    for label, (module, cls, name) in STEPS.items():
+        owner = getattr(importlib.import_module(module), cls)
+        patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, timed(label, getattr(owner, name)))
+    patched.append((os, "fsync", os.fsync))
+    os.fsync = timed("fsync, on this thread", os.fsync)
+    try:
+        yield
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default="breakout", help="as run.py's (or 'random')")
@@ -79,6 +127,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--dir", type=Path, default=None, help="where the stores go")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also print the median time of each part of ZarrStorage's fills",
+    )
     args = parser.parse_args(argv)
     kinds = args.storages.split(",")
     unknown = set(kinds) - set(STORAGES)
@@ -96,10 +149,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     data = run.dataset(args.dataset, args.rows)
     times: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
+    parts: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
     with tempfile.TemporaryDirectory(dir=args.dir) as where:
         for round_ in range(args.rounds):
             for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
-                times[kind].append(fill(kind, data, Path(where)))
+                seconds: dict[str, float] = collections.defaultdict(float)
+                timing = breakdown(seconds) if args.breakdown else contextlib.nullcontext()
+                with timing:
+                    times[kind].append(fill(kind, data, Path(where)))
+                parts[kind].append(seconds)
     gb = data.bytes() / 1e9
     print(f"{args.dataset}, {args.rows:,} rows ({gb:.2f} GB), medians of {args.rounds} fills")
     print("| storage | wall s | CPU s | GB/s |\n|---|---|---|---|")
@@ -109,6 +167,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cpu = statistics.median(c for _, c in pairs)
         print(f"| {kind} | {wall:.3f} | {cpu:.3f} | {gb / wall:.2f} |")
         result["fills"][kind] = {"wall_s": wall, "cpu_s": cpu, "all": pairs}
+    if args.breakdown:
+        labels = [*STEPS, "fsync, on this thread"]
+        print("\n| storage, filling thread s | " + " | ".join(labels) + " |")
+        print("|---" * (len(labels) + 1) + "|")
+        for kind, rounds in parts.items():
+            if kind != "memmap":
+                medians = [statistics.median(r[label] for r in rounds) for label in labels]
+                print(f"| {kind} | " + " | ".join(f"{m:.3f}" for m in medians) + " |")
+                result["fills"][kind]["breakdown_s"] = dict(zip(labels, medians, strict=True))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return result
