@@ -498,3 +498,73 @@ def test_an_overwrite_after_a_failed_extend_commits_its_rows_in_order(tmp_path: 
             ring[step % 8] = step
         states.append(([step for step in ring if step is not None], p % 8))
     assert crash_and_read(rb, path) in states
+
+
+@pytest.mark.parametrize(("error", "before"), [(MemoryError, 4), (KeyboardInterrupt, 3)])
+def test_an_extend_that_fails_before_it_keeps_its_rows_leaves_a_hole_and_commits_go_on(
+    tmp_path: Path, error: type[BaseException], before: int
+) -> None:
+    """An extend that fails before it holds its rows anywhere (no room for a block of RAM,
+    or an interrupt while it copies them) loses those rows: TorchRL's writer has moved its
+    cursor past them, so they are a hole, as rows withdrawn by a crash are. The rows
+    extended after it are committed as usual: the store reopens as the buffer was, the
+    hole included (found by review: commits waited at the hole until the ring came around
+    to it, and a flush returned with the newer rows not committed)."""
+    from unittest import mock
+
+    from zarr_rb.core.write_cache import WriteBuffer
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(16, path, compression=Compression(block_rows=4), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(steps(torch.arange(before)))
+    # (From row 3: row 3 goes into the block waiting in RAM, rows 4-5 need a new one.)
+    with mock.patch.object(WriteBuffer, "_new_block", side_effect=error), pytest.raises(error):
+        rb.extend(steps(torch.arange(before, 6)))
+    rb.extend(steps(torch.arange(6, 10)))
+    assert (len(rb), int(rb._writer._cursor)) == (10, 10)
+    assert storage._store.unreadable_rows().tolist() == [4, 5]
+    rb.storage.flush()
+    rb.storage.close()
+    with ZarrStorage(path=path) as reopened:
+        again = TensorDictReplayBuffer(storage=reopened, batch_size=2)
+        assert (len(again), int(again._writer._cursor)) == (10, 10)
+        assert reopened._store.unreadable_rows().tolist() == [4, 5]
+        kept = torch.tensor([0, 1, 2, 3, 6, 7, 8, 9])
+        assert reopened.get(kept)["step"].tolist() == kept.tolist()
+        again.extend(steps(torch.arange(10, 16)))  # the first lap ends; the hole stays
+        assert reopened._store.unreadable_rows().tolist() == [4, 5]
+        again.extend(steps(torch.arange(16, 22)))  # the ring writes over the hole
+        assert reopened._store.unreadable_rows().size == 0
+        assert reopened.get(torch.arange(16))["step"].tolist()[:6] == list(range(16, 22))
+
+
+def test_an_extend_that_fails_over_rows_of_the_last_lap_leaves_their_values(
+    tmp_path: Path,
+) -> None:
+    """Over rows that hold the last lap's values, an extend that fails before it keeps its
+    rows leaves those values, as LazyTensorStorage's memory does: no hole, and the
+    commits after it declare them."""
+    from unittest import mock
+
+    from zarr_rb.core.write_cache import WriteBuffer
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(16, path, compression=Compression(block_rows=4), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(steps(torch.arange(16)))
+    no_room = mock.patch.object(WriteBuffer, "_new_block", side_effect=MemoryError)
+    with no_room, pytest.raises(MemoryError):
+        rb.extend(steps(torch.arange(100, 102)))
+    rb.extend(steps(torch.arange(102, 106)))
+    expected = [0, 1, 102, 103, 104, 105, *range(6, 16)]
+    assert storage._store.unreadable_rows().size == 0
+    got = storage.get(torch.arange(16))
+    assert got["step"].tolist() == expected
+    assert got["obs"].tolist() == steps(torch.tensor(expected))["obs"].tolist()
+    rb.storage.flush()
+    rb.storage.close()
+    with ZarrStorage(path=path) as reopened:
+        again = TensorDictReplayBuffer(storage=reopened, batch_size=2)
+        assert (len(again), int(again._writer._cursor)) == (16, 6)
+        assert reopened.get(torch.arange(16))["step"].tolist() == expected

@@ -141,6 +141,15 @@ class RamRows:
             self.frames.clear()
             self._fill_pending = self._fill
 
+    def forget(self, rows: np.ndarray) -> None:
+        """Rows (unique) whose values a failed call put in RAM but neither wrote nor kept:
+        they hold what the store and the write buffer hold, read again when needed."""
+        if self.frames is not None:
+            self.frames.release(rows[rows < self.frames.rows])
+            self._fill_pending = self._fill
+        if self.mirror.held:
+            self.mirror.clear()  # (read again as this writer has them: see _load)
+
     def changed(self, rows: np.ndarray) -> None:
         """Rows (a mask) that other writers changed: read their mirrored leaves again."""
         if self.frames is not None:

@@ -156,6 +156,7 @@ class SoloCommits(SoloKeys):
         except BaseException as error:
             frames.run()
             frames.note_on(error)
+            self._unkept(rows)
             raise
         frames.run()
         if failed is not None:
@@ -187,10 +188,12 @@ class SoloCommits(SoloKeys):
         self._written_from = cursor
         self._advanced = 0
         self._out_of_order = False
+        self._lost = self._lost[:0]
         self._extended.restart()
 
     def empty(self) -> None:
         self.settle(keep=False)  # (the store discarded its rows first: nothing is in flight)
+        self._lost = self._lost[:0]
         store = self.store
         if self.meta.saved is not None:
             # The rows of the last save are gone: so is the save.
@@ -278,7 +281,10 @@ class SoloCommits(SoloKeys):
         readable[self.store.length_rows :] = False
         # Rows past the committed ones are published as a prefix: rows after one that is
         # not on disk (a failed write kept in RAM) wait for it, rather than leave a hole.
-        first_missing = _first_unset(readable, self.committed.length, self.store.length_rows)
+        # Rows a failed call lost are holes already: nothing waits for them.
+        first_missing = _first_unset(
+            self._lost_set(readable), self.committed.length, self.store.length_rows
+        )
         if first_missing is not None:
             readable[first_missing:] = False
         cursor, after = self._committable_cursor(readable)
@@ -340,8 +346,9 @@ class SoloCommits(SoloKeys):
         if start + span > rows:
             runs.append((0, start + span - rows))
         offset = 0
+        settled = self._lost_set(readable)  # (lost rows: holes, not rows to wait for)
         for lo, hi in runs:
-            found = _first_unset(readable, lo, hi)
+            found = _first_unset(settled, lo, hi)
             if found is not None:
                 first = offset + found - lo
                 break

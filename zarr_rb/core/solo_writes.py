@@ -68,6 +68,11 @@ class SoloWrites(SoloSlots):
         """Rows written again while their extended value was not on disk yet (a lap, or a
         write over them, after a failed extend kept in RAM): that value never lands, so no
         commit may declare a state that needs it; commits wait until the row lands."""
+        self._lost = np.empty(0, dtype=np.int64)
+        """Rows a failed call neither wrote nor kept in RAM (it failed before it held them:
+        no room for a block, an interrupt): TorchRL's writer moved past them, so they are
+        holes until written again, and commits declare them as such instead of waiting for
+        them (``docs/design/ring.md``, "Rows a failed call could not keep")."""
         self._created_slots: list[int] = []
         """Slots this writer created objects in since its last record (objects created
         once: the next record's ``object_era`` lists them for readers' caches)."""
@@ -129,6 +134,35 @@ class SoloWrites(SoloSlots):
             self._skipped = np.union1d(self._skipped, replaced)
         if extended:
             self._unlanded = np.union1d(self._unlanded, rows)
+        if self._lost.size:
+            self._lost = np.setdiff1d(self._lost, rows)
+
+    def _unkept(self, rows: np.ndarray) -> None:
+        """A call that wrote ``rows`` (unique) failed, after it put their values in RAM's
+        copies. Those it did not keep in the write buffer hold what the store holds: the
+        values the call wrote there, or those from before it (the RAM copies of them are
+        read again). Those of them without intact data there are lost (:attr:`_lost`)."""
+        cache, ledger = self.store.write_cache, self.store.ledger
+        if cache is None or ledger is None or not rows.size:
+            return
+        unkept = rows[~(np.isin(rows, cache.held_rows()) | np.isin(rows, cache.patched_rows()))]
+        if not unkept.size:
+            return
+        self.store.ram.forget(unkept)
+        intact = np.zeros(unkept.size, dtype=bool)
+        inside = unkept < ledger.extent
+        intact[inside] = ledger.intact[unkept[inside]]
+        self._lost = np.union1d(self._lost, unkept[~intact])
+
+    def _lost_set(self, mask: np.ndarray) -> np.ndarray:
+        """``mask`` with the rows lost by failed calls set (grown to hold them)."""
+        if not self._lost.size:
+            return mask
+        size = max(mask.size, int(self._lost[-1]) + 1)
+        grown = np.zeros(size, dtype=bool)
+        grown[: mask.size] = mask
+        grown[self._lost] = True
+        return grown
 
     def _write_now(
         self,
