@@ -12,8 +12,9 @@
   writes there, so that the late writes of a stalled writer before it land in slots no
   one else writes (see :class:`~zarr_rb.format.commit.LeaseFloor`).
 
-One object, :class:`SoloCommits`, owns all of it; its code is in six modules by concern:
-this one (the interface, commits), :mod:`~zarr_rb.core.solo_keys` (keys added to a store
+One object, :class:`SoloCommits`, owns all of it; its code is in seven modules by concern:
+this one (the interface, commits), :mod:`~zarr_rb.core.solo_cursor` (the length and cursor
+a commit records), :mod:`~zarr_rb.core.solo_keys` (keys added to a store
 that holds rows), :mod:`~zarr_rb.core.solo_saves` (saves and versions),
 :mod:`~zarr_rb.core.solo_staging` (which rows are written now, which wait in RAM),
 :mod:`~zarr_rb.core.solo_writes` (writes and copy-on-write) and
@@ -36,7 +37,7 @@ import torch
 
 from zarr_rb.core.history import Extended
 from zarr_rb.core.reader import reread_commit
-from zarr_rb.core.solo_keys import SoloKeys
+from zarr_rb.core.solo_cursor import SoloCursor, first_unset
 from zarr_rb.core.solo_writes import block_write
 from zarr_rb.errors import NotSupportedError, StoreWriteError
 from zarr_rb.format.commit import (
@@ -44,7 +45,6 @@ from zarr_rb.format.commit import (
     Commit,
     ObjectEra,
     commit_from_mask,
-    declared_length,
 )
 from zarr_rb.format.names import ATTRS_KEY
 from zarr_rb.format.record import Saved, StoreMeta
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 _R = TypeVar("_R")
 
 
-class SoloCommits(SoloKeys):
+class SoloCommits(SoloCursor):
     """The positions and commits of a store of one writer (see the module's docstring)."""
 
     def __init__(self, store: StoreAPI, meta: StoreMeta, *, late_writes: bool) -> None:
@@ -66,16 +66,7 @@ class SoloCommits(SoloKeys):
         super().__init__(
             store, meta, length=meta.commit.length * per_row, cursor=meta.commit.cursor
         )
-        self._written_from = meta.commit.cursor
-        """Where the rows written since the last commit (or since the cursor was moved)
-        start: the commit records how far from there they are committed."""
-        self._advanced = 0
-        """Rows extended since then: from a whole ring on, the cursor is back where they
-        started, and every position holds one of them."""
-        self._out_of_order = False
-        """Rows written since then that moved the cursor without running on from it
-        (``storage.set`` at given rows, as TorchRL's max-value writer makes): the rows
-        since no longer run on from :attr:`_written_from` (see :meth:`_length_extended`)."""
+        self._init_cursor(meta.commit.cursor)
         self._extended = Extended()
         """An archive's positions extended since the last commit (its history grows by
         those a commit publishes)."""
@@ -116,16 +107,15 @@ class SoloCommits(SoloKeys):
             or self._in_flight_landed()
         ):
             # Only an extend past the block in flight goes on beside it, until that block
-            # has landed: then its memory serves the next block (without this, a third
-            # block of RAM would be held from one block write to the next). If that
-            # block's write failed, it waits in RAM again, this call's rows are written (or
-            # kept) as usual, and the failure is raised at the end.
+            # has landed (then its memory serves the next block). If that block's write
+            # failed, it waits in RAM again, this call's rows are written (or kept) as
+            # usual, and the failure is raised at the end.
             try:
                 self.settle()
             except StoreWriteError as error:
                 failed = error
         store.version += 1
-        self._being_written(rows, extended=cursor is not None)
+        self.arrivals.written(rows, extended=cursor is not None)
         if cursor is not None:
             if not _run_on(rows, self.cursor, cursor, store.write_cache.rows):
                 self._out_of_order = True
@@ -188,12 +178,12 @@ class SoloCommits(SoloKeys):
         self._written_from = cursor
         self._advanced = 0
         self._out_of_order = False
-        self._lost = self._lost[:0]
+        self.arrivals.restart()
         self._extended.restart()
 
     def empty(self) -> None:
         self.settle(keep=False)  # (the store discarded its rows first: nothing is in flight)
-        self._lost = self._lost[:0]
+        self.arrivals.restart()
         store = self.store
         if self.meta.saved is not None:
             # The rows of the last save are gone: so is the save.
@@ -270,7 +260,7 @@ class SoloCommits(SoloKeys):
             # stays at the last commit (where those rows are whole) until a flush makes
             # the write (docs/design/ring.md, "A write over rows in place that fails").
             return
-        if np.isin(self._skipped, self._still_unlanded()).any():
+        if self.arrivals.skipped_waiting():
             # A row written again before its extended value landed, and not on disk yet:
             # every state from that value on needs one or the other (docs/design/ring.md,
             # "Rows land in the order they were extended").
@@ -282,9 +272,8 @@ class SoloCommits(SoloKeys):
         # Rows past the committed ones are published as a prefix: rows after one that is
         # not on disk (a failed write kept in RAM) wait for it, rather than leave a hole.
         # Rows a failed call lost are holes already: nothing waits for them.
-        first_missing = _first_unset(
-            self._lost_set(readable), self.committed.length, self.store.length_rows
-        )
+        settled = self.arrivals.with_lost(readable)
+        first_missing = first_unset(settled, self.committed.length, self.store.length_rows)
         if first_missing is not None:
             readable[first_missing:] = False
         cursor, after = self._committable_cursor(readable)
@@ -295,69 +284,6 @@ class SoloCommits(SoloKeys):
             # hold the new lap's values). Commits wait until those rows land.
             return
         self._publish_mask(readable, rewrite=self._rewrote_published, committable=(cursor, after))
-
-    def _declares_no_state(
-        self, readable: np.ndarray, cut: int | None, cursor: int, after: int
-    ) -> bool:
-        """Whether a commit of ``readable`` (cut at row ``cut``: rows past the last commit
-        from there on are not on disk), with ``cursor`` and ``after`` rows extended past
-        it, would declare rows of the ring's first lap that no state the buffer went through
-        holds (see ``docs/design/ring.md``, "A commit declares rows past")."""
-        cache = self.store.write_cache
-        assert cache is not None
-        length = declared_length(readable)
-        if length >= cache.rows:
-            return False
-        if cursor > length:
-            return True  # (rows between the length and the cursor: never a state)
-        if not self._out_of_order:
-            return length < self._length_extended(after)
-        # Writes at given rows moved the cursor since the last commit: the rows since do
-        # not run on from it. A cut at a row waiting in RAM, after rows the last commit
-        # declared were written over, may be such an extend's.
-        return self._rewrote_published and cut is not None and bool(np.isin(cut, cache.held_rows()))
-
-    def _length_extended(self, after: int) -> int:
-        """The length a commit whose cursor ``after`` rows extended since the last commit
-        precede must declare at least: one past the last row extended before that cursor
-        (the whole ring once they went around it)."""
-        assert self.store.write_cache is not None
-        extended = self._advanced - after
-        if not extended:
-            return 0
-        return min(self.store.write_cache.rows, self._written_from + extended)
-
-    def _committable_cursor(self, readable: np.ndarray) -> tuple[int, int]:
-        """The cursor a commit that declares the ``readable`` rows records: this writer's,
-        unless rows it wrote since the last commit still wait in RAM or are not readable in
-        it (withdrawn while they are rewritten); then the first of them in ring order, so
-        that a writer reopened after a crash appends right after the rows the commit
-        publishes (or, in a full ring, rewrites the oldest or withdrawn ones first), never
-        over rows it published. Also returns how many rows were extended from there."""
-        assert self.store.write_cache is not None
-        start, rows = self._written_from, self.store.write_cache.rows
-        span = (self.cursor - start) % rows
-        if self._advanced >= rows:
-            # A whole ring or more: the oldest of the newest rows is at the cursor.
-            start, span = self.cursor, rows
-        first = span
-        # The span in ring order: one or two runs of rows (never a mask over all of them).
-        runs = [(start, min(start + span, rows))]
-        if start + span > rows:
-            runs.append((0, start + span - rows))
-        offset = 0
-        settled = self._lost_set(readable)  # (lost rows: holes, not rows to wait for)
-        for lo, hi in runs:
-            found = _first_unset(settled, lo, hi)
-            if found is not None:
-                first = offset + found - lo
-                break
-            offset += hi - lo
-        distance = (self._still_unlanded() - start) % rows
-        waiting = distance[distance < first]
-        if waiting.size:
-            first = int(waiting.min())
-        return (start + first) % rows, span - first
 
     def _publish_mask(
         self,
@@ -478,18 +404,6 @@ def _run_on(rows: np.ndarray, start: int, cursor: int, ring: int) -> bool:
     return bool(
         rows[wrapped - 1] == wrapped - 1 and rows[wrapped] == start and rows[-1] == ring - 1
     )
-
-
-def _first_unset(mask: np.ndarray, start: int, stop: int) -> int | None:
-    """The first row of ``[start, stop)`` that ``mask`` leaves unset (rows past the mask are
-    unset), or ``None``."""
-    end = min(stop, mask.size)
-    if start < end:
-        unset = np.flatnonzero(~mask[start:end])
-        if unset.size:
-            return start + int(unset[0])
-    past = max(start, mask.size)
-    return past if past < stop else None
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from zarr_rb.core.arrays import PendingWrite
+from zarr_rb.core.arrivals import Arrivals
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.solo_slots import SoloSlots
 from zarr_rb.core.write_cache import Block, Write
@@ -59,20 +60,13 @@ class SoloWrites(SoloSlots):
         self._rewrote_published = False
         """Rows the last commit declared readable were written over (in other slots) since:
         the next commit moves the epoch."""
-        self._unlanded = np.empty(0, dtype=np.int64)
-        """Rows extended whose extended values are not on disk yet (in RAM, in flight, or
-        kept after a failed write): a commit's cursor stops at the first of them. Not
-        rows written over in RAM after their extend landed (an overwrite may or may not be
-        committed; counted, it held the cursor back before rows on disk)."""
-        self._skipped = np.empty(0, dtype=np.int64)
-        """Rows written again while their extended value was not on disk yet (a lap, or a
-        write over them, after a failed extend kept in RAM): that value never lands, so no
-        commit may declare a state that needs it; commits wait until the row lands."""
-        self._lost = np.empty(0, dtype=np.int64)
-        """Rows a failed call neither wrote nor kept in RAM (it failed before it held them:
-        no room for a block, an interrupt): TorchRL's writer moved past them, so they are
-        holes until written again, and commits declare them as such instead of waiting for
-        them (``docs/design/ring.md``, "Rows a failed call could not keep")."""
+
+        def held() -> np.ndarray:
+            assert self.store.write_cache is not None
+            return self.store.write_cache.held_rows()
+
+        self.arrivals = Arrivals(held)
+        """Rows extended and not on disk yet, and rows a failed call lost."""
         self._created_slots: list[int] = []
         """Slots this writer created objects in since its last record (objects created
         once: the next record's ``object_era`` lists them for readers' caches)."""
@@ -116,32 +110,11 @@ class SoloWrites(SoloSlots):
                 )
         return values, zeros
 
-    def _still_unlanded(self) -> np.ndarray:
-        """The rows extended whose values are not on disk yet (:attr:`_unlanded`, without
-        rows no longer held in RAM: dropped by an empty or a save loaded)."""
-        assert self.store.write_cache is not None
-        held = self.store.write_cache.held_rows()
-        self._unlanded = self._unlanded[np.isin(self._unlanded, held)]
-        self._skipped = self._skipped[np.isin(self._skipped, held)]
-        return self._unlanded
-
-    def _being_written(self, rows: np.ndarray, *, extended: bool) -> None:
-        """``rows`` are written now (``extended``: by an extend, whose values are not on
-        disk yet). Those whose extended value was not on disk yet never will have it
-        there: the value they get replaces it (a lap, or a write over them)."""
-        replaced = np.intersect1d(self._still_unlanded(), rows)
-        if replaced.size:
-            self._skipped = np.union1d(self._skipped, replaced)
-        if extended:
-            self._unlanded = np.union1d(self._unlanded, rows)
-        if self._lost.size:
-            self._lost = np.setdiff1d(self._lost, rows)
-
     def _unkept(self, rows: np.ndarray) -> None:
         """A call that wrote ``rows`` (unique) failed, after it put their values in RAM's
         copies. Those it did not keep in the write buffer hold what the store holds: the
         values the call wrote there, or those from before it (the RAM copies of them are
-        read again). Those of them without intact data there are lost (:attr:`_lost`)."""
+        read again). Those of them without intact data there are lost."""
         cache, ledger = self.store.write_cache, self.store.ledger
         if cache is None or ledger is None or not rows.size:
             return
@@ -152,17 +125,7 @@ class SoloWrites(SoloSlots):
         intact = np.zeros(unkept.size, dtype=bool)
         inside = unkept < ledger.extent
         intact[inside] = ledger.intact[unkept[inside]]
-        self._lost = np.union1d(self._lost, unkept[~intact])
-
-    def _lost_set(self, mask: np.ndarray) -> np.ndarray:
-        """``mask`` with the rows lost by failed calls set (grown to hold them)."""
-        if not self._lost.size:
-            return mask
-        size = max(mask.size, int(self._lost[-1]) + 1)
-        grown = np.zeros(size, dtype=bool)
-        grown[: mask.size] = mask
-        grown[self._lost] = True
-        return grown
+        self.arrivals.lose(unkept[~intact])
 
     def _write_now(
         self,
@@ -286,13 +249,12 @@ class SoloWrites(SoloSlots):
             except BaseException:
                 self._undo_write(started)
                 raise
-        if self._unlanded.size:
+        if self.arrivals.any_unlanded:
             # (Not rows that still wait in RAM: cells of an extend kept after it failed.)
             assert self.store.write_cache is not None
             landed = np.flatnonzero(started.touched)
             landed = landed[~np.isin(landed, self.store.write_cache.held_rows(writing=False))]
-            self._unlanded = np.setdiff1d(self._unlanded, landed, assume_unique=True)
-            self._skipped = np.setdiff1d(self._skipped, landed, assume_unique=True)
+            self.arrivals.landed(landed)
         if self.store.lifetime.creates_once:
             written = np.concatenate([np.empty(0, np.int64), *(rows for rows, _ in started.writes)])
             slots = np.unique(self.physical(written) // self.block_map.block_rows)
