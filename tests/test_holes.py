@@ -156,3 +156,39 @@ def test_two_dimensional_store(tmp_path: Path) -> None:
             rows = (rb.sample()["step"] // 2).tolist()
             assert not set(rows) & set(HOLE)
         storage.close()
+
+
+@pytest.mark.parametrize("block_rows", [2, 4])
+def test_a_save_covering_rows_never_written_loads_them_as_holes(
+    tmp_path: Path, block_rows: int
+) -> None:
+    """TorchRL's storage grows its length by the rows of each ``set``: the same rows set
+    twice leave ``len`` past the rows written (LazyTensorStorage then reads whatever its
+    memory held there). A save made then covers rows no commit declares: they load as
+    holes, which raise ``RowsNotCommittedError`` and which samplers skip, as on the buffer
+    saved (found by review: the load read them as zeros, or raised ChunkCorruptedError on
+    their missing objects)."""
+
+    def rows(values: list[int]) -> TensorDict:
+        step = torch.tensor(values)
+        return TensorDict({"step": step, "obs": step.float()[:, None]}, [len(values)])
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(16, path, compression=Compression(block_rows=block_rows))
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    storage.set(torch.tensor([0, 1]), rows([10, 11]))
+    storage.set(torch.tensor([0, 1]), rows([20, 21]))
+    assert len(storage) == 4
+    assert storage._store.unreadable_rows().tolist() == [2, 3]
+    zarr_rb.save(rb)
+    storage.close()
+    loaded = zarr_rb.load(path)
+    assert len(loaded) == 4
+    with pytest.raises(RowsNotCommittedError):
+        loaded.storage.get(torch.arange(4))
+    assert loaded.storage.get(torch.tensor([0, 1]))["step"].tolist() == [20, 21]
+    assert set(loaded.sample(64)["step"].tolist()) <= {20, 21}
+    loaded.storage.close()
+    # An in-RAM storage cannot leave them out: the load says which rows and what to do.
+    with pytest.raises(RowsNotCommittedError, match=r"rows \[2, 3\].*never written"):
+        zarr_rb.load(path, storage="memory")

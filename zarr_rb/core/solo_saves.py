@@ -78,7 +78,10 @@ class SoloSaves(SoloStaging):
         self.settle()  # (a save flushed first: nothing is in flight)
         store = self.store
         commit = store.committed
-        saved = dataclasses.replace(saved, pinned=True, slots=commit.slots, holes=commit.holes)
+        per_row = 1 if store.schema is None else store.schema.elements_per_row
+        saved = dataclasses.replace(
+            saved, pinned=True, slots=commit.slots, holes=_holes_to(commit, saved, per_row)
+        )
         if tag is not None:
             versions = {**store.meta.versions, tag: saved}
             self.meta = dataclasses.replace(self.meta, versions=versions)
@@ -105,3 +108,19 @@ class SoloSaves(SoloStaging):
         for group in sorted(groups - named):
             if group.count("/") == 1 and group.split("/")[1].isdigit():
                 self.store.engine.location.delete_prefix(group)
+
+
+def _holes_to(commit: Commit, saved: Saved, per_row: int) -> tuple[tuple[int, int], ...]:
+    """The holes of a save made at ``commit``: the commit's, and the rows past its length
+    that the save's length covers. TorchRL's storage grows its length by the rows each
+    ``set`` writes, so the same rows set twice leave it past the rows written; no commit
+    declares those, and the save must not either."""
+    rows = -(-saved.length // per_row)
+    if rows <= commit.length:
+        return commit.holes
+    holes = list(commit.holes)
+    if holes and holes[-1][1] == commit.length:
+        holes[-1] = (holes[-1][0], rows)
+    else:
+        holes.append((commit.length, rows))
+    return tuple(holes)

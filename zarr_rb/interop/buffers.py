@@ -27,6 +27,7 @@ from torchrl.data.replay_buffers.storages import (
 from torchrl.data.replay_buffers.writers import RoundRobinWriter, TensorDictMaxValueWriter
 
 from zarr_rb.errors import RowsNotCommittedError, UnsupportedDataError
+from zarr_rb.format.messages import preview_rows
 from zarr_rb.locations import StoreURL, open_location
 from zarr_rb.state import check_savable
 from zarr_rb.torchrl import compat
@@ -196,7 +197,8 @@ def fill_memory(memory: Storage, stored: ZarrStorage, *, length: int, progress: 
     """Copy the first ``length`` elements of ``stored`` into ``memory``."""
     if stored.unreadable_rows().size:
         raise RowsNotCommittedError(
-            f"store {str(stored.path)!r} has rows withdrawn by a crash or a repair, which an "
+            f"store {str(stored.path)!r} has rows {preview_rows(stored.unreadable_rows())} "
+            "that hold no data (withdrawn by a crash or a repair, or never written), which an "
             "in-RAM storage cannot leave out when sampling; load it on ZarrStorage (the "
             "default storage='zarr'), whose samplers skip them, or rewrite those rows first",
         )
