@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -568,3 +569,127 @@ def test_an_extend_that_fails_over_rows_of_the_last_lap_leaves_their_values(
         again = TensorDictReplayBuffer(storage=reopened, batch_size=2)
         assert (len(again), int(again._writer._cursor)) == (16, 6)
         assert reopened.get(torch.arange(16))["step"].tolist() == expected
+
+
+def _crash_and_reopen(storage: ZarrStorage, path: Path) -> ZarrStorage:
+    from zarr_rb.testing import simulate_crash
+
+    simulate_crash(storage)
+    return ZarrStorage(path=path)
+
+
+def test_rows_a_failed_extend_lost_last_are_committed_as_holes(tmp_path: Path) -> None:
+    """The lost rows come last (nothing extended after them): a flush commits the rows
+    before them and declares them as holes (found by review of the first version, whose
+    commits then declared nothing, and a crash, or even a clean close, reopened empty)."""
+    from unittest import mock
+
+    from zarr_rb.core.write_cache import WriteBuffer
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(16, path, compression=Compression(block_rows=4), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(steps(torch.arange(3)))
+    no_room = mock.patch.object(WriteBuffer, "_new_block", side_effect=MemoryError)
+    with no_room, pytest.raises(MemoryError):
+        rb.extend(steps(torch.arange(3, 6)))  # row 3 waits in block 0; rows 4-5 are lost
+    storage.flush()
+    with _crash_and_reopen(storage, path) as reopened:
+        assert len(reopened) == 6
+        assert reopened._store.unreadable_rows().tolist() == [4, 5]
+        assert reopened.get(torch.arange(4))["step"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_failed_write_leaves_no_row_of_ram_torn(tmp_path: Path) -> None:
+    """A write at rows 5 and 9 fails making the block for row 5, while row 9 waits in RAM
+    from an earlier extend: both keep their values, frames included (found by review:
+    the tier of frames took the failed call's frame for row 9, beside its old step)."""
+    from unittest import mock
+
+    from zarr_rb.core.write_cache import WriteBuffer
+
+    def rows(values: list[int]) -> TensorDict:
+        step = torch.tensor(values)
+        frames = step.to(torch.uint8)[:, None, None, None].expand(-1, 4, 84, 84).clone()
+        return TensorDict({"step": step, "index": step, "obs": frames}, [len(values)])
+
+    def pairs(storage: ZarrStorage) -> list[tuple[int, int]]:
+        got = storage.get(torch.tensor([5, 9]))
+        return [(int(s), int(o[0, 0, 0])) for s, o in zip(got["step"], got["obs"], strict=True)]
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(16, path, compression=Compression(block_rows=4))
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(rows(list(range(10))))  # rows 8-9 wait in RAM
+    assert storage._store.ram.frames is not None
+    no_room = mock.patch.object(WriteBuffer, "_new_block", side_effect=MemoryError)
+    with no_room, pytest.raises(MemoryError):
+        storage.set(torch.tensor([5, 9]), rows([55, 99]))
+    assert pairs(storage) == [(5, 5), (9, 9)]
+    storage.flush()
+    with _crash_and_reopen(storage, path) as reopened:
+        assert pairs(reopened) == [(5, 5), (9, 9)]
+
+
+def test_a_failure_copying_a_block_out_keeps_its_rows(tmp_path: Path) -> None:
+    """An extend takes a block partly filled by an earlier extend out of RAM to write it,
+    and copying its rows out fails: the block stays in RAM with the earlier rows (found by
+    review: they were gone, unreadable, and commits stopped short of them)."""
+    from unittest import mock
+
+    from zarr_rb.core import write_cache
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(16, path, compression=Compression(block_rows=4), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(steps(torch.arange(2)))
+    storage.flush()
+    rb.extend(steps(torch.arange(2, 3)))  # row 2 waits in RAM, in block 0 (rows 0-1 on disk)
+    copy = write_cache.block_write
+
+    def no_room(block: write_cache.Block) -> write_cache.Write:
+        if not block.full:
+            raise MemoryError
+        return copy(block)
+
+    with mock.patch.object(write_cache, "block_write", no_room), pytest.raises(MemoryError):
+        rb.extend(steps(torch.arange(3, 6)))  # goes past block 0: takes it out, rows 2-3
+    # (Rows 3-5 were staged before it failed: they wait in RAM with row 2.)
+    assert storage.get(torch.arange(6))["step"].tolist() == list(range(6))
+    rb.extend(steps(torch.arange(6, 8)))
+    storage.flush()
+    with _crash_and_reopen(storage, path) as reopened:
+        assert reopened.get(torch.arange(8))["step"].tolist() == list(range(8))
+
+
+def test_an_interrupt_copying_into_a_new_block_leaves_no_empty_block(tmp_path: Path) -> None:
+    """An interrupt while rows are copied into a new block of RAM leaves no block there:
+    a later write that fails keeps its rows and raises StoreWriteError (found by review: an
+    empty block stayed, and keeping the failed write raised ValueError and dropped it)."""
+    from unittest import mock
+
+    from zarr_rb.core.write_cache import WriteBuffer
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(16, path, compression=Compression(block_rows=4), ram_bytes=0)
+    storage.set(torch.arange(3), steps(torch.arange(3)))  # rows 0-2 wait in block 0
+    put = WriteBuffer._put
+
+    def interrupted(self: WriteBuffer, block: Any, *args: Any) -> None:
+        if not block.dirty.any():
+            raise KeyboardInterrupt
+        put(self, block, *args)
+
+    with mock.patch.object(WriteBuffer, "_put", interrupted), pytest.raises(KeyboardInterrupt):
+        storage.set(torch.tensor([13, 14]), steps(torch.tensor([13, 14])))
+    assert [block.index for block in storage._store.write_cache.held()] == [0]
+
+    def no_space(kind: str, where: object) -> None:
+        if kind == "write" and "data" in str(where):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with observe_io(no_space), pytest.raises(StoreWriteError):
+        storage.set(torch.arange(3, 9), steps(torch.arange(3, 9)))
+    assert storage.get(torch.arange(9))["step"].tolist() == list(range(9))
+    storage.flush()
+    assert storage.get(torch.arange(9))["step"].tolist() == list(range(9))

@@ -142,8 +142,8 @@ class RamRows:
             self._fill_pending = self._fill
 
     def forget(self, rows: np.ndarray) -> None:
-        """Rows (unique) whose values a failed call put in RAM but neither wrote nor kept:
-        they hold what the store and the write buffer hold, read again when needed."""
+        """Rows (unique) a failed call may have put into RAM's copies, or not: they hold
+        what the write buffer and the store hold, read again when needed."""
         if self.frames is not None:
             self.frames.release(rows[rows < self.frames.rows])
             self._fill_pending = self._fill

@@ -38,13 +38,14 @@ import torch
 from zarr_rb.core.history import Extended
 from zarr_rb.core.reader import reread_commit
 from zarr_rb.core.solo_cursor import SoloCursor, first_unset
-from zarr_rb.core.solo_writes import block_write
+from zarr_rb.core.write_cache import block_write
 from zarr_rb.errors import NotSupportedError, StoreWriteError
 from zarr_rb.format.commit import (
     ERA_SLOTS,
     Commit,
     ObjectEra,
     commit_from_mask,
+    declared_length,
 )
 from zarr_rb.format.names import ATTRS_KEY
 from zarr_rb.format.record import Saved, StoreMeta
@@ -123,14 +124,14 @@ class SoloCommits(SoloCursor):
             self._advanced += int(rows.size)
             if store.archive:
                 self._extended.add(rows, cursor, store.rows)
-        # Failed writes waiting to be written again must not land over these newer rows.
-        store.write_cache.supersede(rows, values.keys())
-        values, zeros = self._zeros_where_unwritten(rows, values)
-        store.ram.update(rows, values, frames=False)
         # The frames go into the RAM tier while TensorStore encodes the rows for the disk,
         # on the core it leaves (nothing here reads the tier before this call returns).
         frames = _Deferred(lambda: store.ram.update_frames(rows, values))
         try:
+            # Failed writes waiting to be written again must not land over these newer rows.
+            store.write_cache.supersede(rows, values.keys())
+            values, zeros = self._zeros_where_unwritten(rows, values)
+            store.ram.update(rows, values, frames=False)
             writes, blocks = self._writes_for(rows, values, zeros, sequential=cursor is not None)
             if writes:
                 behind = self._block_behind(writes, blocks) if cursor is not None else None
@@ -273,17 +274,22 @@ class SoloCommits(SoloCursor):
         # not on disk (a failed write kept in RAM) wait for it, rather than leave a hole.
         # Rows a failed call lost are holes already: nothing waits for them.
         settled = self.arrivals.with_lost(readable)
+        settled[self.store.length_rows :] = False
         first_missing = first_unset(settled, self.committed.length, self.store.length_rows)
         if first_missing is not None:
             readable[first_missing:] = False
+            settled[first_missing:] = False
+        length = declared_length(settled)  # (lost rows last: holes inside it)
         cursor, after = self._committable_cursor(readable)
-        if self._declares_no_state(readable, first_missing, cursor, after):
+        if self._declares_no_state(length, first_missing, cursor, after):
             # The rows cut there were extended before the cursor: the extends since the
             # last commit went around the ring past it (the first lap, committed short of
             # the rows waiting), so no state they went through holds just these rows (they
             # hold the new lap's values). Commits wait until those rows land.
             return
-        self._publish_mask(readable, rewrite=self._rewrote_published, committable=(cursor, after))
+        self._publish_mask(
+            readable, length=length, rewrite=self._rewrote_published, committable=(cursor, after)
+        )
 
     def _publish_mask(
         self,

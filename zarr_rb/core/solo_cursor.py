@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 from zarr_rb.core.solo_keys import SoloKeys
-from zarr_rb.format.commit import declared_length
 
 
 class SoloCursor(SoloKeys):
@@ -31,16 +30,13 @@ class SoloCursor(SoloKeys):
         (``storage.set`` at given rows, as TorchRL's max-value writer makes): the rows
         since no longer run on from :attr:`_written_from` (see :meth:`_length_extended`)."""
 
-    def _declares_no_state(
-        self, readable: np.ndarray, cut: int | None, cursor: int, after: int
-    ) -> bool:
-        """Whether a commit of ``readable`` (cut at row ``cut``: rows past the last commit
+    def _declares_no_state(self, length: int, cut: int | None, cursor: int, after: int) -> bool:
+        """Whether a commit of ``length`` rows (cut at row ``cut``: rows past the last commit
         from there on are not on disk), with ``cursor`` and ``after`` rows extended past
         it, would declare rows of the ring's first lap that no state the buffer went through
         holds (see ``docs/design/ring.md``, "A commit declares rows past")."""
         cache = self.store.write_cache
         assert cache is not None
-        length = declared_length(readable)
         if length >= cache.rows:
             return False
         if cursor > length:

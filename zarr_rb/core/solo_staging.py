@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from zarr_rb.core.solo_writes import SoloWrites, block_write
+from zarr_rb.core.solo_writes import SoloWrites
 from zarr_rb.core.write_cache import Block, Write
 from zarr_rb.util.keys import Key
 
@@ -46,14 +46,15 @@ class SoloStaging(SoloWrites):
         # now (the other keys of a row that is not held are not known here).
         in_ram = cache.patch(rows, values)
         elsewhere = np.flatnonzero(~in_ram)
-        writes, blocks = zeros, []
+        writes: list[Write] = zeros
+        blocks: list[Block] = []
         if elsewhere.size:
             picked = torch.from_numpy(elsewhere)
             writes.append((rows[elsewhere], {k: v[picked] for k, v in values.items()}))
             if sequential:
                 # The rows extended before, waiting in RAM, land with these, not after.
-                blocks = [cache.pop(block.index) for block in cache]
-                writes = [*map(block_write, blocks), *writes]
+                blocks, older = cache.take([block.index for block in cache])
+                writes = [*older, *writes]
         return writes, blocks
 
     def _stage_rows(
@@ -75,9 +76,9 @@ class SoloStaging(SoloWrites):
             # extends' rows: see below). If those fail, these rows wait with them.
             waiting = {int(i) for i in np.unique(rows // cache.block_rows)}
             if sequential or any(block.index in waiting for block in cache):
-                older = [cache.pop(block.index) for block in cache]
+                older, writes = cache.take([block.index for block in cache])
                 try:
-                    self._write_now([block_write(block) for block in older], older)
+                    self._write_now(writes, older)
                 except BaseException:
                     self._keep_for_retry([(rows, values)])
                     raise
@@ -103,8 +104,7 @@ class SoloStaging(SoloWrites):
             # newest would be on disk before those, and the next commit would declare a
             # state the buffer never was in.
             full = [block.index for block in cache]
-        blocks = [cache.pop(index) for index in full]
-        writes: list[Write] = [block_write(block) for block in blocks]
+        blocks, writes = cache.take(full)
         # Slices of the caller's tensors: views, not copies.
         writes.extend(
             (rows[start:stop], {key: value[start:stop] for key, value in values.items()})

@@ -18,7 +18,7 @@ from zarr_rb.core.arrays import PendingWrite
 from zarr_rb.core.arrivals import Arrivals
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.solo_slots import SoloSlots
-from zarr_rb.core.write_cache import Block, Write
+from zarr_rb.core.write_cache import Block, Write, block_write
 from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.schema import plain_then_ragged
 from zarr_rb.util.keys import Key
@@ -111,21 +111,21 @@ class SoloWrites(SoloSlots):
         return values, zeros
 
     def _unkept(self, rows: np.ndarray) -> None:
-        """A call that wrote ``rows`` (unique) failed, after it put their values in RAM's
-        copies. Those it did not keep in the write buffer hold what the store holds: the
-        values the call wrote there, or those from before it (the RAM copies of them are
-        read again). Those of them without intact data there are lost."""
+        """A call that wrote ``rows`` (unique) failed, perhaps after it put some of their
+        values into RAM's copies (the mirror of small leaves, the tier of frames) and into
+        the write buffer, perhaps before. RAM's copies of them are read again from the
+        write buffer and the store (whatever the call reached there, and older values
+        elsewhere); those neither kept in the write buffer nor intact on disk are lost."""
         cache, ledger = self.store.write_cache, self.store.ledger
         if cache is None or ledger is None or not rows.size:
             return
+        self.store.ram.forget(rows)
         unkept = rows[~(np.isin(rows, cache.held_rows()) | np.isin(rows, cache.patched_rows()))]
-        if not unkept.size:
-            return
-        self.store.ram.forget(unkept)
         intact = np.zeros(unkept.size, dtype=bool)
         inside = unkept < ledger.extent
         intact[inside] = ledger.intact[unkept[inside]]
-        self.arrivals.lose(unkept[~intact])
+        if not intact.all():
+            self.arrivals.lose(unkept[~intact])
 
     def _write_now(
         self,
@@ -149,7 +149,7 @@ class SoloWrites(SoloSlots):
             # The rows of this call wait too, after the block written behind (which waits
             # in RAM again): it was extended before every one of them.
             assert behind is not None
-            older = block_write(self.store.write_cache.pop(behind.index))
+            (older,) = self.store.write_cache.take([behind.index])[1]
             self._keep_for_retry([older, *writes])
             raise
         # (Their cells are none of these writes': each write drops the cells it rewrites
@@ -452,13 +452,3 @@ def _written_mask(writes: Sequence[Write], key: Key, rows: int) -> np.ndarray:
         if key in values:
             mask[written[written < rows]] = True
     return mask
-
-
-def block_write(block: Block) -> Write:
-    """The rows a block holds and their values (all of them when the block is full)."""
-    offsets = np.flatnonzero(block.dirty[: block.length])
-    start = block.index * block.dirty.size
-    if offsets.size == block.length:
-        return start + offsets, {key: v[: block.length] for key, v in block.values.items()}
-    index = torch.from_numpy(offsets)
-    return start + offsets, {key: v[index] for key, v in block.values.items()}

@@ -37,6 +37,16 @@ class Block:
         return bool(self.dirty[: self.length].all())
 
 
+def block_write(block: Block) -> Write:
+    """The rows a block holds and their values (all of them when the block is full)."""
+    offsets = np.flatnonzero(block.dirty[: block.length])
+    start = block.index * block.dirty.size
+    if offsets.size == block.length:
+        return start + offsets, {key: v[: block.length] for key, v in block.values.items()}
+    index = torch.from_numpy(offsets)
+    return start + offsets, {key: v[index] for key, v in block.values.items()}
+
+
 class WriteBuffer:
     """Blocks of rows written by this process and not yet on disk."""
 
@@ -190,6 +200,16 @@ class WriteBuffer:
     def pop(self, index: int) -> Block:
         return self._blocks.pop(index)
 
+    def take(self, indices: Iterable[int]) -> tuple[list[Block], list[Write]]:
+        """Take blocks out to be written, and their writes: those are made first (a copy
+        of the rows of a block partly filled may fail), so that a failure leaves every
+        block here."""
+        blocks = [self._blocks[index] for index in indices]
+        writes = [block_write(block) for block in blocks]
+        for block in blocks:
+            del self._blocks[block.index]
+        return blocks, writes
+
     def _block_rows_in_array(self, index: int) -> int:
         return min(self.block_rows, self.rows - index * self.block_rows)
 
@@ -231,6 +251,8 @@ class WriteBuffer:
             written directly (whole blocks, and scattered rows of blocks not in RAM), and
             the indices of blocks that became full.
         """
+        if not rows.size:
+            return [], []
         block_ids = rows // self.block_rows
         # Boundaries of the runs of equal block ids (rows are sorted).
         starts = np.flatnonzero(np.diff(block_ids, prepend=-1))
@@ -249,11 +271,17 @@ class WriteBuffer:
                 # A whole block needs no staging; scattered rows are not worth a block.
                 direct.append((start, stop))
                 continue
+            new = block is None
             if block is None:
                 block = self._new_block(index)
             positions = torch.from_numpy(offsets)
-            for key, tensor in values.items():
-                self._put(block, key, positions, tensor[start:stop])
+            try:
+                for key, tensor in values.items():
+                    self._put(block, key, positions, tensor[start:stop])
+            except BaseException:
+                if new:  # (a block that holds no row: not left here)
+                    self.reuse([self._blocks.pop(index)])
+                raise
             block.dirty[offsets] = True
             if block.full:
                 full.append(index)
