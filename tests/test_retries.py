@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
 from zarr_rb import Compression, StoreWriteError, ZarrStorage
+from zarr_rb.core.write_cache import WriteBuffer
 from zarr_rb.util.io import observe_io
 
 
@@ -501,6 +503,17 @@ def test_an_overwrite_after_a_failed_extend_commits_its_rows_in_order(tmp_path: 
     assert crash_and_read(rb, path) in states
 
 
+def _ring(path: Path) -> tuple[ZarrStorage, TensorDictReplayBuffer]:
+    """A ring of 16 rows in blocks of 4, without a tier of frames."""
+    storage = ZarrStorage(16, path, compression=Compression(block_rows=4), ram_bytes=0)
+    return storage, TensorDictReplayBuffer(storage=storage, batch_size=2)
+
+
+def _no_room(error: type[BaseException] = MemoryError) -> Any:
+    """Making a new block of RAM fails (``MemoryError``: no room for it)."""
+    return mock.patch.object(WriteBuffer, "_new_block", side_effect=error)
+
+
 @pytest.mark.parametrize(("error", "before"), [(MemoryError, 4), (KeyboardInterrupt, 3)])
 def test_an_extend_that_fails_before_it_keeps_its_rows_leaves_a_hole_and_commits_go_on(
     tmp_path: Path, error: type[BaseException], before: int
@@ -511,16 +524,11 @@ def test_an_extend_that_fails_before_it_keeps_its_rows_leaves_a_hole_and_commits
     extended after it are committed as usual: the store reopens as the buffer was, the
     hole included (found by review: commits waited at the hole until the ring came around
     to it, and a flush returned with the newer rows not committed)."""
-    from unittest import mock
-
-    from zarr_rb.core.write_cache import WriteBuffer
-
     path = tmp_path / "rb.zarr"
-    storage = ZarrStorage(16, path, compression=Compression(block_rows=4), ram_bytes=0)
-    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    storage, rb = _ring(path)
     rb.extend(steps(torch.arange(before)))
     # (From row 3: row 3 goes into the block waiting in RAM, rows 4-5 need a new one.)
-    with mock.patch.object(WriteBuffer, "_new_block", side_effect=error), pytest.raises(error):
+    with _no_room(error), pytest.raises(error):
         rb.extend(steps(torch.arange(before, 6)))
     rb.extend(steps(torch.arange(6, 10)))
     assert (len(rb), int(rb._writer._cursor)) == (10, 10)
@@ -546,16 +554,10 @@ def test_an_extend_that_fails_over_rows_of_the_last_lap_leaves_their_values(
     """Over rows that hold the last lap's values, an extend that fails before it keeps its
     rows leaves those values, as LazyTensorStorage's memory does: no hole, and the
     commits after it declare them."""
-    from unittest import mock
-
-    from zarr_rb.core.write_cache import WriteBuffer
-
     path = tmp_path / "rb.zarr"
-    storage = ZarrStorage(16, path, compression=Compression(block_rows=4), ram_bytes=0)
-    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    storage, rb = _ring(path)
     rb.extend(steps(torch.arange(16)))
-    no_room = mock.patch.object(WriteBuffer, "_new_block", side_effect=MemoryError)
-    with no_room, pytest.raises(MemoryError):
+    with _no_room(), pytest.raises(MemoryError):
         rb.extend(steps(torch.arange(100, 102)))
     rb.extend(steps(torch.arange(102, 106)))
     expected = [0, 1, 102, 103, 104, 105, *range(6, 16)]
@@ -582,16 +584,10 @@ def test_rows_a_failed_extend_lost_last_are_committed_as_holes(tmp_path: Path) -
     """The lost rows come last (nothing extended after them): a flush commits the rows
     before them and declares them as holes (found by review of the first version, whose
     commits then declared nothing, and a crash, or even a clean close, reopened empty)."""
-    from unittest import mock
-
-    from zarr_rb.core.write_cache import WriteBuffer
-
     path = tmp_path / "rb.zarr"
-    storage = ZarrStorage(16, path, compression=Compression(block_rows=4), ram_bytes=0)
-    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    storage, rb = _ring(path)
     rb.extend(steps(torch.arange(3)))
-    no_room = mock.patch.object(WriteBuffer, "_new_block", side_effect=MemoryError)
-    with no_room, pytest.raises(MemoryError):
+    with _no_room(), pytest.raises(MemoryError):
         rb.extend(steps(torch.arange(3, 6)))  # row 3 waits in block 0; rows 4-5 are lost
     storage.flush()
     with _crash_and_reopen(storage, path) as reopened:
@@ -604,9 +600,6 @@ def test_a_failed_write_leaves_no_row_of_ram_torn(tmp_path: Path) -> None:
     """A write at rows 5 and 9 fails making the block for row 5, while row 9 waits in RAM
     from an earlier extend: both keep their values, frames included (found by review:
     the tier of frames took the failed call's frame for row 9, beside its old step)."""
-    from unittest import mock
-
-    from zarr_rb.core.write_cache import WriteBuffer
 
     def rows(values: list[int]) -> TensorDict:
         step = torch.tensor(values)
@@ -622,8 +615,7 @@ def test_a_failed_write_leaves_no_row_of_ram_torn(tmp_path: Path) -> None:
     rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
     rb.extend(rows(list(range(10))))  # rows 8-9 wait in RAM
     assert storage._store.ram.frames is not None
-    no_room = mock.patch.object(WriteBuffer, "_new_block", side_effect=MemoryError)
-    with no_room, pytest.raises(MemoryError):
+    with _no_room(), pytest.raises(MemoryError):
         storage.set(torch.tensor([5, 9]), rows([55, 99]))
     assert pairs(storage) == [(5, 5), (9, 9)]
     storage.flush()
@@ -635,13 +627,10 @@ def test_a_failure_copying_a_block_out_keeps_its_rows(tmp_path: Path) -> None:
     """An extend takes a block partly filled by an earlier extend out of RAM to write it,
     and copying its rows out fails: the block stays in RAM with the earlier rows (found by
     review: they were gone, unreadable, and commits stopped short of them)."""
-    from unittest import mock
-
     from zarr_rb.core import write_cache
 
     path = tmp_path / "rb.zarr"
-    storage = ZarrStorage(16, path, compression=Compression(block_rows=4), ram_bytes=0)
-    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    storage, rb = _ring(path)
     rb.extend(steps(torch.arange(2)))
     storage.flush()
     rb.extend(steps(torch.arange(2, 3)))  # row 2 waits in RAM, in block 0 (rows 0-1 on disk)
@@ -666,10 +655,6 @@ def test_an_interrupt_copying_into_a_new_block_leaves_no_empty_block(tmp_path: P
     """An interrupt while rows are copied into a new block of RAM leaves no block there:
     a later write that fails keeps its rows and raises StoreWriteError (found by review: an
     empty block stayed, and keeping the failed write raised ValueError and dropped it)."""
-    from unittest import mock
-
-    from zarr_rb.core.write_cache import WriteBuffer
-
     path = tmp_path / "rb.zarr"
     storage = ZarrStorage(16, path, compression=Compression(block_rows=4), ram_bytes=0)
     storage.set(torch.arange(3), steps(torch.arange(3)))  # rows 0-2 wait in block 0
