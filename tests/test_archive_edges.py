@@ -225,3 +225,28 @@ def test_rows_extended_before_a_torchrl_loads_stay_in_the_history(tmp_path):
     assert history[:12] == list(range(12))
     assert history[-3:] == [18, 19, 20]
     assert history == list(range(21))
+
+
+def test_extends_that_fail_before_they_keep_their_rows_are_not_in_the_history(tmp_path):
+    """Two extends fail before they keep their rows (no room for a block of RAM): their
+    positions are not in the history (found by review: they were appended with the rows
+    those positions held before, and the store could not be opened again)."""
+    from unittest import mock
+
+    from zarr_rb.core.write_cache import WriteBuffer
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(8, path, archive=True, compression=Compression(block_rows=4))
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(steps(range(7)))
+    for start in (100, 200):
+        no_room = mock.patch.object(WriteBuffer, "_new_block", side_effect=MemoryError)
+        with no_room, pytest.raises(MemoryError):
+            rb.extend(steps(range(start, start + 3)))
+    rb.extend(steps(range(300, 302)))
+    storage.close()
+    steps_kept = history_steps(path)
+    assert steps_kept[:7] == list(range(7))
+    assert {300, 301} <= set(steps_kept)
+    assert not {100, 101, 102, 200, 201, 202} & set(steps_kept)
+    assert len(steps_kept) == len(set(steps_kept))

@@ -14,7 +14,7 @@ from conftest import crash_and_read, fail_at_row_write, writes_held_back
 from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
-from zarr_rb import Compression, StoreWriteError, ZarrStorage
+from zarr_rb import Compression, RowsNotCommittedError, StoreWriteError, ZarrStorage
 from zarr_rb.core.write_cache import WriteBuffer
 from zarr_rb.util.io import observe_io
 
@@ -678,3 +678,86 @@ def test_an_interrupt_copying_into_a_new_block_leaves_no_empty_block(tmp_path: P
     assert storage.get(torch.arange(9))["step"].tolist() == list(range(9))
     storage.flush()
     assert storage.get(torch.arange(9))["step"].tolist() == list(range(9))
+
+
+def test_holes_at_the_end_stay_holes_in_the_commits_after_a_reopen(tmp_path: Path) -> None:
+    """Rows lost at the end of the ring are committed as holes; after a reopen, the next
+    commits keep them inside the length (found by review: the writer reopened knew nothing
+    of them, and its next commit cut the length back to the rows before them)."""
+    path = tmp_path / "rb.zarr"
+    storage, rb = _ring(path)
+    rb.extend(steps(torch.arange(12)))
+    with _no_room(), pytest.raises(MemoryError):
+        rb.extend(steps(torch.arange(12, 19)))  # rows 12-15 lost; rows 0-2 keep theirs
+    storage.flush()
+    storage = _crash_and_reopen(storage, path)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(steps(torch.arange(100, 103)))
+    storage.flush()
+    with _crash_and_reopen(storage, path) as reopened:
+        assert len(reopened) == 16
+        assert reopened._store.unreadable_rows().tolist() == [12, 13, 14, 15]
+        assert reopened.get(torch.arange(6))["step"].tolist() == [0, 1, 2, 100, 101, 102]
+
+
+def test_a_call_interrupted_while_it_waits_for_the_block_written_behind(tmp_path: Path) -> None:
+    """An extend interrupted while it waits for the block written before it: its rows are
+    lost like those of any call that failed before it kept them, and commits go on (found
+    by review: that wait came before the call's failure handling, and commits stopped at
+    its rows)."""
+    from zarr_rb.core.solo_writes import SoloWrites
+
+    path = tmp_path / "rb.zarr"
+    storage, rb = _ring(path)
+    rb.extend(steps(torch.arange(2)))
+    rb.extend(steps(torch.arange(2, 4)))  # block 0 filled in RAM: written behind
+    finish = SoloWrites._finish_write
+
+    def interrupted(self: SoloWrites, started: Any, *, what: str = "writing rows") -> None:
+        if "earlier extend" in what:
+            raise KeyboardInterrupt
+        finish(self, started, what=what)
+
+    with (
+        mock.patch.object(SoloWrites, "_in_flight_landed", return_value=True),
+        mock.patch.object(SoloWrites, "_finish_write", interrupted),
+        pytest.raises(KeyboardInterrupt),
+    ):
+        rb.extend(steps(torch.arange(4, 6)))
+    rb.extend(steps(torch.arange(6, 10)))
+    storage.flush()
+    with _crash_and_reopen(storage, path) as reopened:
+        assert len(reopened) == 10
+        assert reopened._store.unreadable_rows().tolist() == [4, 5]
+        kept = torch.tensor([0, 1, 2, 3, 6, 7, 8, 9])
+        assert reopened.get(kept)["step"].tolist() == kept.tolist()
+
+
+def test_a_row_interrupted_between_its_keys_is_not_read_torn(tmp_path: Path) -> None:
+    """A write over a row waiting in RAM interrupted after its first key: the row is not
+    read with the new value of one key beside the old value of another (found by review:
+    it was, and a flush committed it so): it holds no data until written again."""
+    path = tmp_path / "rb.zarr"
+    storage, rb = _ring(path)
+    rb.extend(steps(torch.arange(6)))  # rows 4-5 wait in RAM
+    put, calls = WriteBuffer._put, []
+
+    def interrupted(self: WriteBuffer, *args: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:  # after the first key of the row
+            raise KeyboardInterrupt
+        put(self, *args)
+
+    every = steps(torch.tensor([55]))
+    every["index"] = torch.tensor([5])
+    for row in (steps(torch.tensor([55])), every):  # some keys (a patch), every key
+        calls.clear()
+        with mock.patch.object(WriteBuffer, "_put", interrupted), pytest.raises(KeyboardInterrupt):
+            storage.set(torch.tensor([5]), row)
+        with pytest.raises(RowsNotCommittedError):
+            storage.get(torch.tensor([5]))
+        storage.set(torch.tensor([5]), every)  # written again
+        assert storage.get(torch.tensor([5]))["step"].tolist() == [55]
+    storage.flush()
+    with _crash_and_reopen(storage, path) as reopened:
+        assert reopened.get(torch.arange(6))["step"].tolist() == [0, 1, 2, 3, 4, 55]

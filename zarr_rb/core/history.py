@@ -40,6 +40,10 @@ class Extended:
         (their rows would not reach the history as extended: commit them first)."""
         return bool(self._positions.size) and bool(np.isin(rows, self._positions).any())
 
+    def drop(self, rows: np.ndarray) -> None:
+        """An extend of ``rows`` failed before it kept them: they were not extended."""
+        self._positions = self._positions[~np.isin(self._positions, rows)]
+
     def restart(self) -> None:
         """The cursor moved (a load, an empty): what was extended before is not appended."""
         self._positions = _NONE

@@ -96,38 +96,40 @@ class SoloCommits(SoloCursor):
     ) -> None:
         store = self.store
         assert store.write_cache is not None
-        if store.archive and self._extended.overlaps(rows):
-            # Rows extended since the last commit, written over: into the history first, as
-            # they were extended.
-            store.flush()
-        writing = store.write_cache.writing
-        failed: StoreWriteError | None = None
-        if writing is not None and (
-            cursor is None
-            or np.any(rows // store.write_cache.block_rows == writing.index)
-            or self._in_flight_landed()
-        ):
-            # Only an extend past the block in flight goes on beside it, until that block
-            # has landed (then its memory serves the next block). If that block's write
-            # failed, it waits in RAM again, this call's rows are written (or kept) as
-            # usual, and the failure is raised at the end.
-            try:
-                self.settle()
-            except StoreWriteError as error:
-                failed = error
-        store.version += 1
-        self.arrivals.written(rows, extended=cursor is not None)
-        if cursor is not None:
-            if not _run_on(rows, self.cursor, cursor, store.write_cache.rows):
-                self._out_of_order = True
-            self.cursor = cursor
-            self._advanced += int(rows.size)
-            if store.archive:
-                self._extended.add(rows, cursor, store.rows)
         # The frames go into the RAM tier while TensorStore encodes the rows for the disk,
         # on the core it leaves (nothing here reads the tier before this call returns).
         frames = _Deferred(lambda: store.ram.update_frames(rows, values))
+        failed: StoreWriteError | None = None
+        extended = False
         try:
+            if store.archive and self._extended.overlaps(rows):
+                # Rows extended since the last commit, written over: into the history first, as
+                # they were extended.
+                store.flush()
+            writing = store.write_cache.writing
+            if writing is not None and (
+                cursor is None
+                or np.any(rows // store.write_cache.block_rows == writing.index)
+                or self._in_flight_landed()
+            ):
+                # Only an extend past the block in flight goes on beside it, until that block
+                # has landed (then its memory serves the next block). If that block's write
+                # failed, it waits in RAM again, this call's rows are written (or kept) as
+                # usual, and the failure is raised at the end.
+                try:
+                    self.settle()
+                except StoreWriteError as error:
+                    failed = error
+            store.version += 1
+            self.arrivals.written(rows, extended=cursor is not None)
+            if cursor is not None:
+                if not _run_on(rows, self.cursor, cursor, store.write_cache.rows):
+                    self._out_of_order = True
+                self.cursor = cursor
+                self._advanced += int(rows.size)
+                if store.archive:
+                    self._extended.add(rows, cursor, store.rows)
+                    extended = True
             # Failed writes waiting to be written again must not land over these newer rows.
             store.write_cache.supersede(rows, values.keys())
             values, zeros = self._zeros_where_unwritten(rows, values)
@@ -147,7 +149,9 @@ class SoloCommits(SoloCursor):
         except BaseException as error:
             frames.run()
             frames.note_on(error)
-            self._unkept(rows)
+            unkept = self._unkept(rows)
+            if extended:
+                self._extended.drop(unkept)  # (not extended after all: not in the history)
             raise
         frames.run()
         if failed is not None:
@@ -279,7 +283,8 @@ class SoloCommits(SoloCursor):
         if first_missing is not None:
             readable[first_missing:] = False
             settled[first_missing:] = False
-        length = declared_length(settled)  # (lost rows last: holes inside it)
+        # Lost rows last are holes inside the length, as are those of the last commit.
+        length = max(declared_length(settled), min(self.committed.length, self.store.length_rows))
         cursor, after = self._committable_cursor(readable)
         if self._declares_no_state(length, first_missing, cursor, after):
             # The rows cut there were extended before the cursor: the extends since the

@@ -110,15 +110,16 @@ class SoloWrites(SoloSlots):
                 )
         return values, zeros
 
-    def _unkept(self, rows: np.ndarray) -> None:
+    def _unkept(self, rows: np.ndarray) -> np.ndarray:
         """A call that wrote ``rows`` (unique) failed, perhaps after it put some of their
         values into RAM's copies (the mirror of small leaves, the tier of frames) and into
         the write buffer, perhaps before. RAM's copies of them are read again from the
         write buffer and the store (whatever the call reached there, and older values
-        elsewhere); those neither kept in the write buffer nor intact on disk are lost."""
+        elsewhere); those neither kept in the write buffer nor intact on disk are lost.
+        Returns the rows not kept in the write buffer."""
         cache, ledger = self.store.write_cache, self.store.ledger
         if cache is None or ledger is None or not rows.size:
-            return
+            return rows[:0]
         self.store.ram.forget(rows)
         unkept = rows[~(np.isin(rows, cache.held_rows()) | np.isin(rows, cache.patched_rows()))]
         intact = np.zeros(unkept.size, dtype=bool)
@@ -126,6 +127,7 @@ class SoloWrites(SoloSlots):
         intact[inside] = ledger.intact[unkept[inside]]
         if not intact.all():
             self.arrivals.lose(unkept[~intact])
+        return unkept
 
     def _write_now(
         self,

@@ -275,12 +275,16 @@ class WriteBuffer:
             if block is None:
                 block = self._new_block(index)
             positions = torch.from_numpy(offsets)
+            put = False
             try:
                 for key, tensor in values.items():
                     self._put(block, key, positions, tensor[start:stop])
+                    put = True
             except BaseException:
                 if new:  # (a block that holds no row: not left here)
                     self.reuse([self._blocks.pop(index)])
+                elif put:  # (rows torn between their old and new values: not held)
+                    block.dirty[offsets] = False
                 raise
             block.dirty[offsets] = True
             if block.full:
@@ -298,8 +302,15 @@ class WriteBuffer:
         for block, positions in served:
             offsets = torch.from_numpy(rows[positions] - block.index * self.block_rows)
             picked = torch.from_numpy(positions)
-            for key, tensor in values.items():
-                self._put(block, key, offsets, tensor[picked])
+            put = False
+            try:
+                for key, tensor in values.items():
+                    self._put(block, key, offsets, tensor[picked])
+                    put = True
+            except BaseException:
+                if put:  # (rows torn between their old and new values: not held)
+                    block.dirty[offsets.numpy()] = False
+                raise
         return hit
 
     def _put(self, block: Block, key: Key, offsets: torch.Tensor, values: torch.Tensor) -> None:
