@@ -274,17 +274,11 @@ class WriteBuffer:
             new = block is None
             if block is None:
                 block = self._new_block(index)
-            positions = torch.from_numpy(offsets)
-            put = False
             try:
-                for key, tensor in values.items():
-                    self._put(block, key, positions, tensor[start:stop])
-                    put = True
+                self._put_rows(block, offsets, {k: t[start:stop] for k, t in values.items()})
             except BaseException:
                 if new:  # (a block that holds no row: not left here)
                     self.reuse([self._blocks.pop(index)])
-                elif put:  # (rows torn between their old and new values: not held)
-                    block.dirty[offsets] = False
                 raise
             block.dirty[offsets] = True
             if block.full:
@@ -300,18 +294,30 @@ class WriteBuffer:
         """
         hit, served = self.staged_rows(rows)
         for block, positions in served:
-            offsets = torch.from_numpy(rows[positions] - block.index * self.block_rows)
             picked = torch.from_numpy(positions)
-            put = False
-            try:
-                for key, tensor in values.items():
-                    self._put(block, key, offsets, tensor[picked])
-                    put = True
-            except BaseException:
-                if put:  # (rows torn between their old and new values: not held)
-                    block.dirty[offsets.numpy()] = False
-                raise
+            self._put_rows(
+                block,
+                rows[positions] - block.index * self.block_rows,
+                {key: tensor[picked] for key, tensor in values.items()},
+            )
         return hit
+
+    def _put_rows(
+        self, block: Block, offsets: np.ndarray, values: Mapping[Key, torch.Tensor]
+    ) -> None:
+        """Put ``values`` (of some keys) into rows ``offsets`` of ``block``. Interrupted
+        after a key, those rows hold new values of some keys beside old values of others:
+        they stop being held here."""
+        positions = torch.from_numpy(offsets)
+        put = False
+        try:
+            for key, tensor in values.items():
+                self._put(block, key, positions, tensor)
+                put = True
+        except BaseException:
+            if put:
+                block.dirty[offsets] = False
+            raise
 
     def _put(self, block: Block, key: Key, offsets: torch.Tensor, values: torch.Tensor) -> None:
         """``block.values[key][offsets] = values``; ragged rows padded with zeros to the
