@@ -138,6 +138,36 @@ def test_prioritized_buffer_loaded_after_a_repair(tmp_path: Path) -> None:
     loaded.storage.close()
 
 
+@pytest.mark.parametrize("read_only", [False, True], ids=["writer", "reader"])
+@pytest.mark.parametrize("shards", [1, 7, 11], ids=["few", "most", "all_but_one"])
+def test_random_draws_are_uniform_over_the_readable_rows(
+    tmp_path: Path, shards: int, read_only: bool
+) -> None:
+    """Few holes are skipped by drawing again the picks that fell on them, many by listing
+    the readable rows: both draw every readable row, each as often (within chance)."""
+    path = tmp_path / "rb.zarr"
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(ROWS, path, compression=LAYOUT))
+    rb.extend(transitions())
+    rb.storage.close()
+    for shard in range(shards):
+        (path / "data" / "obs" / "c" / str(shard) / "0" / "0").unlink()
+    zarr_rb.verify(path, repair=True)
+    holes = set(range(8 * shards))
+    storage = ZarrStorage(path=path, read_only=read_only)
+    assert set(storage.unreadable_rows().tolist()) == holes
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=500)
+    rb.set_rng(torch.Generator().manual_seed(3))
+    counts = torch.zeros(ROWS, dtype=torch.int64)
+    for _ in range(40):
+        counts += torch.bincount(rb.sample()["step"], minlength=ROWS)
+    assert not counts[sorted(holes)].any()
+    readable = counts[8 * shards :].double()
+    expected = 40 * 500 / readable.numel()
+    chi2 = float(((readable - expected) ** 2 / expected).sum())
+    assert chi2 < 3 * readable.numel(), (chi2, readable.tolist())  # mean df, sd sqrt(2 df)
+    storage.close()
+
+
 def test_two_dimensional_store(tmp_path: Path) -> None:
     path = tmp_path / "rb.zarr"
     data = TensorDict(

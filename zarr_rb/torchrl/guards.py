@@ -68,21 +68,50 @@ def guard_sampler(sampler: Any, storage: Any) -> None:
 
 def random_readable_indices(storage: StoreBacked, batch_size: int) -> Any:
     """``batch_size`` random element indices of the storage (as TorchRL's
-    ``_rand_given_ndim``), drawn among the rows that can be read."""
+    ``_rand_given_ndim``), drawn uniformly among the rows that can be read."""
     unreadable = storage.unreadable_rows()
-    readable = np.setdiff1d(np.arange(storage.rows_held), unreadable)
-    if not readable.size:
+    rows = _draw_readable(storage.rows_held, unreadable, batch_size, storage)
+    if storage.ndim == 1:
+        return rows
+    generator = compat.storage_generator(storage)
+    trailing = storage.shape[1:]
+    return (rows, *(torch.randint(n, (batch_size,), generator=generator) for n in trailing))
+
+
+_REDRAWS = 32
+"""Rounds of drawing again the picks that fell on holes, before listing the readable rows
+(each round keeps every pick with a chance of at least a half)."""
+
+
+def _draw_readable(
+    rows_held: int, unreadable: np.ndarray, batch_size: int, storage: StoreBacked
+) -> torch.Tensor:
+    """``batch_size`` rows drawn uniformly among ``[0, rows_held)`` less the sorted
+    ``unreadable`` ones, in time that does not grow with ``rows_held`` while holes are
+    at most half of the rows: picks that fall on a hole are drawn again."""
+    if unreadable.size >= rows_held:
         raise RuntimeError(
             f"store {str(storage.path)!r}: no row can be sampled: every row is withdrawn "
             f"({preview_rows(unreadable)})",
         )
     generator = compat.storage_generator(storage)
-    pick = torch.randint(readable.size, (batch_size,), generator=generator)
-    rows = torch.from_numpy(readable)[pick]
-    if storage.ndim == 1:
-        return rows
-    trailing = storage.shape[1:]
-    return (rows, *(torch.randint(n, (batch_size,), generator=generator) for n in trailing))
+    if 2 * unreadable.size <= rows_held:
+        picks = torch.randint(rows_held, (batch_size,), generator=generator)
+        for _ in range(_REDRAWS):
+            on_holes = np.flatnonzero(_members(picks.numpy(), unreadable))
+            if not on_holes.size:
+                return picks
+            picks[on_holes] = torch.randint(rows_held, (on_holes.size,), generator=generator)
+    readable = np.ones(rows_held, dtype=bool)
+    readable[unreadable] = False
+    listed = torch.from_numpy(np.flatnonzero(readable))
+    return listed[torch.randint(listed.numel(), (batch_size,), generator=generator)]
+
+
+def _members(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Whether each of ``values`` is in ``sorted_set`` (sorted, no repeats)."""
+    where = np.searchsorted(sorted_set, values).clip(max=sorted_set.size - 1)
+    return sorted_set[where] == values
 
 
 def _element_indices(rows: np.ndarray, storage: StoreBacked) -> torch.Tensor:
