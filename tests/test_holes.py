@@ -22,6 +22,7 @@ from torchrl.data.replay_buffers.samplers import (
 
 import zarr_rb
 from zarr_rb import Compression, RowsNotCommittedError, ZarrStorage
+from zarr_rb.testing import simulate_crash
 
 ROWS = 96
 LAYOUT = Compression(chunk_rows=2, block_rows=8, large_row_bytes=64)
@@ -222,3 +223,60 @@ def test_a_save_covering_rows_never_written_loads_them_as_holes(
     # An in-RAM storage cannot leave them out: the load says which rows and what to do.
     with pytest.raises(RowsNotCommittedError, match=r"rows \[2, 3\].*never written"):
         zarr_rb.load(path, storage="memory")
+
+
+def _rows(values: list[int]) -> TensorDict:
+    step = torch.tensor(values)
+    return TensorDict({"step": step, "obs": step.float()[:, None]}, [len(values)])
+
+
+def _reopened_after_crash(storage: ZarrStorage, path: Path) -> tuple[int, list[int], dict]:
+    """``storage``'s writer dies; the length of the store opened again, its holes, and the
+    ``step`` of each other row."""
+    simulate_crash(storage)
+    with ZarrStorage(path=path) as reopened:
+        holes = reopened.unreadable_rows().tolist()
+        rows = [row for row in range(len(reopened)) if row not in holes]
+        steps = reopened.get(torch.tensor(rows))["step"].tolist() if rows else []
+        return len(reopened), holes, dict(zip(rows, steps, strict=True))
+
+
+@pytest.mark.parametrize("block_rows", [2, 4, 64])
+def test_rows_set_past_rows_never_written_are_committed(tmp_path: Path, block_rows: int) -> None:
+    """TorchRL counts in ``len`` rows that ``storage.set`` never wrote (the same rows set
+    twice). Nothing will write them, so commits declare them as holes rather than wait
+    for them: rows set past them are committed by a flush, and survive a crash (found by
+    review: commits stopped at the first such row, and a crash lost every row set after
+    it)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(16, path, compression=Compression(block_rows=block_rows))
+    storage.set(torch.tensor([0, 1]), _rows([10, 11]))
+    storage.set(torch.tensor([0, 1]), _rows([20, 21]))
+    storage.set(torch.tensor([4, 5]), _rows([40, 41]))
+    assert len(storage) == 6
+    assert storage.unreadable_rows().tolist() == [2, 3]
+    storage.flush()
+    length, holes, steps = _reopened_after_crash(storage, path)
+    assert (length, holes, steps) == (6, [2, 3], {0: 20, 1: 21, 4: 40, 5: 41})
+
+
+def test_a_write_into_trailing_holes_after_a_load_keeps_the_length(tmp_path: Path) -> None:
+    """A save whose length covers rows never written loads them as holes; writing one of
+    them, then a crash, reopens with the buffer's length, the rest still holes (found by
+    review: commits after a load counted from the record before it, and dropped the
+    trailing holes from the length)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(16, path, compression=Compression(block_rows=4))
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    storage.set(torch.tensor([0, 1]), _rows([10, 11]))
+    storage.set(torch.tensor([0, 1]), _rows([20, 21]))
+    zarr_rb.save(rb)
+    storage.close()
+    loaded = zarr_rb.load(path)
+    assert len(loaded) == 4
+    loaded.storage.set(2, _rows([32])[0])
+    assert len(loaded) == 5  # (TorchRL counts each row set)
+    assert loaded.storage.unreadable_rows().tolist() == [3, 4]
+    loaded.storage.flush()
+    length, holes, steps = _reopened_after_crash(loaded.storage, path)
+    assert (length, holes, steps) == (5, [3, 4], {0: 20, 1: 21, 2: 32})

@@ -430,7 +430,8 @@ def test_a_flush_after_rows_set_twice_commits_them(tmp_path: Path) -> None:
 
 
 def test_commits_go_on_after_rows_set_twice(tmp_path: Path) -> None:
-    """As above, then an extend from the writer's own cursor: the save commits every row."""
+    """As above, then an extend from the writer's own cursor: the save commits every row,
+    and the rows TorchRL's ``len`` counts past them, which no call wrote, as holes."""
     path = tmp_path / "rb.zarr"
     storage = ZarrStorage(40, path, compression=Compression(block_rows=4))
     rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
@@ -441,7 +442,9 @@ def test_commits_go_on_after_rows_set_twice(tmp_path: Path) -> None:
     rb.extend(_obs(3.0, 12))  # the writer's cursor is 8: rows 8-19
     zarr_rb.save(rb)
     committed = storage._store.committed
-    assert (committed.length, committed.cursor) == (20, 20)
+    assert len(storage) == 24  # (TorchRL counts the rows set twice again)
+    assert (committed.length, committed.cursor) == (24, 20)
+    assert committed.holes == ((20, 24),)
 
 
 def test_an_extend_around_the_first_lap_after_a_row_set_at_a_given_position_commits_a_state(

@@ -1,9 +1,8 @@
-"""The rows a store of one writer is waiting to see on disk, and those it gave up on: what
-its commits wait for, and what they pass over (``docs/design/ring.md``: "Rows land in the
-order they were extended", "Rows a failed call could not keep").
+"""The rows a store of one writer is waiting to see on disk: what its commits wait for
+(``docs/design/ring.md``: "Rows land in the order they were extended").
 
-:class:`Arrivals` keeps three sets of rows, sorted; :class:`~zarr_rb.core.solo_writes.
-SoloWrites` tells it what each call writes, what lands and what is lost, and
+:class:`Arrivals` keeps two sets of rows, sorted; :class:`~zarr_rb.core.solo_writes.
+SoloWrites` tells it what each call writes and what lands, and
 :class:`~zarr_rb.core.solo.SoloCommits` asks it before each commit.
 """
 
@@ -17,10 +16,9 @@ _NONE = np.empty(0, dtype=np.int64)
 
 
 class Arrivals:
-    """Rows extended and not on disk yet, rows written over before they got there, and
-    rows a failed call lost."""
+    """Rows extended and not on disk yet, and rows written over before they got there."""
 
-    __slots__ = ("_held", "_lost", "_skipped", "_unlanded")
+    __slots__ = ("_held", "_skipped", "_unlanded")
 
     def __init__(self, held: Callable[[], np.ndarray]) -> None:
         self._held = held
@@ -34,11 +32,6 @@ class Arrivals:
         """Rows written again while their extended value was not on disk yet (a lap, or a
         write over them, after a failed extend kept in RAM): that value never lands, so no
         commit may declare a state that needs it; commits wait until the row lands."""
-        self._lost = _NONE
-        """Rows a failed call neither wrote nor kept in RAM (it failed before it held them:
-        no room for a block, an interrupt): TorchRL's writer moved past them, so they are
-        holes until written again, and commits declare them as such instead of waiting for
-        them."""
 
     @property
     def any_unlanded(self) -> bool:
@@ -60,35 +53,14 @@ class Arrivals:
     def written(self, rows: np.ndarray, *, extended: bool) -> None:
         """``rows`` are written now (``extended``: by an extend, whose values are not on
         disk yet). Those whose extended value was not on disk yet never will have it
-        there: the value they get replaces it (a lap, or a write over them). Lost rows
-        among them are rows like any other again."""
+        there: the value they get replaces it (a lap, or a write over them)."""
         replaced = np.intersect1d(self.unlanded(), rows)
         if replaced.size:
             self._skipped = np.union1d(self._skipped, replaced)
         if extended:
             self._unlanded = np.union1d(self._unlanded, rows)
-        if self._lost.size:
-            self._lost = np.setdiff1d(self._lost, rows)
 
     def landed(self, rows: np.ndarray) -> None:
         """``rows`` (unique) are on disk with the values last written to them."""
         self._unlanded = np.setdiff1d(self._unlanded, rows, assume_unique=True)
         self._skipped = np.setdiff1d(self._skipped, rows, assume_unique=True)
-
-    def lose(self, rows: np.ndarray) -> None:
-        """``rows`` hold no intact data and nothing will write them: holes."""
-        self._lost = np.union1d(self._lost, rows)
-
-    def restart(self) -> None:
-        """The cursor moved (an empty, a save loaded): no row is lost any more."""
-        self._lost = _NONE
-
-    def with_lost(self, mask: np.ndarray) -> np.ndarray:
-        """``mask`` with the lost rows set (grown to hold them): what a commit need not
-        wait for."""
-        if not self._lost.size:
-            return mask
-        grown = np.zeros(max(mask.size, int(self._lost[-1]) + 1), dtype=bool)
-        grown[: mask.size] = mask
-        grown[self._lost] = True
-        return grown

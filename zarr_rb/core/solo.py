@@ -183,12 +183,10 @@ class SoloCommits(SoloCursor):
         self._written_from = cursor
         self._advanced = 0
         self._out_of_order = False
-        self.arrivals.restart()
         self._extended.restart()
 
     def empty(self) -> None:
         self.settle(keep=False)  # (the store discarded its rows first: nothing is in flight)
-        self.arrivals.restart()
         store = self.store
         if self.meta.saved is not None:
             # The rows of the last save are gone: so is the save.
@@ -276,8 +274,8 @@ class SoloCommits(SoloCursor):
         readable[self.store.length_rows :] = False
         # Rows past the committed ones are published as a prefix: rows after one that is
         # not on disk (a failed write kept in RAM) wait for it, rather than leave a hole.
-        # Rows a failed call lost are holes already: nothing waits for them.
-        settled = self.arrivals.with_lost(readable)
+        # Rows nothing holds are holes already: nothing waits for them.
+        settled = self._settled(readable)
         settled[self.store.length_rows :] = False
         first_missing = first_unset(settled, self.committed.length, self.store.length_rows)
         if first_missing is not None:

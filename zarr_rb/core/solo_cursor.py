@@ -58,6 +58,20 @@ class SoloCursor(SoloKeys):
             return 0
         return min(self.store.write_cache.rows, self._written_from + extended)
 
+    def _settled(self, readable: np.ndarray) -> np.ndarray:
+        """``readable`` (not changed) with the rows set that no commit need wait for: rows
+        nothing holds, neither on disk nor in RAM, which nothing will write unless they are
+        written again. They are holes: those of a call that failed before it kept them, and
+        those TorchRL's ``len`` counts that ``storage.set`` never wrote (``docs/design/
+        ring.md``, "Rows nothing holds")."""
+        unheld = self.store.ram.unreadable_rows(self.store.length_rows)
+        if not unheld.size:
+            return readable
+        settled = np.zeros(max(readable.size, int(unheld[-1]) + 1), dtype=bool)
+        settled[: readable.size] = readable
+        settled[unheld] = True
+        return settled
+
     def _committable_cursor(self, readable: np.ndarray) -> tuple[int, int]:
         """The cursor a commit that declares the ``readable`` rows records: this writer's,
         unless rows it wrote since the last commit still wait in RAM or are not readable in
@@ -77,7 +91,7 @@ class SoloCursor(SoloKeys):
         if start + span > rows:
             runs.append((0, start + span - rows))
         offset = 0
-        settled = self.arrivals.with_lost(readable)  # (lost rows: holes, nothing to wait for)
+        settled = self._settled(readable)  # (holes: nothing to wait for)
         for lo, hi in runs:
             found = first_unset(settled, lo, hi)
             if found is not None:

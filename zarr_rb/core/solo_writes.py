@@ -115,19 +115,14 @@ class SoloWrites(SoloSlots):
         values into RAM's copies (the mirror of small leaves, the tier of frames) and into
         the write buffer, perhaps before. RAM's copies of them are read again from the
         write buffer and the store (whatever the call reached there, and older values
-        elsewhere); those neither kept in the write buffer nor intact on disk are lost.
-        Returns the rows not kept in the write buffer."""
+        elsewhere); those neither kept in the write buffer nor intact on disk are holes,
+        which commits pass over (``SoloCursor._settled``). Returns the rows not kept in the write
+        buffer."""
         cache, ledger = self.store.write_cache, self.store.ledger
         if cache is None or ledger is None or not rows.size:
             return rows[:0]
         self.store.ram.forget(rows)
-        unkept = rows[~(np.isin(rows, cache.held_rows()) | np.isin(rows, cache.patched_rows()))]
-        intact = np.zeros(unkept.size, dtype=bool)
-        inside = unkept < ledger.extent
-        intact[inside] = ledger.intact[unkept[inside]]
-        if not intact.all():
-            self.arrivals.lose(unkept[~intact])
-        return unkept
+        return rows[~(np.isin(rows, cache.held_rows()) | np.isin(rows, cache.patched_rows()))]
 
     def _write_now(
         self,

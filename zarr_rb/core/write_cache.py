@@ -305,18 +305,24 @@ class WriteBuffer:
     def _put_rows(
         self, block: Block, offsets: np.ndarray, values: Mapping[Key, torch.Tensor]
     ) -> None:
-        """Put ``values`` (of some keys) into rows ``offsets`` of ``block``. Interrupted
-        after a key, those rows hold new values of some keys beside old values of others:
-        they stop being held here."""
+        """Put ``values`` (of some keys) into rows ``offsets`` of ``block``, whole or not at
+        all: interrupted after a key, rows the block held get back the values they held
+        (copied first), and the others stop being held here."""
         positions = torch.from_numpy(offsets)
-        put = False
+        held = block.dirty[offsets]
+        again = positions[torch.from_numpy(held)]
+        before = {key: block.values[key][again].clone() for key in values} if again.numel() else {}
+        put: list[Key] = []
         try:
             for key, tensor in values.items():
+                put.append(key)
                 self._put(block, key, positions, tensor)
-                put = True
         except BaseException:
-            if put:
-                block.dirty[offsets] = False
+            block.dirty[offsets] = False  # (torn until their values are back)
+            if before:
+                for key in put:
+                    self._put(block, key, again, before[key])
+                block.dirty[offsets[held]] = True
             raise
 
     def _put(self, block: Block, key: Key, offsets: torch.Tensor, values: torch.Tensor) -> None:

@@ -111,7 +111,8 @@ def _draw_readable(
 def _members(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
     """Whether each of ``values`` is in ``sorted_set`` (sorted, no repeats)."""
     where = np.searchsorted(sorted_set, values).clip(max=sorted_set.size - 1)
-    return sorted_set[where] == values
+    found: np.ndarray = sorted_set[where] == values
+    return found
 
 
 def _element_indices(rows: np.ndarray, storage: StoreBacked) -> torch.Tensor:
