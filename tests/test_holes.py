@@ -280,3 +280,28 @@ def test_a_write_into_trailing_holes_after_a_load_keeps_the_length(tmp_path: Pat
     loaded.storage.flush()
     length, holes, steps = _reopened_after_crash(loaded.storage, path)
     assert (length, holes, steps) == (5, [3, 4], {0: 20, 1: 21, 2: 32})
+
+
+def test_rows_written_after_loading_a_cursor_past_the_length_are_committed(
+    tmp_path: Path,
+) -> None:
+    """A row set past the length leaves the store's cursor past it; a save keeps that
+    cursor and a load restores it. Rows written after the load are committed by the next
+    save (found by the holes state machine: no commit was made after such a load, and a
+    crash lost the rows the next save covered)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(12, path, compression=Compression(block_rows=2, chunk_rows=2))
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    storage.set(torch.tensor([2]), _rows([1]))  # len 1: row 0 never written, row 2 past it
+    zarr_rb.save(rb)
+    simulate_crash(storage)
+    rb = zarr_rb.load(path)
+    assert (len(rb), rb.storage.cursor) == (1, 3)
+    rb.storage.set(torch.tensor([0]), _rows([2]))
+    zarr_rb.save(rb)
+    simulate_crash(rb.storage)
+    rb = zarr_rb.load(path)
+    assert len(rb) == 2
+    assert rb.storage.unreadable_rows().tolist() == [1]
+    assert rb.storage.get(torch.tensor([0]))["step"].tolist() == [2]
+    rb.storage.close()

@@ -78,7 +78,9 @@ class SoloCursor(SoloKeys):
         it (withdrawn while they are rewritten); then the first of them in ring order, so
         that a writer reopened after a crash appends right after the rows the commit
         publishes (or, in a full ring, rewrites the oldest or withdrawn ones first), never
-        over rows it published. Also returns how many rows were extended from there."""
+        over rows it published. Rows past the buffer's length hold it back nowhere, and a
+        cursor past the length (rows set past it, in the first lap) is recorded at the
+        length. Also returns how many rows were extended from there."""
         assert self.store.write_cache is not None
         start, rows = self._written_from, self.store.write_cache.rows
         span = (self.cursor - start) % rows
@@ -92,8 +94,11 @@ class SoloCursor(SoloKeys):
             runs.append((0, start + span - rows))
         offset = 0
         settled = self._settled(readable)  # (holes: nothing to wait for)
+        # Rows past the buffer's length (rows set past it, or a cursor loaded past them)
+        # are in no state: nothing to wait for there either.
+        inside = self.store.length_rows
         for lo, hi in runs:
-            found = first_unset(settled, lo, hi)
+            found = first_unset(settled, lo, min(hi, inside))
             if found is not None:
                 first = offset + found - lo
                 break
@@ -102,7 +107,11 @@ class SoloCursor(SoloKeys):
         waiting = distance[distance < first]
         if waiting.size:
             first = int(waiting.min())
-        return (start + first) % rows, span - first
+        cursor = (start + first) % rows
+        if cursor > inside:
+            # (The first lap: a writer reopened goes on at the rows the buffer holds.)
+            return inside, 0
+        return cursor, span - first
 
 
 def first_unset(mask: np.ndarray, start: int, stop: int) -> int | None:

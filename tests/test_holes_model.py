@@ -1,0 +1,238 @@
+"""Model-based test of rows no write reached, across flushes, crashes, saves and loads.
+
+TorchRL grows ``len`` by the rows of every ``storage.set`` (with ``set_cursor=True``, its
+default), whether they were held already or lie past the length: ``len`` then counts rows
+that no call wrote. LazyTensorStorage reads whatever its memory holds there; ZarrStorage
+calls them holes (reads raise ``RowsNotCommittedError``, samplers skip them) and its
+commits declare them, so that every row written after them is committed as usual.
+
+A buffer on a ZarrStorage and its twin on a LazyTensorStorage take the same extends, sets
+at given rows (inside the length, past it, or the same rows twice), writes of rows in
+place, flushes, empties and reopens. After every step, both have the same length, every
+row written since the buffer was emptied reads the same on both, and the only holes are
+rows no call wrote. A flush then a crash, or a clean reopen, gives exactly the buffer as
+it was (its length, its holes, every other row and the cursor), and a save then a crash
+loads exactly the buffer saved, its writer included.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+import zarr_rb
+from zarr_rb import Compression, RowsNotCommittedError, ZarrStorage
+from zarr_rb.testing import simulate_crash
+
+ROWS = 12
+
+
+def rows_of(versions: list[int]) -> TensorDict:
+    """Rows whose every element derives from the version of the write that made them."""
+    step = torch.tensor(versions, dtype=torch.int64)
+    return TensorDict(
+        {"step": step, "obs": step.float()[:, None].expand(-1, 3).clone()}, [len(versions)]
+    )
+
+
+def steps_at(storage: Any, rows: list[int]) -> list[int]:
+    """The ``step`` of each of ``rows`` of ``storage``."""
+    return storage.get(torch.tensor(rows))["step"].tolist() if rows else []
+
+
+class Snapshot:
+    """What a buffer holds: its length, cursor (the store's), holes and other rows."""
+
+    def __init__(self, rb: ReplayBuffer) -> None:
+        storage = rb.storage
+        self.length = len(storage)
+        self.cursor = storage.cursor
+        self.writer = int(rb._writer._cursor)
+        self.holes = storage.unreadable_rows().tolist()
+        self.readable = [row for row in range(self.length) if row not in self.holes]
+        self.steps = steps_at(storage, self.readable)
+
+    def check(self, rb: ReplayBuffer, *, loaded: bool) -> None:
+        """``rb`` holds what this snapshot saw; ``loaded``: by a load, which restores its
+        cursor and its writer's too (a store reopened puts a cursor past the length, after
+        rows set past it, back at the length, and starts its writer there)."""
+        again = Snapshot(rb)
+        assert (again.length, again.holes, again.steps) == (self.length, self.holes, self.steps)
+        if loaded:
+            assert (again.cursor, again.writer) == (self.cursor, self.writer)
+        else:
+            assert again.cursor == again.writer == min(self.cursor, self.length)
+        for row in self.holes:
+            try:
+                rb.storage.get(torch.tensor([row]))
+            except RowsNotCommittedError:
+                continue
+            raise AssertionError(f"hole {row} was read")
+
+
+class HolesMachine(RuleBasedStateMachine):
+    @initialize(
+        block_rows=st.sampled_from([2, 4, None]),
+        ram_bytes=st.sampled_from(["auto", 0]),
+    )
+    def setup(self, block_rows: int | None, ram_bytes: int | str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="zarr_rb-holes-model-"))
+        self.path = self.dir / "rb.zarr"
+        self.ram_bytes = ram_bytes
+        compression = Compression(block_rows=block_rows, chunk_rows=2 if block_rows else 1)
+        self.zarr = ReplayBuffer(
+            storage=ZarrStorage(ROWS, self.path, compression=compression, ram_bytes=ram_bytes),
+            batch_size=4,
+        )
+        self.twin = ReplayBuffer(storage=LazyTensorStorage(ROWS), batch_size=4)
+        self.version = 0
+        self.written: set[int] = set()
+        """Rows a call wrote since the buffer was emptied (the others may be holes)."""
+
+    def teardown(self) -> None:
+        if hasattr(self, "zarr"):
+            self.zarr.storage.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _versions(self, n: int) -> list[int]:
+        self.version += n
+        return list(range(self.version - n + 1, self.version + 1))
+
+    # --- writes ------------------------------------------------------------------------
+
+    @rule(n=st.integers(1, ROWS + 2))
+    def extend(self, n: int) -> None:
+        start = int(self.twin._writer._cursor)
+        rows = rows_of(self._versions(n))
+        for rb in (self.zarr, self.twin):
+            rb.extend(rows)
+        self.written.update((start + i) % ROWS for i in range(n))
+
+    @rule(rows=st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=4, unique=True))
+    def set_at(self, rows: list[int]) -> None:
+        """``storage.set`` at given rows (held or not, past the length or not): TorchRL's
+        ``len`` grows by their number (up to the capacity)."""
+        if self.zarr.storage.schema is None and not self.written:
+            rows = sorted(rows)  # (a first write at scattered rows: any order works)
+        data = rows_of(self._versions(len(rows)))
+        for rb in (self.zarr, self.twin):
+            rb.storage.set(torch.tensor(rows), data)
+        self.written.update(rows)
+
+    @precondition(lambda self: len(self.twin) > 0)
+    @rule(data=st.data())
+    def write_in_place(self, data: st.DataObject) -> None:
+        """``rb[rows] = ...``: rows of the length, which stays."""
+        rows = data.draw(
+            st.lists(st.integers(0, len(self.twin) - 1), min_size=1, max_size=3, unique=True)
+        )
+        values = rows_of(self._versions(len(rows)))
+        for rb in (self.zarr, self.twin):
+            rb[torch.tensor(rows)] = values
+        self.written.update(rows)
+
+    @rule()
+    def empty(self) -> None:
+        for rb in (self.zarr, self.twin):
+            rb.empty()
+        self.written = set()
+
+    @rule()
+    def flush(self) -> None:
+        self.zarr.storage.flush()
+
+    # --- crashes, reopens, saves -------------------------------------------------------
+
+    def _adopt(self, rb: ReplayBuffer) -> None:
+        """The twin becomes what ``rb`` holds (its holes: zeros, never compared)."""
+        self.zarr = rb
+        seen = Snapshot(rb)
+        self.twin = ReplayBuffer(storage=LazyTensorStorage(ROWS), batch_size=4)
+        if seen.length:
+            steps = [0] * seen.length
+            for row, step in zip(seen.readable, seen.steps, strict=True):
+                steps[row] = step
+            self.twin.extend(rows_of(steps))
+        self.twin._writer._cursor = int(rb._writer._cursor)
+        self.written = set(seen.readable)
+
+    def _reopened(self) -> ReplayBuffer:
+        storage = ZarrStorage(ROWS, self.path, ram_bytes=self.ram_bytes)
+        return ReplayBuffer(storage=storage, batch_size=4)
+
+    @rule(clean=st.booleans())
+    def reopen(self, clean: bool) -> None:
+        """A flush then a crash, or a close: the store reopens as the buffer was."""
+        if self.zarr.storage.schema is None:
+            return  # (no store was made)
+        self.zarr.storage.flush()
+        before = Snapshot(self.zarr)
+        if clean:
+            self.zarr.storage.close()
+        else:
+            simulate_crash(self.zarr.storage)
+        reopened = self._reopened()
+        before.check(reopened, loaded=False)
+        self._adopt(reopened)
+
+    @rule()
+    def save_crash_load(self) -> None:
+        """A save then a crash: the load gives the buffer saved, its writer included."""
+        if self.zarr.storage.schema is None:
+            return
+        zarr_rb.save(self.zarr)
+        before = Snapshot(self.zarr)
+        simulate_crash(self.zarr.storage)
+        loaded = zarr_rb.load(self.path)
+        before.check(loaded, loaded=True)
+        self._adopt(loaded)
+        self.twin._writer._cursor = before.writer
+
+    # --- checks --------------------------------------------------------------------------
+
+    @invariant()
+    def same_rows(self) -> None:
+        if not hasattr(self, "zarr"):
+            return
+        assert len(self.zarr) == len(self.twin)
+        seen = Snapshot(self.zarr)
+        unwritten = set(range(seen.length)) - self.written
+        assert set(seen.holes) <= unwritten, f"holes {seen.holes}, rows written {self.written}"
+        twin = steps_at(self.twin.storage, seen.readable)
+        for row, step, expected in zip(seen.readable, seen.steps, twin, strict=True):
+            if row in self.written:
+                assert step == expected, f"row {row}: {step}, the twin's {expected}"
+
+
+HolesMachine.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=25,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestHolesMachine = HolesMachine.TestCase
+
+
+@pytest.mark.slow
+def test_holes_machine_long() -> None:
+    """The same machine, many more sequences, new ones on every run."""
+    runner = HolesMachine.TestCase("runTest")
+    runner.settings = settings(
+        max_examples=400,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    runner.runTest()
