@@ -250,3 +250,38 @@ def test_extends_that_fail_before_they_keep_their_rows_are_not_in_the_history(tm
     assert {300, 301} <= set(steps_kept)
     assert not {100, 101, 102, 200, 201, 202} & set(steps_kept)
     assert len(steps_kept) == len(set(steps_kept))
+
+
+def test_an_extend_interrupted_between_two_keys_puts_no_row_into_the_history(tmp_path):
+    """An extend over a row waiting in RAM, written there in place (not extended), is
+    interrupted between two keys: the row gets its value back, and the history leaves the
+    extend's position out (found by review: the row put back counted as kept, and the
+    history took it with the value written in place)."""
+    from unittest import mock
+
+    from zarr_rb.core.write_cache import WriteBuffer
+
+    path = tmp_path / "rb.zarr"
+    compression = Compression(block_rows=4)
+    storage = ZarrStorage(8, path, archive=True, compression=compression, ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(steps(range(4)))
+    storage.flush()
+    rb.extend(steps([4]))  # row 4 waits in RAM
+    in_place = steps([55])
+    in_place["index"] = torch.tensor([5])
+    storage[torch.tensor([5])] = in_place  # row 5, in RAM, not extended
+    put, calls = WriteBuffer._put, []
+
+    def interrupted(self: WriteBuffer, *args) -> None:
+        calls.append(1)
+        if len(calls) == 2:  # after the first key
+            raise KeyboardInterrupt
+
+        put(self, *args)
+
+    with mock.patch.object(WriteBuffer, "_put", interrupted), pytest.raises(KeyboardInterrupt):
+        rb.extend(steps([105, 106]))  # rows 5 and 6
+    assert storage.get(torch.tensor([5]))["step"].tolist() == [55]
+    storage.close()
+    assert history_steps(path) == [0, 1, 2, 3, 4]

@@ -305,3 +305,23 @@ def test_rows_written_after_loading_a_cursor_past_the_length_are_committed(
     assert rb.storage.unreadable_rows().tolist() == [1]
     assert rb.storage.get(torch.tensor([0]))["step"].tolist() == [2]
     rb.storage.close()
+
+
+def test_a_write_of_some_keys_into_rows_never_written_reads_zeros_in_the_others(
+    tmp_path: Path,
+) -> None:
+    """As LazyTensorStorage's fresh memory: rows TorchRL counts that no call wrote get
+    zeros in the keys a write leaves out, also once a commit declared them holes (found by
+    review: after a flush, such a write left the row a hole)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(16, path, compression=Compression(block_rows=4))
+    storage.set(torch.tensor([0, 1]), _rows([10, 11]))
+    storage.set(torch.tensor([0, 1]), _rows([20, 21]))  # len 4: rows 2-3 never written
+    storage.flush()
+    storage[torch.tensor([2])] = TensorDict({"step": torch.tensor([32])}, [1])
+    row = storage.get(torch.tensor([2]))
+    assert (row["step"].tolist(), row["obs"].tolist()) == ([32], [[0.0]])
+    assert storage.unreadable_rows().tolist() == [3]
+    storage.flush()
+    length, holes, steps = _reopened_after_crash(storage, path)
+    assert (length, holes, steps) == (4, [3], {0: 20, 1: 21, 2: 32})

@@ -210,25 +210,26 @@ class SharingRecord(SharingSlots):
 
     def read_checked(self, read: Callable[[], _R], rows: np.ndarray) -> _R:
         """``read()`` of positions ``rows``, retried while other writers took slots those
-        rows were read from (a seqlock on the record). A read that meets an object gone
-        is tried again too when the record moved meanwhile: a collection emptied a slot
-        the older record named."""
+        rows were read from (a seqlock on the record). A read that fails is tried again
+        whenever the record moved meanwhile: it may have met an object a collection
+        emptied, or one another writer replaced while it was read, of ``rows`` or of the
+        other rows the read takes (the mirror of small leaves loads every row on disk)."""
 
-        def stands(before: Commit, _whole: bool) -> bool:
+        def stands(before: Commit, whole: bool) -> bool:
             self.refresh()
             after = self.committed
-            return after.generation == before.generation or before.reads_alike(
-                after, rows, self.block_rows
-            )
+            if after.generation == before.generation:
+                return True
+            return whole and before.reads_alike(after, rows, self.block_rows)
 
         return seqlock_read(
             lambda: self.committed,
             lambda _: read(),
             stands,
             attempts=_READ_RETRIES,
-            # Damaged where the record of now has the rows: not a writer's doing.
-            retried=(StoreCorruptedError,),
-            lasting=(StoreCorruptedError,),
+            # Failed under the record of now: damage, or a bug, not a writer's doing.
+            retried=(ValueError,),
+            lasting=(ValueError,),
             pause=0.0005,
             gave_up=lambda _: RowsNotCommittedError(
                 f"store {self.store.url!r}: rows kept being rewritten by other writers while "

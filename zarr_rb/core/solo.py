@@ -99,6 +99,7 @@ class SoloCommits(SoloCursor):
         # The frames go into the RAM tier while TensorStore encodes the rows for the disk,
         # on the core it leaves (nothing here reads the tier before this call returns).
         frames = _Deferred(lambda: store.ram.update_frames(rows, values))
+        store.write_cache.take_restored()  # (rows an earlier call put back: not this call's)
         failed: StoreWriteError | None = None
         extended = False
         try:
@@ -183,10 +184,12 @@ class SoloCommits(SoloCursor):
         self._written_from = cursor
         self._advanced = 0
         self._out_of_order = False
+        self._never_written = self._never_written[:0]
         self._extended.restart()
 
     def empty(self) -> None:
         self.settle(keep=False)  # (the store discarded its rows first: nothing is in flight)
+        self._never_written = self._never_written[:0]
         store = self.store
         if self.meta.saved is not None:
             # The rows of the last save are gone: so is the save.
@@ -206,6 +209,7 @@ class SoloCommits(SoloCursor):
 
     def withdraw(self, positions: np.ndarray, physical: np.ndarray, seen: Commit) -> int:
         self.settle()
+        self._never_written = np.setdiff1d(self._never_written, positions)
         store = self.store
         ledger = store.ledger
         assert ledger is not None
@@ -290,9 +294,13 @@ class SoloCommits(SoloCursor):
             # the rows waiting), so no state they went through holds just these rows (they
             # hold the new lap's values). Commits wait until those rows land.
             return
+        unheld = self._unheld()
+        fresh = unheld[(unheld >= self.committed.length) & (unheld < length)]
         self._publish_mask(
             readable, length=length, rewrite=self._rewrote_published, committable=(cursor, after)
         )
+        if fresh.size:
+            self._never_written = np.union1d(self._never_written, fresh)
 
     def _publish_mask(
         self,

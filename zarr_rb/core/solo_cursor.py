@@ -64,13 +64,17 @@ class SoloCursor(SoloKeys):
         written again. They are holes: those of a call that failed before it kept them, and
         those TorchRL's ``len`` counts that ``storage.set`` never wrote (``docs/design/
         ring.md``, "Rows nothing holds")."""
-        unheld = self.store.ram.unreadable_rows(self.store.length_rows)
+        unheld = self._unheld()
         if not unheld.size:
             return readable
         settled = np.zeros(max(readable.size, int(unheld[-1]) + 1), dtype=bool)
         settled[: readable.size] = readable
         settled[unheld] = True
         return settled
+
+    def _unheld(self) -> np.ndarray:
+        """The rows of the buffer nothing holds, neither on disk nor in RAM (sorted)."""
+        return self.store.ram.unreadable_rows(self.store.length_rows)
 
     def _committable_cursor(self, readable: np.ndarray) -> tuple[int, int]:
         """The cursor a commit that declares the ``readable`` rows records: this writer's,

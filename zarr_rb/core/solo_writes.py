@@ -66,6 +66,10 @@ class SoloWrites(SoloSlots):
             return self.store.write_cache.held_rows()
 
         self.arrivals = Arrivals(held)
+        self._never_written = np.empty(0, dtype=np.int64)
+        """Rows past the committed ones that this writer's commits declared holes because
+        nothing held them (no call wrote them, though TorchRL's ``len`` counts them): a
+        write of some keys there gets zeros in the others, as past the committed rows."""
         """Rows extended and not on disk yet, and rows a failed call lost."""
         self._created_slots: list[int] = []
         """Slots this writer created objects in since its last record (objects created
@@ -92,7 +96,7 @@ class SoloWrites(SoloSlots):
         # or a failed write of some keys waiting to be written again). (Inside them, a cell
         # that cannot be read was lost to a crash or a failed write: it stays unreadable,
         # not zero.)
-        fresh = rows >= self.committed.length
+        fresh = (rows >= self.committed.length) | np.isin(rows, self._never_written)
         empty = {
             key: ~(self.store.ledger.readable(rows, key) | hit | cache.patched_mask(rows, key))
             & fresh
@@ -116,13 +120,14 @@ class SoloWrites(SoloSlots):
         the write buffer, perhaps before. RAM's copies of them are read again from the
         write buffer and the store (whatever the call reached there, and older values
         elsewhere); those neither kept in the write buffer nor intact on disk are holes,
-        which commits pass over (``SoloCursor._settled``). Returns the rows not kept in the write
-        buffer."""
+        which commits pass over (``SoloCursor._settled``). Returns the rows whose values
+        from this call the write buffer does not keep."""
         cache, ledger = self.store.write_cache, self.store.ledger
         if cache is None or ledger is None or not rows.size:
             return rows[:0]
         self.store.ram.forget(rows)
-        return rows[~(np.isin(rows, cache.held_rows()) | np.isin(rows, cache.patched_rows()))]
+        kept = np.isin(rows, cache.held_rows()) | np.isin(rows, cache.patched_rows())
+        return rows[~kept | np.isin(rows, cache.take_restored())]
 
     def _write_now(
         self,

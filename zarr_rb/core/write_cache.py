@@ -72,6 +72,9 @@ class WriteBuffer:
         self._writing: Block | None = None
         """A full block whose write to disk was started and has not finished: its rows are
         read from here (they are not on disk yet), and nothing else writes into it."""
+        self._restored: list[np.ndarray] = []
+        """Rows whose values a copy interrupted between two keys put back (see
+        :meth:`_put_rows`), until :meth:`take_restored`."""
         self._patches: list[Write] = []
         """Writes of rows not held in a block, whose write to disk failed, in the order
         made (of some keys, and whole rows written before one of them): the next flush
@@ -302,6 +305,12 @@ class WriteBuffer:
             )
         return hit
 
+    def take_restored(self) -> np.ndarray:
+        """The rows whose values a copy interrupted between two keys put back since the
+        last call: they hold their values from before the write that failed, not its."""
+        restored, self._restored = self._restored, []
+        return np.concatenate(restored) if restored else np.empty(0, dtype=np.int64)
+
     def _put_rows(
         self, block: Block, offsets: np.ndarray, values: Mapping[Key, torch.Tensor]
     ) -> None:
@@ -323,6 +332,7 @@ class WriteBuffer:
                 for key in put:
                     self._put(block, key, again, before[key])
                 block.dirty[offsets[held]] = True
+                self._restored.append(block.index * self.block_rows + offsets[held])
             raise
 
     def _put(self, block: Block, key: Key, offsets: torch.Tensor, values: torch.Tensor) -> None:
