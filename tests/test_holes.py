@@ -325,3 +325,26 @@ def test_a_write_of_some_keys_into_rows_never_written_reads_zeros_in_the_others(
     storage.flush()
     length, holes, steps = _reopened_after_crash(storage, path)
     assert (length, holes, steps) == (4, [3], {0: 20, 1: 21, 2: 32})
+
+
+def test_rows_not_written_since_an_empty_are_holes(tmp_path: Path) -> None:
+    """After ``empty()``, rows TorchRL counts that no call wrote since are holes, as in a
+    store reopened after the empty (found by review: they read the values on disk from
+    before the empty, where LazyTensorStorage reads the last ones it held)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(8, path, compression=Compression(block_rows=4), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(_rows(list(range(8))))
+    storage.flush()
+    rb.extend(_rows([100]))  # row 0 waits in RAM
+    rb.empty()
+    storage.set(torch.tensor([5, 5]), _rows([205, 205]))  # len 2: rows 0-1 not written
+    assert len(storage) == 2
+    assert storage.unreadable_rows().tolist() == [0, 1]
+    with pytest.raises(RowsNotCommittedError):
+        storage.get(torch.tensor([0]))
+    rb.extend(_rows([300, 301]))  # the writer's cursor is 0: rows 0-1
+    assert storage.get(torch.arange(2))["step"].tolist() == [300, 301]
+    storage.flush()
+    length, holes, steps = _reopened_after_crash(storage, path)
+    assert (length, holes, steps) == (4, [2, 3], {0: 300, 1: 301})

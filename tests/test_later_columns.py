@@ -57,3 +57,24 @@ def test_a_save_whose_block_was_copied_on_write_loads_with_a_later_column_as_zer
         assert got["y"].tolist() == [0.0, 0.0]
     finally:
         loaded.storage.close()
+
+
+def test_a_key_added_later_gets_zeros_in_runs_of_rows_across_a_block_boundary(tmp_path):
+    """Rows on disk in a run that crosses a block's end (rows 3-4, blocks of 4) all get
+    zeros in a key added later (found by review: the run was cut at the block's end and
+    its rows past it never got theirs, so reading row 4 raised ChunkCorruptedError)."""
+    layout = Compression(block_rows=4, chunk_rows=4)
+    storage = ZarrStorage(6, tmp_path / "rb.zarr", compression=layout, ram_bytes=0)
+
+    def rows(values):
+        step = torch.tensor(values)
+        return TensorDict({"step": step, "obs": step.float()[:, None]}, [len(values)])
+
+    storage.set(torch.tensor([1, 3, 4]), rows([21, 23, 24]))
+    storage.set(torch.tensor([0, 1]), rows([30, 31]))  # rows 3-4 on disk; len 5
+    storage.set(torch.tensor([5]), rows([35]).set("added", torch.tensor([7])))
+    assert storage.unreadable_rows().tolist() == [2]  # (never written)
+    got = storage.get(torch.tensor([0, 1, 3, 4, 5]))
+    assert got["step"].tolist() == [30, 31, 23, 24, 35]
+    assert got["added"].tolist() == [0, 0, 0, 0, 7]
+    storage.close()

@@ -191,6 +191,10 @@ class SoloCommits(SoloCursor):
         self.settle(keep=False)  # (the store discarded its rows first: nothing is in flight)
         self._never_written = self._never_written[:0]
         store = self.store
+        if store.ledger is not None:
+            # No row holds data for the buffer any more, as for a writer reopened after the
+            # empty: rows counted again before they are written are holes, not old rows.
+            store.ledger.rebase(store.ledger.mask())
         if self.meta.saved is not None:
             # The rows of the last save are gone: so is the save.
             self.meta = dataclasses.replace(self.meta, saved=None)

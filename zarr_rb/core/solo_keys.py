@@ -113,5 +113,8 @@ def _runs(mask: np.ndarray, step: int) -> Iterator[tuple[int, int]]:
     padded = np.concatenate(([False], mask, [False]))
     edges = np.flatnonzero(padded[1:] != padded[:-1])
     for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
-        for first in range(start, stop, step):
-            yield first, min(stop, (first // step + 1) * step)
+        first = start
+        while first < stop:  # (a run need not start at a multiple of step)
+            end = min(stop, (first // step + 1) * step)
+            yield first, end
+            first = end
