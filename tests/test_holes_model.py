@@ -8,11 +8,11 @@ commits declare them, so that every row written after them is committed as usual
 
 A buffer on a ZarrStorage and its twin on a LazyTensorStorage take the same extends, sets
 at given rows (inside the length, past it, or the same rows twice), writes of rows in
-place, flushes, empties and reopens. After every step, both have the same length, every
-row written since the buffer was emptied reads the same on both, and the only holes are
-rows no call wrote. A flush then a crash, or a clean reopen, gives exactly the buffer as
-it was (its length, its holes, every other row and the cursor), and a save then a crash
-loads exactly the buffer saved, its writer included.
+place, writes that add a key, flushes, empties and reopens. After every step, both have
+the same length, the holes are exactly the rows no call wrote since the buffer was
+emptied, and every other row reads the same on both. A flush then a crash, or a clean
+reopen, gives exactly the buffer as it was (its length, its holes, every other row and
+the cursor), and a save then a crash loads exactly the buffer saved, its writer included.
 """
 
 from __future__ import annotations
@@ -37,17 +37,31 @@ from zarr_rb.testing import simulate_crash
 ROWS = 12
 
 
-def rows_of(versions: list[int]) -> TensorDict:
-    """Rows whose every element derives from the version of the write that made them."""
+def rows_of(versions: list[int], added: bool = False) -> TensorDict:
+    """Rows whose every element derives from the version of the write that made them;
+    ``added``: with the key added later (:data:`ADDED`), ten times the version."""
     step = torch.tensor(versions, dtype=torch.int64)
-    return TensorDict(
+    rows = TensorDict(
         {"step": step, "obs": step.float()[:, None].expand(-1, 3).clone()}, [len(versions)]
     )
+    if added:
+        rows[ADDED] = step * 10
+    return rows
 
 
-def steps_at(storage: Any, rows: list[int]) -> list[int]:
-    """The ``step`` of each of ``rows`` of ``storage``."""
-    return storage.get(torch.tensor(rows))["step"].tolist() if rows else []
+ADDED = "added"
+"""A key a write adds once rows are on disk: rows written without it read zeros there."""
+
+
+def values_at(storage: Any, rows: list[int]) -> list[tuple[int, int]]:
+    """The ``step`` and the added key (0 where the storage lacks it) of each of ``rows`` of
+    ``storage``, checked whole."""
+    if not rows:
+        return []
+    got = storage.get(torch.tensor(rows))
+    assert torch.equal(got["obs"], got["step"].float()[:, None].expand(-1, 3)), "torn rows"
+    added = got[ADDED].tolist() if ADDED in got.keys() else [0] * len(rows)  # noqa: SIM118
+    return list(zip(got["step"].tolist(), added, strict=True))
 
 
 class Snapshot:
@@ -60,7 +74,7 @@ class Snapshot:
         self.writer = int(rb._writer._cursor)
         self.holes = storage.unreadable_rows().tolist()
         self.readable = [row for row in range(self.length) if row not in self.holes]
-        self.steps = steps_at(storage, self.readable)
+        self.steps = values_at(storage, self.readable)
 
     def check(self, rb: ReplayBuffer, *, loaded: bool) -> None:
         """``rb`` holds what this snapshot saw; ``loaded``: by a load, which restores its
@@ -98,6 +112,8 @@ class HolesMachine(RuleBasedStateMachine):
         self.version = 0
         self.written: set[int] = set()
         """Rows a call wrote since the buffer was emptied (the others may be holes)."""
+        self.added = False
+        """Whether the buffer holds the key :data:`ADDED` (every write then carries it)."""
 
     def teardown(self) -> None:
         if hasattr(self, "zarr"):
@@ -113,7 +129,7 @@ class HolesMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, ROWS + 2))
     def extend(self, n: int) -> None:
         start = int(self.twin._writer._cursor)
-        rows = rows_of(self._versions(n))
+        rows = rows_of(self._versions(n), self.added)
         for rb in (self.zarr, self.twin):
             rb.extend(rows)
         self.written.update((start + i) % ROWS for i in range(n))
@@ -124,9 +140,20 @@ class HolesMachine(RuleBasedStateMachine):
         ``len`` grows by their number (up to the capacity)."""
         if self.zarr.storage.schema is None and not self.written:
             rows = sorted(rows)  # (a first write at scattered rows: any order works)
-        data = rows_of(self._versions(len(rows)))
+        data = rows_of(self._versions(len(rows)), self.added)
         for rb in (self.zarr, self.twin):
             rb.storage.set(torch.tensor(rows), data)
+        self.written.update(rows)
+
+    @precondition(lambda self: not self.added and self.zarr.storage.schema is not None)
+    @rule(rows=st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=3, unique=True))
+    def add_a_key(self, rows: list[int]) -> None:
+        """``storage.set`` with a key the buffer does not hold: every row on disk or in
+        RAM gets zeros in it, scattered rows included."""
+        data = rows_of(self._versions(len(rows)), added=True)
+        for rb in (self.zarr, self.twin):
+            rb.storage.set(torch.tensor(rows), data)
+        self.added = True
         self.written.update(rows)
 
     @precondition(lambda self: len(self.twin) > 0)
@@ -136,7 +163,7 @@ class HolesMachine(RuleBasedStateMachine):
         rows = data.draw(
             st.lists(st.integers(0, len(self.twin) - 1), min_size=1, max_size=3, unique=True)
         )
-        values = rows_of(self._versions(len(rows)))
+        values = rows_of(self._versions(len(rows)), self.added)
         for rb in (self.zarr, self.twin):
             rb[torch.tensor(rows)] = values
         self.written.update(rows)
@@ -158,13 +185,22 @@ class HolesMachine(RuleBasedStateMachine):
         self.zarr = rb
         seen = Snapshot(rb)
         self.twin = ReplayBuffer(storage=LazyTensorStorage(ROWS), batch_size=4)
+        self.added = self._holds_added(rb)
         if seen.length:
-            steps = [0] * seen.length
-            for row, step in zip(seen.readable, seen.steps, strict=True):
-                steps[row] = step
-            self.twin.extend(rows_of(steps))
+            steps, added = [0] * seen.length, [0] * seen.length
+            for row, (step, value) in zip(seen.readable, seen.steps, strict=True):
+                steps[row], added[row] = step, value
+            rows = rows_of(steps)
+            if self.added:
+                rows[ADDED] = torch.tensor(added)
+            self.twin.extend(rows)
         self.twin._writer._cursor = int(rb._writer._cursor)
         self.written = set(seen.readable)
+
+    @staticmethod
+    def _holds_added(rb: ReplayBuffer) -> bool:
+        schema = rb.storage.schema
+        return schema is not None and any(leaf.key == (ADDED,) for leaf in schema.leaves)
 
     def _reopened(self) -> ReplayBuffer:
         storage = ZarrStorage(ROWS, self.path, ram_bytes=self.ram_bytes)
@@ -206,12 +242,13 @@ class HolesMachine(RuleBasedStateMachine):
             return
         assert len(self.zarr) == len(self.twin)
         seen = Snapshot(self.zarr)
+        # The holes are the rows no call wrote (since the buffer was emptied): every other
+        # row reads what the twin holds.
         unwritten = set(range(seen.length)) - self.written
-        assert set(seen.holes) <= unwritten, f"holes {seen.holes}, rows written {self.written}"
-        twin = steps_at(self.twin.storage, seen.readable)
-        for row, step, expected in zip(seen.readable, seen.steps, twin, strict=True):
-            if row in self.written:
-                assert step == expected, f"row {row}: {step}, the twin's {expected}"
+        assert set(seen.holes) == unwritten, f"holes {seen.holes}, rows written {self.written}"
+        twin = values_at(self.twin.storage, seen.readable)
+        for row, values, expected in zip(seen.readable, seen.steps, twin, strict=True):
+            assert values == expected, f"row {row}: {values}, the twin's {expected}"
 
 
 HolesMachine.TestCase.settings = settings(
