@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import Crash, crash_at_row_write
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from machines import replayed
 from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
@@ -168,14 +168,7 @@ class ArchiveMachine(RuleBasedStateMachine):
             self._check(history)
 
 
-ArchiveMachine.TestCase.settings = settings(
-    max_examples=25,
-    stateful_step_count=20,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+ArchiveMachine.TestCase.settings = replayed(25, 20)
 TestArchiveMachine = ArchiveMachine.TestCase
 
 

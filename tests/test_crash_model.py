@@ -65,9 +65,9 @@ from conftest import (
     fail_at_row_write,
     writes_held_back,
 )
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from machines import replayed, run_long
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
@@ -981,30 +981,16 @@ class CrashMachine(RuleBasedStateMachine):
             assert int(self.zarr._writer._cursor) == self.cursor
 
 
-CrashMachine.TestCase.settings = settings(
-    # (45: the run's time depends on the sequences its seed draws, which each change to the
-    # rules changes; 45 take 17 s here, 55 took 31 s once blocks landed in three ways.)
-    max_examples=45,
-    stateful_step_count=30,
-    derandomize=True,  # the same sequences on every run; -m slow draws new ones
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+# (45: the run's time depends on the sequences its seed draws, which each change to the
+# rules changes; 45 take 17 s here, 55 took 31 s once blocks landed in three ways.)
+CrashMachine.TestCase.settings = replayed(45, 30)
 TestCrashMachine = CrashMachine.TestCase
 
 
 @pytest.mark.slow
 def test_crash_machine_long(request):
     """The same machine, many more sequences, new ones on every run."""
-    runner = CrashMachine.TestCase("runTest")
-    runner.settings = settings(
-        max_examples=400,
-        stateful_step_count=40,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
-    runner.runTest()
+    run_long(CrashMachine)
 
 
 def test_a_save_loads_beside_a_live_buffer_that_holds_its_rows_again(tmp_path):

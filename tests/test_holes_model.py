@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from machines import replayed, run_long
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
@@ -251,25 +251,11 @@ class HolesMachine(RuleBasedStateMachine):
             assert values == expected, f"row {row}: {values}, the twin's {expected}"
 
 
-HolesMachine.TestCase.settings = settings(
-    max_examples=40,
-    stateful_step_count=25,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+HolesMachine.TestCase.settings = replayed(40, 25)
 TestHolesMachine = HolesMachine.TestCase
 
 
 @pytest.mark.slow
 def test_holes_machine_long() -> None:
     """The same machine, many more sequences, new ones on every run."""
-    runner = HolesMachine.TestCase("runTest")
-    runner.settings = settings(
-        max_examples=400,
-        stateful_step_count=40,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
-    runner.runTest()
+    run_long(HolesMachine)
