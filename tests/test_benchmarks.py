@@ -260,3 +260,15 @@ def test_fill_benchmark_smoke(tmp_path):
     assert all(p["commits"] > 0 and p["fsync, on this thread"] > 0 for p in parts.values())
     tier = "frames into the RAM tier"
     assert parts["zarr"][tier] > parts["zarr-0"][tier]
+
+
+def test_holes_benchmark_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import holes
+
+    out = tmp_path / "holes.json"
+    result = holes.main(["--rows", "500", "--samples", "2", "--repeat", "1", "--json", str(out)])
+    assert [run["holes"] for run in result["runs"]] == [0, 1]
+    assert all(run["sample_ms"] > 0 for run in result["runs"])
+    assert json.loads(out.read_text()) == result
+    assert "| 1 |" in capsys.readouterr().out
