@@ -763,3 +763,24 @@ def test_a_row_interrupted_between_its_keys_is_not_read_torn(tmp_path: Path) -> 
     storage.flush()
     with _crash_and_reopen(storage, path) as reopened:
         assert reopened.get(torch.arange(6))["step"].tolist() == [0, 1, 2, 3, 4, 55]
+
+
+def test_a_failed_call_reads_its_rows_again_into_the_mirror_alone(tmp_path: Path) -> None:
+    """A failed call re-reads the small leaves of its own rows into the mirror, as the
+    write buffer and the store hold them: the copies of the other rows stay (before, the
+    whole mirror was dropped and read again at the next read, up to 256 MB per failure)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(32, path, compression=Compression(block_rows=4), ram_bytes=0)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(steps(torch.arange(14)))  # rows 12-13 wait in RAM
+    storage.get(torch.arange(14))  # the mirror takes its copies
+    mirror = storage._store.ram.mirror
+    held = set(mirror.held_keys())
+    assert held
+    with _no_room(), pytest.raises(MemoryError):  # (no room for row 20's block)
+        rb.extend(steps(torch.tensor([133, 166, 177, 188, 199, 200, 201])))  # rows 14-20
+    assert set(mirror.held_keys()) == held  # not dropped
+    assert storage.get(torch.arange(14))["step"].tolist() == list(range(14))
+    storage.flush()
+    with _crash_and_reopen(storage, path) as reopened:
+        assert reopened.get(torch.arange(14))["step"].tolist() == list(range(14))

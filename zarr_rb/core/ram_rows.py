@@ -147,8 +147,10 @@ class RamRows:
         if self.frames is not None:
             self.frames.release(rows[rows < self.frames.rows])
             self._fill_pending = self._fill
-        if self.mirror.held:
-            self.mirror.clear()  # (read again as this writer has them: see _load)
+        for key in self.mirror.held_keys():
+            inside = np.unique(rows[rows < self.mirror[key].shape[0]])
+            if inside.size:
+                self.mirror.put(inside, {key: self._as_written(key, inside)}, reached=0)
 
     def changed(self, rows: np.ndarray) -> None:
         """Rows (a mask) that other writers changed: read their mirrored leaves again."""
@@ -204,25 +206,29 @@ class RamRows:
 
     def _load(self, key: Key, covered: int) -> torch.Tensor:
         """A new copy of a leaf, ``covered`` rows long, as this writer has them."""
+        return self._as_written(key, np.arange(covered))
+
+    def _as_written(self, key: Key, rows: np.ndarray) -> torch.Tensor:
+        """The cells of ``key`` of ``rows`` (unique) as this writer has them, zeros where
+        none can be read."""
         store = self.store
         assert store.write_cache is not None
         assert store.ledger is not None
         leaf = store.leaf(key)
-        copy = zeros((covered, *store.element_shape(leaf)), TORCH_DTYPES[leaf.dtype])
+        out = zeros((rows.size, *store.element_shape(leaf)), TORCH_DTYPES[leaf.dtype])
         # Only cells known to be on disk: others were never written, or were lost to a
         # crash or a failed write, and are not readable until they are rewritten. Rows
         # held in the write buffer come from there: a block being written to a new slot
         # is not there yet.
-        every_row = np.arange(covered)
-        staged, served = store.write_cache.staged_rows(every_row)
-        on_disk = np.flatnonzero(store.ledger.readable(every_row, key) & ~staged)
-        put_rows(copy, on_disk, store.arrays.read({key: on_disk})[key])
+        staged, served = store.write_cache.staged_rows(rows)
+        on_disk = np.flatnonzero(store.ledger.readable(rows, key) & ~staged)
+        put_rows(out, on_disk, store.arrays.read({key: rows[on_disk]})[key])
         for block, positions in served:
-            offsets = torch.from_numpy(positions - block.index * store.write_cache.block_rows)
-            copy[torch.from_numpy(positions)] = block.values[key][offsets]
-        for positions, values in store.write_cache.patched(every_row, key):
-            copy[torch.from_numpy(positions)] = values
-        return copy
+            offsets = rows[positions] - block.index * store.write_cache.block_rows
+            out[torch.from_numpy(positions)] = block.values[key][torch.from_numpy(offsets)]
+        for positions, values in store.write_cache.patched(rows, key):
+            out[torch.from_numpy(positions)] = values
+        return out
 
     # --- the write buffer ------------------------------------------------------------------
 
