@@ -784,3 +784,30 @@ def test_a_failed_call_reads_its_rows_again_into_the_mirror_alone(tmp_path: Path
     storage.flush()
     with _crash_and_reopen(storage, path) as reopened:
         assert reopened.get(torch.arange(14))["step"].tolist() == list(range(14))
+
+
+def test_an_archive_write_whose_history_commit_fails_leaves_the_buffer_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """In an archive, an extend over rows extended since the last commit commits those
+    first (the history has them as extended). When that commit meets a full disk, the
+    call stores nothing and says so, and TorchRL's writer and length stay as they were:
+    the same extend, made again, stores its rows (found by review: the writer had moved
+    past rows never stored, as holes and old rows, and the error said a flush would write
+    them)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(8, path, compression=Compression(block_rows=4), archive=True)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    rb.extend(steps(torch.arange(6)))  # rows 4-5 wait in RAM, extended
+    again = steps(torch.arange(6, 14))  # rows 6, 7, then 0-5: over rows 4-5
+    with fail_at_row_write(1), pytest.raises(StoreWriteError, match="were not stored"):
+        rb.extend(again)
+    assert (len(rb), int(rb._writer._cursor)) == (6, 6)
+    assert storage.unreadable_rows().tolist() == []
+    assert storage.get(torch.arange(6))["step"].tolist() == list(range(6))
+    rb.extend(again)
+    assert storage.get(torch.arange(8))["step"].tolist() == [8, 9, 10, 11, 12, 13, 6, 7]
+    storage.close()
+    history = ZarrStorage(path=path, read_only=True, history=True)
+    assert history.get(torch.arange(len(history)))["step"].tolist() == list(range(14))
+    history.close()

@@ -187,6 +187,10 @@ class Commits(abc.ABC):
     ) -> None:
         """Add columns; rows written before read as zeros in them."""
 
+    def before_write(self, rows: np.ndarray) -> None:
+        """What a write of ``rows`` needs done first, before the buffer counts them (a
+        failure here leaves the buffer as it was)."""
+
     @abc.abstractmethod
     def write(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, cursor: int | None

@@ -91,6 +91,25 @@ class SoloCommits(SoloCursor):
         store.attach_schema(schema, block_rows)
         self.publish_meta()
 
+    def before_write(self, rows: np.ndarray) -> None:
+        """In an archive, rows extended since the last commit that ``rows`` goes over are
+        committed first, into the history as they were extended.
+
+        Raises:
+            StoreWriteError: that commit failed; the write stored nothing.
+        """
+        if not (self.store.archive and self._extended.overlaps(rows)):
+            return
+        try:
+            self.store.flush()
+        except StoreWriteError as error:
+            raise StoreWriteError(
+                error.errno,
+                f"{error.strerror} The rows of this write were not stored (it goes over rows "
+                "extended since the last commit, which must reach the archive's history "
+                "first): write them again once a flush succeeds.",
+            ) from error
+
     def write(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, cursor: int | None
     ) -> None:
@@ -103,10 +122,7 @@ class SoloCommits(SoloCursor):
         failed: StoreWriteError | None = None
         extended = False
         try:
-            if store.archive and self._extended.overlaps(rows):
-                # Rows extended since the last commit, written over: into the history first, as
-                # they were extended.
-                store.flush()
+            self.before_write(rows)  # (done already for a write through the storage's set)
             writing = store.write_cache.writing
             if writing is not None and (
                 cursor is None

@@ -254,6 +254,14 @@ class Store:
             raise FencedError(str(self.fenced), holder=self.fenced.holder)
 
     @serialized
+    def before_write(self, rows: np.ndarray) -> None:
+        """Make ready for a write of ``rows`` (sorted, unique), before the buffer counts
+        them: a failure here (a typed error) leaves the store and the buffer as they were."""
+        self.check_writable()
+        if rows.size:
+            self.commits.before_write(rows)
+
+    @serialized
     def write(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, cursor: int | None = None
     ) -> None:

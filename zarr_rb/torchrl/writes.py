@@ -66,6 +66,7 @@ class StorageWrites(StoreBacked):
         # Validate everything before touching the length or the cursor: a rejected
         # write leaves the storage as it was (and its writer, see guards.guard_writer).
         rows, leaves = self._rows_to_write(cursor, data)
+        store.before_write(rows)
         self.__dict__["writes_begun"] += 1
         schema = store.schema
         assert schema is not None
