@@ -187,7 +187,7 @@ class Commits(abc.ABC):
     ) -> None:
         """Add columns; rows written before read as zeros in them."""
 
-    def before_write(self, rows: np.ndarray) -> None:
+    def before_write(self, rows: np.ndarray) -> None:  # noqa: B027 (most need nothing)
         """What a write of ``rows`` needs done first, before the buffer counts them (a
         failure here leaves the buffer as it was)."""
 
