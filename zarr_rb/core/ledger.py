@@ -72,6 +72,12 @@ class Ledger:
         """Whether each of ``rows`` is published."""
         return _lookup(self.published, rows)
 
+    def unpublished(self, rows: int) -> np.ndarray:
+        """Which of the first ``rows`` rows are not published (sorted)."""
+        if rows <= self.extent and self.published[:rows].all():
+            return np.empty(0, dtype=np.int64)  # (every sample asks: one pass, no copy)
+        return np.flatnonzero(~self.first(self.published, rows))
+
     def first(self, mask: np.ndarray, rows: int) -> np.ndarray:
         """The first ``rows`` rows of a mask over the extent (unset past it)."""
         return _padded(mask[:rows], rows)

@@ -426,10 +426,7 @@ class Store:
         assert self.ledger is not None
         if not self.read_only:
             return self.ram.unreadable_rows(self.length_rows)
-        published, rows = self.ledger.published, self.length_rows
-        if rows <= published.size and published[:rows].all():
-            return np.empty(0, dtype=np.int64)
-        return np.flatnonzero(~self.ledger.first(published, rows))
+        return self.ledger.unpublished(self.length_rows)
 
     @serialized
     def refresh(self) -> Commit:
