@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -348,3 +349,75 @@ def test_rows_not_written_since_an_empty_are_holes(tmp_path: Path) -> None:
     storage.flush()
     length, holes, steps = _reopened_after_crash(storage, path)
     assert (length, holes, steps) == (4, [2, 3], {0: 300, 1: 301})
+
+
+def test_a_version_keeps_its_rows_where_the_buffer_has_holes_no_call_wrote(
+    tmp_path: Path,
+) -> None:
+    """A version saved before an ``empty()`` keeps its rows, though the buffer's commits
+    declare holes at them since (rows counted, not written): those are not damage the
+    version shares (found by review: loading the version read them as holes, and a save
+    of it lost them for good)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(8, path, compression=Compression(block_rows=2))
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
+    storage.set(torch.tensor([0]), _rows([7]))
+    zarr_rb.save(rb, tag="v1")
+    rb.empty()
+    storage.set(torch.tensor([2]), _rows([9]))  # len 1: row 0 not written since the empty
+    storage.flush()
+    assert storage.unreadable_rows().tolist() == [0]
+    for read_only in (True, False):
+        if not read_only:
+            storage.close()  # (a writer loads a version of a buffer open nowhere else)
+        loaded = zarr_rb.load(path, version="v1", read_only=read_only)
+        assert loaded.storage.unreadable_rows().tolist() == []
+        assert loaded.storage.get(torch.tensor([0]))["step"].tolist() == [7]
+        loaded.storage.close()
+
+
+def test_a_write_of_some_keys_into_a_committed_unwritten_row_after_a_reopen(
+    tmp_path: Path,
+) -> None:
+    """A store reopened after a crash knows which of its holes no call wrote (the record
+    says so): a write of some keys there gets zeros in the others, as in the writer that
+    declared them (found by review: after the reopen, the row stayed a hole and the write
+    was lost)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(8, path)
+    storage.set(torch.arange(2), _rows([1, 2]))
+    storage.set(torch.tensor([3]), _rows([4]))  # len 3: row 2 never written
+    storage.flush()
+    simulate_crash(storage)
+    storage = ZarrStorage(path=path)
+    assert storage.unreadable_rows().tolist() == [2]
+    storage.set(torch.tensor([2]), TensorDict({"step": torch.tensor([3])}, [1]))
+    storage.flush()
+    assert storage.unreadable_rows().tolist() == [3]
+    row = storage.get(torch.tensor([2]))
+    assert (row["step"].tolist(), row["obs"].tolist()) == ([3], [[0.0]])
+    length, holes, steps = _reopened_after_crash(storage, path)
+    assert (length, holes, steps) == (4, [3], {0: 1, 1: 2, 2: 3})
+
+
+def test_a_record_keeps_which_holes_no_call_wrote() -> None:
+    """``Commit.unwritten`` goes through the record whole; it lies inside the holes (a
+    record that says otherwise is refused), and one made for holes replaced since keeps
+    only what lies inside them. A record of an older version has none: every hole counts
+    as lost."""
+    from zarr_rb.errors import StoreCorruptedError
+    from zarr_rb.format.commit import Commit, parse_commit
+
+    commit = Commit(generation=3, length=10, cursor=10, holes=((2, 5), (7, 9)), unwritten=((3, 5),))
+    assert parse_commit(commit.to_json(), rows=16) == commit
+    assert (
+        commit.unwritten_at(np.arange(12)).tolist()
+        == [False] * 3 + [True] * 2 + [False] * 5 + [True] * 2
+    )
+    older = commit.to_json()
+    del older["unwritten"]
+    assert parse_commit(older, rows=16).unwritten == ()
+    replaced = Commit(length=10, holes=((4, 6),), unwritten=((3, 5),)).to_json()
+    assert replaced["unwritten"] == [[4, 5]]
+    with pytest.raises(StoreCorruptedError, match="unwritten"):
+        parse_commit({**commit.to_json(), "unwritten": [[1, 3]]}, rows=16)

@@ -12,7 +12,8 @@ place, writes that add a key, flushes, empties and reopens. After every step, bo
 the same length, the holes are exactly the rows no call wrote since the buffer was
 emptied, and every other row reads the same on both. A flush then a crash, or a clean
 reopen, gives exactly the buffer as it was (its length, its holes, every other row and
-the cursor), and a save then a crash loads exactly the buffer saved, its writer included.
+the cursor), a save then a crash loads exactly the buffer saved, its writer included, and
+a version (a tagged save) reads as it was saved whatever the buffer did since.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ class HolesMachine(RuleBasedStateMachine):
         """Rows a call wrote since the buffer was emptied (the others may be holes)."""
         self.added = False
         """Whether the buffer holds the key :data:`ADDED` (every write then carries it)."""
+        self.versions: dict[str, Snapshot] = {}
+        """What each tagged save holds."""
 
     def teardown(self) -> None:
         if hasattr(self, "zarr"):
@@ -233,6 +236,32 @@ class HolesMachine(RuleBasedStateMachine):
         before.check(loaded, loaded=True)
         self._adopt(loaded)
         self.twin._writer._cursor = before.writer
+
+    @rule()
+    def save_a_version(self) -> None:
+        """``zarr_rb.save(rb, tag=...)``: a version that keeps its rows whatever the buffer
+        does after (empties, writes over them, holes in the blocks it shares)."""
+        if self.zarr.storage.schema is None:
+            return
+        tag = f"v{len(self.versions)}"
+        zarr_rb.save(self.zarr, tag=tag)
+        self.versions[tag] = Snapshot(self.zarr)
+
+    @precondition(lambda self: bool(self.versions))
+    @rule(data=st.data())
+    def read_a_version(self, data: st.DataObject) -> None:
+        tag = data.draw(st.sampled_from(sorted(self.versions)))
+        saved = self.versions[tag]
+        loaded = zarr_rb.load(self.path, version=tag, read_only=True)
+        try:
+            again = Snapshot(loaded)
+            assert (again.length, again.holes, again.steps) == (
+                saved.length,
+                saved.holes,
+                saved.steps,
+            ), f"version {tag}"
+        finally:
+            loaded.storage.close()
 
     # --- checks --------------------------------------------------------------------------
 

@@ -369,7 +369,9 @@ class Sharing(SharingSaves):
             if not there.size:
                 return None
             runs = runs.assign(there, np.full(there.size, -1, dtype=np.int64))
-            commit = dataclasses.replace(commit, runs=runs, holes=runs.holes(commit.length))
+            commit = dataclasses.replace(
+                commit, runs=runs, holes=runs.holes(commit.length), unwritten=()
+            )
             return dataclasses.replace(meta, commit=commit)
 
         self.update(withdraw)

@@ -200,12 +200,10 @@ class SoloCommits(SoloCursor):
         self._written_from = cursor
         self._advanced = 0
         self._out_of_order = False
-        self._never_written = self._never_written[:0]
         self._extended.restart()
 
     def empty(self) -> None:
         self.settle(keep=False)  # (the store discarded its rows first: nothing is in flight)
-        self._never_written = self._never_written[:0]
         store = self.store
         if store.ledger is not None:
             # No row holds data for the buffer any more, as for a writer reopened after the
@@ -221,6 +219,7 @@ class SoloCommits(SoloCursor):
                 length=0,
                 cursor=0,
                 holes=(),
+                unwritten=(),
                 epoch=store.committed.epoch + 1,
             )
             self.publish(commit)
@@ -229,7 +228,6 @@ class SoloCommits(SoloCursor):
 
     def withdraw(self, positions: np.ndarray, physical: np.ndarray, seen: Commit) -> int:
         self.settle()
-        self._never_written = np.setdiff1d(self._never_written, positions)
         store = self.store
         ledger = store.ledger
         assert ledger is not None
@@ -279,7 +277,7 @@ class SoloCommits(SoloCursor):
     def _commit(self) -> None:
         """Publish every row that is on disk and within the storage's length."""
         if self.store.schema is None:
-            self.publish(dataclasses.replace(self.committed, length=0, holes=()))
+            self.publish(dataclasses.replace(self.committed, length=0, holes=(), unwritten=()))
             return
         assert self.store.ledger is not None
         if self._kept_where_committed().size:
@@ -314,13 +312,9 @@ class SoloCommits(SoloCursor):
             # the rows waiting), so no state they went through holds just these rows (they
             # hold the new lap's values). Commits wait until those rows land.
             return
-        unheld = self._unheld()
-        fresh = unheld[(unheld >= self.committed.length) & (unheld < length)]
         self._publish_mask(
             readable, length=length, rewrite=self._rewrote_published, committable=(cursor, after)
         )
-        if fresh.size:
-            self._never_written = np.union1d(self._never_written, fresh)
 
     def _publish_mask(
         self,
@@ -341,7 +335,10 @@ class SoloCommits(SoloCursor):
             readable, generation=self.committed.generation + 1, cursor=cursor, length=length
         )
         commit = dataclasses.replace(
-            commit, epoch=self.committed.epoch + rewrite, slots=self._slots_record()
+            commit,
+            unwritten=self._unwritten(readable, commit.length),
+            epoch=self.committed.epoch + rewrite,
+            slots=self._slots_record(),
         )
         waiting = None
         if self.store.archive:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from zarr_rb.core.solo_keys import SoloKeys
+from zarr_rb.format.commit import mask_to_ranges
 
 
 class SoloCursor(SoloKeys):
@@ -71,6 +72,20 @@ class SoloCursor(SoloKeys):
         settled[: readable.size] = readable
         settled[unheld] = True
         return settled
+
+    def _unwritten(self, readable: np.ndarray, length: int) -> tuple[tuple[int, int], ...]:
+        """The holes of a commit of ``length`` rows declaring ``readable`` that no call
+        wrote: the last commit's still holes, and rows past its length nothing holds
+        (``Commit.unwritten``; rows withdrawn, or lost to a failed write, are not)."""
+        last = self.committed
+        unwritten = np.zeros(length, dtype=bool)
+        for start, stop in last.unwritten:
+            unwritten[start : min(stop, length)] = True
+        unheld = self._unheld()
+        unwritten[unheld[(unheld >= last.length) & (unheld < length)]] = True
+        inside = min(length, readable.size)
+        unwritten[:inside] &= ~readable[:inside]
+        return mask_to_ranges(unwritten)
 
     def _unheld(self) -> np.ndarray:
         """The rows of the buffer nothing holds, neither on disk nor in RAM (sorted)."""

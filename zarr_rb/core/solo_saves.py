@@ -31,10 +31,12 @@ class SoloSaves(SoloStaging):
         assert ledger is not None
         readable = commit.readable_mask(commit.length)
         # Rows withdrawn since the save (a repair found them damaged) in blocks still in the
-        # slots the save has: the damage is the save's too.
+        # slots the save has: the damage is the save's too. (Not the holes no call wrote,
+        # as after an empty: the save's rows there are whole.)
         kept, head = self._slots_of(commit), self._committed_slots()
         for start, stop in store.committed.holes:
             lost = np.arange(start, min(stop, commit.length))
+            lost = lost[~store.committed.unwritten_at(lost)]
             blocks = lost // kept.block_rows
             shared = kept.slots[blocks] == head.slots[blocks]
             readable[lost[shared]] = False

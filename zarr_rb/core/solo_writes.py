@@ -66,10 +66,6 @@ class SoloWrites(SoloSlots):
             return self.store.write_cache.held_rows()
 
         self.arrivals = Arrivals(held)
-        self._never_written = np.empty(0, dtype=np.int64)
-        """Rows past the committed ones that this writer's commits declared holes because
-        nothing held them (no call wrote them, though TorchRL's ``len`` counts them): a
-        write of some keys there gets zeros in the others, as past the committed rows."""
         """Rows extended and not on disk yet, and rows a failed call lost."""
         self._created_slots: list[int] = []
         """Slots this writer created objects in since its last record (objects created
@@ -96,7 +92,7 @@ class SoloWrites(SoloSlots):
         # or a failed write of some keys waiting to be written again). (Inside them, a cell
         # that cannot be read was lost to a crash or a failed write: it stays unreadable,
         # not zero.)
-        fresh = (rows >= self.committed.length) | np.isin(rows, self._never_written)
+        fresh = self.committed.unwritten_at(rows)
         empty = {
             key: ~(self.store.ledger.readable(rows, key) | hit | cache.patched_mask(rows, key))
             & fresh

@@ -7,6 +7,7 @@ back from it. The slot map and the run maps it holds are :mod:`zarr_rb.format.ri
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 from collections.abc import Mapping
@@ -154,6 +155,11 @@ class Commit:
     length: int = 0
     cursor: int = 0
     holes: tuple[tuple[int, int], ...] = ()
+    unwritten: tuple[tuple[int, int], ...] = ()
+    """The holes (of :attr:`holes`, half-open ranges) that no call wrote since the store
+    was made or emptied: TorchRL's ``len`` counted them. The others lost their data (a
+    repair withdrew them, a failed write tore them), and a save in the same slots shares
+    that loss. Records of older versions leave it out: every hole counts as lost."""
     ring: Ring | None = None
     """The blocks of a store written by several writers (``None``: one writer)."""
     epoch: int = 0
@@ -190,6 +196,9 @@ class Commit:
             "cursor": self.cursor,
             "holes": [list(h) for h in self.holes],
         }
+        unwritten = _intersection(self.unwritten, self.holes)  # (a record of holes replaced)
+        if unwritten:
+            record["unwritten"] = [list(h) for h in unwritten]
         if self.epoch:
             record["epoch"] = self.epoch
         if self.ring is not None:
@@ -248,6 +257,14 @@ class Commit:
             out &= (rows < start) | (rows >= stop)
         return out
 
+    def unwritten_at(self, rows: np.ndarray) -> np.ndarray:
+        """Whether each of ``rows`` holds nothing a call wrote (since the store was made or
+        emptied): past the length, or in an unwritten hole."""
+        out: np.ndarray = rows >= self.length
+        for start, stop in self.unwritten:
+            out |= (rows >= start) & (rows < stop)
+        return out
+
     def readable_mask(self, rows: int) -> np.ndarray:
         """Boolean mask over ``rows`` rows: which rows this commit declares readable."""
         mask = np.zeros(rows, dtype=bool)
@@ -298,23 +315,15 @@ def parse_commit(value: object, *, rows: int, pieces: PieceSource | None = None)
     _expect(isinstance(value, Mapping), "'commit' to be an object", value)
     assert isinstance(value, Mapping)
     length = _parse_int(value.get("length"), "commit length", hi=rows)
-    holes_raw = value.get("holes", [])
-    _expect(isinstance(holes_raw, list) and len(holes_raw) <= rows, "commit holes list", holes_raw)
-    assert isinstance(holes_raw, list)
-    holes = []
-    for hole in holes_raw:
-        bounds = _parse_int_list(hole, "commit hole", max_len=2)
-        _expect(
-            len(bounds) == 2 and 0 <= bounds[0] < bounds[1] <= length,
-            f"a hole [start, stop) inside [0, {length})",
-            hole,
-        )
-        holes.append((bounds[0], bounds[1]))
+    holes = _parse_ranges(value.get("holes", []), "commit hole", rows=rows, length=length)
+    unwritten = _parse_ranges(value.get("unwritten", []), "unwritten", rows=rows, length=length)
+    _expect(_within(unwritten, holes), "unwritten rows among the holes", value.get("unwritten"))
     return Commit(
         generation=_parse_int(value.get("generation"), "commit generation"),
         length=length,
         cursor=_parse_int(value.get("cursor", 0), "commit cursor", hi=max(rows - 1, 0)),
-        holes=tuple(holes),
+        holes=holes,
+        unwritten=unwritten,
         ring=parse_ring(value.get("ring"), rows=rows),
         epoch=_parse_int(value.get("epoch", 0), "commit epoch"),
         slots=parse_slot_map(value.get("slots"), rows=rows),
@@ -323,6 +332,48 @@ def parse_commit(value: object, *, rows: int, pieces: PieceSource | None = None)
         lease=parse_lease(value.get("lease"), rows=rows),
         object_era=_parse_object_era(value, rows=rows),
     )
+
+
+def _parse_ranges(raw: object, what: str, *, rows: int, length: int) -> tuple[tuple[int, int], ...]:
+    """Half-open ranges of rows inside ``[0, length)`` (a commit's holes)."""
+    _expect(isinstance(raw, list) and len(raw) <= rows, f"{what}s list", raw)
+    assert isinstance(raw, list)
+    ranges = []
+    for item in raw:
+        bounds = _parse_int_list(item, what, max_len=2)
+        _expect(
+            len(bounds) == 2 and 0 <= bounds[0] < bounds[1] <= length,
+            f"{what} [start, stop) inside [0, {length})",
+            item,
+        )
+        ranges.append((bounds[0], bounds[1]))
+    return tuple(ranges)
+
+
+def _intersection(
+    ranges: tuple[tuple[int, int], ...], holes: tuple[tuple[int, int], ...]
+) -> list[tuple[int, int]]:
+    """The parts of ``ranges`` inside ``holes`` (both sorted, apart)."""
+    out, i, j = [], 0, 0
+    while i < len(ranges) and j < len(holes):
+        start, stop = max(ranges[i][0], holes[j][0]), min(ranges[i][1], holes[j][1])
+        if start < stop:
+            out.append((start, stop))
+        if ranges[i][1] < holes[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _within(ranges: tuple[tuple[int, int], ...], holes: tuple[tuple[int, int], ...]) -> bool:
+    """Whether every range lies inside one of ``holes`` (sorted, apart)."""
+    starts = [start for start, _ in holes]
+    for start, stop in ranges:
+        i = bisect.bisect_right(starts, start) - 1
+        if i < 0 or stop > holes[i][1]:
+            return False
+    return True
 
 
 _OBJECT_ERA_TOKEN = re.compile(r"[0-9a-f]{16,64}")
