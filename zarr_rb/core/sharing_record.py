@@ -211,20 +211,33 @@ class SharingRecord(SharingSlots):
     def read_checked(self, read: Callable[[], _R], rows: np.ndarray) -> _R:
         """``read()`` of positions ``rows``, retried while other writers took slots those
         rows were read from (a seqlock on the record). A read that fails is tried again
-        whenever the record moved meanwhile: it may have met an object a collection
-        emptied, or one another writer replaced while it was read, of ``rows`` or of the
-        other rows the read takes (the mirror of small leaves loads every row on disk)."""
+        when the record moved meanwhile: when a chunk it met is damaged under the record
+        of now, only if ``rows`` moved (a collection emptied a slot the older record
+        named); when none is (a ``ValueError`` other than ``StoreCorruptedError``: an object
+        another writer replaced while it was read, of ``rows`` or of the other rows the
+        read takes, as the mirror of small leaves loads every row on disk), always."""
+        failed: list[ValueError] = []
+
+        def attempt() -> _R:
+            failed.clear()
+            try:
+                return read()
+            except ValueError as error:
+                failed.append(error)
+                raise
 
         def stands(before: Commit, whole: bool) -> bool:
             self.refresh()
             after = self.committed
             if after.generation == before.generation:
                 return True
-            return whole and before.reads_alike(after, rows, self.block_rows)
+            if not whole and not isinstance(failed[0], StoreCorruptedError):
+                return False
+            return before.reads_alike(after, rows, self.block_rows)
 
         return seqlock_read(
             lambda: self.committed,
-            lambda _: read(),
+            lambda _: attempt(),
             stands,
             attempts=_READ_RETRIES,
             # Failed under the record of now: damage, or a bug, not a writer's doing.
