@@ -297,7 +297,8 @@ class SoloCommits(SoloCursor):
         # Rows past the committed ones are published as a prefix: rows after one that is
         # not on disk (a failed write kept in RAM) wait for it, rather than leave a hole.
         # Rows nothing holds are holes already: nothing waits for them.
-        settled = self._settled(readable)
+        unheld = self._unheld()  # (once: nothing moves until the commit is published)
+        settled = self._settled(readable, unheld)
         settled[self.store.length_rows :] = False
         first_missing = first_unset(settled, self.committed.length, self.store.length_rows)
         if first_missing is not None:
@@ -305,7 +306,7 @@ class SoloCommits(SoloCursor):
             settled[first_missing:] = False
         # Lost rows last are holes inside the length, as are those of the last commit.
         length = max(declared_length(settled), min(self.committed.length, self.store.length_rows))
-        cursor, after = self._committable_cursor(readable)
+        cursor, after = self._committable_cursor(readable, unheld)
         if self._declares_no_state(length, first_missing, cursor, after):
             # The rows cut there were extended before the cursor: the extends since the
             # last commit went around the ring past it (the first lap, committed short of
@@ -313,7 +314,11 @@ class SoloCommits(SoloCursor):
             # hold the new lap's values). Commits wait until those rows land.
             return
         self._publish_mask(
-            readable, length=length, rewrite=self._rewrote_published, committable=(cursor, after)
+            readable,
+            length=length,
+            rewrite=self._rewrote_published,
+            committable=(cursor, after),
+            unheld=unheld,
         )
 
     def _publish_mask(
@@ -323,20 +328,24 @@ class SoloCommits(SoloCursor):
         length: int | None = None,
         rewrite: bool = False,
         committable: tuple[int, int] | None = None,
+        unheld: np.ndarray | None = None,
     ) -> None:
         """Publish a commit declaring the ``readable`` rows; ``rewrite``: rows the last
         commit declared readable are about to be written over (the epoch moves).
-        ``committable``: :meth:`_committable_cursor` of ``readable``, if known."""
+        ``committable``: :meth:`_committable_cursor` of ``readable``, and ``unheld``:
+        :meth:`_unheld`, if known."""
         assert self.store.ledger is not None
+        if unheld is None:
+            unheld = self._unheld()
         if committable is None:
-            committable = self._committable_cursor(readable)
+            committable = self._committable_cursor(readable, unheld)
         cursor, after = committable
         commit = commit_from_mask(
             readable, generation=self.committed.generation + 1, cursor=cursor, length=length
         )
         commit = dataclasses.replace(
             commit,
-            unwritten=self._unwritten(readable, commit.length),
+            unwritten=self._unwritten(readable, commit.length, unheld),
             epoch=self.committed.epoch + rewrite,
             slots=self._slots_record(),
         )

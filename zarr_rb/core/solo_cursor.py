@@ -59,13 +59,12 @@ class SoloCursor(SoloKeys):
             return 0
         return min(self.store.write_cache.rows, self._written_from + extended)
 
-    def _settled(self, readable: np.ndarray) -> np.ndarray:
+    def _settled(self, readable: np.ndarray, unheld: np.ndarray) -> np.ndarray:
         """``readable`` (not changed) with the rows set that no commit need wait for: rows
         nothing holds, neither on disk nor in RAM, which nothing will write unless they are
         written again. They are holes: those of a call that failed before it kept them, and
         those TorchRL's ``len`` counts that ``storage.set`` never wrote (``docs/design/
-        ring.md``, "Rows nothing holds")."""
-        unheld = self._unheld()
+        ring.md``, "Rows nothing holds"); ``unheld``: :meth:`_unheld`)."""
         if not unheld.size:
             return readable
         settled = np.zeros(max(readable.size, int(unheld[-1]) + 1), dtype=bool)
@@ -73,7 +72,9 @@ class SoloCursor(SoloKeys):
         settled[unheld] = True
         return settled
 
-    def _unwritten(self, readable: np.ndarray, length: int) -> tuple[tuple[int, int], ...]:
+    def _unwritten(
+        self, readable: np.ndarray, length: int, unheld: np.ndarray
+    ) -> tuple[tuple[int, int], ...]:
         """The holes of a commit of ``length`` rows declaring ``readable`` that no call
         wrote: the last commit's still holes, and rows past its length nothing holds
         (``Commit.unwritten``; rows withdrawn, or lost to a failed write, are not)."""
@@ -81,7 +82,6 @@ class SoloCursor(SoloKeys):
         unwritten = np.zeros(length, dtype=bool)
         for start, stop in last.unwritten:
             unwritten[start : min(stop, length)] = True
-        unheld = self._unheld()
         unwritten[unheld[(unheld >= last.length) & (unheld < length)]] = True
         inside = min(length, readable.size)
         unwritten[:inside] &= ~readable[:inside]
@@ -91,7 +91,7 @@ class SoloCursor(SoloKeys):
         """The rows of the buffer nothing holds, neither on disk nor in RAM (sorted)."""
         return self.store.ram.unreadable_rows(self.store.length_rows)
 
-    def _committable_cursor(self, readable: np.ndarray) -> tuple[int, int]:
+    def _committable_cursor(self, readable: np.ndarray, unheld: np.ndarray) -> tuple[int, int]:
         """The cursor a commit that declares the ``readable`` rows records: this writer's,
         unless rows it wrote since the last commit still wait in RAM or are not readable in
         it (withdrawn while they are rewritten); then the first of them in ring order, so
@@ -112,7 +112,7 @@ class SoloCursor(SoloKeys):
         if start + span > rows:
             runs.append((0, start + span - rows))
         offset = 0
-        settled = self._settled(readable)  # (holes: nothing to wait for)
+        settled = self._settled(readable, unheld)  # (holes: nothing to wait for)
         # Rows past the buffer's length (rows set past it, or a cursor loaded past them)
         # are in no state: nothing to wait for there either.
         inside = self.store.length_rows
