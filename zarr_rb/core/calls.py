@@ -6,11 +6,13 @@ its lifetime) serialize their public methods on one :class:`Calls`.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, cast
 
 from zarr_rb.errors import FencedError
+from zarr_rb.util.fork import refuse_parents_store
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -18,7 +20,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 class Calls:
     """The calls of one store under way, and the fence that ends its writes."""
 
-    def __init__(self, flush: Callable[[], None]) -> None:
+    def __init__(self, flush: Callable[[], None], *, where: str) -> None:
+        self.where = where
+        self.process = os.getpid()
+        """The process that opened the store: a child forked from it has a copy of the
+        store's state, and of this lock as it was at the fork, but none of its threads."""
         self.mutex = threading.RLock()
         self.depth = 0
         """Calls under way (on the thread that holds :attr:`mutex`)."""
@@ -28,6 +34,11 @@ class Calls:
         """Why this writer was fenced (another writer took the store over): it then
         commits nothing more, and closing it releases it without a flush."""
         self._flush = flush
+
+    @property
+    def forked(self) -> bool:
+        """Whether this is a process forked from the one that opened the store."""
+        return os.getpid() != self.process
 
     def end(self) -> None:
         """The outermost call ends: commit the rows of a user dropped inside it."""
@@ -41,11 +52,14 @@ class TakesCalls(Protocol):
 
 
 def serialized(method: _F) -> _F:
-    """Run a method of an object with ``calls`` holding its store's lock."""
+    """Run a method of an object with ``calls`` holding its store's lock (in the process
+    that opened the store: a forked child gets :class:`~zarr_rb.errors.NotSupportedError`)."""
 
     @functools.wraps(method)
     def wrapper(self: TakesCalls, *args: Any, **kwargs: Any) -> Any:
         calls = self.calls
+        if calls.forked:  # (before the lock, which a thread the child lacks may hold)
+            refuse_parents_store(calls.where, calls.process)
         with calls.mutex:
             calls.depth += 1
             try:

@@ -200,7 +200,11 @@ class Lifetime:
         it at any allocation, perhaps inside a call of this store on this thread, whose
         lock is re-entrant: a flush there would commit that call's write half-done, so the
         rows of a user that is not the last are committed as the call ends; outside any
-        call, at once. The last one closes."""
+        call, at once. The last one closes. In a child forked from the process that
+        opened the store, a copy of the user is dropped: the store is the parent's, and is
+        left to it (see :func:`~zarr_rb.util.fork.refuse_parents_store`)."""
+        if self.calls.forked:
+            return
         with self.calls.mutex:  # (another thread's call ends first)
             if self.closed:
                 return

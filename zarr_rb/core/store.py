@@ -83,7 +83,7 @@ class Store:
         stay as opened, and nothing they read is ever written again."""
         self.read_only = read_only
         self.compression = compression
-        self.calls = Calls(self.flush)
+        self.calls = Calls(self.flush, where=f"store {engine.url!r}")
         self.archive = meta.commit.history is not None
         """Whether commits append to the history (an archive, or one starting)."""
         self.epoch_at_open = meta.commit.epoch

@@ -501,6 +501,13 @@ _CREDENTIALS_LOCK = threading.Lock()
 _CREDENTIALS_FILES: dict[tuple[str | None, ...], str] = {}
 
 
+def _remove_credentials(directory: str, process: int) -> None:
+    """At exit, the credentials directory of ``process`` (not of a child forked from it,
+    whose exit would remove it under its parent)."""
+    if os.getpid() == process:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _credentials_spec(options: S3Options) -> dict[str, Any]:
     """TensorStore's ``aws_credentials``. Its spec cannot hold keys, so keys given in
     ``storage_options`` are written to a credentials file in a private (0700) temporary
@@ -514,7 +521,7 @@ def _credentials_spec(options: S3Options) -> dict[str, Any]:
     with _CREDENTIALS_LOCK:
         if _CREDENTIALS_DIR is None:
             _CREDENTIALS_DIR = tempfile.mkdtemp(prefix="zarr_rb-aws-")
-            atexit.register(shutil.rmtree, _CREDENTIALS_DIR, ignore_errors=True)
+            atexit.register(_remove_credentials, _CREDENTIALS_DIR, os.getpid())
         identity = (creds.key, creds.secret, creds.token, options.region)
         path = _CREDENTIALS_FILES.get(identity)
         if path is None:

@@ -19,16 +19,33 @@ def tensorstore_usable() -> bool:
     return _started_in is None or _started_in == os.getpid()
 
 
+_START_ANOTHER_WAY = (
+    "start processes with the 'spawn' or 'forkserver' method "
+    "(multiprocessing.get_context('spawn'), DataLoader(multiprocessing_context='spawn')), "
+    "which pass a storage to the child as a handle it opens again"
+)
+
+
 def refuse_if_forked(where: str) -> None:
     """Raise :class:`~zarr_rb.errors.NotSupportedError` in a fork of a process that used
     TensorStore, before ``where`` uses it (a store opened before the fork too)."""
     if not tensorstore_usable():
         raise NotSupportedError(
             f"{where}: this process was forked from one that used TensorStore, whose threads "
-            "do not survive a fork; start processes with the 'spawn' or 'forkserver' method "
-            "(multiprocessing.get_context('spawn'), DataLoader(multiprocessing_context="
-            "'spawn')). zarr_rb.open(path).dataset() reads local stores in forked workers too"
+            f"do not survive a fork; {_START_ANOTHER_WAY}. zarr_rb.open(path).dataset() "
+            "reads local stores in forked workers too"
         )
+
+
+def refuse_parents_store(where: str, parent: int) -> None:
+    """Raise :class:`~zarr_rb.errors.NotSupportedError`: ``where`` was opened by process
+    ``parent``, and this process is a fork of it. The store stays the parent's: its rows in
+    RAM, its writer's hold and its threads (TensorStore's, and any call under way) are not
+    the child's, whose copy would commit, release or delete them under the parent."""
+    raise NotSupportedError(
+        f"{where} was opened by process {parent}, and this process ({os.getpid()}) is a "
+        f"fork of it: the store stays the parent's; {_START_ANOTHER_WAY}"
+    )
 
 
 def starting_tensorstore(where: str) -> None:

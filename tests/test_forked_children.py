@@ -1,0 +1,151 @@
+"""A process forked from one with a store open (a ``DataLoader`` worker, ``mp.Process`` with
+the fork method): the store stays the parent's. The child's garbage collector dropping its
+copy of a storage neither flushes, nor releases, nor deletes the parent's store, nor waits on
+a lock a parent thread held at the fork; a call of the store in the child raises a typed
+error instead of aborting the process (TensorStore's threads do not survive a fork)."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_identical
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+from zarr_rb import NotSupportedError, ZarrStorage
+
+FORK = multiprocessing.get_context("fork")
+
+
+def _rows(first: int, count: int) -> TensorDict:
+    return TensorDict({"step": torch.arange(first, first + count)}, batch_size=[count])
+
+
+def _in_child(task: Callable[[], Any]) -> Any:
+    """Run ``task`` in a forked child: what it returned, or the error it raised as
+    ``(type name, message)``. A child killed (by an abort) fails the test."""
+    queue = FORK.Queue()
+
+    def run() -> None:
+        try:
+            queue.put(("returned", task()))
+        except Exception as err:
+            queue.put(("raised", (type(err).__name__, str(err))))
+
+    child = FORK.Process(target=run)
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0, f"the forked child ended with {child.exitcode}"
+    return queue.get(timeout=10)
+
+
+@pytest.fixture
+def no_collection() -> Iterator[None]:
+    """Garbage stays uncollected until the test collects it (in the child first)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _dropped_in_a_cycle(rb: TensorDictReplayBuffer) -> None:
+    cycle: list[Any] = [rb]
+    cycle.append(cycle)
+
+
+def test_a_child_collecting_a_dropped_temporary_buffer_leaves_the_parents_store(
+    no_collection: None,
+) -> None:
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(100))
+    rb.extend(_rows(0, 10))
+    path = Path(rb.storage.path)
+    _dropped_in_a_cycle(rb)
+    del rb
+
+    assert _in_child(gc.collect)[0] == "returned"
+    assert path.exists()  # the child deleted the parent's temporary store before
+    gc.collect()  # the parent's own collection closes it, and deletes it
+    assert not path.exists()
+
+
+def test_a_child_collecting_a_dropped_buffer_flushes_nothing_and_the_parent_keeps_its_rows(
+    tmp_path: Path, no_collection: None
+) -> None:
+    path = tmp_path / "rb.zarr"
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(100, path))
+    rb.extend(_rows(0, 30))
+    _dropped_in_a_cycle(rb)
+    del rb
+
+    assert _in_child(gc.collect)[0] == "returned"
+    gc.collect()
+    again = TensorDictReplayBuffer(storage=ZarrStorage(path=path, read_only=True))
+    assert len(again) == 30
+    assert_identical(again[:].exclude("index"), _rows(0, 30))
+
+
+def test_a_child_collecting_a_buffer_does_not_wait_for_a_lock_a_parent_thread_held(
+    no_collection: None,
+) -> None:
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(100))
+    rb.extend(_rows(0, 10))
+    calls = rb.storage.store.calls
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with calls.mutex:  # a call under way in another thread at the fork
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    _dropped_in_a_cycle(rb)
+    del rb
+    try:
+        assert _in_child(gc.collect)[0] == "returned"  # the child's lock is held for good
+    finally:
+        release.set()
+        holder.join()
+        gc.collect()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda rb: rb.extend(_rows(10, 5)), id="extend"),
+        pytest.param(lambda rb: rb.storage.flush(), id="flush"),
+        pytest.param(lambda rb: rb.storage.close(), id="close"),
+        pytest.param(lambda rb: rb.storage.cleanup(), id="cleanup"),
+        pytest.param(lambda rb: rb.sample(4), id="sample"),
+        pytest.param(lambda rb: rb[3], id="index"),
+    ],
+)
+def test_a_call_in_a_forked_child_is_a_typed_error_and_the_parent_goes_on(
+    call: Callable[[TensorDictReplayBuffer], Any],
+) -> None:
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(100))
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(100))
+    for buffer in (rb, twin):
+        buffer.extend(_rows(0, 10))
+    path = Path(rb.storage.path)
+
+    outcome, (kind, message) = _in_child(lambda: call(rb))
+
+    assert (outcome, kind) == ("raised", NotSupportedError.__name__)
+    assert str(path) in message
+    assert "'spawn'" in message
+    assert path.exists()
+    for buffer in (rb, twin):
+        buffer.extend(_rows(10, 5))
+    assert_identical(rb[:], twin[:])
+    rb.storage.cleanup()
+    assert not path.exists()
