@@ -1,10 +1,13 @@
 """The zarr-rb command, run as users run it (a subprocess) on a buffer of real Atari frames:
 its tables, the pictures it writes (decoded back), its copies and conversions, and what it
-says and returns for bad input."""
+says and returns for bad input (most of that in this process: every subprocess starts an
+interpreter, which takes seconds)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import itertools
 import os
 import subprocess
@@ -38,6 +41,24 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=300,
         env=env,
+    )
+
+
+def call(*args: str, columns: int = 160) -> subprocess.CompletedProcess[str]:
+    """``zarr-rb args`` run in this process, as :func:`run` reports it."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+    ):
+        patch.setenv("COLUMNS", str(columns))
+        try:
+            code = main(list(args))
+        except SystemExit as exit:
+            code = int(exit.code or 0)
+    return subprocess.CompletedProcess(
+        ["zarr-rb", *args], code, stdout.getvalue(), stderr.getvalue()
     )
 
 
@@ -87,7 +108,7 @@ def test_show_writes_the_frames_of_an_episode(pong: PongRun, tmp_path: Path) -> 
     for got, want in zip(decoded, distinct, strict=True):
         np.testing.assert_array_equal(got, want)
     strip = tmp_path / "ep2.png"
-    assert run("show", str(pong.path), "--episode", "2", "-o", str(strip)).returncode == 0
+    assert call("show", str(pong.path), "--episode", "2", "-o", str(strip)).returncode == 0
     picture = Image.open(strip)
     assert picture.format == "PNG"
     assert picture.size == (84 * 12, 84)
@@ -252,13 +273,7 @@ def key_column(table: list[str]) -> list[str]:
 
 def test_info_fits_80_columns_and_shows_every_long_key_whole(tmp_path: Path) -> None:
     path = small_store(tmp_path / "long.zarr", LONG_KEYS)
-    out = subprocess.run(
-        [sys.executable, "-m", "zarr_rb", "info", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "COLUMNS": "80"},
-    )
+    out = call("info", str(path), columns=80)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80, out.stdout
@@ -266,25 +281,25 @@ def test_info_fits_80_columns_and_shows_every_long_key_whole(tmp_path: Path) -> 
     start = next(i for i, line in enumerate(lines) if line.startswith("key "))
     table = lines[start : next(i for i in range(start, len(lines)) if lines[i].startswith("("))]
     assert sorted(key_column(table)) == sorted(".".join(k) for k in LONG_KEYS)
-    wide = run("info", str(path))  # 160 columns: one line per key
+    wide = call("info", str(path))  # 160 columns: one line per key
     assert all(".".join(k) in wide.stdout for k in LONG_KEYS)
 
 
 def test_info_on_a_folder_of_stores_names_them_and_the_command_to_run(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     stores = [small_store(runs / "a.zarr"), small_store(runs / "seed1" / "b.zarr")]
-    out = run("info", str(runs))
+    out = call("info", str(runs))
     assert out.returncode == 2
     assert f"zarr-rb info: {str(runs)!r} is a folder of 2 zarr_rb store(s)" in out.stderr
     assert all(str(store) in out.stderr for store in stores)
     assert "delete" not in out.stderr
     suggested = out.stderr.rsplit("e.g. ", 1)[1].split()
     assert suggested == ["zarr-rb", "info", str(stores[0])]
-    assert run(*suggested[1:]).returncode == 0
-    episodes = run("episodes", str(runs), "--limit", "4")  # the same for every command
+    assert call(*suggested[1:]).returncode == 0
+    episodes = call("episodes", str(runs), "--limit", "4")  # the same for every command
     assert episodes.returncode == 2
     assert f"e.g. zarr-rb episodes {stores[0]} --limit 4" in episodes.stderr
-    inside = run("info", str(stores[0] / "data"))
+    inside = call("info", str(stores[0] / "data"))
     assert inside.returncode == 2
     assert f"inside the zarr_rb store {str(stores[0])!r}" in inside.stderr
     assert inside.stderr.strip().endswith(f"name the store: zarr-rb info {stores[0]}")
@@ -294,24 +309,24 @@ def test_info_on_a_torchrl_dump_says_to_import_it(tmp_path: Path) -> None:
     rb = TensorDictReplayBuffer(storage=LazyMemmapStorage(8))
     rb.extend(TensorDict({"obs": torch.arange(4.0)}, [4]))
     rb.dumps(tmp_path / "dump")
-    out = run("info", str(tmp_path / "dump"))
+    out = call("info", str(tmp_path / "dump"))
     assert out.returncode == 2
     assert "is a TorchRL dump (written by rb.dumps), not a zarr_rb store" in out.stderr
     command = out.stderr.split("first, ", 1)[1].split(", then", 1)[0].split()
     assert command == ["zarr-rb", "import", str(tmp_path / "dump"), f"{tmp_path / 'dump'}.zarr"]
-    assert run(*command[1:]).returncode == 0  # the command it gives works
-    assert "rows      4 of 8" in run("info", command[-1]).stdout
+    assert call(*command[1:]).returncode == 0  # the command it gives works
+    assert "rows      4 of 8" in call("info", command[-1]).stdout
 
 
 def test_show_and_plot_refuse_a_file_type_they_do_not_write(tmp_path: Path) -> None:
     path = small_store(tmp_path / "s.zarr")
     movie = tmp_path / "x.webm"
-    out = run("show", str(path), "--episode", "0", "-o", str(movie))
+    out = call("show", str(path), "--episode", "0", "-o", str(movie))
     assert out.returncode == 2
     assert "'.webm'" in out.stderr
     assert ".gif (an animated GIF) or .png (a PNG strip) or .mp4 (an MP4 video)" in out.stderr
     assert not movie.exists()
-    out = run("plot", str(path), "-o", str(tmp_path / "x.jpg"))
+    out = call("plot", str(path), "-o", str(tmp_path / "x.jpg"))
     assert out.returncode == 2
     assert "plots are written as .png" in out.stderr
     assert not (tmp_path / "x.jpg").exists()
@@ -335,11 +350,10 @@ def test_a_missing_optional_library_names_how_to_install_it_once(
 def test_show_into_a_missing_folder_or_at_no_speed_exits_2_and_says_why(tmp_path: Path) -> None:
     frames = {("pixels",): torch.zeros(4, 8, 8, dtype=torch.uint8), **LONG_KEYS}
     path = small_store(tmp_path / "s.zarr", frames)
-    # (A run each, one per format: every run starts an interpreter.)
-    out = run("show", str(path), "--episode", "0", "-o", str(tmp_path / "nope" / "x.mp4"))
+    out = call("show", str(path), "--episode", "0", "-o", str(tmp_path / "nope" / "x.mp4"))
     assert out.returncode == 2, out.stderr
     assert "there is no folder" in out.stderr
     assert "Traceback" not in out.stderr
-    out = run("show", str(path), "--episode", "0", "-o", str(tmp_path / "x.gif"), "--fps", "0")
+    out = call("show", str(path), "--episode", "0", "-o", str(tmp_path / "x.gif"), "--fps", "0")
     assert out.returncode == 2, out.stderr
     assert "positive number of frames per second" in out.stderr
