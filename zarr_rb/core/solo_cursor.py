@@ -60,13 +60,13 @@ class SoloCursor(SoloKeys):
         return min(self.store.write_cache.rows, self._written_from + extended)
 
     def _settled(self, readable: np.ndarray, unheld: np.ndarray) -> np.ndarray:
-        """``readable`` (not changed) with the rows set that no commit need wait for: rows
+        """A copy of ``readable`` with the rows set that no commit need wait for: rows
         nothing holds, neither on disk nor in RAM, which nothing will write unless they are
         written again. They are holes: those of a call that failed before it kept them, and
         those TorchRL's ``len`` counts that ``storage.set`` never wrote (``docs/design/
         ring.md``, "Rows nothing holds"); ``unheld``: :meth:`_unheld`)."""
         if not unheld.size:
-            return readable
+            return readable.copy()  # (callers change it and ``readable`` apart)
         settled = np.zeros(max(readable.size, int(unheld[-1]) + 1), dtype=bool)
         settled[: readable.size] = readable
         settled[unheld] = True
