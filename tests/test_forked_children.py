@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ from conftest import assert_identical
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
+import zarr_rb
 from zarr_rb import NotSupportedError, ZarrStorage
 
 FORK = multiprocessing.get_context("fork")
@@ -76,16 +79,37 @@ def test_a_child_collecting_a_dropped_temporary_buffer_leaves_the_parents_store(
     assert not path.exists()
 
 
-def test_a_child_collecting_a_dropped_buffer_flushes_nothing_and_the_parent_keeps_its_rows(
+def _committed(path: Path) -> int:
+    """The length of the last commit of the store at ``path``, as another process sees it."""
+    return len(zarr_rb.open(path))
+
+
+def _another_process_opens_to_write(path: Path) -> str:
+    code = (
+        "import sys\nfrom zarr_rb import ZarrStorage\n"
+        "try:\n    ZarrStorage(path=sys.argv[1]).close()\n    print('opened')\n"
+        "except Exception as err:\n    print(type(err).__name__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300
+    )
+    return out.stdout.strip() or out.stderr[-2000:]
+
+
+def test_a_child_collecting_a_dropped_buffer_commits_and_releases_nothing(
     tmp_path: Path, no_collection: None
 ) -> None:
     path = tmp_path / "rb.zarr"
-    rb = TensorDictReplayBuffer(storage=ZarrStorage(100, path))
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(1_000_000, path))  # rows wait in RAM
     rb.extend(_rows(0, 30))
+    committed = _committed(path)
+    assert committed < 30
     _dropped_in_a_cycle(rb)
     del rb
 
     assert _in_child(gc.collect)[0] == "returned"
+    assert _committed(path) == committed  # the child committed the parent's rows before
+    assert _another_process_opens_to_write(path) == "LockedError"  # (and released its lock)
     gc.collect()
     again = TensorDictReplayBuffer(storage=ZarrStorage(path=path, read_only=True))
     assert len(again) == 30
@@ -122,6 +146,9 @@ def test_a_child_collecting_a_buffer_does_not_wait_for_a_lock_a_parent_thread_he
     "call",
     [
         pytest.param(lambda rb: rb.extend(_rows(10, 5)), id="extend"),
+        # (TorchRL's writer keeps its cursor in memory the child shares with the parent:
+        # emptying it, then being refused, rewound the parent's writer.)
+        pytest.param(lambda rb: rb.empty(), id="empty"),
         pytest.param(lambda rb: rb.storage.flush(), id="flush"),
         pytest.param(lambda rb: rb.storage.close(), id="close"),
         pytest.param(lambda rb: rb.storage.cleanup(), id="cleanup"),

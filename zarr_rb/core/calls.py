@@ -40,6 +40,12 @@ class Calls:
         """Whether this is a process forked from the one that opened the store."""
         return os.getpid() != self.process
 
+    def check_process(self) -> None:
+        """Raise :class:`~zarr_rb.errors.NotSupportedError` in a child forked from the
+        process that opened the store (see :func:`~zarr_rb.util.fork.refuse_parents_store`)."""
+        if self.forked:
+            refuse_parents_store(self.where, self.process)
+
     def end(self) -> None:
         """The outermost call ends: commit the rows of a user dropped inside it."""
         if not self.depth and self.flush_on_exit:
@@ -58,8 +64,7 @@ def serialized(method: _F) -> _F:
     @functools.wraps(method)
     def wrapper(self: TakesCalls, *args: Any, **kwargs: Any) -> Any:
         calls = self.calls
-        if calls.forked:  # (before the lock, which a thread the child lacks may hold)
-            refuse_parents_store(calls.where, calls.process)
+        calls.check_process()  # (before the lock, which a thread the child lacks may hold)
         with calls.mutex:
             calls.depth += 1
             try:

@@ -364,7 +364,7 @@ def route_method(obj: Any, name: str, hook: Callable[..., Any]) -> bool:
     routed now). ``name`` is a sampler method of :data:`USED`: ``sample``,
     ``_get_sample_list`` (a without-replacement sampler draws a permutation),
     ``_get_stop_and_length`` (a slice sampler finds trajectory boundaries); or a writer's
-    public ``add`` or ``extend``."""
+    public ``add`` or ``extend``, or its ``_empty``."""
     if isinstance(obj.__dict__.get(name), _Around):
         return False
     getattr(type(obj), name)  # fails loudly if TorchRL renamed it

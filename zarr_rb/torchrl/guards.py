@@ -24,6 +24,12 @@ call ``storage.set``. When a ZarrStorage refuses the rows (a string UTF-8 cannot
 value of another type...), the writer would point past rows that were never written, and
 the next write would leave them empty. The writers of buffers on a ZarrStorage get their
 ``add`` and ``extend`` routed through :func:`_undone_on_refusal`.
+
+**A forked child never moves the parent's writer.** ``RoundRobinWriter`` keeps its cursor
+and write count in shared memory, which a child forked from the process that opened the
+store shares with it. The store refuses such a child's calls, so its ``add``, ``extend``
+and ``_empty`` are refused before the writer moves (putting the writer back afterwards would
+rewind the parent's writes made meanwhile).
 """
 
 from __future__ import annotations
@@ -196,9 +202,17 @@ def guard_writer(writer: Any, storage: StoreBacked) -> None:
         return
     for name in ("add", "extend"):
         compat.route_method(writer, name, functools.partial(_undone_on_refusal, storage=storage))
+    compat.route_method(writer, "_empty", functools.partial(_in_this_process, storage=storage))
+
+
+def _in_this_process(method: Any, *args: Any, storage: StoreBacked, **kwargs: Any) -> Any:
+    """``method``, refused in a child forked from the process that opened the store."""
+    storage.store.calls.check_process()
+    return method(*args, **kwargs)
 
 
 def _undone_on_refusal(method: Any, *args: Any, storage: StoreBacked, **kwargs: Any) -> Any:
+    storage.store.calls.check_process()  # (before the writer moves: see the module's doc)
     writer = method.__self__
     before = compat.writer_state(writer)
     begun = storage.writes_begun
