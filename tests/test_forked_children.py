@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -176,3 +178,45 @@ def test_a_call_in_a_forked_child_is_a_typed_error_and_the_parent_goes_on(
     assert_identical(rb[:], twin[:])
     rb.storage.cleanup()
     assert not path.exists()
+
+
+_WRITER_WITH_A_CHILD = """
+import multiprocessing, signal, sys
+import torch
+from tensordict import TensorDict
+from torchrl.data import TensorDictReplayBuffer
+from zarr_rb import ZarrStorage
+
+rb = TensorDictReplayBuffer(storage=ZarrStorage(100, sys.argv[1], shared=sys.argv[2] == "shared"))
+rb.extend(TensorDict({"step": torch.arange(10)}, [10]))
+rb.storage.flush()
+child = multiprocessing.get_context("fork").Process(target=signal.pause)  # uses no store
+child.start()
+print(child.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+@pytest.mark.parametrize("kind", ["single", "shared"])
+def test_a_writer_killed_while_a_child_it_forked_lives_leaves_the_store_unlocked(
+    tmp_path: Path, kind: str
+) -> None:
+    path = tmp_path / "rb.zarr"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER_WITH_A_CHILD, str(path), kind],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdout is not None
+    child = int(writer.stdout.readline())
+    try:
+        writer.kill()
+        writer.wait(timeout=60)
+        assert Path(f"/proc/{child}").exists()  # the child lives on
+        # The child's copies of the lock files kept the dead writer's locks before.
+        storage = ZarrStorage(path=path)
+        assert len(storage) == 10
+        storage.close()
+    finally:
+        os.kill(child, signal.SIGKILL)

@@ -10,6 +10,11 @@ The writers of a shared store each hold that file's lock *shared* (so no single 
 gets in while they are there, and none of them while a single writer is) and an
 exclusive lock on a file of their own, ``.zarr_rb.writers/<writer id>``: whoever can take
 that lock knows its writer is gone, at once, however it ended.
+
+An ``flock`` belongs to the open file, which a forked child shares with its parent through
+its copy of the descriptor: the lock would outlive a writer that died while a child it
+forked (a DataLoader worker, an evaluator) lives on. A forked child therefore closes its
+copies at once, which releases nothing of the parent's.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import fcntl
 import json
 import os
 import socket
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +50,7 @@ class WriterLock:
         self.path = path
         self.holder = holder
         self._fd: int | None = fd
+        _HELD.add(self)
 
     @classmethod
     def acquire(
@@ -97,6 +104,26 @@ class WriterLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close this copy of the parent's descriptor (see the module's
+        doc), unlocking nothing."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+_HELD: weakref.WeakSet[WriterLock] = weakref.WeakSet()
+"""The locks this process opened."""
+
+
+def _forget_in_child() -> None:
+    for lock in list(_HELD):
+        lock.forget_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class SharedLock:

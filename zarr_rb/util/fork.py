@@ -44,7 +44,8 @@ def refuse_parents_store(where: str, parent: int) -> None:
     the child's, whose copy would commit, release or delete them under the parent."""
     raise NotSupportedError(
         f"{where} was opened by process {parent}, and this process ({os.getpid()}) is a "
-        f"fork of it: the store stays the parent's; {_START_ANOTHER_WAY}"
+        f"fork of it: the store stays the parent's; {_START_ANOTHER_WAY} "
+        "(zarr_rb.open(path).dataset() reads local stores in forked DataLoader workers)"
     )
 
 
