@@ -270,3 +270,66 @@ def test_a_load_beside_a_live_shared_writer_never_drops_rows_another_writer_comm
         child.stdin.close()
         child.wait(timeout=120)
         rb.storage.close()
+
+
+@pytest.mark.parametrize("ram_bytes", [0, 2**22], ids=["small-leaves", "frames"])
+def test_a_write_of_some_keys_that_another_writers_commit_outran_reads_its_rows_again(
+    store_path, ram_bytes
+):
+    # The other writer commits whole new rows 0-2 just before this writer's compare-and-
+    # swap of a write of one small key into them: the swap fails, and the next attempt
+    # finds the rows moved. The rows this writer keeps in RAM (copies of small leaves,
+    # frames) must then be read again, or the write's next attempt takes the keys it did
+    # not write from them, and commits the old rows over the other writer's.
+    def row(first: int, count: int) -> TensorDict:
+        x = torch.arange(first, first + count)
+        frames = (x.view(-1, 1, 1, 1) + torch.arange(4 * 32 * 32).view(1, 4, 32, 32)) % 251
+        frames = frames.to(torch.uint8)
+        return TensorDict(
+            {"obs": frames, "x": x, "next": {"obs": frames + 1, "r": x.float()}},
+            batch_size=[count],
+        )
+
+    mine = ZarrStorage(8, store_path, shared=True, ram_bytes=ram_bytes)
+    other = ZarrStorage(8, store_path, mode="r+", shared=True, ram_bytes=ram_bytes)
+    twin = LazyTensorStorage(8)
+    positions = torch.arange(3)
+    theirs = row(100, 3)
+    small = TensorDict({"next": {"r": torch.full((3,), 7.0)}}, batch_size=[3])
+    engine, sharing = mine._store.engine, mine._store.commits
+    swap, commit_rows = engine.try_write_root_attributes, sharing.commit_rows
+    outran: list[bool] = []
+
+    def committing(*args, **kwargs):
+        outran.append(False)  # the swaps of this commit, not of the slots the write takes
+        return commit_rows(*args, **kwargs)
+
+    def other_commits_first(attributes):
+        if outran == [False]:
+            outran[0] = True
+            other.set(positions, theirs.clone(), set_cursor=False)
+        return swap(attributes)
+
+    try:
+        mine.set(torch.arange(6), row(0, 6))
+        twin.set(torch.arange(6), row(0, 6))
+        other.refresh()
+        engine.try_write_root_attributes = other_commits_first
+        sharing.commit_rows = committing
+        try:
+            mine.set(positions, small.clone(), set_cursor=False)
+        finally:
+            engine.try_write_root_attributes = swap
+            del sharing.commit_rows
+        assert outran[0]
+        twin.set(positions, theirs.clone(), set_cursor=False)
+        twin.set(positions, small.clone(), set_cursor=False)
+        expected = twin.get(torch.arange(6))
+        for storage in (mine, other):
+            storage.refresh()
+            got = storage.get(torch.arange(6)).exclude("index")
+            for key in expected.keys(include_nested=True, leaves_only=True):
+                assert torch.equal(got[key], expected[key]), key
+    finally:
+        mine.close()
+        other.close()

@@ -84,7 +84,7 @@ class SharingRecord(SharingSlots):
                     unsure = (meta, edited)
                     if store.engine.try_write_root_attributes({ATTRS_KEY: edited.to_json()}):
                         store.pieces.drop(meta, edited)
-                        self.adopt(edited)
+                        self.adopt(edited, own=self._mine)
                         return edited
                     if self._landed(self.read_record(), edited.commit.generation):
                         continue  # (taken as published above)
@@ -139,8 +139,12 @@ class SharingRecord(SharingSlots):
             self.adopt(self._parse(document))
         return self.committed
 
-    def adopt(self, meta: StoreMeta) -> None:
-        """Show the rows of ``meta``'s commit (those of every writer)."""
+    def adopt(self, meta: StoreMeta, *, own: np.ndarray | None = None) -> None:
+        """Show the rows of ``meta``'s commit (those of every writer).
+
+        ``own``: positions this writer published in ``meta`` itself (the record it wrote
+        and nothing since), whose RAM copies it keeps itself. Any other record, even one
+        read in a commit of this writer's, may hold other writers' rows anywhere."""
         store = self.store
         if meta.commit.ring is None:
             raise StoreCorruptedError(
@@ -179,7 +183,7 @@ class SharingRecord(SharingSlots):
             else:
                 store.arrays.forget_slots(created)
         if store.ram.mirrored:
-            self._refresh_mirror(before, meta.commit, old, new)
+            self._refresh_mirror(before, meta.commit, old, new, own)
 
     def _refresh_mirror(
         self,
@@ -187,10 +191,11 @@ class SharingRecord(SharingSlots):
         after: Commit,
         old: SlotMap | RunMap | None,
         new: SlotMap | RunMap | None,
+        own: np.ndarray | None,
     ) -> None:
         """Read again the mirrored leaves of the positions whose rows changed between two
         records: those put in other rows, and those in slots taken (and written) since,
-        though at the same rows of the arrays."""
+        though at the same rows of the arrays; not ``own`` (see :meth:`adopt`)."""
         store = self.store
         taken = None
         if before.ring is not None and after.ring is not None:
@@ -203,8 +208,8 @@ class SharingRecord(SharingSlots):
         if taken:
             slots = np.unique(np.fromiter(taken, dtype=np.int64))
             changed[new.positions_in(slots, self.block_rows)] = True
-        if self._mine is not None:
-            changed[self._mine] = False  # this writer's own: it mirrors them itself
+        if own is not None:
+            changed[own] = False  # this writer's own: it mirrors them itself
         if changed.any():
             store.ram.changed(changed)
 
