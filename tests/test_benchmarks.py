@@ -272,3 +272,16 @@ def test_holes_benchmark_smoke(tmp_path, monkeypatch, capsys):
     assert all(run["sample_ms"] > 0 for run in result["runs"])
     assert json.loads(out.read_text()) == result
     assert "| 1 |" in capsys.readouterr().out
+
+
+def test_reopen_benchmark_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import reopen
+
+    out = tmp_path / "reopen.json"
+    argv = ["--dataset", "random", "--rows", "300", "--rounds", "1"]
+    assert reopen.main([*argv, "--dir", str(tmp_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["result"]
+    assert result["samples_during"] >= 1
+    assert all(result[key] > 0 for key in ("during_ms", "after_ms", "decoded_ms", "memmap_ms"))
+    assert "| sample() after |" in capsys.readouterr().out

@@ -5,8 +5,10 @@ pattern), overwrites, wraps, empties, reopens, crashes, saves and loads, and a s
 writer's rows; after every step, every row of ``[0, len)`` must be the twin's, bit for bit,
 and the tier's frame counts must be exact.
 
-Budgets: the automatic one, one so small that rows are evicted at every extend, and one
-given explicitly (the rows already in the store are read into RAM when first needed).
+Budgets: the automatic one (the rows already in the store are read into RAM behind the
+buffer's back: the steps of the thread that does it are run here between the rules instead,
+so that every run can be replayed), one so small that rows are evicted at every extend, and
+one given explicitly (the rows already in the store are read into RAM when first needed).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from conftest import assert_identical
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from tensordict import TensorDict
@@ -28,6 +30,8 @@ from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import ZarrStorage
+from zarr_rb.core import ram_fill
+from zarr_rb.core.ram_fill import TierFill
 from zarr_rb.errors import SaveOverwrittenError
 from zarr_rb.testing import simulate_crash
 
@@ -81,6 +85,11 @@ class FramesMachine(RuleBasedStateMachine):
         # "small": room for the frames of about 6 rows (each row 1 new frame at best, 8 at
         # worst), with the ids of every row.
         self.ram_bytes: Any = {"auto": "auto", "small": 8 * 1024 + 4_000, "given": 2**22}[budget]
+        self.behind = budget == "auto"
+        if self.behind:  # the thread does nothing: the rule fill_behind runs its steps
+            self.patched = (TierFill.__dict__["_run"], ram_fill.STEP_ROWS)
+            TierFill._run = lambda self, done: None  # type: ignore[method-assign]
+            ram_fill.STEP_ROWS = 5
         self.envs = envs
         self.ndim = 1 if envs == 1 else 2
         self.shared = shared and envs == 1
@@ -94,6 +103,8 @@ class FramesMachine(RuleBasedStateMachine):
         self.dump_path = self.dir / "dump"
 
     def teardown(self) -> None:
+        if getattr(self, "behind", False):
+            TierFill._run, ram_fill.STEP_ROWS = self.patched  # type: ignore[method-assign]
         if hasattr(self, "zarr"):
             self.zarr.storage.close()
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -227,6 +238,16 @@ class FramesMachine(RuleBasedStateMachine):
         except SaveOverwrittenError:
             return
         self._twin_at(self.dumped)
+
+    @precondition(lambda self: self.behind)
+    @rule(steps=st.integers(1, 3))
+    def fill_behind(self, steps: int) -> None:
+        """Steps of the fill behind: rows of the store read into the tier between writes."""
+        fill = self.zarr.storage._store.ram.fill
+        for _ in range(steps):
+            if not fill._step():
+                return
+            event("a step of the fill behind had more to read")
 
     @precondition(lambda self: self.length > 0)
     @rule(seed=st.integers(0, 2**16))

@@ -17,38 +17,31 @@ import numpy as np
 import torch
 
 from zarr_rb.core.arrays import StoreArrays
+from zarr_rb.core.calls import Calls
 from zarr_rb.core.disk_reads import place
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.frames import FrameTier, frame_keys
-from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.mirror import Mirror, put_rows, zeros
+from zarr_rb.core.ram_fill import FillStore, TierFill
 from zarr_rb.core.store_facts import StoreFacts
-from zarr_rb.core.write_cache import WriteBuffer
 from zarr_rb.errors import RowsNotCommittedError
 from zarr_rb.format.messages import preview_rows
 from zarr_rb.format.schema import LeafSpec, plain_then_ragged, with_lengths
 from zarr_rb.util.keys import Key
 
-_FILL_ROWS = 1024
-"""Rows read from the store at a time to fill the RAM tier."""
 
-
-class RamOwner(StoreFacts, Protocol):
+class RamOwner(StoreFacts, FillStore, Protocol):
     """What the RAM rows use of their store (:class:`~zarr_rb.core.store.Store`)."""
 
     @property
     def length_rows(self) -> int: ...
     @property
     def rows_reached(self) -> int: ...
-    @property
-    def cursor(self) -> int: ...
-    @property
-    def ledger(self) -> Ledger | None: ...
-    @property
-    def write_cache(self) -> WriteBuffer | None: ...
 
     @property
     def arrays(self) -> StoreArrays: ...
+    @property
+    def calls(self) -> Calls: ...
 
 
 class RamRows:
@@ -62,24 +55,23 @@ class RamRows:
         """The frames of the large leaves this writer keeps in RAM (with ``ram_bytes``)."""
         self._large_row_bytes = large_row_bytes
         self._read_only = read_only
-        self._fill = False
-        """Whether the tier reads the rows already in the store when first needed."""
-        self._fill_pending = False
+        self.fill = TierFill(self, store.calls)
+        """When the tier reads the rows already in the store."""
         self.rows_written = 0
         """One past the highest row this process wrote (or staged)."""
 
     # --- the mirror ------------------------------------------------------------------------
 
-    def keep_in_ram(self, nbytes: int, *, fill: bool = False) -> None:
+    def keep_in_ram(self, nbytes: int, *, fill: bool = False, behind: bool = False) -> None:
         """Let the writer keep the rows it writes in RAM, frames too, in at most ``nbytes``
         there (the small leaves take at least :data:`~zarr_rb.core.mirror.MIRROR_LIMIT_BYTES`);
         the largest budget asked by the storages sharing this store holds.
 
-        ``fill``: rows already in the store are read into RAM too, when first needed
-        (newest first, while they fit); otherwise only the rows this writer writes are.
+        Rows already in the store are read into RAM too (newest first, while they fit):
+        with ``fill``, at the first read; with ``behind``, from the first read on, on a
+        thread of the store (see :class:`~zarr_rb.core.ram_fill.TierFill`).
         """
-        if fill and not self._fill:
-            self._fill = self._fill_pending = True
+        self.fill.ask(at_first_read=fill, behind=behind)
         if nbytes <= self.mirror.ram_bytes:
             return  # the budget chosen stands
         self.mirror.ram_bytes = int(nbytes)
@@ -103,7 +95,7 @@ class RamRows:
         if specs and budget > 0 and not self._read_only:
             tier = FrameTier(specs, rows=schema.rows, budget=budget)
             self.frames = tier if tier.capacity else None
-            self._fill_pending = self._fill
+            self.fill.again()
 
     @property
     def mirrored(self) -> bool:
@@ -124,7 +116,7 @@ class RamRows:
         if first:
             # A new store: mirrors start with its first rows (none to read back later).
             for key in self.mirror.missing():
-                self.mirror.copy_of(key, self._reach(), self._load)
+                self.mirror.copy_of(key, self.reach(), self._load)
         self.mirror.put(rows, values, self.rows_written)
         if frames:
             self.update_frames(rows, values)
@@ -139,14 +131,14 @@ class RamRows:
         self.mirror.clear()
         if self.frames is not None:
             self.frames.clear()
-            self._fill_pending = self._fill
+            self.fill.again()
 
     def forget(self, rows: np.ndarray) -> None:
         """Rows (unique) a failed call may have put into RAM's copies, or not: they hold
         what the write buffer and the store hold, read again when needed."""
         if self.frames is not None:
             self.frames.release(rows[rows < self.frames.rows])
-            self._fill_pending = self._fill
+            self.fill.again(rows_changed=True)
         for key in self.mirror.held_keys():
             inside = np.unique(rows[rows < self.mirror[key].shape[0]])
             if inside.size:
@@ -156,7 +148,7 @@ class RamRows:
         """Rows (a mask) that other writers changed: read their mirrored leaves again."""
         if self.frames is not None:
             self.frames.release(np.flatnonzero(rows[: self.frames.rows]))
-            self._fill_pending = self._fill
+            self.fill.again(rows_changed=True)
         if not self.mirror.held:
             return
         ledger = self.store.ledger
@@ -169,37 +161,7 @@ class RamRows:
             values = self.store.arrays.read(dict.fromkeys(self.mirror.held_keys(), picked))
             self.update(picked, values)
 
-    def _fill_frames(self) -> None:
-        """Read the rows in the store the tier does not hold into it: newest first, a chunk
-        at a time, until one no longer fits."""
-        self._fill_pending = False
-        tier, store = self.frames, self.store
-        assert tier is not None
-        assert store.ledger is not None
-        assert store.write_cache is not None
-        reach = min(self._reach(), tier.rows)
-        order = np.arange(reach)
-        if reach == tier.rows:
-            order = np.roll(order, -(store.cursor % reach))  # oldest first
-        keys = sorted(tier.keys)
-        staged, _ = store.write_cache.staged_rows(order)
-        readable = np.logical_and.reduce([store.ledger.readable(order, key) for key in keys])
-        readable |= staged
-        for stop in range(order.size, 0, -_FILL_ROWS):
-            part = order[max(0, stop - _FILL_ROWS) : stop]
-            part = part[readable[max(0, stop - _FILL_ROWS) : stop] & ~tier.resident[part]]
-            if part.size:
-                # Only rows that may fit are read: a full tier (refilled after each change
-                # of other writers) would otherwise decode a chunk to throw it away.
-                room = tier.room_rows()
-                if room <= 0:
-                    return
-                part = part[-room:]
-                values = self.read(part, keys, unwritten_as_zeros=False, unreadable_as_zeros=False)
-                if not tier.put(part, values, older=True):
-                    return
-
-    def _reach(self) -> int:
+    def reach(self) -> int:
         """Rows a new copy of a mirrored leaf covers: those this writer may have reached."""
         assert self.store.ledger is not None
         return max(self.store.rows_reached, self.store.ledger.extent)
@@ -274,8 +236,7 @@ class RamRows:
     ) -> dict[Key, torch.Tensor]:
         """Rows as this writer has them: on disk, in its write buffer, in its mirror (see
         :meth:`Store.read <zarr_rb.core.store.Store.read>`)."""
-        if self._fill_pending and self.frames is not None:
-            self._fill_frames()
+        self.fill.before_read()
         store = self.store
         cache, ledger = store.write_cache, store.ledger
         assert cache is not None
@@ -313,7 +274,7 @@ class RamRows:
         for group in plain_then_ragged(store.leaves, wanted):
             mirrored = [key for key in group if key in self.mirror.keys]
             if mirrored:
-                reach = self._reach()
+                reach = self.reach()
                 out.update(
                     {key: self.mirror.gather(key, index, reach, self._load) for key in mirrored}
                 )

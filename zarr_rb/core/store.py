@@ -100,6 +100,7 @@ class Store:
         self.arrays = StoreArrays(self)
         self.ram = RamRows(self, large_row_bytes=compression.large_row_bytes, read_only=read_only)
         self.lifetime = Lifetime(self, lock=lock, create=create)
+        self.lifetime.on_close(self.ram.fill.close)
         self.saves = StoreSaves(self)
         self.pieces = MapPieces(
             engine.location, meta, listed=not read_only and create is None

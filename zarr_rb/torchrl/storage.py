@@ -104,8 +104,11 @@ class ZarrStorage(StorageReads):
             exact comparison, so every row comes back bit for bit); past the budget the
             oldest rows are read from the store again. ``"auto"`` (default): a quarter of
             the memory available when the storage opens (a memory cgroup's room too), at
-            most 16 GiB; it fills as this writer writes. A number of bytes: that budget,
-            and rows already in the store are read into RAM at the first read. ``0``:
+            most 16 GiB; it fills as this writer writes, and from the first read on a
+            thread of the store reads the rows already in the store into it (newest
+            first, a few hundred at a time, between the buffer's own calls). A number of
+            bytes: that budget, and rows already in the store are read into RAM within
+            the first read. ``0``:
             only small entries (actions, rewards, flags, trajectory ids) are kept, up to
             256 MiB. Reading processes keep none.
         archive: keep every row extended, from now on, after the ring moves past it (an
@@ -217,7 +220,9 @@ class ZarrStorage(StorageReads):
                 compat.set_last_cursor(self, (store.cursor - 1) % store.rows)
             self.existsok = existsok
             self.shared_init = shared_init
-            store.ram.keep_in_ram(ram_bytes, fill=fill_ram and ram_bytes > 0)
+            store.ram.keep_in_ram(
+                ram_bytes, fill=fill_ram and ram_bytes > 0, behind=not fill_ram and ram_bytes > 0
+            )
             self.__dict__["_ragged"] = ragged_keys(ragged)
             self.__dict__["_storage_options"] = dict(storage_options or {})
             self.auto_cleanup = tmpdir is not None if auto_cleanup is None else bool(auto_cleanup)
