@@ -2,9 +2,11 @@
 
 A :class:`View` takes no lock and writes nothing; it sees the rows of the last commit it
 read (holes, rows a crash or a repair withdrew, are reported and never read) and moves to
-a newer commit only on :meth:`View.refresh`. Opening reads the commit record, not a row.
-Its rows, keys and reads are those of :class:`~zarr_rb.analysis.rows.StoredRows`; a view
-adds episodes and the other libraries' forms (dask, xarray, a PyTorch ``Dataset``).
+a newer commit on :meth:`View.refresh`, or at a read that finds rows the writer moved
+since (an episode is then found again in the newer commit's rows). Opening reads the
+commit record, not a row. Its rows, keys and reads are those of
+:class:`~zarr_rb.analysis.rows.StoredRows`; a view adds episodes and the other libraries'
+forms (dask, xarray, a PyTorch ``Dataset``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from zarr_rb.analysis.arrays import to_dask, to_xarray
 from zarr_rb.analysis.dataset import ReplayDataset
 from zarr_rb.analysis.episodes import Episodes, find_episodes, find_keys
 from zarr_rb.analysis.rows import Column, StoredRows
+from zarr_rb.errors import RowsNotCommittedError
 from zarr_rb.locations import StoreURL
 from zarr_rb.torchrl import data_kinds
 from zarr_rb.torchrl.storage import ZarrStorage
@@ -105,9 +108,18 @@ class View(StoredRows):
 
     # --- episodes ----------------------------------------------------------------------
 
+    def _stamp(self) -> tuple[int, int]:
+        """The rows this view reads now: a read finding rows the writer moved since moves
+        it to the newest commit (the store's version), and its length with it."""
+        return (self.storage.store.version, self.rows)
+
     def _episode_index(self) -> Episodes:
-        stamp = (self.storage.store.version, self.rows)
-        if self._episodes is None or self._episodes[0] != stamp:
+        """The episodes of the rows as they are now (found again after the view moved to a
+        newer commit, and until no read moved it while they were found)."""
+        for _ in range(_ATTEMPTS):
+            stamp = self._stamp()
+            if self._episodes is not None and self._episodes[0] == stamp:
+                return self._episodes[1]
             schema = self._schema
             dtypes = {} if schema is None else {leaf.key: leaf.dtype for leaf in schema.leaves}
             keys = find_keys(dtypes, key=self._episode_key, reward_key=self._reward_key)
@@ -121,8 +133,9 @@ class View(StoredRows):
                 valid=self.valid,
                 envs=self.shape[1] if self.ndim == 2 else None,
             )
-            self._episodes = (stamp, episodes)
-        return self._episodes[1]
+            if self._stamp() == stamp:  # (else its keys were read from several commits)
+                self._episodes = (stamp, episodes)
+        raise _kept_changing(self.url)
 
     @property
     def episodes(self) -> Any:
@@ -136,12 +149,17 @@ class View(StoredRows):
     def episode(self, number: int) -> TensorDict:
         """The rows of episode ``number`` (as numbered in :attr:`episodes`; negative from the
         newest), in the order they were written, with this view's keys."""
-        episodes = self._episode_index()
-        rows = episodes.rows(number)
-        envs = None
-        if episodes.env is not None:
-            envs = np.full(rows.size, episodes.env[number % len(episodes)])
-        return self.read_rows(rows, envs)
+        for _ in range(_ATTEMPTS):
+            episodes = self._episode_index()
+            stamp = self._stamp()
+            rows = episodes.rows(number)
+            envs = None
+            if episodes.env is not None:
+                envs = np.full(rows.size, episodes.env[number % len(episodes)])
+            out = self.read_rows(rows, envs)
+            if self._stamp() == stamp:  # (else they are the rows of another commit)
+                return out
+        raise _kept_changing(self.url)
 
     # --- other libraries -----------------------------------------------------------------
 
@@ -160,3 +178,15 @@ class View(StoredRows):
         :class:`~zarr_rb.analysis.ReplayDataset`)."""
         chosen = self.keys() if keys is None else [public_key(self.key_of(k)) for k in keys]
         return ReplayDataset(self.url, keys=chosen, storage_options=self.storage_options)
+
+
+_ATTEMPTS = 20
+"""Reads of an episode (or of the episodes) tried while the writer's commits move the rows."""
+
+
+def _kept_changing(url: str) -> RowsNotCommittedError:
+    return RowsNotCommittedError(
+        f"store {url!r}: the writer kept moving the rows while the episodes were read "
+        f"({_ATTEMPTS} attempts); read again, or read a save, whose rows do not move "
+        "(zarr_rb.load(path, read_only=True, version=...))"
+    )

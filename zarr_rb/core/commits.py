@@ -147,7 +147,7 @@ class Commits(abc.ABC):
 
     def picked_up(self, meta: StoreMeta) -> None:
         """A reader read the record ``meta`` again: it serves its commit, schema, saves
-        and versions from now on (its length and cursor move on ``Store.refresh``)."""
+        and versions from now on (see :func:`~zarr_rb.core.reader.reread_commit`)."""
         if self.meta.schema is None and meta.schema is not None:
             self.meta = meta  # the writer's first rows: their schema and blocks
         else:
@@ -159,6 +159,13 @@ class Commits(abc.ABC):
                 versions=meta.versions,
             )
         self.committed = meta.commit
+
+    def show(self, commit: Commit) -> None:
+        """A reader reads the rows of ``commit``: it shows its length and cursor too."""
+        schema = self.store.schema
+        assert schema is not None
+        self.length = commit.length * schema.elements_per_row
+        self.cursor = commit.cursor
 
     def move_cursor(self, cursor: int) -> None:
         """The next sequential write goes to ``cursor`` (a buffer emptied or loaded)."""

@@ -25,7 +25,9 @@ _READ_RETRIES = 20
 
 def reread_commit(store: StoreAPI) -> Commit:
     """Re-read the commit record: which rows may be read now, and the keys the writer
-    added. The length and cursor the store shows stay (they move on ``Store.refresh``)."""
+    added. A reader reads the rows of the commit it read last, so it shows that commit
+    whole: its length and cursor too (a reader of a save stays at the save's, until
+    ``Store.refresh``; a writer's stay its own)."""
     where = f"store {store.url!r}"
     document = read_root(store.engine)
     if document is None:
@@ -75,6 +77,9 @@ def reread_commit(store: StoreAPI) -> Commit:
         return meta.commit  # it reads the save's rows, which nothing changes
     if store.read_only and store.schema is not None:
         store.commits.use_map(meta.commit)  # the blocks a writer copied since are read there
+        # Its rows are the commit's from now on, and so are the length and cursor that
+        # samplers draw from (never rows of one commit under the length of another).
+        store.commits.show(meta.commit)
     if store.ledger is not None:
         store.ledger.published_as(meta.commit.readable_mask(meta.commit.length))
     return meta.commit

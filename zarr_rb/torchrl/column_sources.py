@@ -11,8 +11,46 @@ import numpy as np
 import torch
 
 from zarr_rb.core.store import Store
-from zarr_rb.errors import NotSupportedError
+from zarr_rb.errors import NotSupportedError, RowsNotCommittedError
+from zarr_rb.format.commit import Commit
+from zarr_rb.format.messages import preview_rows
 from zarr_rb.util.keys import Key
+
+
+class ViewCommit:
+    """The commit a reader's view reads: the one its first read of a column used. A view
+    reads key by key, and a reader's reads follow the writer's commits: a column read
+    later under a commit that moved some of those rows since would give rows of two
+    commits, and raises instead."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._commit: Commit | None = None
+
+    def check(self, rows: np.ndarray, key: Key) -> None:
+        """``rows`` of ``key`` were just read: under the view's commit, or alike.
+
+        Raises:
+            RowsNotCommittedError: the writer moved some of them since the view's first
+                read (another of its columns holds them as they were).
+        """
+        store = self._store
+        now = store.committed
+        if self._commit is None:
+            self._commit = now
+            return
+        before = self._commit
+        if now.generation == before.generation or before.reads_alike(
+            now, rows, store.meta.block_rows or 1
+        ):
+            return
+        raise RowsNotCommittedError(
+            f"store {store.url!r}: the writer committed new rows (commit {now.generation}) "
+            f"while this view of commit {before.generation} was read key by key, and key "
+            f"{key!r} of rows {preview_rows(rows)} is no longer what the view's other keys "
+            "were read with. Take the view again (rb[:]), or read rows with all their keys "
+            "at once (storage.get(index))"
+        )
 
 
 class _EntrySource:
@@ -42,6 +80,8 @@ class LeafSource(_EntrySource):
         unused_as_zeros: rows never written read as zeros (a full view).
         holes_as_zeros: asked at each read: whether rows that cannot be read read as zeros.
         write: writes ``values[i]`` into row ``rows[i]`` of some leaves, through the storage.
+        view: the commit a reader's view reads (``None``: a writer's view, which reads
+            the rows as they are when read).
     """
 
     def __init__(
@@ -53,11 +93,13 @@ class LeafSource(_EntrySource):
         unused_as_zeros: bool,
         holes_as_zeros: Callable[[], bool],
         write: Callable[[np.ndarray, dict[Key, torch.Tensor]], None],
+        view: ViewCommit | None = None,
     ) -> None:
         super().__init__(store, key, length)
         self._unused_as_zeros = unused_as_zeros
         self._holes_as_zeros = holes_as_zeros
         self._write = write
+        self._view = view
 
     def read(self, rows: np.ndarray) -> torch.Tensor:
         values = self._store.read(
@@ -66,6 +108,8 @@ class LeafSource(_EntrySource):
             unwritten_as_zeros=self._unused_as_zeros,
             unreadable_as_zeros=self._holes_as_zeros(),
         )
+        if self._view is not None:
+            self._view.check(rows, self._key)
         return values[self._key]
 
     def write(self, rows: np.ndarray, values: torch.Tensor) -> None:

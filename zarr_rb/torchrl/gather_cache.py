@@ -14,15 +14,19 @@ import torch
 from zarr_rb.torchrl import compat
 from zarr_rb.torchrl.data_kinds import clone, tensors_of
 
+Revision = tuple[int, int]
+"""The storage's revision (its writes) and the store's version (the rows it serves: a
+reader's reads move it to newer commits)."""
+
 
 class GatherCache:
-    """The last gather: its index, the storage revision it saw, its result, and the version
-    counters of the result's tensors when it was made."""
+    """The last gather: its index, the revision of the rows it saw, its result, and the
+    version counters of the result's tensors when it was made."""
 
     def __init__(self) -> None:
-        self._last: tuple[torch.Tensor, int, Any, list[tuple[int, int]]] | None = None
+        self._last: tuple[torch.Tensor, Revision, Any, list[tuple[int, int]]] | None = None
 
-    def get(self, index: torch.Tensor, revision: int) -> Any | None:
+    def get(self, index: torch.Tensor, revision: Revision) -> Any | None:
         """A copy of the kept result if it was gathered at ``index`` in ``revision`` and
         nobody changed it in place since; ``None`` otherwise."""
         if self._last is None:
@@ -38,7 +42,7 @@ class GatherCache:
             return clone(result)
         return None
 
-    def keep(self, index: torch.Tensor, revision: int, result: Any) -> None:
+    def keep(self, index: torch.Tensor, revision: Revision, result: Any) -> None:
         self._last = (index.clone(), revision, result, _versions(result))
 
     def clear(self) -> None:

@@ -18,7 +18,7 @@ from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.errors import NotSupportedError
 from zarr_rb.format.schema import LeafSpec, Schema
 from zarr_rb.torchrl import compat, data_kinds, index_forms, sharing
-from zarr_rb.torchrl.column_sources import LeafSource, RowsOnlySource
+from zarr_rb.torchrl.column_sources import LeafSource, RowsOnlySource, ViewCommit
 from zarr_rb.torchrl.columns import LazyColumn
 from zarr_rb.torchrl.dataloader import check_open
 from zarr_rb.torchrl.entries import ENTRY_KINDS, decode
@@ -122,7 +122,7 @@ class StorageReads(StorageWrites):
         """Rows at a row index (a sampler's output), in the order asked, repeats included
         (the last gather is kept for the next reader of the same rows, see
         :mod:`zarr_rb.torchrl.gather_cache`)."""
-        revision = compat.revision(self)
+        revision = (compat.revision(self), self._store.version)
         kept = self._gathers.get(index, revision)
         if kept is not None:
             return kept
@@ -161,10 +161,14 @@ class StorageReads(StorageWrites):
     ) -> tuple[dict[Key, LazyColumn], list[LeafSpec]]:
         """Every leaf as a :class:`LazyColumn` over rows ``[0, length)``, and the leaves the
         columns stand for (an entry no tensor column holds stands as ``uint8``)."""
-        schema = self._store.schema
+        store = self._store
+        schema = store.schema
         assert schema is not None
         columns: dict[Key, LazyColumn] = {}
         leaves = []
+        # A reader's columns read the rows of one commit (a save's never change).
+        reader = store.read_only and store.pinned is None and not store.history
+        view = ViewCommit(store) if reader else None
         for leaf in schema.leaves:
             if leaf.value == "lengths":
                 continue
@@ -176,6 +180,7 @@ class StorageReads(StorageWrites):
                     unused_as_zeros=unused_as_zeros,
                     holes_as_zeros=lambda: self.reads_holes_as_zeros,
                     write=self.write_leaves,
+                    view=view,
                 )
                 columns[leaf.key] = LazyColumn(
                     (length, *self._store.element_shape(leaf)),

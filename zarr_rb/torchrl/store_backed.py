@@ -80,9 +80,16 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         if not self.initialized and store.schema is not None:
             self.initialized = True
             self.max_size = capacity_of(store.meta)
+        self._show_commit()
+
+    def _show_commit(self) -> None:
+        """Tell TorchRL of a commit the store moved to since this storage last showed one:
+        the row written last, and a new revision for samplers' caches."""
         # Compared with the record this storage last showed, not the one before the
         # refresh: the store may have taken a newer record meanwhile (a commit, a save, a
-        # collection read the record as it was, other writers' rows included).
+        # collection read the record as it was, other writers' rows included; a reader's
+        # read, which moves it to the commit whose rows it read).
+        store = self.__dict__["_store"]
         generation = store.committed.generation
         if self.__dict__.get("_generation_shown") != generation and store.schema is not None:
             self.__dict__["_generation_shown"] = generation
@@ -99,6 +106,8 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
             self._pick_up_other_writers()
         elif interval is not None and time.monotonic() - self._refreshed_at >= interval:
             self.refresh()
+        elif store.read_only:
+            self._show_commit()  # (one its reads moved to)
         return int(store.length)
 
     @_len.setter
@@ -257,7 +266,8 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         self.initialized = self._store.schema is not None
         if self.initialized:
             self.max_size = capacity_of(self._store.meta)
-        compat.bump_revision(self)
+        self._show_commit()
+        compat.bump_revision(self)  # (a reader of a save moved to the last commit, too)
 
     def nbytes_on_disk(self) -> int:
         """Bytes of all files of the store."""
