@@ -55,10 +55,9 @@ def one_round(data: Any, where: Path) -> dict[str, float]:
     storage = ZarrStorage(rows, path)
     out["reopen_s"] = time.perf_counter() - started
     rb = TensorDictReplayBuffer(storage=storage, batch_size=BATCH)
-    fill = storage._store.ram.fill  # (its thread ends when the rows are read in)
     during = _samples(rb, 1)  # the first read starts the fill
     started = time.perf_counter()
-    while not fill.wait(0):
+    while not storage.wait_for_ram(timeout=0):
         during += _samples(rb, 1)
     out["fill_s"] = time.perf_counter() - started
     out["during_ms"] = statistics.median(during) * 1e3

@@ -291,3 +291,20 @@ def test_a_shared_writer_reads_other_writers_rows_in_between_their_commits(
     tier.check()
     mine.close()
     other.close()
+
+
+def test_wait_for_ram_starts_the_fill_and_waits_for_it(tmp_path: Path) -> None:
+    data = episodes(ROWS, seed=15)
+    written(tmp_path / "rb.zarr", data)
+    storage = ZarrStorage(ROWS, tmp_path / "rb.zarr")
+    tier = storage._store.ram.frames
+    assert tier is not None
+    assert storage.wait_for_ram(timeout=120)  # no read before: it starts the fill
+    assert bool(tier.resident.all())
+    storage.close()
+    for other in (
+        ZarrStorage(ROWS, tmp_path / "rb.zarr", ram_bytes=0),
+        ZarrStorage(path=tmp_path / "rb.zarr", read_only=True),
+    ):
+        assert other.wait_for_ram(timeout=0)  # nothing to read into RAM
+        other.close()

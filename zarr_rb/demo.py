@@ -498,6 +498,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rb2 = TensorDictReplayBuffer(storage=reopened, batch_size=args.batch_size)
     rows_reopened = len(reopened)
     sample_after = time_sampling(rb2, args.sample_batches) if rows_reopened else []
+    t0 = time.perf_counter()
+    reopened.wait_for_ram()  # the rows are read into RAM behind the buffer's back
+    in_ram_s = time.perf_counter() - t0
+    sample_in_ram = time_sampling(rb2, args.sample_batches) if rows_reopened else []
     schema = _schema_lines(rb2.sample()) if rows_reopened else []
     on_disk = reopened.nbytes_on_disk()
     raw = reopened.nbytes_raw()
@@ -514,7 +518,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"rows    {rows} ({start_rows} before this run)")
     print(
         f"sample  batch {args.batch_size}: median {_fmt_ms(sample_before)} before close,"
-        f" {_fmt_ms(sample_after)} after reopen ({args.sample_batches} batches each)"
+        f" {_fmt_ms(sample_after)} after reopen while its rows are read into RAM,"
+        f" {_fmt_ms(sample_in_ram)} once they are, {in_ram_s:.1f} s later"
+        f" ({args.sample_batches} batches each)"
     )
     print(
         f"reopen  close {close_s:.2f} s, reopen from path {reopen_s * 1e3:.0f} ms:"

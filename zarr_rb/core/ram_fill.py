@@ -139,6 +139,11 @@ class TierFill:
                 )
                 self._thread.start()
 
+    @serialized
+    def start(self) -> None:
+        """Fill now what the next read would (a call of the store of its own)."""
+        self.before_read()
+
     def close(self) -> None:
         """The store is closed: a fill behind stops at its next step."""
         self._closed.set()

@@ -269,6 +269,15 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         self._show_commit()
         compat.bump_revision(self)  # (a reader of a save moved to the last commit, too)
 
+    def wait_for_ram(self, timeout: float | None = None) -> bool:
+        """Wait until the rows already in the store are in RAM, as many as the budget
+        holds: a writer with the default ``ram_bytes`` reads them in behind the buffer's
+        back after it opens or loads a save, from its first read on (this starts it if
+        no read did). Returns whether they are (``False``: ``timeout`` seconds passed)."""
+        fill = self._store.ram.fill
+        fill.start()
+        return fill.wait(timeout)
+
     def nbytes_on_disk(self) -> int:
         """Bytes of all files of the store."""
         return self._store.engine.nbytes()
