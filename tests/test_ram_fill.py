@@ -30,6 +30,7 @@ import zarr_rb
 import zarr_rb.torchrl.storage
 from zarr_rb import ZarrStorage
 from zarr_rb.core import ram_fill
+from zarr_rb.core.frames import FrameTier
 from zarr_rb.core.ram_fill import TierFill
 
 ROWS = 300
@@ -50,6 +51,16 @@ def written(path: Path, data: TensorDict, capacity: int = ROWS) -> None:
     storage.close()
 
 
+def reopened(path: Path, seed: int) -> tuple[TensorDict, ZarrStorage, FrameTier]:
+    """A store of episodes, written and opened again, and the tier of the new storage."""
+    data = episodes(ROWS, seed=seed)
+    written(path, data)
+    storage = ZarrStorage(ROWS, path)
+    tier = storage._store.ram.frames
+    assert tier is not None
+    return data, storage, tier
+
+
 @pytest.fixture
 def manual_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fills behind start a thread that does nothing: the test runs their steps."""
@@ -64,11 +75,7 @@ def steps(storage: ZarrStorage) -> Iterator[None]:
 
 
 def test_a_reopened_store_is_read_into_ram_behind_the_reads(tmp_path: Path) -> None:
-    data = episodes(ROWS, seed=1)
-    written(tmp_path / "rb.zarr", data)
-    storage = ZarrStorage(ROWS, tmp_path / "rb.zarr")
-    tier = storage._store.ram.frames
-    assert tier is not None
+    data, storage, tier = reopened(tmp_path / "rb.zarr", seed=1)
     assert not tier.resident.any()  # nothing read at the open
     rb = TensorDictReplayBuffer(storage=storage, batch_size=16)
     rb.sample()  # the first read starts the fill, and does not wait for it
@@ -294,11 +301,7 @@ def test_a_shared_writer_reads_other_writers_rows_in_between_their_commits(
 
 
 def test_wait_for_ram_starts_the_fill_and_waits_for_it(tmp_path: Path) -> None:
-    data = episodes(ROWS, seed=15)
-    written(tmp_path / "rb.zarr", data)
-    storage = ZarrStorage(ROWS, tmp_path / "rb.zarr")
-    tier = storage._store.ram.frames
-    assert tier is not None
+    _, storage, tier = reopened(tmp_path / "rb.zarr", seed=15)
     assert storage.wait_for_ram(timeout=120)  # no read before: it starts the fill
     assert bool(tier.resident.all())
     storage.close()
