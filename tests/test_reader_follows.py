@@ -117,3 +117,39 @@ def test_an_episode_is_read_from_the_rows_it_was_found_in(store_path) -> None:
         ids = view.episode(number)["episode"]
         assert ids.unique().numel() == 1, ids.tolist()
     rb.storage.close()
+
+
+def test_episodes_are_found_again_when_the_writer_commits_during_the_scan(store_path) -> None:
+    """The writer commits more rows (a ring not yet full) right after the scan of the
+    episode keys read its first key: the next key reads at the new length, and the scan
+    starts again there (it raised ValueError, found by review)."""
+
+    def episodes(first: int, count: int, length: int) -> TensorDict:
+        episode = torch.arange(first, first + count).repeat_interleave(length)
+        done = torch.zeros(episode.numel(), 1, dtype=torch.bool)
+        done[length - 1 :: length] = True
+        reward = torch.ones(episode.numel(), 1)
+        return TensorDict(
+            {"episode": episode, "next": {"done": done, "reward": reward}}, [episode.numel()]
+        )
+
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(64, store_path, compression=BLOCKS))
+    rb.extend(episodes(0, 4, 5))
+    rb.storage.flush()
+    view = zarr_rb.open(store_path)
+    arrays = view.storage.store.arrays
+    read_all = arrays.read_all
+    armed = [True]
+
+    def commit_after_first_read(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = read_all(*args, **kwargs)
+        if armed:
+            armed.clear()
+            rb.extend(episodes(100, 2, 5))
+            rb.storage.flush()
+        return out
+
+    arrays.read_all = commit_after_first_read
+    assert len(view.episodes) == 6
+    assert not armed
+    rb.storage.close()

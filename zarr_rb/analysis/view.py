@@ -11,6 +11,7 @@ forms (dask, xarray, a PyTorch ``Dataset``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -124,15 +125,21 @@ class View(StoredRows):
             dtypes = {} if schema is None else {leaf.key: leaf.dtype for leaf in schema.leaves}
             keys = find_keys(dtypes, key=self._episode_key, reward_key=self._reward_key)
             whole = View(self.storage)
-            episodes = find_episodes(
-                whole.numpy,
-                keys,
-                length=self.rows,
-                capacity=self.capacity,
-                cursor=self.cursor,
-                valid=self.valid,
-                envs=self.shape[1] if self.ndim == 2 else None,
-            )
+            length = stamp[1]
+            try:
+                episodes = find_episodes(
+                    functools.partial(_first_rows, whole, length),
+                    keys,
+                    length=length,
+                    capacity=self.capacity,
+                    cursor=self.cursor,
+                    valid=self.valid[:length],
+                    envs=self.shape[1] if self.ndim == 2 else None,
+                )
+            except (ValueError, IndexError):
+                if self._stamp() == stamp:
+                    raise
+                continue  # a read moved the view to a commit of another length: again
             if self._stamp() == stamp:  # (else its keys were read from several commits)
                 self._episodes = (stamp, episodes)
         raise _kept_changing(self.url)
@@ -178,6 +185,11 @@ class View(StoredRows):
         :class:`~zarr_rb.analysis.ReplayDataset`)."""
         chosen = self.keys() if keys is None else [public_key(self.key_of(k)) for k in keys]
         return ReplayDataset(self.url, keys=chosen, storage_options=self.storage_options)
+
+
+def _first_rows(view: View, length: int, key: Key) -> np.ndarray:
+    """Rows ``[0, length)`` of ``key`` (however many rows the view shows by then)."""
+    return view.numpy(key, np.arange(length))
 
 
 _ATTEMPTS = 20

@@ -46,10 +46,11 @@ class ViewCommit:
             return
         raise RowsNotCommittedError(
             f"store {store.url!r}: the writer committed new rows (commit {now.generation}) "
-            f"while this view of commit {before.generation} was read key by key, and key "
-            f"{key!r} of rows {preview_rows(rows)} is no longer what the view's other keys "
-            "were read with. Take the view again (rb[:]), or read rows with all their keys "
-            "at once (storage.get(index))"
+            f"while this view of commit {before.generation} was being read (a view reads "
+            f"each key, and each part of it, when used): key {key!r} of rows "
+            f"{preview_rows(rows)} is not what the view read before. Take the view again "
+            "(rb[:], or sample again), or read rows with all their keys at once "
+            "(storage.get(index))"
         )
 
 
