@@ -20,12 +20,13 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 import torch
 
+from zarr_rb.core.ram_fill import FillStore
 from zarr_rb.core.store_facts import StoreFacts
 from zarr_rb.format.commit import Commit
 from zarr_rb.format.record import Saved, StoreMeta
@@ -35,18 +36,16 @@ from zarr_rb.format.schema import LeafSpec, Schema
 
 if TYPE_CHECKING:
     from zarr_rb.core.arrays import StoreArrays
-    from zarr_rb.core.ledger import Ledger
     from zarr_rb.core.lifetime import Lifetime
     from zarr_rb.core.pieces import MapPieces
     from zarr_rb.core.ram_rows import RamRows
-    from zarr_rb.core.write_cache import WriteBuffer
     from zarr_rb.engine import Engine
     from zarr_rb.util.keys import Key
 
 _R = TypeVar("_R")
 
 
-class StoreAPI(StoreFacts, Protocol):
+class StoreAPI(StoreFacts, FillStore, Protocol):
     """A store as its owner of positions and commits, and the reader, use it:
     :class:`~zarr_rb.core.store.Store` is the one implementation. They name this interface,
     not the class, since ``core/store.py`` imports them."""
@@ -61,8 +60,6 @@ class StoreAPI(StoreFacts, Protocol):
 
     commits: Commits
 
-    @property
-    def cursor(self) -> int: ...
     def discard(self) -> None: ...
     @staticmethod
     def elements_per_row(schema: Schema | None) -> int: ...
@@ -71,8 +68,6 @@ class StoreAPI(StoreFacts, Protocol):
     def flush(self) -> None: ...
     @property
     def history(self) -> bool: ...
-    @property
-    def ledger(self) -> Ledger | None: ...
     @property
     def length(self) -> int: ...
     @property
@@ -88,22 +83,12 @@ class StoreAPI(StoreFacts, Protocol):
 
     @property
     def ram(self) -> RamRows: ...
-    def read(
-        self,
-        rows: np.ndarray,
-        keys: Iterable[Key],
-        *,
-        unwritten_as_zeros: bool = False,
-        unreadable_as_zeros: bool = False,
-    ) -> dict[Key, torch.Tensor]: ...
 
     version: int
 
     def whole_rows(
         self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
     ) -> Mapping[Key, torch.Tensor]: ...
-    @property
-    def write_cache(self) -> WriteBuffer | None: ...
     def writing(
         self, what: str, *, kept: bool = True
     ) -> contextlib.AbstractContextManager[None]: ...
