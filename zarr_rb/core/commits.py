@@ -147,9 +147,8 @@ class Commits(abc.ABC):
 
     def show(self, commit: Commit) -> None:
         """A reader reads the rows of ``commit``: it shows its length and cursor too."""
-        schema = self.store.schema
-        assert schema is not None
-        self.length = commit.length * schema.elements_per_row
+        store = self.store
+        self.length = commit.length * store.elements_per_row(store.schema)
         self.cursor = commit.cursor
 
     def move_cursor(self, cursor: int) -> None:

@@ -258,8 +258,7 @@ class SoloCommits(SoloCursor):
         store = self.store
         store.pinned = None  # to the last commit, from a save it was reading
         commit = reread_commit(store)
-        self.length = commit.length * store.elements_per_row(store.schema)
-        self.cursor = commit.cursor
+        self.show(commit)
         return commit
 
     def leave(self) -> None:
