@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -86,9 +87,6 @@ class StoreAPI(StoreFacts, FillStore, Protocol):
 
     version: int
 
-    def whole_rows(
-        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
-    ) -> Mapping[Key, torch.Tensor]: ...
     def writing(
         self, what: str, *, kept: bool = True
     ) -> contextlib.AbstractContextManager[None]: ...
@@ -115,6 +113,38 @@ class Commits(abc.ABC):
         self.positions: SlotMap | RunMap | None = None
         """Where each position is in the data arrays, as this store reads it now (set with
         the schema)."""
+        self.holders: set[int] = set()
+        """The threads a reader holds its commit for (:meth:`hold`): while any does, the
+        reader stays on that commit."""
+        self.hold_broken = False
+        """Whether a read found the held commit no longer kept: every read of its holders
+        raises until they let go."""
+
+    def hold(self) -> None:
+        """A reader moves to the last commit (unless another thread holds one: it stays
+        there) and stays on it until every thread that holds it lets go (:meth:`let_go`,
+        or its own refresh): its reads, length and cursor are that commit's, so that the
+        reads of one sample (a sampler's scan, then the gather) see one commit. A read
+        that finds the writer no longer keeps its rows raises, as do the holders' reads
+        after it, until they let go. See ``docs/design/reader-snapshots.md``."""
+        self.refresh()
+        self.holders.add(threading.get_ident())
+
+    @property
+    def holding(self) -> bool:
+        """Whether some thread holds the reader's commit (see :meth:`hold`)."""
+        return bool(self.holders)
+
+    def lose_hold(self) -> None:
+        """A read found the held commit no longer kept (see :meth:`hold`)."""
+        self.hold_broken = True
+
+    def let_go(self) -> None:
+        """This thread's hold ends; once no thread holds, the next read moves to the last
+        commit again."""
+        self.holders.discard(threading.get_ident())
+        if not self.holders:
+            self.hold_broken = False
 
     def use_map(self, commit: Commit) -> None:
         """Read (and write) through the map of ``commit``: the one the store opened at, or

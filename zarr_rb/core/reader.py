@@ -50,6 +50,10 @@ def reread_commit(store: StoreAPI) -> Commit:
             "its last save, or keep a save with zarr_rb.save(rb, tag=...) to read it while "
             "training goes on",
         )
+    if store.commits.holding:
+        # A sample reads the commit it holds (the writer keeps its rows; each read says
+        # whether it still does): nothing moves until it lets go.
+        return meta.commit
     earlier = store.committed
     moved = meta.commit.generation != earlier.generation
     before = store.schema
@@ -118,8 +122,23 @@ def read_committed(
             return True
         # Shared writers commit at every extend: rows that no commit since moved, in
         # slots no writer took since, were read whole all the same.
-        return now.generation == commit.generation or commit.reads_alike(
-            now, rows[published], store.meta.block_rows or 1
+        alike = commit.reads_alike(now, rows[published], store.meta.block_rows or 1)
+        commits = store.commits
+        if not commits.holding:
+            return now.generation == commit.generation or alike
+        if not commits.hold_broken and (now.keeps(commit) or alike):
+            return True
+        commits.lose_hold()  # (the other holders' samples read it too)
+        kept = (
+            "only those of its last commit"
+            if now.kept_from is None
+            else f"those of commit {now.kept_from} on"
+        )
+        raise RowsNotCommittedError(
+            f"store {store.url!r}: the writer committed {now.generation - commit.generation} "
+            f"times while a sample read commit {commit.generation}, and no longer keeps its "
+            f"rows (it keeps {kept}): rows {preview_rows(rows)} may have been written "
+            "over. Nothing wrong was returned; sample again",
         )
 
     return seqlock_read(

@@ -45,6 +45,7 @@ import torch
 from zarr_rb.core import sharing_slots
 from zarr_rb.core.sharing_saves import SharingSaves
 from zarr_rb.core.sharing_slots import runs_of
+from zarr_rb.core.store_facts import whole_rows
 from zarr_rb.errors import (
     LockedError,
     NotSupportedError,
@@ -193,7 +194,7 @@ class Sharing(SharingSaves):
         store = self.store
         store.version += 1
         physical = self.room(count)
-        values = store.whole_rows(physical, values)
+        values = whole_rows(store, physical, values)
         store.arrays.write_rows([(physical, values)], physical=True)
         positions = self.commit_rows(physical)
         if INDEX_KEY in values:  # marks stand for the positions the commit just gave

@@ -105,7 +105,8 @@ class SharingRecord(SharingSlots):
 
     def _as_published(self, edited: StoreMeta, generation: int) -> StoreMeta:
         """``edited`` as this writer publishes it, as the record of ``generation``."""
-        commit = dataclasses.replace(edited.commit, generation=generation)
+        # (Its writers keep no older commit's rows for readers: see Commit.kept_from.)
+        commit = dataclasses.replace(edited.commit, generation=generation, kept_from=None)
         if commit.ring is not None:
             commit = dataclasses.replace(
                 commit, ring=commit.ring.published_by(self.writer, generation)

@@ -256,6 +256,9 @@ class SoloCommits(SoloCursor):
 
     def refresh(self) -> Commit:
         store = self.store
+        self.let_go()
+        if self.holding:
+            return self.committed  # (held by another thread's sample: it stays there)
         store.pinned = None  # to the last commit, from a save it was reading
         commit = reread_commit(store)
         self.show(commit)
@@ -392,6 +395,7 @@ class SoloCommits(SoloCursor):
             commit = dataclasses.replace(commit, history=RunMap.empty())
         if self.late_writes_alone:
             commit = dataclasses.replace(commit, lease=self._lease)
+        commit = dataclasses.replace(commit, kept_from=self.kept_from(commit))
         replaced = self.store.engine.arrays_replaced
         commit = dataclasses.replace(commit, object_era=self._object_era(replaced))
         meta = dataclasses.replace(self.meta, commit=commit)
@@ -404,6 +408,7 @@ class SoloCommits(SoloCursor):
             self.store.pieces.drop(self.meta, meta)
         self.meta = meta
         self.committed = commit
+        self._keep(commit)
         if rows:
             self._written_from = commit.cursor
             self._advanced = 0

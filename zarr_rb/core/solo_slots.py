@@ -23,6 +23,13 @@ from zarr_rb.format.names import FORMAT_VERSION
 from zarr_rb.format.record import Saved, StoreMeta
 from zarr_rb.format.ring import SPARE_FACTOR, SlotMap, max_slots
 
+KEPT_COMMITS = 8
+"""Commits whose rows a writer keeps, at most: their slots are not written, nor the rows
+they declare readable, until this many newer commits (:attr:`Commit.kept_from`), so that a
+reader can finish reading one of them (a sample: ``docs/design/reader-snapshots.md``).
+Fewer when the slots they keep besides the last commit's would pass a ring's worth (the
+spare slots the arrays have anyway): a write of a whole ring per commit keeps one."""
+
 if TYPE_CHECKING:
     from zarr_rb.core.commits import StoreAPI
 
@@ -58,6 +65,9 @@ class SoloSlots(Commits):
         record's, until this writer holds its own (see :class:`LeaseFloor`)."""
         self._holding = False
         """Whether the record says this writer holds slots from ``_own_from`` on."""
+        self._kept = [meta.commit]
+        """The commits whose rows this writer keeps (:data:`KEPT_COMMITS` at most), oldest
+        first, the last one last: from the one it opened at (it knows no older one's map)."""
 
     def publish(self, commit: Commit, *, saved: Saved | None = None, rows: bool = True) -> None:
         """Publish ``commit`` (see :meth:`SoloCommits.publish`)."""
@@ -84,6 +94,7 @@ class SoloSlots(Commits):
                 return 0
             if len(free) > SPARE_FACTOR * slots.blocks:
                 known = None  # many slots not known to be empty: listing them costs less
+        self._announce_kept()
         whole = store.arrays.whole_block_keys()
         emptied: set[int] = set()
         with store.writing("deleting slots no record refers to"):
@@ -154,12 +165,58 @@ class SoloSlots(Commits):
         """The maps of the saves whose rows the store keeps (their slots are not free)."""
         return [self._slots_of(saved.commit()) for saved in self.meta.pinned()]
 
+    def kept_from(self, commit: Commit) -> int:
+        """:attr:`Commit.kept_from` of ``commit``, as this writer publishes it."""
+        return self._kept_with(commit)[0].generation
+
+    def _keep(self, commit: Commit) -> None:
+        """``commit`` was published: its rows are kept, and the oldest commits' no longer
+        once more than :data:`KEPT_COMMITS` are kept (its record said so)."""
+        self._kept = self._kept_with(commit)
+
+    def _kept_with(self, commit: Commit) -> list[Commit]:
+        """The commits kept once ``commit`` is published (see :data:`KEPT_COMMITS`)."""
+        if commit.generation == self._kept[-1].generation:
+            return [*self._kept[:-1], commit]  # (the same commit: slots reserved, a lease held)
+        kept = [*self._kept, commit][-KEPT_COMMITS:]
+        if self.store.schema is None:
+            return kept
+        last = self._slots_of(commit)
+        budget = last.blocks
+        while len(kept) > 1:
+            older = [self._slots_of(c).slots for c in kept[:-1]]
+            if np.setdiff1d(np.concatenate(older), last.slots).size <= budget:
+                break
+            kept = kept[1:]
+        return kept
+
+    def _announce_kept(self) -> None:
+        """Before this writer's first write: the record says which commits it keeps (the
+        writer before it may have kept older ones, whose maps this one does not know)."""
+        if self.committed.kept_from != self._kept[0].generation:
+            self.publish(self.committed, rows=False)
+
+    def _kept_readable(self, blocks: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Which of ``blocks`` (in ``slots`` now) an older kept commit has in the same slot
+        with some of ``rows`` readable: a write over those rows moves the block."""
+        block_rows = self.block_map.block_rows
+        out = np.zeros(blocks.size, dtype=bool)
+        for kept in self._kept[:-1]:
+            named = self._slots_of(kept).slots
+            inside = blocks < named.size
+            same = np.zeros(blocks.size, dtype=bool)
+            same[inside] = named[blocks[inside]] == slots[inside]
+            readable = rows[kept.readable(rows)] // block_rows
+            out |= same & np.isin(blocks, readable)
+        return out
+
     def _used_slots(self) -> np.ndarray:
         """Boolean mask over the slots of a store of one writer: those the writer's map,
-        the last commit, a kept save or an archive's history refers to."""
+        the commits it keeps, a kept save or an archive's history refers to."""
         slots = self.block_map
         used = np.zeros(slots.capacity, dtype=bool)
-        for kept in (slots, self._committed_slots(), *self._pinned_slots()):
+        kept_maps = [self._slots_of(commit) for commit in self._kept[:-1]]
+        for kept in (slots, self._committed_slots(), *kept_maps, *self._pinned_slots()):
             used[kept.slots[kept.slots < slots.capacity]] = True
         if self.committed.history is not None:  # an archive's rows are never written over
             used |= self.committed.history.used_slots(slots.block_rows, slots.capacity)

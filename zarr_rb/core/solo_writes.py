@@ -18,6 +18,7 @@ from zarr_rb.core.arrays import PendingWrite
 from zarr_rb.core.arrivals import Arrivals
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.solo_slots import SoloSlots
+from zarr_rb.core.store_facts import whole_rows
 from zarr_rb.core.write_cache import Block, Write, block_write
 from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.schema import plain_then_ragged
@@ -99,7 +100,7 @@ class SoloWrites(SoloSlots):
             for key in missing
         }
         if all(cells.all() for cells in empty.values()):
-            return self.store.whole_rows(rows, values), []
+            return whole_rows(self.store, rows, values), []
         zeros: list[Write] = []
         for key, cells in empty.items():
             if cells.any():
@@ -364,6 +365,7 @@ class SoloWrites(SoloSlots):
         """
         ledger = self.store.ledger
         assert ledger is not None
+        self._announce_kept()
         block_map = self.block_map
         none = np.empty(0, dtype=np.int64)
         if (ledger.published & touched).any():
@@ -383,7 +385,10 @@ class SoloWrites(SoloSlots):
         has_live = np.isin(touched_blocks, np.flatnonzero(live) // block_rows)
         # A slot another writer may still write (one that held the store before): moved.
         foreign = slots < self._first_own_slot()
-        move = pinned | (committed & has_live) | foreign
+        # So is one where an older commit this writer keeps has rows the write goes over
+        # (emptied or withdrawn since): a reader may still read that commit.
+        kept = self._kept_readable(touched_blocks, slots, np.flatnonzero(touched))
+        move = pinned | (committed & has_live) | foreign | kept
         creates_once = self.store.lifetime.creates_once
         if creates_once:
             # No object is written over: a block whose slot holds rows to keep (any of

@@ -285,21 +285,6 @@ class Store:
         self.check_writable()
         return self.commits.append(values, count)
 
-    def whole_rows(
-        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
-    ) -> Mapping[Key, torch.Tensor]:
-        """``values`` with zeros for the keys an extend left out (the rows it goes to are
-        new ones, as in a new TorchRL storage: what they held belongs to evicted rows)."""
-        missing = [key for key in self.leaves if key not in values]
-        if not missing:
-            return values
-        out = dict(values)
-        for key in missing:
-            leaf = self.leaf(key)
-            shape = (rows.size, *self.element_shape(leaf))
-            out[key] = torch.zeros(shape, dtype=TORCH_DTYPES[leaf.dtype])
-        return out
-
     @contextlib.contextmanager
     def writing(self, what: str, *, kept: bool = True) -> Iterator[None]:
         """Turn a failed write (a full disk, an I/O error) into a :class:`StoreWriteError`.
@@ -434,6 +419,13 @@ class Store:
         """Re-read the commit record and move to it: its length, cursor and rows (readers,
         and the writers of a shared store); returns it."""
         return self.commits.refresh()
+
+    @serialized
+    def hold(self, on: bool = True) -> None:
+        """A reader of the last commit: move to it and stay there (``on``), or let go of
+        this thread's hold (see :meth:`Commits.hold`)."""
+        if self.read_only and self.pinned is None and not self.history:
+            self.commits.hold() if on else self.commits.let_go()
 
     # --- sharing and lifetime ---------------------------------------------------------------
 

@@ -4,8 +4,13 @@ imports them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
+import numpy as np
+import torch
+
+from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.format.commit import Commit
 from zarr_rb.format.record import StoreMeta
 from zarr_rb.format.schema import LeafSpec, Schema
@@ -31,3 +36,19 @@ class StoreFacts(Protocol):
     def rows(self) -> int: ...
     def leaf(self, key: Key) -> LeafSpec: ...
     def element_shape(self, leaf: LeafSpec, width: int = 0) -> tuple[int, ...]: ...
+
+
+def whole_rows(
+    store: StoreFacts, rows: np.ndarray, values: Mapping[Key, torch.Tensor]
+) -> Mapping[Key, torch.Tensor]:
+    """``values`` with zeros for the keys of ``store`` an extend left out (the rows it goes
+    to are new ones, as in a new TorchRL storage: what they held belongs to evicted rows)."""
+    missing = [key for key in store.leaves if key not in values]
+    if not missing:
+        return values
+    out = dict(values)
+    for key in missing:
+        leaf = store.leaf(key)
+        shape = (rows.size, *store.element_shape(leaf))
+        out[key] = torch.zeros(shape, dtype=TORCH_DTYPES[leaf.dtype])
+    return out

@@ -182,6 +182,22 @@ class Commit:
     writers on S3, see ``docs/design/ring.md``, step 5): which slots had objects created
     since a reader's cache may last have been made whole. ``None``: objects may be written
     over; a cache revalidates them at every new commit."""
+    kept_from: int | None = None
+    """The oldest commit whose rows the writer of this record keeps (one writer): while
+    this record stands, no slot that a commit of generation ``kept_from`` or later names
+    is written, nor a row such a commit declares readable, so a reader may go on reading
+    such a commit. ``None`` (a shared store, a writer of an older version): only this
+    commit's rows are kept. See ``docs/design/reader-snapshots.md``."""
+
+    def keeps(self, earlier: Commit) -> bool:
+        """Whether a read of the rows of ``earlier`` still stands under this record (its
+        writer keeps them: see :attr:`kept_from`)."""
+        if earlier.generation == self.generation:
+            return True
+        kept = self.kept_from
+        return (
+            self.ring is None and kept is not None and kept <= earlier.generation < self.generation
+        )
 
     def physical(self, rows: np.ndarray) -> np.ndarray:
         """The rows of the data arrays that hold positions ``rows`` in this commit."""
@@ -213,6 +229,8 @@ class Commit:
             record["lease"] = self.lease.to_json()
         if self.object_era is not None:
             record["object_era"] = self.object_era.to_json()
+        if self.kept_from is not None:
+            record["kept_from"] = self.kept_from
         return record
 
     def slots_created_since(self, earlier: Commit) -> tuple[int, ...] | None:
@@ -318,8 +336,10 @@ def parse_commit(value: object, *, rows: int, pieces: PieceSource | None = None)
     holes = _parse_ranges(value.get("holes", []), "commit hole", rows=rows, length=length)
     unwritten = _parse_ranges(value.get("unwritten", []), "unwritten", rows=rows, length=length)
     _expect(_within(unwritten, holes), "unwritten rows among the holes", value.get("unwritten"))
+    generation = _parse_int(value.get("generation"), "commit generation")
+    kept_from = value.get("kept_from")
     return Commit(
-        generation=_parse_int(value.get("generation"), "commit generation"),
+        generation=generation,
         length=length,
         cursor=_parse_int(value.get("cursor", 0), "commit cursor", hi=max(rows - 1, 0)),
         holes=holes,
@@ -331,6 +351,9 @@ def parse_commit(value: object, *, rows: int, pieces: PieceSource | None = None)
         history=parse_history(value.get("history"), pieces=pieces),
         lease=parse_lease(value.get("lease"), rows=rows),
         object_era=_parse_object_era(value, rows=rows),
+        kept_from=None
+        if kept_from is None
+        else _parse_int(kept_from, "commit kept_from", hi=generation),
     )
 
 

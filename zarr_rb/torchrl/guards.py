@@ -25,6 +25,11 @@ value of another type...), the writer would point past rows that were never writ
 the next write would leave them empty. The writers of buffers on a ZarrStorage get their
 ``add`` and ``extend`` routed through :func:`_undone_on_refusal`.
 
+**A reader's sample reads one commit.** A sampler reads a reader's length, cursor and
+columns (a slice sampler scans a trajectory key), then the buffer gathers the rows it drew:
+every sampler's ``sample`` is routed through :func:`_sample_of_one_commit`, which holds the
+writer's last commit from the draw to the gather (``StoreBacked.begin_sample``).
+
 **A forked child never moves the parent's writer.** ``RoundRobinWriter`` keeps its cursor
 and write count in shared memory, which a child forked from the process that opened the
 store shares with it. The store refuses such a child's calls, so its ``add``, ``extend``
@@ -51,10 +56,12 @@ def guard_sampler(sampler: Any, storage: Any) -> None:
     storage other than a ZarrStorage has none)."""
     if not isinstance(storage, StoreBacked):
         return
+    inner = None
     if compat.is_sampler(sampler, "PrioritizedSampler"):
-        compat.route_method(
-            sampler, "sample", functools.partial(_sample_with_zero_priorities, zarr=storage)
-        )
+        inner = functools.partial(_sample_with_zero_priorities, zarr=storage)
+    compat.route_method(
+        sampler, "sample", functools.partial(_sample_of_one_commit, zarr=storage, inner=inner)
+    )
     if compat.is_sampler(sampler, "SliceSampler"):
         # A prioritized slice sampler needs trajectories that cover every row: there each
         # hole stays a trajectory of its own, which its zero priority keeps from being drawn.
@@ -133,6 +140,19 @@ def _element_indices(rows: np.ndarray, storage: StoreBacked) -> torch.Tensor:
 def _elements_per_row(storage: StoreBacked) -> int:
     schema = storage.schema
     return 1 if schema is None else schema.elements_per_row
+
+
+def _sample_of_one_commit(
+    sample: Any, *args: Any, zarr: StoreBacked, inner: Any = None, **kwargs: Any
+) -> Any:
+    """A sampler's draw from a reader reads one commit of the store, and so does the gather
+    of the rows it drew, which the buffer makes next (see ``StoreBacked.begin_sample``)."""
+    zarr.begin_sample()
+    try:
+        return sample(*args, **kwargs) if inner is None else inner(sample, *args, **kwargs)
+    except BaseException:
+        zarr.end_sample()
+        raise
 
 
 def _sample_with_zero_priorities(sample: Any, *args: Any, zarr: StoreBacked, **kwargs: Any) -> Any:

@@ -67,29 +67,36 @@ class StorageReads(StorageWrites):
         head, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
         if isinstance(index, tuple) and not index:
             head = slice(None)
-        if isinstance(head, slice) and head.indices(length) == (0, length, 1):
-            # Every row: a lazy, writable view (further indices narrow it, lazily too).
-            out = self._lazy_view(length)
-            if rest:
-                out = data_kinds.select(out, (slice(None), *rest))
-        elif not rest and not isinstance(head, slice) and not compat.is_int(head):
-            if self._store.is_shared and isinstance(head, torch.Tensor):
-                out = sharing.gather_redrawing(
-                    head,
-                    lambda i: self._gather(
-                        index_forms.as_index_tensor(i), schema, compat.length_along_dim0(self)
-                    ),
-                    self._rand_given_ndim,
-                    draw=getattr(self._thread_state, "draw", None),
-                    refresh=self.refresh,
-                )
+        gathered = False  # (rows read now, not a lazy view: a sample ends there)
+        try:
+            if isinstance(head, slice) and head.indices(length) == (0, length, 1):
+                # Every row: a lazy, writable view (further indices narrow it, lazily too).
+                out = self._lazy_view(length)
+                if rest:
+                    out = data_kinds.select(out, (slice(None), *rest))
+            elif not rest and not isinstance(head, slice) and not compat.is_int(head):
+                gathered = True
+                if self._store.is_shared and isinstance(head, torch.Tensor):
+                    out = sharing.gather_redrawing(
+                        head,
+                        lambda i: self._gather(
+                            index_forms.as_index_tensor(i), schema, compat.length_along_dim0(self)
+                        ),
+                        self._rand_given_ndim,
+                        draw=getattr(self._thread_state, "draw", None),
+                        refresh=self.refresh,
+                    )
+                else:
+                    out = self._gather(index_forms.as_index_tensor(head), schema, length)
             else:
-                out = self._gather(index_forms.as_index_tensor(head), schema, length)
-        else:
-            rows, position = index_forms.read_rows(head, length, where=self._where)
-            block = self._read(rows, schema)
-            whole = isinstance(position, slice) and not rest
-            out = block if whole else data_kinds.select(block, (position, *rest))
+                gathered = True
+                rows, position = index_forms.read_rows(head, length, where=self._where)
+                block = self._read(rows, schema)
+                whole = isinstance(position, slice) and not rest
+                out = block if whole else data_kinds.select(block, (position, *rest))
+        finally:
+            if gathered:
+                self.end_sample()
         device = self.device
         if self._build_device is None and isinstance(device, torch.device):
             out = data_kinds.to_device(out, device)

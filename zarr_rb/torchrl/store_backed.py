@@ -104,7 +104,11 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         interval = self.__dict__.get("_refresh_interval")
         if store.is_shared:
             self._pick_up_other_writers()
-        elif interval is not None and time.monotonic() - self._refreshed_at >= interval:
+        elif (
+            interval is not None
+            and time.monotonic() - self._refreshed_at >= interval
+            and not store.commits.holding  # (not inside a sample: see begin_sample)
+        ):
             self.refresh()
         elif store.read_only:
             self._show_commit()  # (one its reads moved to)
@@ -268,6 +272,28 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
             self.max_size = capacity_of(self._store.meta)
         self._show_commit()
         compat.bump_revision(self)  # (a reader of a save moved to the last commit, too)
+
+    def begin_sample(self) -> None:
+        """A sampler starts drawing from this storage (read-only storages): move to the
+        writer's last commit and read it, and only it, until this thread's next gather
+        (:meth:`end_sample`): a sampler's scan of a column, the length and cursor it draws
+        from, and the rows gathered then are all of one commit. The writer keeps the rows
+        of its last commits (``Commit.kept_from``); a read that finds them gone raises
+        :class:`~zarr_rb.errors.RowsNotCommittedError` instead of returning them."""
+        if not self.read_only:
+            return
+        store = self._store
+        store.hold()
+        if not self.initialized and store.schema is not None:
+            self.initialized = True
+            self.max_size = capacity_of(store.meta)
+        self._show_commit()
+
+    def end_sample(self) -> None:
+        """This thread's sample gathered its rows (see :meth:`begin_sample`): the next
+        read moves to the writer's last commit again."""
+        if self.read_only:
+            self._store.hold(False)
 
     def wait_for_ram(self, timeout: float | None = None) -> bool:
         """Wait until the rows already in the store are in RAM, as many as the budget

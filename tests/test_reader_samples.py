@@ -1,0 +1,438 @@
+"""A reader's sample reads one commit: the sampler's scan, the length and cursor it draws
+from, and the rows the buffer gathers then, even when the writer commits in between; the
+writer keeps the rows of its last commits for it (``Commit.kept_from``), and a sample whose
+commit it no longer keeps raises rather than return rows written over.
+
+The machine checks the writer's side: a reader that holds a commit reads the same rows
+from it whatever the writer does meanwhile (extends around the ring, writes over rows,
+empties, loads a save, crashes and reopens), as long as the record says the writer keeps
+it, and raises once it does not."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from machines import replayed, run_long
+from tensordict import TensorDict
+from torchrl.data import RandomSampler, SliceSampler, TensorDictReplayBuffer
+
+import zarr_rb
+from zarr_rb import Compression, RowsNotCommittedError, ZarrStorage
+from zarr_rb.core.solo_slots import KEPT_COMMITS
+from zarr_rb.testing import simulate_crash
+
+RING = 32
+EPISODE = 4
+BLOCKS = Compression(block_rows=8)
+
+
+def episodes(first: int, count: int) -> TensorDict:
+    """Rows ``first`` to ``first + count`` of a run of episodes of :data:`EPISODE` steps:
+    each row's episode is its step over the episode length, its ``obs`` its step."""
+    step = torch.arange(first, first + count)
+    return TensorDict(
+        {"step": step, "episode": step // EPISODE, "obs": step.view(-1, 1).expand(-1, 4).clone()},
+        batch_size=[count],
+    )
+
+
+class _Interrupted(SliceSampler):
+    """A slice sampler that lets the writer commit between its scan and the gather."""
+
+    def __init__(self, meanwhile: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.meanwhile = meanwhile
+
+    def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> Any:
+        found = super()._get_stop_and_length(storage, fallback)
+        self.meanwhile()
+        return found
+
+
+def _writer_and_reader(path: Path, meanwhile: Any) -> tuple[Any, Any]:
+    writer = TensorDictReplayBuffer(storage=ZarrStorage(RING, path, compression=BLOCKS))
+    writer.extend(episodes(0, RING))
+    writer.storage.flush()
+    reader = TensorDictReplayBuffer(
+        storage=ZarrStorage(path=path, read_only=True),
+        sampler=_Interrupted(meanwhile, slice_len=EPISODE, traj_key="episode"),
+        batch_size=3 * EPISODE,
+    )
+    return writer, reader
+
+
+def _check_slices(batch: TensorDict) -> None:
+    """Each slice is one whole episode, its steps in order."""
+    steps = batch["step"].view(-1, EPISODE)
+    assert torch.equal(batch["episode"].view(-1, EPISODE), steps // EPISODE), steps.tolist()
+    assert bool((steps[:, 1:] - steps[:, :-1] == 1).all()), steps.tolist()
+    assert bool((steps[:, 0] % EPISODE == 0).all()), steps.tolist()
+    assert torch.equal(batch["obs"][:, 0], batch["step"])
+
+
+class _Writer:
+    """A writer of whole episodes around a ring of :data:`RING` rows, which commits at each
+    extend, and what each of its commits holds."""
+
+    def __init__(self, path: Path) -> None:
+        self.rb = TensorDictReplayBuffer(storage=ZarrStorage(RING, path, compression=BLOCKS))
+        self.next = 0
+        self.extend(RING)
+
+    def extend(self, count: int) -> None:
+        self.rb.extend(episodes(self.next, count))
+        self.next += count
+        self.rb.storage.flush()
+
+    def rows(self) -> torch.Tensor:
+        """The ``step`` of every row of the last commit."""
+        return self.rb.storage.get(torch.arange(len(self.rb)))["step"]
+
+
+def _reader(path: Path, meanwhile: Any) -> Any:
+    return TensorDictReplayBuffer(
+        storage=ZarrStorage(path=path, read_only=True),
+        sampler=_Interrupted(meanwhile, slice_len=EPISODE, traj_key="episode"),
+        batch_size=3 * EPISODE,
+    )
+
+
+def _sample_checked(reader: Any, expected: torch.Tensor) -> None:
+    """A sample of ``reader``: whole episodes, each row as the commit ``expected`` holds."""
+    batch, info = reader.sample(return_info=True)
+    _check_slices(batch)
+    index = info["index"]
+    index = torch.as_tensor(index[0] if isinstance(index, tuple) else index).reshape(-1)
+    assert torch.equal(batch["step"], expected[index]), (batch["step"], expected[index])
+
+
+def test_a_slice_sample_reads_the_commit_its_scan_read(store_path: Path) -> None:
+    """The writer goes once around the ring, in two commits, between each sample's scan
+    and its gather: the sample gathers the rows of the commit it scanned (before,
+    TorchRL's slices joined rows of the new lap under the old boundaries)."""
+    writer = _Writer(store_path)
+    reader = _reader(store_path, lambda: (writer.extend(RING // 2), writer.extend(RING // 2)))
+    for _ in range(4):
+        _sample_checked(reader, writer.rows())
+    reader.storage.close()
+    writer.rb.storage.close()
+
+
+def test_a_sample_whose_commit_the_writer_no_longer_keeps_raises(store_path: Path) -> None:
+    """More commits than the writer keeps between a sample's scan and its gather: the
+    gather raises (it returns no row written over), and the next sample reads the last
+    commit."""
+    writer = _Writer(store_path)
+    laps = [KEPT_COMMITS]
+
+    def commits() -> None:
+        for _ in range(laps.pop() if laps else 1):
+            writer.extend(EPISODE)
+
+    reader = _reader(store_path, commits)
+    expected = writer.rows()
+    with pytest.raises(RowsNotCommittedError, match="sample again"):
+        _sample_checked(reader, expected)
+    _sample_checked(reader, writer.rows())  # one commit during it: kept
+    reader.storage.close()
+    writer.rb.storage.close()
+
+
+class _RandomThenWrite(RandomSampler):
+    """A random sampler that lets the writer commit between its draw and the gather."""
+
+    def __init__(self, meanwhile: Any) -> None:
+        super().__init__()
+        self.meanwhile = meanwhile
+
+    def sample(self, storage: Any, batch_size: int) -> Any:
+        drawn = super().sample(storage, batch_size)
+        self.meanwhile()
+        return drawn
+
+
+def test_a_random_sample_reads_the_length_it_drew_from(store_path: Path) -> None:
+    """The writer empties the buffer and writes fewer rows between a random draw and its
+    gather: the rows drawn are gathered as the commit drawn from has them."""
+    writer = _Writer(store_path)
+
+    def shorter() -> None:
+        writer.rb.empty()
+        writer.extend(EPISODE)
+
+    reader = TensorDictReplayBuffer(
+        storage=ZarrStorage(path=store_path, read_only=True),
+        sampler=_RandomThenWrite(shorter),
+        batch_size=64,
+    )
+    expected = writer.rows()
+    batch, info = reader.sample(return_info=True)
+    index = info["index"]
+    index = torch.as_tensor(index[0] if isinstance(index, tuple) else index).reshape(-1)
+    assert int(index.max()) >= EPISODE  # (drawn from the whole ring)
+    assert torch.equal(batch["step"], expected[index])
+    reader.storage.get(torch.tensor([0]))  # a read after the sample: the last commit
+    assert len(reader) == EPISODE
+    reader.storage.close()
+    writer.rb.storage.close()
+
+
+def test_two_threads_sampling_one_reader_read_one_commit(store_path: Path) -> None:
+    """A thread that starts a sample while another's is under way joins its commit (moving
+    would change the other's rows under it); once both end, the next read moves."""
+    writer = _Writer(store_path)
+    reader = ZarrStorage(path=store_path, read_only=True)
+    reader.begin_sample()
+    held = reader._store.committed.generation
+    writer.extend(EPISODE)
+    seen: list[Any] = []
+
+    def other() -> None:
+        reader.begin_sample()
+        seen.append(reader._store.committed.generation)
+        seen.append(reader.get(torch.arange(RING))["step"])  # (its gather ends its sample)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen[0] == held
+    assert seen[1].tolist() == list(range(RING))  # the commit held, not the one since
+    reader.end_sample()
+    assert reader.get(torch.arange(EPISODE))["step"].tolist() == list(range(RING, RING + EPISODE))
+    reader.close()
+    writer.rb.storage.close()
+
+
+# --- a writer process that commits without pause -----------------------------------------
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    import torch
+    from tensordict import TensorDict
+    from torchrl.data import TensorDictReplayBuffer
+    from zarr_rb import Compression, ZarrStorage
+
+    path, stop = sys.argv[1], Path(sys.argv[2])
+    rb = TensorDictReplayBuffer(
+        storage=ZarrStorage(64, path, compression=Compression(block_rows=8))
+    )
+    g = torch.Generator().manual_seed(0)
+    step = 0
+    for _ in range(20_000):  # (a bound, should the test die without stopping it)
+        if stop.exists():
+            break
+        n = int(torch.randint(1, 24, (), generator=g))
+        t = torch.arange(step, step + n)
+        rb.extend(TensorDict({"step": t, "episode": t // 8}, batch_size=[n]))
+        rb.storage.flush()
+        step += n
+    rb.storage.close()
+    """
+)
+
+
+def test_a_readers_slices_are_whole_episodes_while_a_writer_process_commits(tmp_path) -> None:
+    """A writer process extends a 64-row ring by 1-23 rows and commits, without pause; a
+    reader samples slices of episodes of 8 steps meanwhile: every slice it returns is 4
+    consecutive steps of one episode (before, a commit landing between a sample's scan and
+    its gather joined two episodes, or crossed the writer's head)."""
+    path, stop = tmp_path / "rb.zarr", tmp_path / "stop"
+    seed = TensorDictReplayBuffer(storage=ZarrStorage(64, path, compression=BLOCKS))
+    seed.extend(TensorDict({"step": torch.arange(64), "episode": torch.arange(64) // 8}, [64]))
+    seed.storage.close()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(stop)])
+    reader = TensorDictReplayBuffer(
+        storage=ZarrStorage(path=path, read_only=True),
+        sampler=SliceSampler(slice_len=4, traj_key="episode"),
+        batch_size=32,
+    )
+    whole, raised, generations = 0, 0, set()
+    try:
+        while whole < 300 or len(generations) < 50:
+            assert writer.poll() is None, "the writer stopped"
+            try:
+                batch = reader.sample()
+            except RowsNotCommittedError:
+                raised += 1
+                continue
+            steps = batch["step"].view(-1, 4)
+            assert bool((steps[:, 1:] - steps[:, :-1] == 1).all()), steps.tolist()
+            assert torch.equal(batch["episode"].view(-1, 4), steps // 8), steps.tolist()
+            whole += 1
+            generations.add(reader.storage._store.committed.generation)
+    finally:
+        stop.touch()
+        writer.wait(timeout=120)
+        reader.storage.close()
+    assert writer.returncode == 0
+    assert raised < whole, (raised, whole)
+
+
+# --- the writer's side: a commit held by a reader reads the same until it is not kept ----
+
+ROWS = 16
+KEYS = [("step",), ("obs",)]
+
+
+def _steps(first: int, count: int) -> TensorDict:
+    step = torch.arange(first, first + count)
+    return TensorDict({"step": step, "obs": step.view(-1, 1).expand(-1, 3) * 7}, [count])
+
+
+class KeptCommitsMachine(RuleBasedStateMachine):
+    """A writer extends, writes over rows, flushes, empties, saves, loads, crashes and
+    reopens; a reader holds a commit at times. While the writer keeps it (fewer than
+    :data:`KEPT_COMMITS` commits since, by the writer that was there when it was taken,
+    writing at most half the ring: blocks of 2 or 4 rows, a ring's worth of slots at most
+    besides the last commit's), the reader reads it as it read it first; after, a read
+    raises or reads it as it was."""
+
+    @initialize(block_rows=st.sampled_from([2, 4]), ram_bytes=st.sampled_from(["auto", 0]))
+    def setup(self, block_rows: int, ram_bytes: int | str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="zarr_rb-kept-"))
+        self.path = self.dir / "rb.zarr"
+        self.compression = Compression(block_rows=block_rows, chunk_rows=2)
+        self.ram_bytes = ram_bytes
+        self.rb = self._writer(ZarrStorage(ROWS, self.path, compression=self.compression))
+        self.next = 0
+        self.written = 0
+        self.extend(ROWS // 2)
+        self.rb.storage.flush()
+        self.reader = ZarrStorage(path=self.path, read_only=True)
+        self.held: tuple[int, int, int, dict[Any, torch.Tensor]] | None = None
+        """The generation a reader holds, the writer's opens and the rows written when it
+        took it, and its rows."""
+        self.opens = 0
+        self.saved = False
+
+    def teardown(self) -> None:
+        if hasattr(self, "rb"):
+            self.reader.close()
+            self.rb.storage.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _writer(self, storage: Any) -> Any:
+        return TensorDictReplayBuffer(storage=storage, batch_size=4)
+
+    def _reopened(self) -> Any:
+        self.opens += 1
+        return self._writer(ZarrStorage(ROWS, self.path, ram_bytes=self.ram_bytes))
+
+    @property
+    def _generation(self) -> int:
+        return int(self.rb.storage._store.committed.generation)
+
+    # --- the writer --------------------------------------------------------------------
+
+    @rule(n=st.integers(1, ROWS + 3))
+    def extend(self, n: int) -> None:
+        self.rb.extend(_steps(self.next, n))
+        self.next += n
+        self.written += n
+
+    @rule(rows=st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=5, unique=True))
+    def write_over(self, rows: list[int]) -> None:
+        rows = [row for row in rows if row < len(self.rb)]
+        if rows:
+            self.rb.storage.set(torch.tensor(sorted(rows)), _steps(self.next, len(rows)))
+            self.next += len(rows)
+            self.written += len(rows)
+
+    @rule()
+    def flush(self) -> None:
+        self.rb.storage.flush()
+
+    @rule()
+    def empty(self) -> None:
+        self.rb.empty()
+        self.saved = False  # (the rows of the last save are gone: so is the save)
+
+    @rule()
+    def save(self) -> None:
+        zarr_rb.save(self.rb, progress=False)
+        self.saved = True
+
+    @precondition(lambda self: self.saved)
+    @rule()
+    def load(self) -> None:
+        """The writer closes; the save is loaded for writing (its rows again, in the
+        slots it kept)."""
+        self.rb.storage.close()
+        self.opens += 1
+        self.rb = zarr_rb.load(self.path)
+
+    @rule(clean=st.booleans())
+    def reopen(self, clean: bool) -> None:
+        if clean:
+            self.rb.storage.close()
+        else:
+            simulate_crash(self.rb.storage)
+        self.rb = self._reopened()
+
+    # --- the reader ----------------------------------------------------------------------
+
+    def _read(self, length: int) -> dict[Any, torch.Tensor]:
+        store = self.reader._store
+        return store.read(np.arange(length), KEYS, unreadable_as_zeros=True)
+
+    @precondition(lambda self: self.held is None)
+    @rule()
+    def hold(self) -> None:
+        store = self.reader._store
+        store.hold()
+        commit = store.committed
+        self.held = (commit.generation, self.opens, self.written, self._read(commit.length))
+
+    @precondition(lambda self: self.held is not None)
+    @rule()
+    def let_go(self) -> None:
+        self.reader._store.hold(False)
+        self.held = None
+
+    @invariant()
+    def a_held_commit_reads_as_it_did(self) -> None:
+        if not hasattr(self, "rb") or self.held is None:
+            return
+        generation, opens, written, rows = self.held
+        length = len(next(iter(rows.values())))
+        # Kept for sure: fewer commits since than it keeps, by the same writer, which moved
+        # fewer blocks since than a ring holds (each moved block keeps one slot more).
+        kept = (
+            opens == self.opens
+            and self._generation - generation < KEPT_COMMITS
+            and self.written - written <= ROWS // 2
+        )
+        try:
+            again = self._read(length)
+        except RowsNotCommittedError:
+            assert not kept, f"commit {generation} raised, {self._generation} is the last"
+            with pytest.raises(RowsNotCommittedError):  # (until it lets go)
+                self._read(length)
+            self.let_go()
+            return
+        for key in KEYS:
+            assert torch.equal(again[key], rows[key]), (key, again[key], rows[key])
+
+
+KeptCommitsMachine.TestCase.settings = replayed(15, 30)
+TestKeptCommitsMachine = KeptCommitsMachine.TestCase
+
+
+@pytest.mark.slow
+def test_kept_commits_machine_long() -> None:
+    """The same machine, many more sequences, new ones on every run."""
+    run_long(KeptCommitsMachine)
