@@ -178,6 +178,8 @@ class SoloSlots(Commits):
         """The commits kept once ``commit`` is published (see :data:`KEPT_COMMITS`)."""
         if commit.generation == self._kept[-1].generation:
             return [*self._kept[:-1], commit]  # (the same commit: slots reserved, a lease held)
+        if commit.generation < self._kept[-1].generation:
+            return [commit]  # (never after a commit of its own; kept_from stays <= generation)
         kept = [*self._kept, commit][-KEPT_COMMITS:]
         if self.store.schema is None:
             return kept
