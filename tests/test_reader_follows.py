@@ -12,6 +12,7 @@ from torchrl.data import TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import Compression, ZarrStorage
+from zarr_rb.core.solo_slots import KEPT_COMMITS
 from zarr_rb.errors import RowsNotCommittedError
 
 RING = 32
@@ -73,8 +74,9 @@ def test_a_reader_that_reads_nothing_stays_where_it_refreshed(store_path) -> Non
 
 
 def test_a_readers_view_never_gives_keys_of_two_commits(store_path) -> None:
-    """``rb[:]`` reads key by key: a key read after the writer moved the view's rows raises
-    (the keys read before hold them as they were); a view taken again reads the new rows."""
+    """``rb[:]`` reads key by key: a key read after the writer moved the view's rows reads
+    them as the view's commit has them while the writer keeps it, and raises after (the
+    keys read before hold them as they were); a view taken again reads the new rows."""
     writer = ZarrStorage(RING, store_path, compression=BLOCKS)
     writer.set(torch.arange(RING), steps(0, RING))
     writer.flush()
@@ -84,7 +86,12 @@ def test_a_readers_view_never_gives_keys_of_two_commits(store_path) -> None:
     assert step.tolist() == list(range(RING))
     writer.set(torch.arange(8), steps(RING, 8))
     writer.flush()
-    with pytest.raises(RowsNotCommittedError, match="while this view"):
+    obs = view["obs"].clone()  # the view's commit, which the writer keeps
+    assert torch.equal(obs[:, 0].long(), step % 256)
+    for first in range(KEPT_COMMITS):  # (one block each: the writer keeps 8 commits)
+        writer.set(torch.arange(8, 16), steps(100 + first * 8, 8))
+        writer.flush()
+    with pytest.raises(RowsNotCommittedError, match="take the view again"):
         view["obs"].clone()
     again = reader[:].to_tensordict()
     assert torch.equal(again["obs"][:, 0].long(), again["step"] % 256)

@@ -25,7 +25,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from machines import replayed, run_long
-from tensordict import TensorDict
+from tensordict import TensorDict, lazy_stack
 from torchrl.data import RandomSampler, SliceSampler, TensorDictReplayBuffer
 
 import zarr_rb
@@ -79,7 +79,8 @@ def _check_slices(batch: TensorDict) -> None:
     assert torch.equal(batch["episode"].view(-1, EPISODE), steps // EPISODE), steps.tolist()
     assert bool((steps[:, 1:] - steps[:, :-1] == 1).all()), steps.tolist()
     assert bool((steps[:, 0] % EPISODE == 0).all()), steps.tolist()
-    assert torch.equal(batch["obs"][:, 0], batch["step"])
+    if "obs" in batch.keys():  # noqa: SIM118 (a TensorDict has no __contains__)
+        assert torch.equal(batch["obs"][:, 0], batch["step"])
 
 
 class _Writer:
@@ -128,6 +129,67 @@ def test_a_slice_sample_reads_the_commit_its_scan_read(store_path: Path) -> None
         _sample_checked(reader, writer.rows())
     reader.storage.close()
     writer.rb.storage.close()
+
+
+class _ThenWrite(SliceSampler):
+    """A slice sampler after whose draw the writer commits, before the buffer's gather."""
+
+    def __init__(self, meanwhile: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.meanwhile = meanwhile
+
+    def sample(self, storage: Any, batch_size: int) -> Any:
+        drawn = super().sample(storage, batch_size)
+        self.meanwhile()
+        return drawn
+
+
+@pytest.mark.parametrize("reader_kind", ["refresh_interval", "ragged"])
+def test_the_samplers_own_reads_do_not_end_its_sample(store_path: Path, reader_kind: str) -> None:
+    """TorchRL's SliceSampler reads ``storage[index]`` itself while it draws: that read ends
+    no sample, so the buffer's gather still reads the commit drawn from when the writer
+    commits between the two. (Found by review: with a ragged key, whose gathers are not
+    kept, or a reader refreshing on an interval, the gather read the newer commit.)"""
+    ragged = reader_kind == "ragged"
+
+    def rows(first: int, count: int) -> Any:
+        if not ragged:
+            return episodes(first, count)
+        return lazy_stack(
+            [
+                TensorDict(
+                    {
+                        "step": torch.tensor(i),
+                        "episode": torch.tensor(i // EPISODE),
+                        "tokens": torch.full((1 + i % 3,), i),
+                    },
+                    [],
+                )
+                for i in range(first, first + count)
+            ]
+        )
+
+    storage = ZarrStorage(RING, store_path, compression=BLOCKS, ragged=["tokens"] if ragged else ())
+    writer = TensorDictReplayBuffer(storage=storage)
+    written = [0]
+
+    def extend(count: int) -> None:
+        writer.extend(rows(written[0], count))
+        written[0] += count
+        writer.storage.flush()
+
+    extend(RING)
+    interval = {"refresh_interval": 0.0} if not ragged else {}
+    reader = TensorDictReplayBuffer(
+        storage=ZarrStorage(path=store_path, read_only=True, **interval),
+        sampler=_ThenWrite(lambda: extend(RING // 2 + 2), slice_len=EPISODE, traj_key="episode"),
+        batch_size=3 * EPISODE,
+    )
+    for _ in range(6):
+        expected = writer.storage.get(torch.arange(RING))["step"]
+        _sample_checked(reader, expected)
+    reader.storage.close()
+    writer.storage.close()
 
 
 def test_a_sample_whose_commit_the_writer_no_longer_keeps_raises(store_path: Path) -> None:
@@ -189,28 +251,33 @@ def test_a_random_sample_reads_the_length_it_drew_from(store_path: Path) -> None
     writer.rb.storage.close()
 
 
-def test_two_threads_sampling_one_reader_read_one_commit(store_path: Path) -> None:
-    """A thread that starts a sample while another's is under way joins its commit (moving
-    would change the other's rows under it); once both end, the next read moves."""
+def test_two_threads_sampling_one_reader_each_read_their_commit(store_path: Path) -> None:
+    """Each thread's sample holds a commit of its own: a thread that starts a sample after
+    the writer committed reads the newer commit, while the first thread's sample goes on
+    reading the commit it drew from (its rows, length and cursor)."""
     writer = _Writer(store_path)
     reader = ZarrStorage(path=store_path, read_only=True)
+    writer.rb.empty()
+    writer.extend(RING // 2)
     reader.begin_sample()
-    held = reader._store.committed.generation
+    held = (len(reader), reader._last_cursor_index)
     writer.extend(EPISODE)
     seen: list[Any] = []
 
     def other() -> None:
         reader.begin_sample()
-        seen.append(reader._store.committed.generation)
-        seen.append(reader.get(torch.arange(RING))["step"])  # (its gather ends its sample)
+        seen.append((len(reader), reader._last_cursor_index))
+        seen.append(reader.get(torch.arange(RING // 2 + EPISODE))["step"])  # (ends it)
 
     thread = threading.Thread(target=other)
     thread.start()
     thread.join()
-    assert seen[0] == held
-    assert seen[1].tolist() == list(range(RING))  # the commit held, not the one since
-    reader.end_sample()
-    assert reader.get(torch.arange(EPISODE))["step"].tolist() == list(range(RING, RING + EPISODE))
+    assert seen[0] == (RING // 2 + EPISODE, RING // 2 + EPISODE - 1)
+    assert seen[1].tolist() == list(range(RING, RING + RING // 2 + EPISODE))
+    assert (len(reader), reader._last_cursor_index) == held == (RING // 2, RING // 2 - 1)
+    steps = reader.get(torch.arange(RING // 2))["step"]  # (the gather ends it)
+    assert steps.tolist() == list(range(RING, RING + RING // 2))
+    assert len(reader) == RING // 2 + EPISODE
     reader.close()
     writer.rb.storage.close()
 
@@ -295,7 +362,8 @@ def _steps(first: int, count: int) -> TensorDict:
 
 class KeptCommitsMachine(RuleBasedStateMachine):
     """A writer extends, writes over rows, flushes, empties, saves, loads, crashes and
-    reopens; a reader holds a commit at times. While the writer keeps it (fewer than
+    reopens; a reader holds a commit at times, and takes views of the commit it shows
+    (read later by key, while the reader moves on). While the writer keeps it (fewer than
     :data:`KEPT_COMMITS` commits since, by the writer that was there when it was taken,
     writing at most half the ring: blocks of 2 or 4 rows, a ring's worth of slots at most
     besides the last commit's), the reader reads it as it read it first; after, a read
@@ -318,6 +386,9 @@ class KeptCommitsMachine(RuleBasedStateMachine):
         took it, and its rows."""
         self.opens = 0
         self.saved = False
+        self.view: tuple[Any, int, int, dict[Any, torch.Tensor]] | None = None
+        """A view's commit, the writer's opens and the rows written when it was taken, and
+        its rows."""
 
     def teardown(self) -> None:
         if hasattr(self, "rb"):
@@ -385,9 +456,9 @@ class KeptCommitsMachine(RuleBasedStateMachine):
 
     # --- the reader ----------------------------------------------------------------------
 
-    def _read(self, length: int) -> dict[Any, torch.Tensor]:
+    def _read(self, length: int, *, under: Any = None) -> dict[Any, torch.Tensor]:
         store = self.reader._store
-        return store.read(np.arange(length), KEYS, unreadable_as_zeros=True)
+        return store.read(np.arange(length), KEYS, unreadable_as_zeros=True, under=under)
 
     @precondition(lambda self: self.held is None)
     @rule()
@@ -403,19 +474,56 @@ class KeptCommitsMachine(RuleBasedStateMachine):
         self.reader._store.hold(False)
         self.held = None
 
+    @precondition(lambda self: self.held is None)
+    @rule()
+    def reader_moves(self) -> None:
+        """A reader outside a sample moves to the newest commit (a refresh, or a read)."""
+        self.reader.refresh()
+
+    @precondition(lambda self: self.view is None)
+    @rule()
+    def take_view(self) -> None:
+        """A view of the commit the reader shows (``rb[:]``), read by key later."""
+        store = self.reader._store
+        commit = store.committed
+        rows = self._read(commit.length, under=commit)
+        self.view = (commit, self.opens, self.written, rows)
+
+    @precondition(lambda self: self.view is not None)
+    @rule()
+    def drop_view(self) -> None:
+        self.view = None
+
+    def _kept(self, generation: int, opens: int, written: int) -> bool:
+        """Kept for sure: fewer commits since than it keeps, by the same writer, which moved
+        fewer blocks since than a ring holds (each moved block keeps one slot more)."""
+        return (
+            opens == self.opens
+            and self._generation - generation < KEPT_COMMITS
+            and self.written - written <= ROWS // 2
+        )
+
+    @invariant()
+    def a_view_reads_as_it_did(self) -> None:
+        if not hasattr(self, "rb") or self.view is None:
+            return
+        commit, opens, written, rows = self.view
+        try:
+            again = self._read(commit.length, under=commit)
+        except RowsNotCommittedError:
+            assert not self._kept(commit.generation, opens, written), commit.generation
+            self.view = None
+            return
+        for key in KEYS:
+            assert torch.equal(again[key], rows[key]), (key, again[key], rows[key])
+
     @invariant()
     def a_held_commit_reads_as_it_did(self) -> None:
         if not hasattr(self, "rb") or self.held is None:
             return
         generation, opens, written, rows = self.held
         length = len(next(iter(rows.values())))
-        # Kept for sure: fewer commits since than it keeps, by the same writer, which moved
-        # fewer blocks since than a ring holds (each moved block keeps one slot more).
-        kept = (
-            opens == self.opens
-            and self._generation - generation < KEPT_COMMITS
-            and self.written - written <= ROWS // 2
-        )
+        kept = self._kept(generation, opens, written)
         try:
             again = self._read(length)
         except RowsNotCommittedError:

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -446,9 +446,15 @@ class StoreArrays:
         :func:`~zarr_rb.core.disk_reads.read_rows`)."""
         return read_rows(self, requests, lengths)
 
-    def read_all(self, requests: Mapping[Key, np.ndarray]) -> dict[Key, torch.Tensor]:
-        """:meth:`read` of leaves and of the lengths of their ragged ones."""
-        return read_rows_all(self, requests)
+    def read_all(
+        self,
+        requests: Mapping[Key, np.ndarray],
+        *,
+        physical: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> dict[Key, torch.Tensor]:
+        """:meth:`read` of leaves and of the lengths of their ragged ones (``physical``:
+        where positions are, if not where the store has them now)."""
+        return read_rows_all(self, requests, physical=physical)
 
 
 def _whole_chunks(tensor: torch.Tensor, array: RowArray) -> torch.Tensor:

@@ -105,46 +105,69 @@ class Commits(abc.ABC):
         self.committed = meta.commit
         """The commit this store serves: the last one it published or picked up (the
         record's own may be older in a shared writer, which keeps the fields it uses)."""
-        self.length = length
-        """Elements in the buffer (its rows times the elements of a row), as TorchRL
-        counts them: those of the last commit, and of the rows written since."""
-        self.cursor = cursor
-        """The position the next sequential write (an extend) goes to."""
         self.positions: SlotMap | RunMap | None = None
         """Where each position is in the data arrays, as this store reads it now (set with
         the schema)."""
-        self.holders: set[int] = set()
-        """The threads a reader holds its commit for (:meth:`hold`): while any does, the
-        reader stays on that commit."""
-        self.hold_broken = False
-        """Whether a read found the held commit no longer kept: every read of its holders
-        raises until they let go."""
-
-    def hold(self) -> None:
-        """A reader moves to the last commit (unless another thread holds one: it stays
-        there) and stays on it until every thread that holds it lets go (:meth:`let_go`,
-        or its own refresh): its reads, length and cursor are that commit's, so that the
-        reads of one sample (a sampler's scan, then the gather) see one commit. A read
-        that finds the writer no longer keeps its rows raises, as do the holders' reads
-        after it, until they let go. See ``docs/design/reader-snapshots.md``."""
-        self.refresh()
-        self.holders.add(threading.get_ident())
+        self._length = length
+        self._next_write = cursor
+        self._holds: dict[int, Commit] = {}
+        """The commit each thread holds (:meth:`hold`)."""
 
     @property
-    def holding(self) -> bool:
-        """Whether some thread holds the reader's commit (see :meth:`hold`)."""
-        return bool(self.holders)
+    def length(self) -> int:
+        """Elements in the buffer (its rows times the elements of a row), as TorchRL
+        counts them: those of the last commit, and of the rows written since (a reader's
+        thread that holds a commit: that commit's)."""
+        held = self.held()
+        if held is None:
+            return self._length
+        return held.length * self.store.elements_per_row(self.store.schema)
 
-    def lose_hold(self) -> None:
-        """A read found the held commit no longer kept (see :meth:`hold`)."""
-        self.hold_broken = True
+    @length.setter
+    def length(self, value: int) -> None:
+        self._length = value
+
+    @property
+    def cursor(self) -> int:
+        """The position the next sequential write (an extend) goes to (a reader's thread
+        that holds a commit: that commit's)."""
+        held = self.held()
+        return self._next_write if held is None else held.cursor
+
+    @cursor.setter
+    def cursor(self, value: int) -> None:
+        self._next_write = value
+
+    def hold(self) -> None:
+        """A reader's thread moves to the last commit and reads it, and only it, until it
+        lets go (:meth:`let_go`, or its refresh): its reads, and the length and cursor it
+        sees, are that commit's, while other threads move on. The reads of one sample (a
+        sampler's scan, then the gather) see one commit. A read that finds the writer no
+        longer keeps its rows raises (``Commit.kept_from``), and so do the thread's reads
+        after it, until it lets go. See ``docs/design/reader-snapshots.md``."""
+        self.refresh()
+        alive = {thread.ident for thread in threading.enumerate()}
+        self._holds = {ident: c for ident, c in self._holds.items() if ident in alive}
+        self._holds[threading.get_ident()] = self.committed
+
+    def held(self) -> Commit | None:
+        """The commit this thread holds, if it holds one (see :meth:`hold`)."""
+        return self._holds.get(threading.get_ident()) if self._holds else None
 
     def let_go(self) -> None:
-        """This thread's hold ends; once no thread holds, the next read moves to the last
-        commit again."""
-        self.holders.discard(threading.get_ident())
-        if not self.holders:
-            self.hold_broken = False
+        """This thread's hold ends: its next read moves to the last commit again."""
+        self._holds.pop(threading.get_ident(), None)
+
+    def unreadable(self, rows: int) -> np.ndarray:
+        """Positions of ``[0, rows)`` a reader cannot read: of the commit this thread holds,
+        or of the last commit it read."""
+        held = self.held()
+        if held is None:
+            assert self.store.ledger is not None
+            return self.store.ledger.unpublished(rows)
+        positions = np.arange(min(rows, held.length))
+        unreadable: np.ndarray = positions[~held.readable(positions)]
+        return unreadable
 
     def use_map(self, commit: Commit) -> None:
         """Read (and write) through the map of ``commit``: the one the store opened at, or

@@ -39,9 +39,12 @@ def read_rows(
     arrays: Arrays,
     requests: Mapping[Key, np.ndarray],
     lengths: Mapping[Key, np.ndarray] | None = None,
+    *,
+    physical: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> dict[Key, torch.Tensor]:
     """Read the rows at positions ``requests[key]`` of each key; the reads of all keys run
-    together.
+    together. ``physical``: where positions are in the arrays (a commit's map, when a
+    reader reads one it no longer shows); the store's own map by default.
 
     Ragged leaves need the lengths of the rows asked (``lengths[key]``): each row is read
     up to its length only, and rows come back padded with zeros to the longest.
@@ -52,12 +55,13 @@ def read_rows(
         ChunkCorruptedError: a chunk of the rows asked cannot be read back intact.
     """
     store = arrays.store
+    physical = physical or store.physical
     futures: dict[Key, list[tuple[np.ndarray, int | None, Any]]] = {}
     for key, positions in requests.items():
         if not positions.size:
             continue
         array = arrays.get(key)
-        rows = store.physical(positions)
+        rows = physical(positions)
         if int(rows.max()) >= array.shape[0]:
             array.refresh()  # the writer added slots since it was opened
             if int(rows.max()) >= array.shape[0]:
@@ -92,7 +96,7 @@ def read_rows(
             try:
                 values = parts[0][2].result()
             except ValueError as err:
-                raise arrays.get(key).damage_error(store.physical(rows), err) from None
+                raise arrays.get(key).damage_error(physical(rows), err) from None
             if key == INDEX_KEY:
                 values = put_positions(values, rows)
             out[key] = from_numpy(values, dtype)
@@ -105,8 +109,7 @@ def read_rows(
             try:
                 part = future.result()
             except ValueError as err:
-                physical = store.physical(rows[picked])
-                raise arrays.get(key).damage_error(physical, err, width) from None
+                raise arrays.get(key).damage_error(physical(rows[picked]), err, width) from None
             span = min(widest, part.shape[1])
             padded_rows[picked, :span] = part[:, :span]
         if widest:
@@ -115,15 +118,21 @@ def read_rows(
     return out
 
 
-def read_rows_all(arrays: Arrays, requests: Mapping[Key, np.ndarray]) -> dict[Key, torch.Tensor]:
+def read_rows_all(
+    arrays: Arrays,
+    requests: Mapping[Key, np.ndarray],
+    *,
+    physical: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> dict[Key, torch.Tensor]:
     """:func:`read_rows` of leaves and of the lengths of their ragged ones (the rows of a
     ragged leaf's lengths must be asked with it)."""
     leaf: Callable[[Key], LeafSpec] = arrays.store.leaf
-    out = read_rows(arrays, {key: rows for key, rows in requests.items() if not leaf(key).ragged})
+    plain = {key: rows for key, rows in requests.items() if not leaf(key).ragged}
+    out = read_rows(arrays, plain, physical=physical)
     ragged = {key: rows for key, rows in requests.items() if leaf(key).ragged}
     if ragged:
         lengths = {key: out[leaf(key).lengths_key].numpy() for key in ragged}
-        out.update(read_rows(arrays, ragged, lengths))
+        out.update(read_rows(arrays, ragged, lengths, physical=physical))
     return out
 
 

@@ -50,10 +50,6 @@ def reread_commit(store: StoreAPI) -> Commit:
             "its last save, or keep a save with zarr_rb.save(rb, tag=...) to read it while "
             "training goes on",
         )
-    if store.commits.holding:
-        # A sample reads the commit it holds (the writer keeps its rows; each read says
-        # whether it still does): nothing moves until it lets go.
-        return meta.commit
     earlier = store.committed
     moved = meta.commit.generation != earlier.generation
     before = store.schema
@@ -90,14 +86,30 @@ def reread_commit(store: StoreAPI) -> Commit:
 
 
 def read_committed(
-    store: StoreAPI, rows: np.ndarray, keys: list[Key], *, unreadable_as_zeros: bool
+    store: StoreAPI,
+    rows: np.ndarray,
+    keys: list[Key],
+    *,
+    unreadable_as_zeros: bool,
+    under: Commit | None = None,
 ) -> dict[Key, torch.Tensor]:
     """Rows of a read-only store as the last commit has them, never torn: the commit is
-    re-read after the read, and the read retried if it moved meanwhile (a seqlock)."""
+    re-read after the read, and the read retried if it moved meanwhile (a seqlock).
+
+    ``under``: rows as that commit has them (a view's: the commit it was taken at), and
+    so are a sample's (the commit held: :meth:`Commits.hold`). Such a read stands while
+    the record re-read after it keeps that commit (:meth:`Commit.keeps`), or the rows read
+    are alike in both; otherwise it raises :class:`RowsNotCommittedError`."""
     ledger = store.ledger
     assert ledger is not None
+    under = under or store.commits.held()  # (a sample's read: see Commits.hold)
+    if under is not None and (store.pinned is not None or store.history):
+        under = None  # (a save's rows, which nothing changes: read as they are)
+    block_rows = store.meta.block_rows or 1
 
     def begin() -> tuple[Commit, np.ndarray]:
+        if under is not None and under.generation != store.committed.generation:
+            return under, under.readable(rows)  # (read through its own map)
         return store.committed, ledger.published_rows(rows)
 
     def read(before: tuple[Commit, np.ndarray]) -> dict[Key, torch.Tensor]:
@@ -108,7 +120,9 @@ def read_committed(
                 f"are not readable in commit {commit.generation} (length {commit.length}, "
                 f"holes {list(commit.holes)}); call refresh() to pick up newer commits",
             )
-        out = store.arrays.read_all(dict.fromkeys(keys, rows[published]))
+        elsewhere = commit.generation != store.committed.generation
+        physical = commit.physical if elsewhere else None
+        out = store.arrays.read_all(dict.fromkeys(keys, rows[published]), physical=physical)
         if not published.all():
             out = {key: _spread(value, published) for key, value in out.items()}
         return out
@@ -122,13 +136,12 @@ def read_committed(
             return True
         # Shared writers commit at every extend: rows that no commit since moved, in
         # slots no writer took since, were read whole all the same.
-        alike = commit.reads_alike(now, rows[published], store.meta.block_rows or 1)
-        commits = store.commits
-        if not commits.holding:
+        alike = commit.reads_alike(now, rows[published], block_rows)
+        if under is None:
             return now.generation == commit.generation or alike
-        if not commits.hold_broken and (now.keeps(commit) or alike):
+        if now.keeps(commit) or alike:
             return True
-        commits.lose_hold()  # (the other holders' samples read it too)
+        # (Nor will it later: the commits a writer keeps only move on.)
         kept = (
             "only those of its last commit"
             if now.kept_from is None
@@ -136,9 +149,11 @@ def read_committed(
         )
         raise RowsNotCommittedError(
             f"store {store.url!r}: the writer committed {now.generation - commit.generation} "
-            f"times while a sample read commit {commit.generation}, and no longer keeps its "
-            f"rows (it keeps {kept}): rows {preview_rows(rows)} may have been written "
-            "over. Nothing wrong was returned; sample again",
+            f"times since commit {commit.generation}, which this read reads (a sample's, or a "
+            f"view's taken then), and no longer keeps its rows (it keeps {kept}): rows "
+            f"{preview_rows(rows)} may have been written over. Nothing wrong was returned; "
+            "sample again, or take the view again (rb[:]), or read rows with all their keys "
+            "at once (storage.get(index))",
         )
 
     return seqlock_read(

@@ -257,8 +257,6 @@ class SoloCommits(SoloCursor):
     def refresh(self) -> Commit:
         store = self.store
         self.let_go()
-        if self.holding:
-            return self.committed  # (held by another thread's sample: it stays there)
         store.pinned = None  # to the last commit, from a save it was reading
         commit = reread_commit(store)
         self.show(commit)

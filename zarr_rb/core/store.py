@@ -374,6 +374,7 @@ class Store:
         *,
         unwritten_as_zeros: bool = False,
         unreadable_as_zeros: bool = False,
+        under: Commit | None = None,
     ) -> dict[Key, torch.Tensor]:
         """Read rows (any order, repeats allowed) of some leaves, RAM-held rows included.
 
@@ -385,12 +386,17 @@ class Store:
 
         Raises:
             RowsNotCommittedError: a row holds no intact data for a key (a read-only store:
-                a row outside the commit).
+                a row outside the commit; ``under``: that commit's rows, read-only stores,
+                and the writer no longer keeps them).
         """
         keys = list(keys)
         if self.read_only:
             committed = read_committed(
-                self, rows, with_lengths(self.leaves, keys), unreadable_as_zeros=unreadable_as_zeros
+                self,
+                rows,
+                with_lengths(self.leaves, keys),
+                unreadable_as_zeros=unreadable_as_zeros,
+                under=under,
             )
             return {key: committed[key] for key in keys}
         return self.commits.read(
@@ -412,7 +418,7 @@ class Store:
         assert self.ledger is not None
         if not self.read_only:
             return self.ram.unreadable_rows(self.length_rows)
-        return self.ledger.unpublished(self.length_rows)
+        return self.commits.unreadable(self.length_rows)
 
     @serialized
     def refresh(self) -> Commit:

@@ -11,47 +11,18 @@ import numpy as np
 import torch
 
 from zarr_rb.core.store import Store
-from zarr_rb.errors import NotSupportedError, RowsNotCommittedError
-from zarr_rb.format.commit import Commit
-from zarr_rb.format.messages import preview_rows
+from zarr_rb.errors import NotSupportedError
 from zarr_rb.util.keys import Key
 
 
 class ViewCommit:
-    """The commit a reader's view reads: the one its first read of a column used. A view
-    reads key by key, and a reader's reads follow the writer's commits: a column read
-    later under a commit that moved some of those rows since would give rows of two
-    commits, and raises instead."""
+    """The commit a reader's view reads: the one the reader showed when the view was taken
+    (its length is the view's). A view reads key by key, when used: each key is read as
+    that commit has it, while the writer keeps its rows, and raises after
+    (``Commit.kept_from``); never rows of two commits."""
 
     def __init__(self, store: Store) -> None:
-        self._store = store
-        self._commit: Commit | None = None
-
-    def check(self, rows: np.ndarray, key: Key) -> None:
-        """``rows`` of ``key`` were just read: under the view's commit, or alike.
-
-        Raises:
-            RowsNotCommittedError: the writer moved some of them since the view's first
-                read (another of its columns holds them as they were).
-        """
-        store = self._store
-        now = store.committed
-        if self._commit is None:
-            self._commit = now
-            return
-        before = self._commit
-        if now.generation == before.generation or before.reads_alike(
-            now, rows, store.meta.block_rows or 1
-        ):
-            return
-        raise RowsNotCommittedError(
-            f"store {store.url!r}: the writer committed new rows (commit {now.generation}) "
-            f"while this view of commit {before.generation} was being read (a view reads "
-            f"each key, and each part of it, when used): key {key!r} of rows "
-            f"{preview_rows(rows)} is not what the view read before. Take the view again "
-            "(rb[:], or sample again), or read rows with all their keys at once "
-            "(storage.get(index))"
-        )
+        self.commit = store.commits.held() or store.committed
 
 
 class _EntrySource:
@@ -108,9 +79,8 @@ class LeafSource(_EntrySource):
             [self._key],
             unwritten_as_zeros=self._unused_as_zeros,
             unreadable_as_zeros=self._holes_as_zeros(),
+            under=None if self._view is None else self._view.commit,
         )
-        if self._view is not None:
-            self._view.check(rows, self._key)
         return values[self._key]
 
     def write(self, rows: np.ndarray, values: torch.Tensor) -> None:

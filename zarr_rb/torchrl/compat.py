@@ -187,6 +187,12 @@ def set_last_cursor(storage: Any, cursor: Any) -> None:
     storage._set_last_cursor(cursor)
 
 
+def stored_last_cursor(storage: Any) -> Any:
+    """TensorStorage's own ``_last_cursor_index`` of ``storage`` (a subclass that shows
+    another one to some threads reads it here)."""
+    return TensorStorage._last_cursor_index.fget(storage)
+
+
 def last_cursor_index(storage: Any) -> int | None:
     """The last row written, as TorchRL's slice samplers see it."""
     index = storage._last_cursor_index

@@ -14,9 +14,9 @@ import torch
 from zarr_rb.torchrl import compat
 from zarr_rb.torchrl.data_kinds import clone, tensors_of
 
-Revision = tuple[int, int]
-"""The storage's revision (its writes) and the store's version (the rows it serves: a
-reader's reads move it to newer commits)."""
+Revision = tuple[int, int, int | None]
+"""The storage's revision (its writes), the store's version (the rows it serves: a
+reader's reads move it to newer commits) and the commit a reader's sample holds."""
 
 
 class GatherCache:

@@ -149,7 +149,8 @@ def _sample_of_one_commit(
     of the rows it drew, which the buffer makes next (see ``StoreBacked.begin_sample``)."""
     zarr.begin_sample()
     try:
-        return sample(*args, **kwargs) if inner is None else inner(sample, *args, **kwargs)
+        with zarr.drawing():  # (SliceSampler reads rows itself while it draws)
+            return sample(*args, **kwargs) if inner is None else inner(sample, *args, **kwargs)
     except BaseException:
         zarr.end_sample()
         raise

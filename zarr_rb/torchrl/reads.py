@@ -96,7 +96,7 @@ class StorageReads(StorageWrites):
                 out = block if whole else data_kinds.select(block, (position, *rest))
         finally:
             if gathered:
-                self.end_sample()
+                self.gathered()
         device = self.device
         if self._build_device is None and isinstance(device, torch.device):
             out = data_kinds.to_device(out, device)
@@ -129,7 +129,9 @@ class StorageReads(StorageWrites):
         """Rows at a row index (a sampler's output), in the order asked, repeats included
         (the last gather is kept for the next reader of the same rows, see
         :mod:`zarr_rb.torchrl.gather_cache`)."""
-        revision = (compat.revision(self), self._store.version)
+        held = self._store.commits.held()  # (a sample's: the rows of the commit it holds)
+        generation = None if held is None else held.generation
+        revision = (compat.revision(self), self._store.version, generation)
         kept = self._gathers.get(index, revision)
         if kept is not None:
             return kept

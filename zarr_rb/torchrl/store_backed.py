@@ -99,6 +99,16 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
             compat.bump_revision(self)
 
     @property
+    def _last_cursor_index(self) -> Any:
+        """The row written last, as TorchRL's samplers see it: in a thread that holds a
+        commit (a reader's sample), that commit's."""
+        store: Store | None = self.__dict__.get("_store")
+        held = None if store is None else store.commits.held()
+        if store is None or held is None:
+            return compat.stored_last_cursor(self)
+        return (held.cursor - 1) % store.rows
+
+    @property
     def _len(self) -> int:
         store = self.__dict__["_store"]
         interval = self.__dict__.get("_refresh_interval")
@@ -107,10 +117,10 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         elif (
             interval is not None
             and time.monotonic() - self._refreshed_at >= interval
-            and not store.commits.holding  # (not inside a sample: see begin_sample)
+            and store.commits.held() is None  # (not inside a sample: see begin_sample)
         ):
             self.refresh()
-        elif store.read_only:
+        elif store.read_only and store.commits.held() is None:
             self._show_commit()  # (one its reads moved to)
         return int(store.length)
 
@@ -289,11 +299,24 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
             self.max_size = capacity_of(store.meta)
         self._show_commit()
 
+    @contextlib.contextmanager
+    def drawing(self) -> Iterator[None]:
+        """Inside, this thread's sampler draws (see :meth:`begin_sample`): the rows it reads
+        itself (a ``SliceSampler`` reads flags of the rows it drew) end no sample."""
+        with self._in_this_thread("drawing", True):
+            yield
+
     def end_sample(self) -> None:
         """This thread's sample gathered its rows (see :meth:`begin_sample`): the next
         read moves to the writer's last commit again."""
         if self.read_only:
             self._store.hold(False)
+
+    def gathered(self) -> None:
+        """A gather of rows in this thread: the buffer's, at the end of a sample, unless
+        the sampler is still drawing (see :meth:`drawing`)."""
+        if not getattr(self._thread_state, "drawing", False):
+            self.end_sample()
 
     def wait_for_ram(self, timeout: float | None = None) -> bool:
         """Wait until the rows already in the store are in RAM, as many as the budget
