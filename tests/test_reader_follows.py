@@ -160,3 +160,43 @@ def test_episodes_are_found_again_when_the_writer_commits_during_the_scan(store_
     assert len(view.episodes) == 6
     assert not armed
     rb.storage.close()
+
+
+def test_a_readers_view_gives_the_strings_of_its_commit(store_path) -> None:
+    """An entry no tensor column holds (strings) is read in the view's commit too, not in
+    the newest (found by review: its names came from the commit after its steps')."""
+    from tensordict import NonTensorStack
+
+    def rows(first: int, count: int) -> TensorDict:
+        td = TensorDict({"step": torch.arange(first, first + count)}, [count])
+        td["name"] = NonTensorStack(*[f"s{i}" for i in range(first, first + count)])
+        return td
+
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(16, store_path, compression=BLOCKS))
+    rb.extend(rows(0, 16))
+    rb.storage.flush()
+    reader = ZarrStorage(path=store_path, read_only=True)
+    view = reader[:]
+    rb.extend(rows(16, 8))  # over rows 0-7
+    rb.storage.flush()
+    assert view["step"].tolist() == list(range(16))
+    assert view.get("name").tolist() == [f"s{i}" for i in range(16)]
+    reader.close()
+    rb.storage.close()
+
+
+def test_a_view_taken_after_many_commits_reads_the_newest(store_path) -> None:
+    """A reader that read nothing while the writer committed more than it keeps takes a
+    view of the newest commit (found by review: the view of its old commit raised at its
+    first read)."""
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(16, store_path, compression=BLOCKS))
+    rb.extend(steps(0, 16))
+    rb.storage.flush()
+    reader = ZarrStorage(path=store_path, read_only=True)
+    for first in range(16, 64, 4):
+        rb.extend(steps(first, 4))
+        rb.storage.flush()
+    assert reader[:]["step"].tolist() == list(range(48, 64))
+    assert len(reader) == 16
+    reader.close()
+    rb.storage.close()

@@ -24,6 +24,15 @@ def is_key(index: Any) -> bool:
     return isinstance(index, tuple) and bool(index) and all(isinstance(i, str) for i in index)
 
 
+def takes_a_view(index: Any) -> bool:
+    """Whether ``storage.get(index)`` gives a lazy view of every row: a key (``"obs"``), all
+    rows (``slice(None)``, ``()``), or all rows then more indices (``(slice(None), ...)``)."""
+    if is_key(index) or (isinstance(index, tuple) and not index):
+        return True
+    head = index[0] if isinstance(index, tuple) else index
+    return isinstance(head, slice) and head == slice(None)
+
+
 def as_index_tensor(index: Any) -> torch.Tensor:
     """An integer index tensor (a boolean mask becomes the indices it selects)."""
     tensor = torch.as_tensor(index)

@@ -6,6 +6,7 @@ PyTorch ``DataLoader``."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from torch.utils._pytree import tree_map
 
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.errors import NotSupportedError
+from zarr_rb.format.commit import Commit
 from zarr_rb.format.schema import LeafSpec, Schema
 from zarr_rb.torchrl import compat, data_kinds, index_forms, sharing
 from zarr_rb.torchrl.column_sources import LeafSource, RowsOnlySource, ViewCommit
@@ -57,6 +59,8 @@ class StorageReads(StorageWrites):
             raise RuntimeError("Cannot get elements out of a non-initialized storage.")
         schema = self._store.schema
         assert schema is not None
+        if self.read_only and index_forms.takes_a_view(index):
+            self.follow_writer()  # (a view reads one commit: the newest when it is taken)
         length = compat.length_along_dim0(self)
         if index_forms.is_key(index):
             # storage.get("done") or storage.get(("next", "done")): that column, lazily.
@@ -199,7 +203,10 @@ class StorageReads(StorageWrites):
                 leaves.append(leaf)
                 continue
             what = ENTRY_KINDS.get(leaf.value, f"{leaf.value} values")
-            values = None if leaf.value == "ragged" else self.entry_values
+            values = None
+            if leaf.value != "ragged":
+                under = None if view is None else view.commit
+                values = functools.partial(self.entry_values, under=under)
             source = RowsOnlySource(self._store, leaf.key, length, what, values=values)
             shape = (length, *schema.batch_shape[1:])
             columns[leaf.key] = LazyColumn(shape, torch.uint8, source=source)
@@ -222,11 +229,13 @@ class StorageReads(StorageWrites):
         return TensorDict({key: stack}, batch_size=shape)[key]
 
     @io_boundary
-    def entry_values(self, key: Key, rows: np.ndarray) -> list[Any]:
+    def entry_values(self, key: Key, rows: np.ndarray, *, under: Commit | None = None) -> list[Any]:
         """The rows of an entry no tensor column holds: its Python values (a list of them
-        per row with ``ndim=2``), or its tensors of different lengths."""
+        per row with ``ndim=2``), or its tensors of different lengths (``under``: as that
+        commit has them, a reader's view's)."""
         leaf = self._store.leaf(key)
-        read = self._store.read(rows, [leaf.key, *([leaf.lengths_key] if leaf.ragged else [])])
+        keys = [leaf.key, *([leaf.lengths_key] if leaf.ragged else [])]
+        read = self._store.read(rows, keys, under=under)
         items = decode(leaf, read[leaf.key], read.get(leaf.lengths_key))
         schema = self._store.schema
         assert schema is not None

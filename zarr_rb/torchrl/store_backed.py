@@ -283,6 +283,15 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         self._show_commit()
         compat.bump_revision(self)  # (a reader of a save moved to the last commit, too)
 
+    def follow_writer(self) -> None:
+        """A reader outside a sample moves to the writer's last commit (one read of the
+        record): before it takes a view, which reads the commit it was taken at."""
+        store = self._store
+        reads_the_last = store.read_only and store.pinned is None and not store.history
+        if reads_the_last and store.commits.held() is None:
+            store.refresh()
+            self._show_commit()
+
     def begin_sample(self) -> None:
         """A sampler starts drawing from this storage (read-only storages): move to the
         writer's last commit and read it, and only it, until this thread's next gather
