@@ -483,11 +483,16 @@ class KeptCommitsMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.view is None)
     @rule()
     def take_view(self) -> None:
-        """A view of the commit the reader shows (``rb[:]``), read by key later."""
+        """A view (``rb[:]``) of the newest commit, or of the commit held, read later."""
         store = self.reader._store
-        commit = store.committed
+        commit = store.commits.held()  # (a view taken in a sample: of its commit)
+        if commit is None or self.held is None:
+            store.refresh()  # (as ZarrStorage.follow_writer before it takes a view)
+            commit, opens, written = store.committed, self.opens, self.written
+        else:
+            _, opens, written, _ = self.held  # (kept as long as that commit)
         rows = self._read(commit.length, under=commit)
-        self.view = (commit, self.opens, self.written, rows)
+        self.view = (commit, opens, written, rows)
 
     @precondition(lambda self: self.view is not None)
     @rule()
