@@ -378,6 +378,8 @@ class KeptCommitsMachine(RuleBasedStateMachine):
         self.rb = self._writer(ZarrStorage(ROWS, self.path, compression=self.compression))
         self.next = 0
         self.written = 0
+        self.unflushed = 0
+        """Rows written since the last flush (they may land in commits after a hold)."""
         self.extend(ROWS // 2)
         self.rb.storage.flush()
         self.reader = ZarrStorage(path=self.path, read_only=True)
@@ -414,6 +416,7 @@ class KeptCommitsMachine(RuleBasedStateMachine):
         self.rb.extend(_steps(self.next, n))
         self.next += n
         self.written += n
+        self.unflushed += n
 
     @rule(rows=st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=5, unique=True))
     def write_over(self, rows: list[int]) -> None:
@@ -422,19 +425,23 @@ class KeptCommitsMachine(RuleBasedStateMachine):
             self.rb.storage.set(torch.tensor(sorted(rows)), _steps(self.next, len(rows)))
             self.next += len(rows)
             self.written += len(rows)
+            self.unflushed += len(rows)
 
     @rule()
     def flush(self) -> None:
         self.rb.storage.flush()
+        self.unflushed = 0
 
     @rule()
     def empty(self) -> None:
         self.rb.empty()
+        self.unflushed = 0
         self.saved = False  # (the rows of the last save are gone: so is the save)
 
     @rule()
     def save(self) -> None:
         zarr_rb.save(self.rb, progress=False)
+        self.unflushed = 0
         self.saved = True
 
     @precondition(lambda self: self.saved)
@@ -444,6 +451,7 @@ class KeptCommitsMachine(RuleBasedStateMachine):
         slots it kept)."""
         self.rb.storage.close()
         self.opens += 1
+        self.unflushed = 0
         self.rb = zarr_rb.load(self.path)
 
     @rule(clean=st.booleans())
@@ -452,6 +460,7 @@ class KeptCommitsMachine(RuleBasedStateMachine):
             self.rb.storage.close()
         else:
             simulate_crash(self.rb.storage)
+        self.unflushed = 0
         self.rb = self._reopened()
 
     # --- the reader ----------------------------------------------------------------------
@@ -466,7 +475,8 @@ class KeptCommitsMachine(RuleBasedStateMachine):
         store = self.reader._store
         store.hold()
         commit = store.committed
-        self.held = (commit.generation, self.opens, self.written, self._read(commit.length))
+        written = self.written - self.unflushed  # (rows after it may land in commits since)
+        self.held = (commit.generation, self.opens, written, self._read(commit.length))
 
     @precondition(lambda self: self.held is not None)
     @rule()
@@ -488,7 +498,7 @@ class KeptCommitsMachine(RuleBasedStateMachine):
         commit = store.commits.held()  # (a view taken in a sample: of its commit)
         if commit is None or self.held is None:
             store.refresh()  # (as ZarrStorage.follow_writer before it takes a view)
-            commit, opens, written = store.committed, self.opens, self.written
+            commit, opens, written = store.committed, self.opens, self.written - self.unflushed
         else:
             _, opens, written, _ = self.held  # (kept as long as that commit)
         rows = self._read(commit.length, under=commit)
