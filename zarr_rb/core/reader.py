@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 _READ_RETRIES = 20
 
 
+def follows_writer(store: StoreAPI) -> bool:
+    """Whether ``store`` is a reader of the writer's last commit, whose rows move (not a
+    writer, nor a reader of a save or of an archive's history, whose rows never do)."""
+    return store.read_only and store.pinned is None and not store.history
+
+
 def reread_commit(store: StoreAPI) -> Commit:
     """Re-read the commit record: which rows may be read now, and the keys the writer
     added. A reader reads the rows of the commit it read last, so it shows that commit
@@ -103,7 +109,7 @@ def read_committed(
     ledger = store.ledger
     assert ledger is not None
     under = under or store.commits.held()  # (a sample's read: see Commits.hold)
-    if under is not None and (store.pinned is not None or store.history):
+    if not follows_writer(store):
         under = None  # (a save's rows, which nothing changes: read as they are)
     block_rows = store.meta.block_rows or 1
 

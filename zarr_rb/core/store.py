@@ -39,7 +39,7 @@ from zarr_rb.core.ledger import Ledger
 from zarr_rb.core.lifetime import Lifetime
 from zarr_rb.core.pieces import MapPieces
 from zarr_rb.core.ram_rows import RamRows
-from zarr_rb.core.reader import read_committed
+from zarr_rb.core.reader import follows_writer, read_committed
 from zarr_rb.core.saves import StoreSaves
 from zarr_rb.core.sharing import Sharing, check_shareable, new_writer_id
 from zarr_rb.core.solo import SoloCommits
@@ -430,7 +430,7 @@ class Store:
     def hold(self, on: bool = True) -> None:
         """A reader of the last commit: move to it and stay there (``on``), or let go of
         this thread's hold (see :meth:`Commits.hold`)."""
-        if self.read_only and self.pinned is None and not self.history:
+        if follows_writer(self):
             self.commits.hold() if on else self.commits.let_go()
 
     # --- sharing and lifetime ---------------------------------------------------------------

@@ -16,6 +16,7 @@ from tensordict import NonTensorStack, TensorDict, TensorDictBase
 from torch.utils._pytree import tree_map
 
 from zarr_rb.core.dtypes import TORCH_DTYPES
+from zarr_rb.core.reader import follows_writer
 from zarr_rb.errors import NotSupportedError
 from zarr_rb.format.commit import Commit
 from zarr_rb.format.schema import LeafSpec, Schema
@@ -180,8 +181,7 @@ class StorageReads(StorageWrites):
         columns: dict[Key, LazyColumn] = {}
         leaves = []
         # A reader's columns read the rows of one commit (a save's never change).
-        reader = store.read_only and store.pinned is None and not store.history
-        view = ViewCommit(store) if reader else None
+        view = ViewCommit(store) if follows_writer(store) else None
         for leaf in schema.leaves:
             if leaf.value == "lengths":
                 continue

@@ -22,6 +22,7 @@ import torch
 from torchrl.data.replay_buffers.storages import TensorStorage
 
 from zarr_rb.core.metadata import capacity_of
+from zarr_rb.core.reader import follows_writer
 from zarr_rb.core.store import Store
 from zarr_rb.engine.layout import Compression
 from zarr_rb.errors import ReadOnlyError
@@ -75,8 +76,12 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
     def _pick_up_other_writers(self) -> None:
         """A shared store: the rows other writers published, and the schema if another
         writer made it (one read of the commit record)."""
+        self.__dict__["_store"].refresh()
+        self._show_store()
+
+    def _show_store(self) -> None:
+        """The store moved to another commit: the schema if it got one, and the commit."""
         store = self.__dict__["_store"]
-        store.refresh()
         if not self.initialized and store.schema is not None:
             self.initialized = True
             self.max_size = capacity_of(store.meta)
@@ -114,13 +119,11 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         interval = self.__dict__.get("_refresh_interval")
         if store.is_shared:
             self._pick_up_other_writers()
-        elif (
-            interval is not None
-            and time.monotonic() - self._refreshed_at >= interval
-            and store.commits.held() is None  # (not inside a sample: see begin_sample)
-        ):
+        elif store.commits.held() is not None:
+            pass  # (inside a sample: the commit it holds, see begin_sample)
+        elif interval is not None and time.monotonic() - self._refreshed_at >= interval:
             self.refresh()
-        elif store.read_only and store.commits.held() is None:
+        elif store.read_only:
             self._show_commit()  # (one its reads moved to)
         return int(store.length)
 
@@ -287,10 +290,9 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         """A reader outside a sample moves to the writer's last commit (one read of the
         record): before it takes a view, which reads the commit it was taken at."""
         store = self._store
-        reads_the_last = store.read_only and store.pinned is None and not store.history
-        if reads_the_last and store.commits.held() is None:
+        if follows_writer(store) and store.commits.held() is None:
             store.refresh()
-            self._show_commit()
+            self._show_store()
 
     def begin_sample(self) -> None:
         """A sampler starts drawing from this storage (read-only storages): move to the
@@ -301,12 +303,8 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         :class:`~zarr_rb.errors.RowsNotCommittedError` instead of returning them."""
         if not self.read_only:
             return
-        store = self._store
-        store.hold()
-        if not self.initialized and store.schema is not None:
-            self.initialized = True
-            self.max_size = capacity_of(store.meta)
-        self._show_commit()
+        self._store.hold()
+        self._show_store()
 
     @contextlib.contextmanager
     def drawing(self) -> Iterator[None]:
