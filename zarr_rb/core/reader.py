@@ -142,10 +142,12 @@ def read_committed(
             return True
         # Shared writers commit at every extend: rows that no commit since moved, in
         # slots no writer took since, were read whole all the same.
-        alike = commit.reads_alike(now, rows[published], block_rows)
         if under is None:
+            alike = commit.reads_alike(now, rows[published], block_rows)
             return now.generation == commit.generation or alike
-        if now.keeps(commit) or alike:
+        # Read through the map of the commit held: rows in slots no writer took since
+        # hold what it has there, wherever its positions moved.
+        if now.keeps(commit) or commit.still_holds(now, rows[published], block_rows):
             return True
         # (Nor will it later: the commits a writer keeps only move on.)
         kept = (

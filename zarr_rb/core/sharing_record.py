@@ -22,6 +22,7 @@ from zarr_rb.core.pieces import forget_pieces
 from zarr_rb.core.sharing_slots import SharingSlots
 from zarr_rb.errors import RowsNotCommittedError, ServerBusyError, StoreCorruptedError
 from zarr_rb.format.commit import Commit, Ring
+from zarr_rb.format.messages import preview_rows
 from zarr_rb.format.names import ATTRS_KEY
 from zarr_rb.format.record import StoreMeta
 from zarr_rb.format.ring import SlotMap
@@ -124,6 +125,16 @@ class SharingRecord(SharingSlots):
 
     def read_record(self) -> StoreMeta:
         return self._parse(read_root(self.store.engine, adopt=True))
+
+    def peek_record(self) -> StoreMeta:
+        """The record as it is now, without picking it up (the next commit stays
+        conditional on the record this writer last adopted)."""
+        where = f"store {self.store.url!r}"
+        document = read_root(self.store.engine)
+        if document is None:
+            raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
+        check_is_store(document, where)
+        return parse_record(document, where, engine=self.store.engine)
 
     def _parse(self, document: dict[str, Any] | None) -> StoreMeta:
         where = f"store {self.store.url!r}"
@@ -233,6 +244,9 @@ class SharingRecord(SharingSlots):
                 raise
 
         def stands(before: Commit, whole: bool) -> bool:
+            held = self.held()
+            if held is not None:
+                return self._read_of_held(held, before, rows)
             self.refresh()
             after = self.committed
             if after.generation == before.generation:
@@ -254,6 +268,25 @@ class SharingRecord(SharingSlots):
                 f"store {self.store.url!r}: rows kept being rewritten by other writers while "
                 f"being read ({_READ_RETRIES} attempts)",
             ),
+        )
+
+    def _read_of_held(self, held: Commit, before: Commit, rows: np.ndarray) -> bool:
+        """Whether a read of positions ``rows`` through the map of ``before``, made while
+        this thread holds ``held`` (a sample's: see :meth:`Commits.hold`), read what
+        ``held`` has there: the same rows of the arrays, none in a slot taken since. The
+        store stays at ``before`` (the record is read, not picked up), so that the sample's
+        next read is checked alike. Read again, it would read a newer commit: a read that
+        does not stand raises instead."""
+        latest = self.peek_record().commit
+        same = before.generation == held.generation
+        if (same or held.reads_alike(before, rows, self.block_rows)) and before.still_holds(
+            latest, rows, self.block_rows
+        ):
+            return True
+        raise RowsNotCommittedError(
+            f"store {self.store.url!r}: other writers wrote over rows "
+            f"{preview_rows(np.unique(rows))} while a sample drew them from commit "
+            f"{held.generation}. Nothing wrong was returned; sample again",
         )
 
 

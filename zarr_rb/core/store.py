@@ -428,9 +428,9 @@ class Store:
 
     @serialized
     def hold(self, on: bool = True) -> None:
-        """A reader of the last commit: move to it and stay there (``on``), or let go of
-        this thread's hold (see :meth:`Commits.hold`)."""
-        if follows_writer(self):
+        """A reader of the last commit, or a writer of a shared store: move to it and stay
+        there (``on``), or let go of this thread's hold (see :meth:`Commits.hold`)."""
+        if follows_writer(self) or self.commits.shared:
             self.commits.hold() if on else self.commits.let_go()
 
     # --- sharing and lifetime ---------------------------------------------------------------

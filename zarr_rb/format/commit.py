@@ -246,17 +246,24 @@ class Commit:
         """Whether positions ``rows``, read through this commit of a shared store, read
         as the ``later`` commit has them: each in the same row of the arrays, none in a
         slot taken meanwhile (and written again since)."""
+        if not self.still_holds(later, rows, block_rows):
+            return False
+        unique = np.unique(rows)
+        return bool(np.array_equal(self.physical(unique), later.physical(unique)))
+
+    def still_holds(self, later: Commit, rows: np.ndarray, block_rows: int) -> bool:
+        """Whether the rows of the arrays that hold positions ``rows`` in this commit of a
+        shared store still hold what they held, at ``later``: none in a slot taken
+        meanwhile (and written again since). The positions may have moved to other rows
+        since: read through this commit's map, they read as this commit has them."""
         if self.ring is None or later.ring is None or self.length > later.length:
             return False
         taken = later.ring.taken_since(self.ring)
         if taken is None:
             return False
-        unique = np.unique(rows)
-        physical = self.physical(unique)
-        if not np.array_equal(physical, later.physical(unique)):
-            return False
         if not taken:
             return True
+        physical = self.physical(np.unique(rows))
         slots = np.unique(physical[physical >= 0] // block_rows)
         return not np.isin(slots, np.fromiter(taken, dtype=np.int64)).any()
 

@@ -28,7 +28,7 @@ the next write would leave them empty. The writers of buffers on a ZarrStorage g
 **A reader's sample reads one commit.** A sampler reads a reader's length, cursor and
 columns (a slice sampler scans a trajectory key), then the buffer gathers the rows it drew:
 every sampler's ``sample`` is routed through :func:`_sample_of_one_commit`, which holds the
-writer's last commit from the draw to the gather (``StoreBacked.begin_sample``).
+writer's last commit from the draw to the gather (``OneCommitSamples.begin_sample``).
 
 **A forked child never moves the parent's writer.** ``RoundRobinWriter`` keeps its cursor
 and write count in shared memory, which a child forked from the process that opened the
@@ -48,13 +48,14 @@ from torchrl.data import find_start_stop_traj
 
 from zarr_rb.format.messages import preview_rows
 from zarr_rb.torchrl import compat
+from zarr_rb.torchrl.samples import OneCommitSamples
 from zarr_rb.torchrl.store_backed import StoreBacked
 
 
 def guard_sampler(sampler: Any, storage: Any) -> None:
     """Make ``sampler`` skip the unreadable rows of ``storage`` (once per sampler; a
     storage other than a ZarrStorage has none)."""
-    if not isinstance(storage, StoreBacked):
+    if not isinstance(storage, OneCommitSamples):
         return
     inner = None
     if compat.is_sampler(sampler, "PrioritizedSampler"):
@@ -143,10 +144,10 @@ def _elements_per_row(storage: StoreBacked) -> int:
 
 
 def _sample_of_one_commit(
-    sample: Any, *args: Any, zarr: StoreBacked, inner: Any = None, **kwargs: Any
+    sample: Any, *args: Any, zarr: OneCommitSamples, inner: Any = None, **kwargs: Any
 ) -> Any:
     """A sampler's draw from a reader reads one commit of the store, and so does the gather
-    of the rows it drew, which the buffer makes next (see ``StoreBacked.begin_sample``)."""
+    of the rows it drew, which the buffer makes next (see ``OneCommitSamples.begin_sample``)."""
     zarr.begin_sample()
     try:
         with zarr.drawing():  # (SliceSampler reads rows itself while it draws)

@@ -89,7 +89,7 @@ class StorageReads(StorageWrites):
                         ),
                         self._rand_given_ndim,
                         draw=getattr(self._thread_state, "draw", None),
-                        refresh=self.refresh,
+                        refresh=self.draw_again,
                     )
                 else:
                     out = self._gather(index_forms.as_index_tensor(head), schema, length)

@@ -22,7 +22,6 @@ import torch
 from torchrl.data.replay_buffers.storages import TensorStorage
 
 from zarr_rb.core.metadata import capacity_of
-from zarr_rb.core.reader import follows_writer
 from zarr_rb.core.store import Store
 from zarr_rb.engine.layout import Compression
 from zarr_rb.errors import ReadOnlyError
@@ -117,10 +116,10 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
     def _len(self) -> int:
         store = self.__dict__["_store"]
         interval = self.__dict__.get("_refresh_interval")
-        if store.is_shared:
-            self._pick_up_other_writers()
-        elif store.commits.held() is not None:
+        if store.commits.held() is not None:
             pass  # (inside a sample: the commit it holds, see begin_sample)
+        elif store.is_shared:
+            self._pick_up_other_writers()
         elif interval is not None and time.monotonic() - self._refreshed_at >= interval:
             self.refresh()
         elif store.read_only:
@@ -285,45 +284,6 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
             self.max_size = capacity_of(self._store.meta)
         self._show_commit()
         compat.bump_revision(self)  # (a reader of a save moved to the last commit, too)
-
-    def follow_writer(self) -> None:
-        """A reader outside a sample moves to the writer's last commit (one read of the
-        record): before it takes a view, which reads the commit it was taken at."""
-        store = self._store
-        if follows_writer(store) and store.commits.held() is None:
-            store.refresh()
-            self._show_store()
-
-    def begin_sample(self) -> None:
-        """A sampler starts drawing from this storage (read-only storages): move to the
-        writer's last commit and read it, and only it, until this thread's next gather
-        (:meth:`end_sample`): a sampler's scan of a column, the length and cursor it draws
-        from, and the rows gathered then are all of one commit. The writer keeps the rows
-        of its last commits (``Commit.kept_from``); a read that finds them gone raises
-        :class:`~zarr_rb.errors.RowsNotCommittedError` instead of returning them."""
-        if not self.read_only:
-            return
-        self._store.hold()
-        self._show_store()
-
-    @contextlib.contextmanager
-    def drawing(self) -> Iterator[None]:
-        """Inside, this thread's sampler draws (see :meth:`begin_sample`): the rows it reads
-        itself (a ``SliceSampler`` reads flags of the rows it drew) end no sample."""
-        with self._in_this_thread("drawing", True):
-            yield
-
-    def end_sample(self) -> None:
-        """This thread's sample gathered its rows (see :meth:`begin_sample`): the next
-        read moves to the writer's last commit again."""
-        if self.read_only:
-            self._store.hold(False)
-
-    def gathered(self) -> None:
-        """A gather of rows in this thread: the buffer's, at the end of a sample, unless
-        the sampler is still drawing (see :meth:`drawing`)."""
-        if not getattr(self._thread_state, "drawing", False):
-            self.end_sample()
 
     def wait_for_ram(self, timeout: float | None = None) -> bool:
         """Wait until the rows already in the store are in RAM, as many as the budget

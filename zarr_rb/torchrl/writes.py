@@ -23,11 +23,12 @@ from zarr_rb.format.schema import Schema
 from zarr_rb.torchrl import compat, data_kinds, index_forms, sharing
 from zarr_rb.torchrl.entries import ENTRY_KINDS
 from zarr_rb.torchrl.leaves import infer_schema, leaves_for_write, new_leaves
-from zarr_rb.torchrl.store_backed import StoreBacked, io_boundary
+from zarr_rb.torchrl.samples import OneCommitSamples
+from zarr_rb.torchrl.store_backed import io_boundary
 from zarr_rb.util.keys import Key
 
 
-class StorageWrites(StoreBacked):
+class StorageWrites(OneCommitSamples):
     """Writes of a storage into its store (see the module's docstring)."""
 
     @io_boundary

@@ -1,0 +1,258 @@
+"""A writer of a shared store samples one commit: the sampler's scan, the length and cursor
+it draws from, and the rows the buffer gathers then, even when other writers commit in
+between. Rows whose slots another writer took again meanwhile raise rather than come back
+written over; a random draw is then drawn again from the newest commit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.data import RandomSampler, SliceSampler, TensorDictReplayBuffer
+
+from zarr_rb import Compression, RowsNotCommittedError, ZarrStorage
+
+RING = 32
+EPISODE = 4
+BLOCKS = Compression(block_rows=8)
+
+
+def episodes(first: int, count: int) -> TensorDict:
+    """Rows ``first`` to ``first + count`` of episodes of :data:`EPISODE` steps."""
+    step = torch.arange(first, first + count)
+    return TensorDict(
+        {"step": step, "episode": step // EPISODE, "obs": step.view(-1, 1).expand(-1, 4).clone()},
+        batch_size=[count],
+    )
+
+
+def check_slices(batch: TensorDict, length: int = EPISODE) -> None:
+    """Each slice is ``length`` consecutive steps of one episode, each row whole."""
+    steps = batch["step"].view(-1, length)
+    assert bool((steps[:, 1:] - steps[:, :-1] == 1).all()), steps.tolist()
+    assert torch.equal(batch["episode"].view(-1, length), steps // EPISODE), steps.tolist()
+    if "obs" in batch.keys():  # noqa: SIM118 (a TensorDict has no __contains__)
+        assert torch.equal(batch["obs"][:, 0], batch["step"])
+
+
+class Other:
+    """Another writer of the shared store, in this process (a storage of its own)."""
+
+    def __init__(self, path: Path) -> None:
+        storage = ZarrStorage(RING, path, compression=BLOCKS, shared=True)
+        self.rb = TensorDictReplayBuffer(storage=storage)
+        self.next = 0
+        self.extend(RING)
+
+    def extend(self, count: int, *, by: int | None = None) -> None:
+        """``count`` rows, committed ``by`` rows at a time (all at once by default)."""
+        by = by or count
+        for first in range(0, count, by):
+            n = min(by, count - first)
+            self.rb.extend(episodes(self.next, n))
+            self.next += n
+            self.rb.storage.flush()
+
+
+class Interrupted(SliceSampler):
+    """A slice sampler that lets other writers commit between its scan and the gather."""
+
+    def __init__(self, meanwhile: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.meanwhile = meanwhile
+
+    def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> Any:
+        found = super()._get_stop_and_length(storage, fallback)
+        self.meanwhile()
+        return found
+
+
+class DrawnThenInterrupted(RandomSampler):
+    """A random sampler that lets other writers commit between its draw and the gather."""
+
+    def __init__(self, meanwhile: Callable[[], None]) -> None:
+        super().__init__()
+        self.meanwhile = meanwhile
+
+    def sample(self, storage: Any, batch_size: int) -> Any:
+        drawn = super().sample(storage, batch_size)
+        self.meanwhile()
+        return drawn
+
+
+def sampler_writer(path: Path, sampler: Any, batch_size: int) -> TensorDictReplayBuffer:
+    storage = ZarrStorage(RING, path, compression=BLOCKS, shared=True)
+    return TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=batch_size)
+
+
+def test_slices_stay_whole_when_another_writer_commits_before_the_gather(tmp_path) -> None:
+    """Another writer writes over more than half the ring between the scan and the gather:
+    the slices are those of the scan, whole (before, the gather read the newer commit and
+    joined two episodes: steps [228, 229, 198, 199])."""
+    path = tmp_path / "rb.zarr"
+    other = Other(path)
+    sampler = Interrupted(
+        lambda: other.extend(RING // 2 + 2), slice_len=EPISODE, traj_key="episode"
+    )
+    rb = sampler_writer(path, sampler, 3 * EPISODE)
+    for _ in range(20):
+        batch = rb.sample()
+        check_slices(batch)
+        assert bool((batch["step"] < other.next - (RING // 2 + 2)).all())  # (the scan's)
+    rb.storage.close()
+    other.rb.storage.close()
+
+
+def test_a_sample_raises_when_its_rows_slots_were_taken_again(tmp_path) -> None:
+    """Other writers go three times around the ring, 7 rows a commit, between the scan and
+    the gather: the slots the scan's rows were in are written again, so the sample raises
+    (nothing returned), and a sample with no commit in between works."""
+    path = tmp_path / "rb.zarr"
+    other = Other(path)
+    busy = [True]
+
+    def meanwhile() -> None:
+        if busy[0]:
+            other.extend(3 * RING, by=7)
+
+    sampler = Interrupted(meanwhile, slice_len=EPISODE, traj_key="episode")
+    rb = sampler_writer(path, sampler, 3 * EPISODE)
+    with pytest.raises(RowsNotCommittedError, match="sample again"):
+        rb.sample()
+    busy[0] = False
+    batch = rb.sample()
+    check_slices(batch)
+    assert bool((batch["step"] >= other.next - RING).all())
+    rb.storage.close()
+    other.rb.storage.close()
+
+
+def test_a_random_draw_whose_slots_were_taken_again_is_drawn_again(tmp_path) -> None:
+    """Other writers go three times around the ring between every other draw and its
+    gather: the rows come from the newest commit, each whole."""
+    path = tmp_path / "rb.zarr"
+    other = Other(path)
+    calls = [0]
+
+    def meanwhile() -> None:
+        calls[0] += 1
+        if calls[0] % 2:
+            other.extend(3 * RING, by=7)
+
+    rb = sampler_writer(path, DrawnThenInterrupted(meanwhile), 16)
+    for _ in range(10):
+        batch = rb.sample()
+        assert torch.equal(batch["obs"][:, 0], batch["step"])
+        assert bool((batch["step"] >= other.next - RING).all()), batch["step"]
+    rb.storage.close()
+    other.rb.storage.close()
+
+
+# --- another writer process that commits without pause -----------------------------------
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    import torch
+    from tensordict import TensorDict
+    from torchrl.data import TensorDictReplayBuffer
+    from zarr_rb import Compression, ZarrStorage
+
+    path, stop = sys.argv[1], Path(sys.argv[2])
+    storage = ZarrStorage(64, path, compression=Compression(block_rows=8), shared=True)
+    rb = TensorDictReplayBuffer(storage=storage)
+    g = torch.Generator().manual_seed(0)
+    step = 64
+    for _ in range(20_000):  # (a bound, should the test die without stopping it)
+        if stop.exists():
+            break
+        n = int(torch.randint(1, 24, (), generator=g))
+        t = torch.arange(step, step + n)
+        rb.extend(TensorDict({"step": t, "episode": t // 8}, batch_size=[n]))
+        rb.storage.flush()
+        step += n
+    rb.storage.close()
+    """
+)
+
+
+def test_slices_are_whole_episodes_while_another_writer_process_commits(tmp_path) -> None:
+    """Another process extends the shared 64-row ring by 1-23 rows and commits, without
+    pause; this writer samples 4-step slices meanwhile: every slice it returns is 4
+    consecutive steps of one episode."""
+    path, stop = tmp_path / "rb.zarr", tmp_path / "stop"
+    storage = ZarrStorage(64, path, compression=BLOCKS, shared=True)
+    rb = TensorDictReplayBuffer(
+        storage=storage, sampler=SliceSampler(slice_len=4, traj_key="episode"), batch_size=32
+    )
+    rb.extend(TensorDict({"step": torch.arange(64), "episode": torch.arange(64) // 8}, [64]))
+    rb.storage.flush()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(stop)])
+    whole, raised, generations = 0, 0, set()
+    try:
+        while whole < 300 or len(generations) < 50:
+            assert writer.poll() is None, "the other writer stopped"
+            try:
+                batch = rb.sample()
+            except RowsNotCommittedError:
+                raised += 1
+                continue
+            steps = batch["step"].view(-1, 4)
+            assert bool((steps[:, 1:] - steps[:, :-1] == 1).all()), steps.tolist()
+            assert torch.equal(batch["episode"].view(-1, 4), steps // 8), steps.tolist()
+            whole += 1
+            generations.add(storage._store.committed.generation)
+    finally:
+        stop.touch()
+        writer.wait(timeout=120)
+        rb.storage.close()
+    assert writer.returncode == 0
+    assert raised < whole, (raised, whole)
+
+
+def test_a_readers_slices_stay_whole_when_a_shared_writer_commits_before_the_gather(
+    tmp_path,
+) -> None:
+    """A reader of a shared store: a writer writes over more than half the ring between
+    the scan and the gather, into slots no writer held before. The slices are the scan's,
+    whole, read through the map of its commit (before, such a sample raised: the rows had
+    moved)."""
+    path = tmp_path / "rb.zarr"
+    other = Other(path)
+    sampler = Interrupted(
+        lambda: other.extend(RING // 2 + 2), slice_len=EPISODE, traj_key="episode"
+    )
+    reader = TensorDictReplayBuffer(
+        storage=ZarrStorage(path=path, read_only=True), sampler=sampler, batch_size=3 * EPISODE
+    )
+    for _ in range(20):
+        batch = reader.sample()
+        check_slices(batch)
+        assert bool((batch["step"] < other.next - (RING // 2 + 2)).all())  # (the scan's)
+    reader.storage.close()
+    other.rb.storage.close()
+
+
+def test_a_readers_sample_raises_when_its_rows_slots_were_taken_again(tmp_path) -> None:
+    """A reader of a shared store, whose writers go three times around the ring between the
+    scan and the gather: the slots of the scan's rows are written again, so it raises."""
+    path = tmp_path / "rb.zarr"
+    other = Other(path)
+    sampler = Interrupted(
+        lambda: other.extend(3 * RING, by=7), slice_len=EPISODE, traj_key="episode"
+    )
+    reader = TensorDictReplayBuffer(
+        storage=ZarrStorage(path=path, read_only=True), sampler=sampler, batch_size=3 * EPISODE
+    )
+    with pytest.raises(RowsNotCommittedError, match="sample again"):
+        reader.sample()
+    reader.storage.close()
+    other.rb.storage.close()
