@@ -44,6 +44,8 @@ class SharingRecord(SharingSlots):
 
     _mine: np.ndarray | None
     """Positions this writer is committing (their mirrors are its own to update)."""
+    _latest: tuple[object, Commit] | None = None
+    """The record's generation and commit as :meth:`latest_commit` last read them."""
 
     @property
     def ring(self) -> Ring:
@@ -126,15 +128,25 @@ class SharingRecord(SharingSlots):
     def read_record(self) -> StoreMeta:
         return self._parse(read_root(self.store.engine, adopt=True))
 
-    def peek_record(self) -> StoreMeta:
-        """The record as it is now, without picking it up (the next commit stays
-        conditional on the record this writer last adopted)."""
+    def latest_commit(self) -> Commit:
+        """The record's commit as it is now, without picking it up (the next commit stays
+        conditional on the record this writer last adopted): one read, parsed only when
+        the record was written since the last such read."""
         where = f"store {self.store.url!r}"
-        document = read_root(self.store.engine)
+        try:
+            generation, document = self.store.engine.root_as_stored()
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
+            raise StoreCorruptedError(
+                f"{where}: root zarr.json is not valid JSON ({err})"
+            ) from None
+        if self._latest is not None and self._latest[0] == generation:
+            return self._latest[1]
         if document is None:
             raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
         check_is_store(document, where)
-        return parse_record(document, where, engine=self.store.engine)
+        commit = parse_record(document, where, engine=self.store.engine).commit
+        self._latest = (generation, commit)
+        return commit
 
     def _parse(self, document: dict[str, Any] | None) -> StoreMeta:
         where = f"store {self.store.url!r}"
@@ -277,7 +289,7 @@ class SharingRecord(SharingSlots):
         store stays at ``before`` (the record is read, not picked up), so that the sample's
         next read is checked alike. Read again, it would read a newer commit: a read that
         does not stand raises instead."""
-        latest = self.peek_record().commit
+        latest = self.latest_commit()
         same = before.generation == held.generation
         if (same or held.reads_alike(before, rows, self.block_rows)) and before.still_holds(
             latest, rows, self.block_rows
