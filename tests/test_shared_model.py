@@ -16,13 +16,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from shared_workers import stamped, torn
 from torchrl.data import LazyTensorStorage
 
-from zarr_rb import Compression, ZarrStorage
+from zarr_rb import Compression, RowsNotCommittedError, ZarrStorage
 from zarr_rb.core.arrays import StoreArrays
 
 WRITERS = 3
@@ -111,6 +111,42 @@ class SharedWriters(RuleBasedStateMachine):
             StoreArrays.write_rows = original  # type: ignore[method-assign]
         store.lifetime.abandon()
         self.writers[writer] = ZarrStorage(path=self.url, mode="r+", shared=True)
+
+    @rule(
+        writer=st.integers(0, WRITERS - 1),
+        picks=st.lists(st.integers(0, 4095), min_size=1, max_size=6),
+        others=st.lists(st.tuples(st.integers(0, WRITERS - 1), st.integers(1, 13)), max_size=6),
+    )
+    def sample_while_others_commit(
+        self, writer: int, picks: list[int], others: list[tuple[int, int]]
+    ) -> None:
+        """A writer's sample: it draws (reading rows, as a slice sampler does), other writers
+        commit, then it gathers the rows drawn. Both reads are of the commit it drew from,
+        or the gather raises (another writer took their slots again)."""
+        length = len(self.twin)
+        if not length:
+            return
+        storage = self.writers[writer]
+        index = torch.tensor([p % length for p in picks])
+        expected = self.twin.get(index)
+        storage.begin_sample()
+        try:
+            with storage.drawing():
+                assert len(storage) == length
+                drawn = storage.get(index)  # (a read while drawing ends nothing)
+            assert torch.equal(drawn["stamp"], expected["stamp"])
+            for other, count in others:
+                if other != writer:
+                    self.extend(other, count)
+            try:
+                gathered = storage.get(index)  # (the gather ends the sample)
+            except RowsNotCommittedError:
+                event("a gather raised: its slots were taken again")
+            else:
+                assert torch.equal(gathered["stamp"], expected["stamp"])
+                assert torch.equal(gathered["index"], expected["index"])
+        finally:
+            storage.end_sample()
 
     @invariant()
     def every_writer_sees_the_twins_rows(self) -> None:
