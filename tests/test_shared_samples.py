@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.data import RandomSampler, SliceSampler, TensorDictReplayBuffer
 
+import zarr_rb
 from zarr_rb import Compression, RowsNotCommittedError, ZarrStorage
 
 RING = 32
@@ -255,4 +256,94 @@ def test_a_readers_sample_raises_when_its_rows_slots_were_taken_again(tmp_path) 
     with pytest.raises(RowsNotCommittedError, match="sample again"):
         reader.sample()
     reader.storage.close()
+    other.rb.storage.close()
+
+
+def _with_versions(path: Path) -> tuple[Other, Callable[[], None]]:
+    """Another writer that kept 22 tagged saves (so the arrays grew past the slots writers
+    take first), and what it does between a scan and a gather: it writes the ring once
+    over (the scan's slots come free) and drops the saves, which collects free slots:
+    their objects are deleted."""
+    other = Other(path)
+    for i in range(22):
+        zarr_rb.save(other.rb, tag=f"v{i}", progress=False)
+        other.extend(RING)
+
+    def meanwhile() -> None:
+        other.extend(RING)
+        for i in range(22):
+            zarr_rb.drop_version(path, f"v{i}")
+
+    return other, meanwhile
+
+
+@pytest.mark.parametrize("reader", [False, True], ids=["shared writer", "reader"])
+def test_slots_a_collection_emptied_under_a_sample_raise_as_taken(tmp_path, reader) -> None:
+    """A collection between the scan and the gather deletes the objects of the slots the
+    scan's rows were in: the sample raises RowsNotCommittedError ("sample again"), not an
+    error saying the store is damaged (found by review: ChunkCorruptedError, "chunk
+    missing", as a collection counted no slot as taken)."""
+    path = tmp_path / "rb.zarr"
+    other, meanwhile = _with_versions(path)
+    calls = [0]
+
+    def once() -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            meanwhile()
+
+    sampler = Interrupted(once, slice_len=EPISODE, traj_key="episode")
+    if reader:
+        storage = ZarrStorage(path=path, read_only=True)
+    else:
+        storage = ZarrStorage(RING, path, compression=BLOCKS, shared=True)
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=3 * EPISODE)
+    with pytest.raises(RowsNotCommittedError, match="sample again"):
+        rb.sample()
+    check_slices(rb.sample())
+    rb.storage.close()
+    other.rb.storage.close()
+
+
+def test_slices_stay_whole_when_the_writer_itself_commits_before_the_gather(tmp_path) -> None:
+    """Another buffer on the same storage extends between the scan and the gather (as a
+    collector thread does): the slices are the scan's, read through its commit's map, and
+    none raises (found by review: all 20 raised, the rows having moved)."""
+    path = tmp_path / "rb.zarr"
+    other = Other(path)
+    storage = ZarrStorage(RING, path, compression=BLOCKS, shared=True)
+    collector = TensorDictReplayBuffer(storage=storage)
+    state = {"next": other.next}
+
+    def meanwhile() -> None:
+        collector.extend(episodes(state["next"], RING // 2 + 2))
+        state["next"] += RING // 2 + 2
+        len(storage)  # (another thread's len picks up the record)
+
+    sampler = Interrupted(meanwhile, slice_len=EPISODE, traj_key="episode")
+    rb = TensorDictReplayBuffer(storage=storage, sampler=sampler, batch_size=3 * EPISODE)
+    for _ in range(20):
+        batch = rb.sample()
+        check_slices(batch)
+        assert bool((batch["step"] < state["next"] - (RING // 2 + 2)).all())  # (the scan's)
+    storage.close()
+    other.rb.storage.close()
+
+
+def test_a_draw_never_gathered_is_let_go_by_refresh(tmp_path) -> None:
+    """A sampler's draw called by itself holds the commit until a gather; ``refresh()``
+    lets it go (found by review: ``len`` stayed the drawn commit's)."""
+    path = tmp_path / "rb.zarr"
+    other = Other(path)
+    storage = ZarrStorage(RING, path, compression=BLOCKS, shared=True)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=4)
+    other.rb.empty()
+    other.extend(RING // 2)
+    assert len(rb) == RING // 2
+    rb.sampler.sample(storage, 4)  # (drawn, never gathered)
+    other.extend(RING // 2)
+    assert len(rb) == RING // 2  # (the commit drawn from, until the gather)
+    storage.refresh()
+    assert len(rb) == RING
+    storage.close()
     other.rb.storage.close()

@@ -15,8 +15,10 @@ import torch
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy
 from zarr_rb.core.store_facts import StoreFacts
 from zarr_rb.engine import RowArray
-from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
+from zarr_rb.format.commit import Commit
 from zarr_rb.format.index_key import INDEX_KEY, put_positions
+from zarr_rb.format.messages import preview_rows
 from zarr_rb.format.schema import LeafSpec
 from zarr_rb.util.keys import Key
 
@@ -165,4 +167,46 @@ def padded(tensor: torch.Tensor, width: int) -> torch.Tensor:
         return tensor
     out = tensor.new_zeros((tensor.shape[0], width, *tensor.shape[2:]))
     out[:, : tensor.shape[1]] = tensor
+    return out
+
+
+class ReadsAll(Protocol):
+    """What :func:`rows_as_of` reads with (:class:`~zarr_rb.core.arrays.StoreArrays`)."""
+
+    def read_all(
+        self,
+        requests: Mapping[Key, np.ndarray],
+        *,
+        physical: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> dict[Key, torch.Tensor]: ...
+
+
+def rows_as_of(
+    arrays: ReadsAll,
+    commit: Commit,
+    rows: np.ndarray,
+    keys: list[Key],
+    *,
+    unreadable_as_zeros: bool,
+    where: str,
+) -> dict[Key, torch.Tensor]:
+    """Positions ``rows`` as ``commit`` has them, read from the arrays through its own map:
+    a shared writer's sample, whose store moved past the commit it drew from. The caller
+    checks the read against the record after it (see ``SharingRecord.read_checked``)."""
+    readable = commit.readable(rows)
+    if not readable.all() and not unreadable_as_zeros:
+        raise RowsNotCommittedError(
+            f"{where}: rows {preview_rows(rows[~readable])} are not readable in commit "
+            f"{commit.generation} (length {commit.length}, holes {list(commit.holes)})",
+        )
+    out = arrays.read_all(dict.fromkeys(keys, rows[readable]), physical=commit.physical)
+    if not readable.all():
+        out = {key: spread_rows(value, readable) for key, value in out.items()}
+    return out
+
+
+def spread_rows(values: torch.Tensor, where: np.ndarray) -> torch.Tensor:
+    """``values`` at the ``True`` positions of ``where``, zeros elsewhere."""
+    out = values.new_zeros((where.size, *values.shape[1:]))
+    out[torch.from_numpy(np.flatnonzero(where))] = values
     return out

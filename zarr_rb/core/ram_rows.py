@@ -18,13 +18,14 @@ import torch
 
 from zarr_rb.core.arrays import StoreArrays
 from zarr_rb.core.calls import Calls
-from zarr_rb.core.disk_reads import place
+from zarr_rb.core.disk_reads import place, rows_as_of
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.frames import FrameTier, frame_keys
 from zarr_rb.core.mirror import Mirror, put_rows, zeros
 from zarr_rb.core.ram_fill import FillStore, TierFill
 from zarr_rb.core.store_facts import StoreFacts
 from zarr_rb.errors import RowsNotCommittedError
+from zarr_rb.format.commit import Commit
 from zarr_rb.format.messages import preview_rows
 from zarr_rb.format.schema import LeafSpec, plain_then_ragged, with_lengths
 from zarr_rb.util.keys import Key
@@ -233,11 +234,15 @@ class RamRows:
         *,
         unwritten_as_zeros: bool,
         unreadable_as_zeros: bool,
+        under: Commit | None = None,
     ) -> dict[Key, torch.Tensor]:
         """Rows as this writer has them: on disk, in its write buffer, in its mirror (see
-        :meth:`Store.read <zarr_rb.core.store.Store.read>`)."""
-        self.fill.before_read()
+        :meth:`Store.read <zarr_rb.core.store.Store.read>`); ``under``: as that commit has
+        them, a commit the store moved past (a shared writer's sample) read from disk."""
         store = self.store
+        if under is not None and under.generation != store.committed.generation:
+            return self._read_under(under, rows, keys, unreadable_as_zeros=unreadable_as_zeros)
+        self.fill.before_read()
         cache, ledger = store.write_cache, store.ledger
         assert cache is not None
         assert ledger is not None
@@ -328,6 +333,21 @@ class RamRows:
                         place(tensor, torch.from_numpy(positions), values)
                     out[key] = tensor
         return {key: out[key] for key in keys}
+
+    def _read_under(
+        self, commit: Commit, rows: np.ndarray, keys: list[Key], *, unreadable_as_zeros: bool
+    ) -> dict[Key, torch.Tensor]:
+        """Rows as ``commit`` has them, from disk (see :meth:`read`)."""
+        store = self.store
+        found = rows_as_of(
+            store.arrays,
+            commit,
+            rows,
+            with_lengths(store.leaves, keys),
+            unreadable_as_zeros=unreadable_as_zeros,
+            where=f"store {store.url!r}",
+        )
+        return {key: found[key] for key in keys}
 
 
 def _widest(leaf: LeafSpec, out: Mapping[Key, torch.Tensor]) -> int:

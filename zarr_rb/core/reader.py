@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from zarr_rb.core.disk_reads import spread_rows
 from zarr_rb.core.metadata import check_is_store, parse_record, read_root
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError, VersionNotFoundError
 from zarr_rb.format.commit import Commit
@@ -130,7 +131,7 @@ def read_committed(
         physical = commit.physical if elsewhere else None
         out = store.arrays.read_all(dict.fromkeys(keys, rows[published]), physical=physical)
         if not published.all():
-            out = {key: _spread(value, published) for key, value in out.items()}
+            out = {key: spread_rows(value, published) for key, value in out.items()}
         return out
 
     def stands(before: tuple[Commit, np.ndarray], whole: bool) -> bool:
@@ -178,13 +179,6 @@ def read_committed(
             f"({_READ_RETRIES} attempts; last error: {last_error})",
         ),
     )
-
-
-def _spread(values: torch.Tensor, where: np.ndarray) -> torch.Tensor:
-    """``values`` at the ``True`` positions of ``where``, zeros elsewhere."""
-    out = values.new_zeros((where.size, *values.shape[1:]))
-    out[torch.from_numpy(np.flatnonzero(where))] = values
-    return out
 
 
 def _grows(old: Schema | None, new: Schema | None) -> bool:

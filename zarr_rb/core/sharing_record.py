@@ -27,6 +27,8 @@ from zarr_rb.format.names import ATTRS_KEY
 from zarr_rb.format.record import StoreMeta
 from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.runs import RunMap
+from zarr_rb.locations.base import ROOT_METADATA
+from zarr_rb.util.io import load_json
 from zarr_rb.util.seqlock import seqlock_read
 
 _R = TypeVar("_R")
@@ -133,19 +135,22 @@ class SharingRecord(SharingSlots):
         conditional on the record this writer last adopted): one read, parsed only when
         the record was written since the last such read."""
         where = f"store {self.store.url!r}"
+        found = self.store.engine.location.read_versioned(ROOT_METADATA)
+        if self._latest is not None and self._latest[0] == found.generation:
+            return self._latest[1]
+        if found.value is None:
+            raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
         try:
-            generation, document = self.store.engine.root_as_stored()
+            document = load_json(found.value)
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise StoreCorruptedError(
                 f"{where}: root zarr.json is not valid JSON ({err})"
             ) from None
-        if self._latest is not None and self._latest[0] == generation:
-            return self._latest[1]
-        if document is None:
-            raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
+        if not isinstance(document, dict):
+            raise StoreCorruptedError(f"{where}: root zarr.json is not a JSON object")
         check_is_store(document, where)
         commit = parse_record(document, where, engine=self.store.engine).commit
-        self._latest = (generation, commit)
+        self._latest = (found.generation, commit)
         return commit
 
     def _parse(self, document: dict[str, Any] | None) -> StoreMeta:
@@ -258,7 +263,10 @@ class SharingRecord(SharingSlots):
         def stands(before: Commit, whole: bool) -> bool:
             held = self.held()
             if held is not None:
-                return self._read_of_held(held, before, rows)
+                latest = self.latest_commit()
+                if not whole and not isinstance(failed[0], StoreCorruptedError):
+                    return latest.generation == before.generation  # (moved: read again)
+                return self._read_of_held(held, rows, latest)
             self.refresh()
             after = self.committed
             if after.generation == before.generation:
@@ -282,18 +290,14 @@ class SharingRecord(SharingSlots):
             ),
         )
 
-    def _read_of_held(self, held: Commit, before: Commit, rows: np.ndarray) -> bool:
-        """Whether a read of positions ``rows`` through the map of ``before``, made while
-        this thread holds ``held`` (a sample's: see :meth:`Commits.hold`), read what
-        ``held`` has there: the same rows of the arrays, none in a slot taken since. The
-        store stays at ``before`` (the record is read, not picked up), so that the sample's
-        next read is checked alike. Read again, it would read a newer commit: a read that
-        does not stand raises instead."""
-        latest = self.latest_commit()
-        same = before.generation == held.generation
-        if (same or held.reads_alike(before, rows, self.block_rows)) and before.still_holds(
-            latest, rows, self.block_rows
-        ):
+    def _read_of_held(self, held: Commit, rows: np.ndarray, latest: Commit) -> bool:
+        """Whether a read of positions ``rows`` through the map of ``held``, the commit this
+        thread holds (a sample's: see :meth:`Commits.hold`), read what ``held`` has there:
+        no writer took their slots since (nor a collection emptied them). The record is
+        read, not picked up: the store stays where it was. Read again, it would read a
+        newer commit: a read that does not stand raises instead (``latest``: the record's
+        commit as it is now)."""
+        if held.still_holds(latest, rows, self.block_rows):
             return True
         raise RowsNotCommittedError(
             f"store {self.store.url!r}: other writers wrote over rows "

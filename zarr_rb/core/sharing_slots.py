@@ -154,13 +154,10 @@ class SharingSlots(Commits):
                     "a record may name; nothing was written. Save the buffer into a new "
                     "store (zarr_rb.save(rb, new_path)) and write there",
                 )
-        ring = dataclasses.replace(
-            ring,
-            capacity=capacity,
-            open=(*opened, (self.writer, slot)),
-            takes=ring.takes + 1,
-            recent=(*ring.recent, slot)[-RECENT_TAKES:],
+        opened_too = dataclasses.replace(
+            ring, capacity=capacity, open=(*opened, (self.writer, slot))
         )
+        ring = _with_taken(opened_too, [slot])
         commit = dataclasses.replace(meta.commit, ring=ring)
         return dataclasses.replace(meta, commit=commit), slot
 
@@ -227,6 +224,7 @@ class SharingSlots(Commits):
         emptied = np.flatnonzero(candidates & never_again)  # never taken again: wherever they are
         if emptied.size:
             store.lifetime.check_hold()
+            self._count_taken(emptied.tolist())
             store.arrays.drop_slots(keys, emptied.tolist())
         candidates[:spare] = False  # free ones that writers take first keep their objects
         free = np.flatnonzero(candidates & ~never_again)
@@ -276,11 +274,23 @@ class SharingSlots(Commits):
             if not held:
                 return None
             opened = (*ring.open, *((self.writer, slot) for slot in held))
-            ring = dataclasses.replace(ring, open=opened)
+            ring = _with_taken(dataclasses.replace(ring, open=opened), held)
             return dataclasses.replace(meta, commit=dataclasses.replace(meta.commit, ring=ring))
 
         self.update(hold)
         return held
+
+    def _count_taken(self, slots: list[int]) -> None:
+        """Count ``slots`` as taken (their objects are about to be deleted), without opening
+        them: slots kept out of reach, which no writer takes again."""
+
+        def count(meta: StoreMeta) -> StoreMeta:
+            ring = meta.commit.ring
+            assert ring is not None
+            ring = _with_taken(ring, slots)
+            return dataclasses.replace(meta, commit=dataclasses.replace(meta.commit, ring=ring))
+
+        self.update(count)
 
     def _give_back(self, slots: list[int]) -> None:
         """Free ``slots``, which :meth:`_hold` opened (empty now)."""
@@ -311,3 +321,11 @@ class SharingSlots(Commits):
                 "committed. Reopen the store to write again",
                 holder={},
             )
+
+
+def _with_taken(ring: Ring, slots: list[int]) -> Ring:
+    """``ring`` with ``slots`` counted as taken: a reader that read rows of one of them
+    under an older record reads again (:meth:`Ring.taken_since`). A slot is taken when a
+    writer opens it to write, and when a collection empties it."""
+    recent = (*ring.recent, *slots)[-RECENT_TAKES:]
+    return dataclasses.replace(ring, takes=ring.takes + len(slots), recent=recent)

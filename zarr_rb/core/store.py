@@ -405,6 +405,7 @@ class Store:
                 keys,
                 unwritten_as_zeros=unwritten_as_zeros,
                 unreadable_as_zeros=unreadable_as_zeros,
+                under=self.commits.held(),  # (a shared writer's sample's: see Commits.hold)
             ),
             rows,
         )

@@ -153,17 +153,6 @@ class Engine:
             raise ValueError(f"expected a JSON object, got {type(value).__name__}")
         return value
 
-    def root_as_stored(self) -> tuple[object, dict[str, Any] | None]:
-        """The root document as stored now and its generation (which changes at every
-        write of it), adopting nothing: one read, no parse."""
-        found = self.location.read_versioned(ROOT_METADATA)
-        if found.value is None:
-            return found.generation, None
-        value = load_json(found.value)
-        if not isinstance(value, dict):
-            raise ValueError(f"expected a JSON object, got {type(value).__name__}")
-        return found.generation, value
-
     def write_root_attributes(self, attributes: Mapping[str, Any]) -> None:
         """Publish new root attributes (a commit): make every object written since the
         last commit durable, then replace the root ``zarr.json`` in one atomic write.

@@ -33,8 +33,9 @@ class Ring:
     Each writer appends into a slot of its own, ``open``; the commit that publishes its
     rows maps their positions to them (:attr:`Commit.runs`). A slot is free when no run,
     no open slot and no kept save refers to it. ``capacity`` is the slots the arrays have.
-    ``takes`` counts the slots taken so far, ``recent`` names the last of them: a reader
-    that read rows of one of them under an older record reads again.
+    ``takes`` counts the slots taken so far (opened by a writer, or emptied by a
+    collection), ``recent`` names the last of them: a reader that read rows of one of them
+    under an older record reads again.
 
     ``legacy``: the record of a store shared under format 2 (blocks taken in ring order),
     converted to runs by the first writer that joins it.

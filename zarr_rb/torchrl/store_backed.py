@@ -276,8 +276,10 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         return self._store.close()
 
     def refresh(self) -> None:
-        """Pick up the writer's latest commit (read-only storages)."""
+        """Pick up the latest commit (readers, and the writers of a shared store); a
+        commit this thread held (a sample drawn and not gathered) is let go."""
         self.__dict__["_refreshed_at"] = time.monotonic()
+        self._store.hold(False)
         self._store.refresh()
         self.initialized = self._store.schema is not None
         if self.initialized:
