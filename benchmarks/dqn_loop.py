@@ -44,7 +44,7 @@ STORAGES = {
 def _one_run(name: str, args: dict[str, Any], out: Any) -> None:
     sys.path.insert(0, str(HERE))
     import torch
-    from _memory import peak_rss_bytes, rss_bytes
+    from _memory import heap_kept_free_bytes, peak_rss_bytes, rss_bytes
     from _sizes import pong_frames
     from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayBuffer
 
@@ -90,8 +90,19 @@ def _one_run(name: str, args: dict[str, Any], out: Any) -> None:
                 "peak_rss_gb": peak_rss_bytes() / 1e9,
                 "rss_growth_gb": (peak_rss_bytes() - before) / 1e9,
                 "raw_gb": min(step, capacity) * row_bytes / 1e9,
+                # Where ZarrStorage's RAM goes (--breakdown): its tier's frames, and the
+                # heap the C library keeps free after the run.
+                "heap_free_gb": (heap_kept_free_bytes() or 0) / 1e9,
+                "tier_frames_gb": _tier_frames_bytes(storage) / 1e9,
             }
         )
+
+
+def _tier_frames_bytes(storage: Any) -> int:
+    """RAM of the frames a ZarrStorage's tier holds (0 for other storages, or no tier)."""
+    store = getattr(storage, "store", None)
+    frames = None if store is None else store.ram.frames
+    return 0 if frames is None else int(frames.frames_nbytes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {name} | {r['extend_ms']:.1f} | {r['sample_ms']:.2f} | {r['peak_rss_gb']:.2f} "
             f"| {r['rss_growth_gb']:.2f} | {ratio} |"
+        )
+    print("\n| storage | RSS growth GB | tier frames GB | heap kept free GB |")
+    print("|---|---|---|---|")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['rss_growth_gb']:.3f} | {r['tier_frames_gb']:.3f} "
+            f"| {r['heap_free_gb']:.3f} |"
         )
     return 0
 

@@ -359,3 +359,33 @@ TestSharedWritersKeepingVersions.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_a_collection_empties_a_slot_once(tmp_path, few_spare_slots, monkeypatch):
+    """A collection counts the slots it empties as taken (a sample holding a commit whose
+    rows were there reads again), and the next collection knows them empty: it deletes
+    nothing and counts nothing (found by review: every save deleted the same slots again
+    and counted them as taken again, which soon made every record too new for held reads
+    to tell)."""
+    path = tmp_path / "rb.zarr"
+    storage, _ = _grow_and_keep(str(path), turns=6)
+    for turn in range(6):
+        storage.store.saves.drop_version(f"v{turn}")
+    deleted: list[list[int]] = []
+    drop = StoreArrays.drop_slots
+
+    def spied(self, keys, slots):
+        deleted.append(list(slots))
+        return drop(self, keys, slots)
+
+    monkeypatch.setattr(StoreArrays, "drop_slots", spied)
+    before = storage.store.commits.read_record().commit
+    rb = ReplayBuffer(storage=storage)
+    for _ in range(3):
+        zarr_rb.save(rb, progress=False)
+    assert deleted == [], deleted
+    after = storage.store.commits.read_record().commit
+    assert after.ring is not None
+    assert before.ring is not None
+    assert after.ring.takes == before.ring.takes
+    storage.close()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -345,5 +346,28 @@ def test_a_draw_never_gathered_is_let_go_by_refresh(tmp_path) -> None:
     assert len(rb) == RING // 2  # (the commit drawn from, until the gather)
     storage.refresh()
     assert len(rb) == RING
+    storage.close()
+    other.rb.storage.close()
+
+
+def test_a_write_after_a_draw_never_gathered_keeps_another_writers_newer_rows(tmp_path) -> None:
+    """A draw holds its commit; a write of some keys that follows it (before any gather)
+    reads the other keys as the store has them now, not as the commit drawn from (found by
+    review: another writer's newer values of the keys not written were written over with
+    the older ones)."""
+    path = tmp_path / "rb.zarr"
+    other = Other(path)
+    storage = ZarrStorage(RING, path, compression=BLOCKS, shared=True)
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=4)
+    rb.sampler.sample(storage, 4)  # (drawn, never gathered)
+    rewritten = episodes(1000, 4)
+    rewritten["index"] = torch.arange(4)
+    other.rb.storage.set(torch.arange(4), rewritten, set_cursor=False)
+    storage.write_leaves(np.arange(4), {("step",): torch.tensor([-1, -2, -3, -4])})
+    reader = ZarrStorage(path=path, read_only=True)
+    rows = reader.get(torch.arange(4))
+    assert rows["step"].tolist() == [-1, -2, -3, -4]
+    assert rows["obs"][:, 0].tolist() == [1000, 1001, 1002, 1003]  # (the other writer's)
+    reader.close()
     storage.close()
     other.rb.storage.close()

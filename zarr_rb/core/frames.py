@@ -206,6 +206,14 @@ class FrameTier:
             for spec, pool in zip(self.specs, self._pools.values(), strict=True)
         )
 
+    @property
+    def frames_nbytes(self) -> int:
+        """RAM of the frames the tier used so far (pages touched), without the ids."""
+        return sum(
+            pool.touched * spec.frame_nbytes
+            for spec, pool in zip(self.specs, self._pools.values(), strict=True)
+        )
+
     def room_rows(self) -> int:
         """About how many more rows fit without evicting: each pool's free frames over the
         frames a resident row takes there on average (one, while no row is resident)."""

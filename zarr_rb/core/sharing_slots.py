@@ -242,7 +242,11 @@ class SharingSlots(Commits):
         empty = ~stored
         empty[[slot for _, slot in ring.open]] = False
         empty[emptied] = True
-        self._emptied = (ring, empty)
+        # The slots this collection emptied count as taken since ``ring``: known from the
+        # record after them, unless other writers took slots meanwhile (perhaps those).
+        after = self.committed.ring
+        alone = after is not None and after.takes - ring.takes == emptied.size
+        self._emptied = (after if alone and after is not None else ring, empty)
         return int(emptied.size)
 
     def _maybe_stored(self, ring: Ring, keys: list[Key]) -> np.ndarray:

@@ -244,6 +244,9 @@ class Store:
         return self.calls.fenced
 
     def check_writable(self) -> None:
+        """Refuse a write the store cannot take. A write lets go of a commit this thread
+        holds (a sample drawn, never gathered): it reads and writes the store as it is."""
+        self.commits.let_go()
         if self.read_only:
             raise ReadOnlyError(
                 f"store {self.url!r} was opened read-only; open it with "
