@@ -244,9 +244,8 @@ class Store:
         return self.calls.fenced
 
     def check_writable(self) -> None:
-        """Refuse a write the store cannot take. A write lets go of a commit this thread
-        holds (a sample drawn, never gathered): it reads and writes the store as it is."""
-        self.commits.let_go()
+        """Refuse a write the store cannot take; let go of this thread's hold, if any."""
+        self.commits.let_go()  # (a write reads and writes the store as it is now)
         if self.read_only:
             raise ReadOnlyError(
                 f"store {self.url!r} was opened read-only; open it with "
@@ -432,8 +431,7 @@ class Store:
 
     @serialized
     def hold(self, on: bool = True) -> None:
-        """A reader of the last commit, or a writer of a shared store: move to it and stay
-        there (``on``), or let go of this thread's hold (see :meth:`Commits.hold`)."""
+        """A reader, or a shared writer: hold the last commit, or let go (see Commits.hold)."""
         if follows_writer(self) or self.commits.shared:
             self.commits.hold() if on else self.commits.let_go()
 
