@@ -11,10 +11,7 @@ it, and raises once it does not."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import tempfile
-import textwrap
 import threading
 from pathlib import Path
 from typing import Any
@@ -24,9 +21,11 @@ import pytest
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from interrupted import DrawnThenInterrupted, Interrupted
 from machines import replayed, run_long
 from tensordict import TensorDict, lazy_stack
-from torchrl.data import RandomSampler, SliceSampler, TensorDictReplayBuffer
+from torchrl.data import SliceSampler, TensorDictReplayBuffer
+from writer_process import slices_beside_a_writer
 
 import zarr_rb
 from zarr_rb import Compression, RowsNotCommittedError, ZarrStorage
@@ -48,26 +47,13 @@ def episodes(first: int, count: int) -> TensorDict:
     )
 
 
-class _Interrupted(SliceSampler):
-    """A slice sampler that lets the writer commit between its scan and the gather."""
-
-    def __init__(self, meanwhile: Any, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.meanwhile = meanwhile
-
-    def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> Any:
-        found = super()._get_stop_and_length(storage, fallback)
-        self.meanwhile()
-        return found
-
-
 def _writer_and_reader(path: Path, meanwhile: Any) -> tuple[Any, Any]:
     writer = TensorDictReplayBuffer(storage=ZarrStorage(RING, path, compression=BLOCKS))
     writer.extend(episodes(0, RING))
     writer.storage.flush()
     reader = TensorDictReplayBuffer(
         storage=ZarrStorage(path=path, read_only=True),
-        sampler=_Interrupted(meanwhile, slice_len=EPISODE, traj_key="episode"),
+        sampler=Interrupted(meanwhile, slice_len=EPISODE, traj_key="episode"),
         batch_size=3 * EPISODE,
     )
     return writer, reader
@@ -105,7 +91,7 @@ class _Writer:
 def _reader(path: Path, meanwhile: Any) -> Any:
     return TensorDictReplayBuffer(
         storage=ZarrStorage(path=path, read_only=True),
-        sampler=_Interrupted(meanwhile, slice_len=EPISODE, traj_key="episode"),
+        sampler=Interrupted(meanwhile, slice_len=EPISODE, traj_key="episode"),
         batch_size=3 * EPISODE,
     )
 
@@ -212,19 +198,6 @@ def test_a_sample_whose_commit_the_writer_no_longer_keeps_raises(store_path: Pat
     writer.rb.storage.close()
 
 
-class _RandomThenWrite(RandomSampler):
-    """A random sampler that lets the writer commit between its draw and the gather."""
-
-    def __init__(self, meanwhile: Any) -> None:
-        super().__init__()
-        self.meanwhile = meanwhile
-
-    def sample(self, storage: Any, batch_size: int) -> Any:
-        drawn = super().sample(storage, batch_size)
-        self.meanwhile()
-        return drawn
-
-
 def test_a_random_sample_reads_the_length_it_drew_from(store_path: Path) -> None:
     """The writer empties the buffer and writes fewer rows between a random draw and its
     gather: the rows drawn are gathered as the commit drawn from has them."""
@@ -236,7 +209,7 @@ def test_a_random_sample_reads_the_length_it_drew_from(store_path: Path) -> None
 
     reader = TensorDictReplayBuffer(
         storage=ZarrStorage(path=store_path, read_only=True),
-        sampler=_RandomThenWrite(shorter),
+        sampler=DrawnThenInterrupted(shorter),
         batch_size=64,
     )
     expected = writer.rows()
@@ -284,68 +257,25 @@ def test_two_threads_sampling_one_reader_each_read_their_commit(store_path: Path
 
 # --- a writer process that commits without pause -----------------------------------------
 
-WRITER = textwrap.dedent(
-    """
-    import sys
-    from pathlib import Path
-    import torch
-    from tensordict import TensorDict
-    from torchrl.data import TensorDictReplayBuffer
-    from zarr_rb import Compression, ZarrStorage
-
-    path, stop = sys.argv[1], Path(sys.argv[2])
-    rb = TensorDictReplayBuffer(
-        storage=ZarrStorage(64, path, compression=Compression(block_rows=8))
-    )
-    g = torch.Generator().manual_seed(0)
-    step = 0
-    for _ in range(20_000):  # (a bound, should the test die without stopping it)
-        if stop.exists():
-            break
-        n = int(torch.randint(1, 24, (), generator=g))
-        t = torch.arange(step, step + n)
-        rb.extend(TensorDict({"step": t, "episode": t // 8}, batch_size=[n]))
-        rb.storage.flush()
-        step += n
-    rb.storage.close()
-    """
-)
-
 
 def test_a_readers_slices_are_whole_episodes_while_a_writer_process_commits(tmp_path) -> None:
     """A writer process extends a 64-row ring by 1-23 rows and commits, without pause; a
     reader samples slices of episodes of 8 steps meanwhile: every slice it returns is 4
     consecutive steps of one episode (before, a commit landing between a sample's scan and
     its gather joined two episodes, or crossed the writer's head)."""
-    path, stop = tmp_path / "rb.zarr", tmp_path / "stop"
+    path = tmp_path / "rb.zarr"
     seed = TensorDictReplayBuffer(storage=ZarrStorage(64, path, compression=BLOCKS))
     seed.extend(TensorDict({"step": torch.arange(64), "episode": torch.arange(64) // 8}, [64]))
     seed.storage.close()
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(stop)])
     reader = TensorDictReplayBuffer(
         storage=ZarrStorage(path=path, read_only=True),
         sampler=SliceSampler(slice_len=4, traj_key="episode"),
         batch_size=32,
     )
-    whole, raised, generations = 0, 0, set()
     try:
-        while whole < 300 or len(generations) < 50:
-            assert writer.poll() is None, "the writer stopped"
-            try:
-                batch = reader.sample()
-            except RowsNotCommittedError:
-                raised += 1
-                continue
-            steps = batch["step"].view(-1, 4)
-            assert bool((steps[:, 1:] - steps[:, :-1] == 1).all()), steps.tolist()
-            assert torch.equal(batch["episode"].view(-1, 4), steps // 8), steps.tolist()
-            whole += 1
-            generations.add(reader.storage._store.committed.generation)
+        whole, raised = slices_beside_a_writer(path, reader, shared=False, first_step=0)
     finally:
-        stop.touch()
-        writer.wait(timeout=120)
         reader.storage.close()
-    assert writer.returncode == 0
     assert raised < whole, (raised, whole)
 
 

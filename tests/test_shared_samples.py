@@ -5,9 +5,6 @@ written over; a random draw is then drawn again from the newest commit."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,8 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from interrupted import DrawnThenInterrupted, Interrupted
 from tensordict import TensorDict
-from torchrl.data import RandomSampler, SliceSampler, TensorDictReplayBuffer
+from torchrl.data import SliceSampler, TensorDictReplayBuffer
+from writer_process import slices_beside_a_writer
 
 import zarr_rb
 from zarr_rb import Compression, RowsNotCommittedError, ZarrStorage
@@ -61,32 +60,6 @@ class Other:
             self.rb.extend(episodes(self.next, n))
             self.next += n
             self.rb.storage.flush()
-
-
-class Interrupted(SliceSampler):
-    """A slice sampler that lets other writers commit between its scan and the gather."""
-
-    def __init__(self, meanwhile: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.meanwhile = meanwhile
-
-    def _get_stop_and_length(self, storage: Any, fallback: bool = True) -> Any:
-        found = super()._get_stop_and_length(storage, fallback)
-        self.meanwhile()
-        return found
-
-
-class DrawnThenInterrupted(RandomSampler):
-    """A random sampler that lets other writers commit between its draw and the gather."""
-
-    def __init__(self, meanwhile: Callable[[], None]) -> None:
-        super().__init__()
-        self.meanwhile = meanwhile
-
-    def sample(self, storage: Any, batch_size: int) -> Any:
-        drawn = super().sample(storage, batch_size)
-        self.meanwhile()
-        return drawn
 
 
 def sampler_writer(path: Path, sampler: Any, batch_size: int) -> TensorDictReplayBuffer:
@@ -159,64 +132,22 @@ def test_a_random_draw_whose_slots_were_taken_again_is_drawn_again(tmp_path) -> 
 
 # --- another writer process that commits without pause -----------------------------------
 
-WRITER = textwrap.dedent(
-    """
-    import sys
-    from pathlib import Path
-    import torch
-    from tensordict import TensorDict
-    from torchrl.data import TensorDictReplayBuffer
-    from zarr_rb import Compression, ZarrStorage
-
-    path, stop = sys.argv[1], Path(sys.argv[2])
-    storage = ZarrStorage(64, path, compression=Compression(block_rows=8), shared=True)
-    rb = TensorDictReplayBuffer(storage=storage)
-    g = torch.Generator().manual_seed(0)
-    step = 64
-    for _ in range(20_000):  # (a bound, should the test die without stopping it)
-        if stop.exists():
-            break
-        n = int(torch.randint(1, 24, (), generator=g))
-        t = torch.arange(step, step + n)
-        rb.extend(TensorDict({"step": t, "episode": t // 8}, batch_size=[n]))
-        rb.storage.flush()
-        step += n
-    rb.storage.close()
-    """
-)
-
 
 def test_slices_are_whole_episodes_while_another_writer_process_commits(tmp_path) -> None:
     """Another process extends the shared 64-row ring by 1-23 rows and commits, without
     pause; this writer samples 4-step slices meanwhile: every slice it returns is 4
     consecutive steps of one episode."""
-    path, stop = tmp_path / "rb.zarr", tmp_path / "stop"
+    path = tmp_path / "rb.zarr"
     storage = ZarrStorage(64, path, compression=BLOCKS, shared=True)
     rb = TensorDictReplayBuffer(
         storage=storage, sampler=SliceSampler(slice_len=4, traj_key="episode"), batch_size=32
     )
     rb.extend(TensorDict({"step": torch.arange(64), "episode": torch.arange(64) // 8}, [64]))
     rb.storage.flush()
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(stop)])
-    whole, raised, generations = 0, 0, set()
     try:
-        while whole < 300 or len(generations) < 50:
-            assert writer.poll() is None, "the other writer stopped"
-            try:
-                batch = rb.sample()
-            except RowsNotCommittedError:
-                raised += 1
-                continue
-            steps = batch["step"].view(-1, 4)
-            assert bool((steps[:, 1:] - steps[:, :-1] == 1).all()), steps.tolist()
-            assert torch.equal(batch["episode"].view(-1, 4), steps // 8), steps.tolist()
-            whole += 1
-            generations.add(storage._store.committed.generation)
+        whole, raised = slices_beside_a_writer(path, rb, shared=True, first_step=64)
     finally:
-        stop.touch()
-        writer.wait(timeout=120)
-        rb.storage.close()
-    assert writer.returncode == 0
+        storage.close()
     assert raised < whole, (raised, whole)
 
 
