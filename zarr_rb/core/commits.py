@@ -21,7 +21,7 @@ import abc
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
@@ -153,6 +153,19 @@ class Commits(abc.ABC):
     def held(self) -> Commit | None:
         """The commit this thread holds, if it holds one (see :meth:`hold`)."""
         return self._holds.get(threading.get_ident()) if self._holds else None
+
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """A write by this thread reads and writes the store as it is now: a commit the
+        thread holds (a sample drawn, not gathered yet) is put aside meanwhile, and held
+        again after (the sample's gather reads it)."""
+        ident = threading.get_ident()
+        held = self._holds.pop(ident, None)
+        try:
+            yield
+        finally:
+            if held is not None:
+                self._holds[ident] = held
 
     def let_go(self) -> None:
         """This thread's hold ends: its next read moves to the last commit again."""

@@ -244,8 +244,7 @@ class Store:
         return self.calls.fenced
 
     def check_writable(self) -> None:
-        """Refuse a write the store cannot take; let go of this thread's hold, if any."""
-        self.commits.let_go()  # (a write reads and writes the store as it is now)
+        """Refuse a write the store cannot take (read-only, closed, fenced)."""
         if self.read_only:
             raise ReadOnlyError(
                 f"store {self.url!r} was opened read-only; open it with "

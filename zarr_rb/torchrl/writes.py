@@ -56,6 +56,10 @@ class StorageWrites(OneCommitSamples):
 
     @io_boundary
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        with self._store.commits.set_aside():  # (a write reads the store as it is now)
+            self._set_now(cursor, data, set_cursor=set_cursor)
+
+    def _set_now(self, cursor: Any, data: Any, *, set_cursor: bool) -> None:
         store = self._store
         store.check_writable()
         if isinstance(data, list):
@@ -166,6 +170,12 @@ class StorageWrites(OneCommitSamples):
 
     @io_boundary
     def write_leaves(self, rows: np.ndarray, values: dict[Key, torch.Tensor]) -> None:
+        """Write ``values[key][i]`` into row ``rows[i]`` of some leaves (see
+        :meth:`_write_leaves_now`)."""
+        with self._store.commits.set_aside():  # (a write reads the store as it is now)
+            self._write_leaves_now(rows, values)
+
+    def _write_leaves_now(self, rows: np.ndarray, values: dict[Key, torch.Tensor]) -> None:
         """Write ``values[key][i]`` into row ``rows[i]`` of some leaves, together (any order;
         the last of repeated rows wins): what writes into the lazy columns of ``storage[:]``
         and ``rb.update_if_present`` do.
