@@ -147,7 +147,8 @@ class Commits(abc.ABC):
         after it, until it lets go. See ``docs/design/reader-snapshots.md``."""
         self.refresh()
         alive = {thread.ident for thread in threading.enumerate()}
-        self._holds = {ident: c for ident, c in self._holds.items() if ident in alive}
+        for ident in [ident for ident in self._holds if ident not in alive]:
+            self._holds.pop(ident, None)  # (in place: a thread's set_aside puts its own back)
         self._holds[threading.get_ident()] = self.committed
 
     def held(self) -> Commit | None:
