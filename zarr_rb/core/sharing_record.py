@@ -134,31 +134,31 @@ class SharingRecord(SharingSlots):
         """The record's commit as it is now, without picking it up (the next commit stays
         conditional on the record this writer last adopted): one read, parsed only when
         the record was written since the last such read."""
-        where = f"store {self.store.url!r}"
         found = self.store.engine.location.read_versioned(ROOT_METADATA)
         if self._latest is not None and self._latest[0] == found.generation:
             return self._latest[1]
-        if found.value is None:
-            raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
         try:
-            document = load_json(found.value)
+            document = None if found.value is None else load_json(found.value)
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise StoreCorruptedError(
-                f"{where}: root zarr.json is not valid JSON ({err})"
+                f"store {self.store.url!r}: root zarr.json is not valid JSON ({err})"
             ) from None
-        if not isinstance(document, dict):
-            raise StoreCorruptedError(f"{where}: root zarr.json is not a JSON object")
-        check_is_store(document, where)
-        commit = parse_record(document, where, engine=self.store.engine).commit
+        if document is not None and not isinstance(document, dict):
+            raise StoreCorruptedError(
+                f"store {self.store.url!r}: root zarr.json is not a JSON object"
+            )
+        commit = self._parse(document, adopt=False).commit
         self._latest = (found.generation, commit)
         return commit
 
-    def _parse(self, document: dict[str, Any] | None) -> StoreMeta:
+    def _parse(self, document: dict[str, Any] | None, *, adopt: bool = True) -> StoreMeta:
+        """The record ``document``; ``adopt``: the next commit is conditional on it (see
+        :func:`~zarr_rb.core.metadata.parse_record`)."""
         where = f"store {self.store.url!r}"
         if document is None:
             raise StoreCorruptedError(f"{where}: its root zarr.json is gone")
         check_is_store(document, where)
-        return parse_record(document, where, engine=self.store.engine, adopt=True)
+        return parse_record(document, where, engine=self.store.engine, adopt=adopt)
 
     def refresh(self) -> Commit:
         """Pick up what other writers committed (one read of the record, no more when it

@@ -39,7 +39,7 @@ class OneCommitSamples(StoreBacked):
     def draw_again(self) -> None:
         """Rows a sample drew were gone before they could be read: move to the last
         commit (this thread holds it from now on, if it held one), to draw again there."""
-        if self._samples_hold() and self._store.commits.held() is not None:
+        if self._store.commits.held() is not None:  # (held: only where samples hold)
             self.begin_sample()
         else:
             self.refresh()
