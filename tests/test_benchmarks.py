@@ -199,10 +199,28 @@ def test_dedup_benchmark_smoke(tmp_path, monkeypatch, capsys):
     stacks = np.stack([single[i : i + 4] for i in range(64 + 1)])
     monkeypatch.setattr(run, "atari_episode_frames", lambda game, rows, seed: (stacks, None))
     out = tmp_path / "dedup.json"
-    assert dedup.main(["--games", "pong", "--rows", "64", "--rounds", "2", "--json", str(out)]) == 0
+    args = ["--games", "pong", "--rows", "64", "--rounds", "2", "--write-rounds", "1"]
+    assert dedup.main([*args, "--json", str(out)]) == 0
     results = json.loads(out.read_text())["pong"]
     assert results["single frames"]["raw_over_disk"] > 1  # each frame once, not 8 times
+    assert results["single frames, 8 to a row"]["raw_over_disk"] > 1
+    assert results["copy into the page cache (obs, next/obs)"]["write_gb_per_s"] > 0
     assert "| stacked, two keys (zarr_rb today) |" in capsys.readouterr().out
+    sys.modules.pop("run", None)
+
+
+def test_frames_once_benchmark_smoke(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import frames_once
+
+    out = tmp_path / "frames_once.json"
+    args = ["--datasets", "random", "--rows", "512", "--rounds", "1", "--dir", str(tmp_path)]
+    assert frames_once.main([*args, "--json", str(out)]) == 0  # (rows rebuilt and checked)
+    results = json.loads(out.read_text())["random"]
+    # Stacks of consecutive random frames: next/obs[i] is obs[i + 1] inside a block, so 4
+    # new frames a row, and the first row of each block's next/obs.
+    assert 4 <= results["new_frames_per_row"] < 4.1
+    assert "| random |" in capsys.readouterr().out
     sys.modules.pop("run", None)
 
 
