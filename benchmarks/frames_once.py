@@ -11,13 +11,14 @@ and of ZarrStorage as it is, in turn (``run.py``'s data and extends: 8,192 rows,
     python benchmarks/frames_once.py --datasets pong,random --rounds 5
 
 The prototype fill, per block: finds the new frames of the block with the RAM tier's
-comparisons (:func:`zarr_rb.core.frames._plan`, with no row before the block), copies them
-into the block's cells and into a pool (the RAM tier's copy), and writes the cells (8 to a
-row, one row per inner chunk) and the ids of each row's frames through TensorStore with
-zarr_rb's codecs (zstd -1, CRC32C, one shard per block); each extend waits for its writes,
-every file synced, then syncs a record. It leaves out the small keys (action, reward, done:
-a few kB a block) and TorchRL's own work in ``extend``, which the other two fills include:
-it bounds what the design can reach, it does not measure a build of it.
+comparisons (:func:`zarr_rb.core.frame_plans.plan_frames`, with no row before the block),
+copies them into the block's cells and into a pool (the RAM tier's copy), and writes the
+cells (8 to a row, one row per inner chunk) and the ids of each row's frames through
+TensorStore with zarr_rb's codecs (zstd -1, CRC32C, one shard per block); each extend waits
+for its writes, every file synced, then syncs a record. It leaves out the small keys
+(action, reward, done: a few kB a block) and TorchRL's own work in ``extend``, which the
+other two fills include: it bounds what the design can reach, it does not measure a build
+of it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import run
 import tensorstore as ts
 import torch
 
-from zarr_rb.core.frames import FrameKeys, _as_bytes, _copy_frames, _plan
+from zarr_rb.core.frame_plans import FrameKeys, copy_frames, frame_bytes, plan_frames
 from zarr_rb.core.mirror import zeros
 
 HERE = Path(__file__).resolve().parent
@@ -107,7 +108,7 @@ def frames_once_fill(data: Any, where: Path) -> tuple[float, float]:
         for first in range(begin, min(rows, begin + run.BATCH), BLOCK):
             stop = first + BLOCK
             values = {spec.key: obs[first:stop], spec.next_key: nxt[first:stop]}
-            plan = _plan(spec, values, None)
+            plan = plan_frames(spec, values, None)
             fresh = plan.fresh_count
             cells = zeros((-(-fresh // CELLS) * CELLS, frame), torch.uint8).numpy()
             ids = np.empty(plan.links.size, dtype=np.int64)
@@ -118,8 +119,8 @@ def frames_once_fill(data: Any, where: Path) -> tuple[float, float]:
                 chosen = plan.fresh_slots[
                     (plan.fresh_slots >= i * per_key) & (plan.fresh_slots < (i + 1) * per_key)
                 ]
-                source = _as_bytes(values[key].reshape(-1, *frame_shape))
-                _copy_frames(cells, ids[chosen], source, chosen - i * per_key)
+                source = frame_bytes(values[key].reshape(-1, *frame_shape))
+                copy_frames(cells, ids[chosen], source, chosen - i * per_key)
             pool[pooled : pooled + fresh] = cells[:fresh]
             pooled += fresh
             row_ids = ids.reshape(2, -1, stack).transpose(1, 0, 2).astype(np.int16)

@@ -171,7 +171,7 @@ def test_rows_whose_frames_failed_to_go_into_the_tier_are_not_read_as_their_old_
     rb = TensorDictReplayBuffer(storage=storage, batch_size=2)
     rb.extend(_episode(32, 4, 24, torch.uint8))  # every row resident
     new = _episode(16, 4, 24, torch.uint8, start=100)
-    plan = "zarr_rb.core.frames._plan"
+    plan = "zarr_rb.core.frames.plan_frames"
     with mock.patch(plan, side_effect=MemoryError("no room")), pytest.raises(MemoryError):
         rb.extend(new)  # rows 0-15 again
     live = storage.get(torch.arange(32)).exclude("index")

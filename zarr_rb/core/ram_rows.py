@@ -20,7 +20,8 @@ from zarr_rb.core.arrays import StoreArrays
 from zarr_rb.core.calls import Calls
 from zarr_rb.core.disk_reads import place, rows_as_of
 from zarr_rb.core.dtypes import TORCH_DTYPES
-from zarr_rb.core.frames import FrameTier, frame_keys
+from zarr_rb.core.frame_plans import frame_keys
+from zarr_rb.core.frames import FrameTier
 from zarr_rb.core.mirror import Mirror, put_rows, zeros
 from zarr_rb.core.ram_fill import FillStore, TierFill
 from zarr_rb.core.store_facts import StoreFacts

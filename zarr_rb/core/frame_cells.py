@@ -1,0 +1,263 @@
+"""A stacked leaf and its ``("next", ...)`` twin on disk as frames, each stored once per
+block: the cells and frame ids of ``docs/design/frames-on-disk.md``.
+
+For a :class:`~zarr_rb.core.frame_plans.FrameKeys` with ``K`` keys, ``L`` lanes and stacks of
+``S`` frames, the *cells* array holds ``C = K * L * S`` frames per row, and each block of
+``block_rows`` rows owns the cells of its rows (its *region*). A block's new frames fill
+its region in order; each key's *ids* array holds, per row, lane and frame of the stack, the
+cell of the row's own block that holds the frame. A block is self-contained: its objects
+copied as stored into another slot read the same.
+
+Cells are taken from a slot's *mark* up and never written again in place (the mark goes
+back to 0 only when the ring takes a free slot for a block, :meth:`FrameCells.take_slots`).
+Which frames are new is found by exact comparison of bytes, as the RAM tier does
+(:func:`~zarr_rb.core.frame_plans.plan_frames`): a row that fits no pattern gets new frames,
+never a wrong one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from zarr_rb.core.frame_plans import FrameKeys, copy_frames, frame_bytes, plan_frames
+from zarr_rb.engine.layout import LeafLayout
+from zarr_rb.engine.rows import RowArray
+from zarr_rb.errors import StoreCorruptedError
+from zarr_rb.util.keys import Key
+
+ID_DTYPE = np.dtype(np.int32)
+"""The dtype of the frame ids (a region holds at most ``block_rows * C`` cells)."""
+
+
+def cells_per_row(spec: FrameKeys) -> int:
+    """Frame cells a row owns in its block's region: one per frame of its stacks."""
+    return spec.slots_per_row
+
+
+def cell_layouts(spec: FrameKeys, rows: int, block_rows: int) -> tuple[LeafLayout, LeafLayout]:
+    """The layouts of the cells array (``[rows, C, *frame]``, one shard per block, one row of
+    cells per inner chunk) and of an ids array (``[rows, L, S]``, one chunk per block, so
+    that a block's objects move together)."""
+    cells = cells_per_row(spec)
+    frame = tuple(spec.frame_shape)
+    return (
+        LeafLayout(
+            shape=(rows, cells, *frame),
+            chunks=(1, cells, *frame),
+            shards=(block_rows, cells, *frame),
+        ),
+        LeafLayout(
+            shape=(rows, spec.lanes, spec.stack),
+            chunks=(block_rows, spec.lanes, spec.stack),
+            shards=None,
+        ),
+    )
+
+
+class RegionFullError(Exception):
+    """A write would need more cells than its block's region has past the slot's mark: the
+    block must move to a free slot (:meth:`FrameCells.room`)."""
+
+
+@dataclasses.dataclass(eq=False)
+class FrameCells:
+    """The frames of ``spec``'s keys in the arrays ``cells`` and ``ids`` (one per key)."""
+
+    spec: FrameKeys
+    cells: RowArray
+    ids: Mapping[Key, RowArray]
+    block_rows: int
+    _marks: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Slots whose mark this writer knows: the cells ``[0, mark)`` of the slot's region may
+    be named by a row; new cells are taken from the mark up."""
+
+    @property
+    def cells_per_row(self) -> int:
+        return cells_per_row(self.spec)
+
+    @property
+    def region_cells(self) -> int:
+        return self.block_rows * self.cells_per_row
+
+    # --- marks -----------------------------------------------------------------------------
+
+    def take_slots(self, slots: Iterable[int]) -> None:
+        """Slots the ring took for blocks, which no record refers to: their regions are free."""
+        for slot in slots:
+            self._marks[int(slot)] = 0
+
+    def mark(self, slot: int) -> int:
+        """The first cell of ``slot``'s region that no row may name (found from the ids on
+        disk the first time: the highest named, plus one, rounded up to a row of cells)."""
+        known = self._marks.get(slot)
+        if known is None:
+            known = self._marks[slot] = self._mark_on_disk(slot)
+        return known
+
+    def _mark_on_disk(self, slot: int) -> int:
+        first = slot * self.block_rows
+        rows = np.arange(first, min(first + self.block_rows, self.cells.shape[0]))
+        highest = -1
+        for array in self.ids.values():
+            if slot not in array.stored_chunks():
+                continue  # never written: no row of the slot names a cell through it
+            try:
+                named = array.read_rows(rows).result()
+            except ValueError as err:
+                raise array.damage_error(rows, err) from None
+            highest = max(highest, int(named.max()))
+        return _whole_rows_of_cells(highest + 1, self.cells_per_row)
+
+    def room(self, slot: int, rows: int) -> bool:
+        """Whether ``rows`` rows written into ``slot`` surely find their cells past its mark
+        (each row takes at most ``C`` new cells)."""
+        return self.mark(slot) + rows * self.cells_per_row <= self.region_cells
+
+    def copy_chunk(self, source: int, target: int) -> None:
+        """Copy the objects of slot ``source`` onto slot ``target``, as stored (the ids name
+        cells of their own block, so they read the same there); ``target``'s mark is
+        ``source``'s."""
+        mark = self.mark(source)
+        self.cells.copy_chunk(source, target)
+        for array in self.ids.values():
+            array.copy_chunk(source, target)
+        self._marks[target] = mark
+
+    # --- writes ----------------------------------------------------------------------------
+
+    def start_write(
+        self,
+        rows: np.ndarray,
+        values: Mapping[Key, torch.Tensor],
+        *,
+        behind: bool = False,
+    ) -> list[tuple[Any, list[str]]]:
+        """Start writing the rows ``rows`` of the arrays (sorted, unique) with the ``values``
+        of one or both keys: each block's new frames into cells past its slot's mark, and
+        the rows' ids. Returns the writes started and the objects each writes.
+
+        Raises:
+            RegionFullError: a block's region has too few cells left past its mark (nothing
+                is written then).
+        """
+        spec = self._spec_for(values.keys())
+        blocks = rows // self.block_rows
+        bounds = np.flatnonzero(np.diff(blocks)) + 1
+        parts = np.split(np.arange(rows.size), bounds)
+        for part in parts:
+            if not self.room(int(blocks[part[0]]), part.size):
+                raise RegionFullError(f"block {int(blocks[part[0]])} of {self.cells.path!r}")
+        started: list[tuple[Any, list[str]]] = []
+        for part in parts:
+            picked = torch.from_numpy(part)
+            block_values = {key: values[key].index_select(0, picked) for key in spec.keys}
+            started.extend(
+                self._write_block(int(blocks[part[0]]), rows[part], block_values, spec, behind)
+            )
+        return started
+
+    def _spec_for(self, keys: Iterable[Key]) -> FrameKeys:
+        given = [key for key in self.spec.keys if key in keys]
+        if len(given) == len(self.spec.keys):
+            return self.spec
+        # One key alone: its stacks compared with each other only.
+        return dataclasses.replace(self.spec, key=given[0], next_key=None)
+
+    def _write_block(
+        self,
+        slot: int,
+        rows: np.ndarray,
+        values: Mapping[Key, torch.Tensor],
+        spec: FrameKeys,
+        behind: bool,
+    ) -> list[tuple[Any, list[str]]]:
+        per_row = self.cells_per_row
+        plan = plan_frames(spec, values, None)
+        fresh = plan.fresh_count
+        taken = _whole_rows_of_cells(fresh, per_row)
+        mark = self.mark(slot)
+        nbytes = spec.frame_nbytes
+        cells = np.zeros((taken, nbytes), dtype=np.uint8)
+        slot_ids = np.empty(plan.links.size, dtype=np.int64)
+        slot_ids[plan.fresh_slots] = np.arange(fresh)
+        slot_ids = slot_ids[plan.links]  # every slot takes the cell of the slot it links to
+        per_key = plan.slots_per_key
+        ids: dict[Key, np.ndarray] = {}
+        for i, key in enumerate(spec.keys):
+            chosen = plan.fresh_slots[
+                (plan.fresh_slots >= i * per_key) & (plan.fresh_slots < (i + 1) * per_key)
+            ]
+            source = values[key].to(spec.dtype).reshape(-1, *spec.frame_shape)
+            copy_frames(cells, slot_ids[chosen], frame_bytes(source), chosen - i * per_key)
+            key_ids = mark + slot_ids[i * per_key : (i + 1) * per_key]
+            ids[key] = key_ids.astype(ID_DTYPE).reshape(rows.size, spec.lanes, spec.stack)
+        dtype = np.dtype(self.cells.dtype)
+        frames = cells.view(dtype).reshape(taken // per_row, per_row, *spec.frame_shape)
+        first_row = slot * self.block_rows + mark // per_row
+        cell_rows = np.arange(first_row, first_row + frames.shape[0])
+        started = []
+        if frames.shape[0]:
+            started.append(self.cells.start_write_rows(cell_rows, frames, behind=behind))
+        for key, key_ids in ids.items():
+            started.append(self.ids[key].start_write_rows(rows, key_ids, behind=behind))
+        self._marks[slot] = mark + taken
+        return started
+
+    # --- reads -----------------------------------------------------------------------------
+
+    def read(self, rows: np.ndarray, keys: Sequence[Key]) -> dict[Key, torch.Tensor]:
+        """The rows ``rows`` of the arrays (any order, repeats allowed) of ``keys``, rebuilt
+        from their cells.
+
+        Raises:
+            ChunkCorruptedError: an object the rows need cannot be read back intact, or is
+                missing.
+            StoreCorruptedError: an id names a cell outside its block's region.
+        """
+        spec = self.spec
+        per_row = self.cells_per_row
+        pending = {key: self.ids[key].read_rows(rows) for key in keys}
+        named: dict[Key, np.ndarray] = {}
+        for key, future in pending.items():
+            try:
+                named[key] = future.result().astype(np.int64)
+            except ValueError as err:
+                raise self.ids[key].damage_error(rows, err) from None
+        if not rows.size:
+            return {key: torch.empty((0, *spec.element_shape), dtype=spec.dtype) for key in keys}
+        everything = np.concatenate([named[key].reshape(rows.size, -1) for key in keys], axis=1)
+        if everything.min() < 0 or everything.max() >= self.region_cells:
+            raise StoreCorruptedError(
+                f"array {self.ids[keys[0]].path!r}: a frame id outside its block's "
+                f"{self.region_cells} cells (rows {rows[:8].tolist()}...): the store is "
+                "damaged. Restore it from a copy, or run zarr_rb.verify(path)"
+            )
+        cells = (rows - rows % self.block_rows)[:, None] * per_row + everything
+        wanted, where = np.unique(cells // per_row, return_inverse=True)
+        try:
+            stored = self.cells.read_rows(wanted).result()
+        except ValueError as err:
+            raise self.cells.damage_error(wanted, err) from None
+        flat = torch.from_numpy(stored).view(wanted.size * per_row, *spec.frame_shape)
+        at = where.reshape(cells.shape) * per_row + cells % per_row
+        gathered = flat.index_select(0, torch.from_numpy(at.reshape(-1)))
+        per_key = math.prod(spec.element_shape) // math.prod(spec.frame_shape)
+        out = {}
+        for i, key in enumerate(keys):
+            part = gathered.view(rows.size, len(keys) * per_key, *spec.frame_shape)
+            out[key] = part[:, i * per_key : (i + 1) * per_key].reshape(
+                rows.size, *spec.element_shape
+            )
+        return out
+
+
+def _whole_rows_of_cells(cells: int, per_row: int) -> int:
+    """``cells`` rounded up to whole rows of cells (a write never shares an inner chunk with
+    an earlier one)."""
+    return -(-cells // per_row) * per_row
