@@ -9,6 +9,7 @@ cursors, stored rows, samples. The patterns are those of TorchRL's own replay-bu
 from __future__ import annotations
 
 import inspect
+import io
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -306,6 +307,48 @@ def test_state_dict_of_the_same_store_copies_nothing(tmp_path: Path) -> None:
     storage.load_state_dict(state)  # back to the state's length and cursor, in place
     assert len(storage) == 30
     assert storage.cursor == 30
+
+
+def _saved(state: dict) -> dict:
+    """``state`` through ``torch.save`` and ``torch.load`` (as a checkpoint on disk)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("serialized", [True, False], ids=["saved", "in-memory"])
+def test_a_state_dict_loaded_back_after_its_rows_were_written_over(tmp_path, serialized):
+    # The rows a state carries come back where rows were written over since it was taken:
+    # the saved values after torch.save (the state holds them), the rows as they are now
+    # when it stayed in memory (LazyTensorStorage's state holds its live tensor).
+    theirs, ours = twins(tmp_path, lambda s: TensorDictReplayBuffer(storage=s), max_size=10)
+    for rb in (theirs, ours):
+        rb.extend(transitions(6))
+        state = rb.state_dict()
+        state = _saved(state) if serialized else state
+        rb.extend(transitions(10, start=100))  # over every row
+        rb.load_state_dict(state)
+        assert len(rb) == 6
+    same(ours.storage[:], theirs.storage[:])
+    ours.extend(transitions(3, start=200))
+    theirs.extend(transitions(3, start=200))
+    same(ours.storage[:], theirs.storage[:])
+
+
+def test_a_saved_state_dict_of_an_unchanged_store_copies_nothing(tmp_path, monkeypatch):
+    storage = _filled(ZarrStorage(40, tmp_path / "rb.zarr", compression=SMALL))
+    state = _saved(storage.state_dict())
+    storage.set(torch.arange(30, 35), transitions(5, start=30))  # past its rows only
+    writes = []
+    original = storage._store.write
+    monkeypatch.setattr(
+        storage._store, "write", lambda *a, **k: writes.append(a) or original(*a, **k)
+    )
+    storage.load_state_dict(state)
+    assert writes == []  # in place: its rows are those it covered
+    assert (len(storage), storage.cursor) == (30, 30)
+    same(storage[:], _filled(LazyTensorStorage(40))[:])
 
 
 # --- 4. columns added by a later write --------------------------------------------------------

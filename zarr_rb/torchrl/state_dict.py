@@ -3,8 +3,9 @@
 TorchRL's tensor storages describe themselves as ``{"_storage": rows, "initialized": ...,
 "_len": ...}``, where ``rows`` is the full-capacity tensor, or a TensorDict's
 ``state_dict()``. A ZarrStorage hands out the same, with its rows as lazy columns (read
-from disk only when the receiver copies them), plus the path and cursor of its store, so
-that loading it back into the same store copies nothing.
+from disk only when the receiver copies them), plus the path, cursor and epoch of its
+store, so that loading it back into the same store copies nothing while the rows it covered
+are still there.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from tensordict import TensorDict, is_non_tensor, is_tensor_collection
 from torchrl.data.replay_buffers.storages import Storage
 
+from zarr_rb.torchrl.columns import LazyColumn
 from zarr_rb.torchrl.data_kinds import clone, flip_list, nbytes_per_row, select
 from zarr_rb.torchrl.reads import StorageReads
 from zarr_rb.util.progress import copy_in_blocks
@@ -44,7 +46,11 @@ def state_of(storage: StorageReads) -> dict[str, Any]:
         "_storage": rows,
         "initialized": storage.initialized,
         "_len": len(storage),
-        STATE_KEY: {"path": storage.url, "cursor": storage.cursor},
+        STATE_KEY: {
+            "path": storage.url,
+            "cursor": storage.cursor,
+            "epoch": storage.committed_epoch(),
+        },
     }
 
 
@@ -68,8 +74,17 @@ def load_state(storage: StorageReads, state: dict[str, Any]) -> None:
         return
     length = int(state["_len"])
     if ours is not None and _same_store(str(ours["path"]), storage):
-        storage.restore(length=length, cursor=int(ours["cursor"]))
-        return
+        # Nothing to copy where the rows it covered are still the store's, or where it
+        # holds the store's own lazy columns (kept in memory: the rows as they are now,
+        # as LazyTensorStorage's state holds its live tensor). A state saved and loaded
+        # holds its values: those of rows written over since are copied below.
+        in_memory = _holds_columns(rows)
+        epoch = ours.get("epoch")
+        if in_memory or (
+            epoch is not None and storage.holds_rows_of(length=length, epoch=int(epoch))
+        ):
+            storage.restore(length=length, cursor=int(ours["cursor"]))
+            return
     if isinstance(rows, dict):
         if not rows or not state.get("initialized", True):
             storage.restore(length=0, cursor=0)
@@ -87,6 +102,13 @@ def load_state(storage: StorageReads, state: dict[str, Any]) -> None:
     copy_rows(rows, storage, rows=n_rows)
     cursor = int(ours["cursor"]) if ours is not None else n_rows % rows.shape[0]
     storage.restore(length=length, cursor=cursor)
+
+
+def _holds_columns(rows: Any) -> bool:
+    """Whether the rows of a state are lazy columns (a ZarrStorage's, not pickled since)."""
+    if isinstance(rows, dict):
+        return any(_holds_columns(value) for value in rows.values())
+    return isinstance(rows, LazyColumn)
 
 
 def _load_rows(storage: StorageReads, rows: list[Any], *, cursor: int | None) -> None:

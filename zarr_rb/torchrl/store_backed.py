@@ -384,6 +384,21 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         self.flush()
         return len(self), self.cursor, self._store.committed.epoch
 
+    def committed_epoch(self) -> int:
+        """The epoch of the last commit (it moves whenever committed rows are written over)."""
+        return self._store.committed.epoch
+
+    def holds_rows_of(self, *, length: int, epoch: int) -> bool:
+        """Whether the first ``length`` elements are still those of the commit at ``epoch``
+        (every row committed first): none written over since, the buffer not emptied. A
+        store of several writers answers no (its epochs are not one writer's)."""
+        self.flush()
+        store = self._store
+        if store.is_shared:
+            return False
+        rows = -(-length // (1 if store.schema is None else store.schema.elements_per_row))
+        return store.committed.epoch == epoch and store.committed.length >= rows
+
     def check_unchanged_since(self, *, length: int, cursor: int, epoch: int) -> None:
         """Check that the rows of a :meth:`commit_point` are still those it covered.
 
