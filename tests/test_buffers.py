@@ -39,6 +39,7 @@ from torchrl.data.replay_buffers.writers import (
     TensorDictRoundRobinWriter,
 )
 
+import zarr_rb
 from zarr_rb import Compression, ZarrStorage
 
 MAX_SIZE = 64
@@ -877,6 +878,43 @@ def test_dumps_loads(tmp_path: Path, destination: str) -> None:
         expected = source.ref.sample()
         seed_all(seed)
         assert_same(rb.sample(), expected, f"sample(seed={seed})")
+
+
+def test_a_prioritized_buffer_from_zarr_rb_load_takes_a_torchrl_dump(tmp_path: Path) -> None:
+    """``zarr_rb.load`` gives the sampler its running maximum as TorchRL keeps it (tensors):
+    TorchRL's ``rb.loads`` copies into it, and fails half way on anything else."""
+
+    def buffer(storage: Storage) -> TensorDictReplayBuffer:
+        sampler = PrioritizedSampler(50, alpha=0.7, beta=0.5)
+        return TensorDictReplayBuffer(
+            storage=storage, sampler=sampler, batch_size=4, priority_key="td_error"
+        )
+
+    def rows(start: int, priorities: list[float]) -> TensorDict:
+        n = len(priorities)
+        obs = torch.arange(start, start + n, dtype=torch.float32).unsqueeze(-1)
+        return TensorDict({"obs": obs, "td_error": torch.tensor(priorities)}, [n])
+
+    theirs, ours = buffer(LazyTensorStorage(50)), buffer(ZarrStorage(50, tmp_path / "rb.zarr"))
+    dumped = tmp_path / "dump"
+    for rb in (theirs, ours):
+        rb.extend(rows(0, [1.0, 2.0, 3.0]))
+    ours.dumps(dumped)
+    zarr_rb.save(ours)
+    ours.extend(rows(3, [1.0, 1.0]))
+    zarr_rb.save(ours)
+    ours.storage.close()
+    loaded = zarr_rb.load(tmp_path / "rb.zarr")
+    value, where = loaded._sampler._max_priority
+    assert isinstance(value, torch.Tensor)
+    assert isinstance(where, torch.Tensor)
+    loaded.loads(dumped)
+    assert len(loaded) == 3
+    assert_same(loaded.storage[:], theirs.storage[:], "rows of the dump")
+    for rb in (theirs, loaded):
+        rb.extend(rows(10, [5.0]))  # a new maximum, as TorchRL keeps it
+    assert torch.equal(loaded._sampler._max_priority[0], theirs._sampler._max_priority[0])
+    assert int(loaded._sampler._max_priority[1]) == int(theirs._sampler._max_priority[1])
 
 
 @pytest.mark.parametrize("op", ["tolist", "numpy", "np.asarray", "torch.save"])

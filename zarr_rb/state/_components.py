@@ -165,7 +165,10 @@ def _prioritized_load(obj: Any, node: StateNode) -> None:
     compat.get(obj, "_sum_tree")[index] = _tree_leaves(obj, node, "sum_tree")
     compat.get(obj, "_min_tree")[index] = _tree_leaves(obj, node, "min_tree")
     value, where = node.attrs["max_priority"], node.attrs["max_priority_index"]
-    if isinstance(where, list):
+    # As TorchRL keeps them, tensors (its loads copies into them in place).
+    if value is not None:
+        value = torch.tensor(value, dtype=obj.dtype)
+    if where is not None:
         where = torch.tensor(where)
     compat.put(obj, "_max_priority", (value, where))
 
