@@ -977,3 +977,27 @@ def test_prefetching_threads_sample_whole_rows_while_the_buffer_is_extended(
     assert len(rb) == capacity
     if storage == "zarr":
         kept.close()
+
+
+@pytest.mark.parametrize("storage", ["zarr", "torchrl"])
+def test_prefetching_threads_drawing_the_same_rows_get_whole_batches(
+    tmp_path: Path, storage: str
+) -> None:
+    # One row: every draw is the same index, so each prefetching thread gathers the rows
+    # another one just gathered, while TorchRL adds "index" and the weights to the batch
+    # that thread was handed. The kept gather must not be that batch.
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    kept = ZarrStorage(50, tmp_path / "rb.zarr") if storage == "zarr" else LazyTensorStorage(50)
+    sampler = PrioritizedSampler(50, alpha=0.7, beta=0.5)
+    rb = TensorDictReplayBuffer(storage=kept, sampler=sampler, batch_size=16, prefetch=3)
+    frame = torch.arange(4 * 84 * 84, dtype=torch.uint8).view(1, 4, 84, 84)
+    extra = {"a": torch.zeros(1), "b": torch.ones(1, 3), "c": {"d": torch.zeros(1, 2)}}
+    rb.extend(TensorDict({"obs": frame.clone(), **extra}, [1]))
+    for _ in range(300):
+        batch = rb.sample()
+        assert torch.equal(batch["index"], torch.zeros(16, dtype=batch["index"].dtype))
+        assert torch.equal(batch["obs"], frame.expand(16, -1, -1, -1))
+        assert torch.equal(batch["c", "d"], torch.zeros(16, 2))
+    if storage == "zarr":
+        kept.close()

@@ -1,53 +1,73 @@
 """The last row gather of a storage, kept for the next reader of the very same rows.
 
 Samplers such as ``SliceSampler`` read ``storage[index]`` for a few flags, then the buffer
-reads the very same rows: the last gather is kept, and a copy of it is handed out when the
-same index comes again with no write in between and its tensors untouched.
+reads the very same rows: the last gather's leaves are kept, and copies of them are handed
+out when the same index comes again with no write in between and its tensors untouched.
+
+The cache keeps the leaves as read, in a dictionary of its own, never the object a caller
+was handed: the first caller goes on changing that object (TorchRL adds ``index`` and the
+weights to it, in another thread with ``prefetch=``), and a copy made meanwhile would read
+it half changed. A caller changing a tensor in place changes the kept leaf too: its version
+counter moves, and the kept leaves are not served again.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 
 from zarr_rb.torchrl import compat
-from zarr_rb.torchrl.data_kinds import clone, tensors_of
+from zarr_rb.util.keys import Key
 
 Revision = tuple[int, int, int | None]
 """The storage's revision (its writes), the store's version (the rows it serves: a
 reader's reads move it to newer commits) and the commit a reader's sample holds."""
 
+_Kept = tuple[torch.Tensor, Revision, dict[Key, torch.Tensor], list[int]]
+"""The index of a gather, the revision of the rows it saw, its leaves, and their version
+counters then."""
+
 
 class GatherCache:
-    """The last gather: its index, the revision of the rows it saw, its result, and the
-    version counters of the result's tensors when it was made."""
+    """The leaves of the last gather (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self._last: tuple[torch.Tensor, Revision, Any, list[tuple[int, int]]] | None = None
+        self._last: _Kept | None = None
 
-    def get(self, index: torch.Tensor, revision: Revision) -> Any | None:
-        """A copy of the kept result if it was gathered at ``index`` in ``revision`` and
-        nobody changed it in place since; ``None`` otherwise."""
-        if self._last is None:
+    def get(self, index: torch.Tensor, revision: Revision) -> dict[Key, torch.Tensor] | None:
+        """Copies of the kept leaves if they were gathered at ``index`` in ``revision`` and
+        nobody changed them in place since; ``None`` otherwise."""
+        last = self._last
+        if last is None:
             return None
-        kept, kept_revision, result, versions = self._last
-        if (
+        kept, kept_revision, leaves, versions = last
+        if not (
             revision == kept_revision
             and index.shape == kept.shape
             and bool(torch.equal(index, kept))
-            # The first caller may have modified the result in place: then it is stale.
-            and _versions(result) == versions
+            and _versions(leaves) == versions
         ):
-            return clone(result)
-        return None
+            return None
+        copies = {key: _copy(value) for key, value in leaves.items()}
+        # (Changed while copied: the copies may hold half of the change.)
+        return copies if _versions(leaves) == versions else None
 
-    def keep(self, index: torch.Tensor, revision: Revision, result: Any) -> None:
-        self._last = (index.clone(), revision, result, _versions(result))
+    def keep(
+        self, index: torch.Tensor, revision: Revision, leaves: Mapping[Key, torch.Tensor]
+    ) -> None:
+        """Keep the leaves of a gather (the tensors the caller's result is built of)."""
+        kept = dict(leaves)
+        self._last = (index.clone(), revision, kept, _versions(kept))
 
     def clear(self) -> None:
         self._last = None
 
 
-def _versions(result: Any) -> list[tuple[int, int]]:
-    return [(id(t), compat.tensor_version(t)) for t in tensors_of(result)]
+def _versions(leaves: Mapping[Key, torch.Tensor]) -> list[int]:
+    return [compat.tensor_version(t) for t in leaves.values()]
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy, bit for bit (``clone`` keeps ``-0.0`` and NaN payloads as they are)."""
+    return tensor.clone()

@@ -137,24 +137,23 @@ class StorageReads(StorageWrites):
         held = self._store.commits.held()  # (a sample's: the rows of the commit it holds)
         generation = None if held is None else held.generation
         revision = (compat.revision(self), self._store.version, generation)
-        kept = self._gathers.get(index, revision)
-        if kept is not None:
-            return kept
-        rows = index_forms.check_rows(index.reshape(-1).numpy(), length, where=self._where)
-        leaves = self._store.read(rows, (leaf.key for leaf in schema.leaves))
-        out = data_kinds.build(
-            {key: v.reshape(*index.shape, *v.shape[1:]) for key, v in leaves.items()},
+        shaped = self._gathers.get(index, revision)
+        if shaped is None:
+            rows = index_forms.check_rows(index.reshape(-1).numpy(), length, where=self._where)
+            leaves = self._store.read(rows, (leaf.key for leaf in schema.leaves))
+            shaped = {key: v.reshape(*index.shape, *v.shape[1:]) for key, v in leaves.items()}
+            if any(leaf.value != "tensor" for leaf in schema.leaves):
+                # Python values (which a caller may replace unseen) or one TensorDict per
+                # row (too many tensors to watch for changes cheaply): not cached.
+                self._gathers.clear()
+            else:
+                self._gathers.keep(index, revision, shaped)
+        return data_kinds.build(
+            shaped,
             schema=schema,
             batch_shape=(*index.shape, *schema.batch_shape[1:]),
             device=self._build_device,
         )
-        if any(leaf.value != "tensor" for leaf in schema.leaves):
-            # Python values (which a caller may replace unseen) or one TensorDict per row
-            # (too many tensors to watch for changes cheaply): such reads are not cached.
-            self._gathers.clear()
-        else:
-            self._gathers.keep(index, revision, out)
-        return out
 
     def _lazy_view(self, length: int, *, unused_as_zeros: bool = False) -> Any:
         """Every leaf as a writable :class:`LazyColumn` over rows ``[0, length)``; entries no
