@@ -1001,3 +1001,16 @@ def test_prefetching_threads_drawing_the_same_rows_get_whole_batches(
         assert torch.equal(batch["c", "d"], torch.zeros(16, 2))
     if storage == "zarr":
         kept.close()
+
+
+def test_reads_under_inference_mode(tmp_path: Path) -> None:
+    # Evaluation code samples inside torch.inference_mode(): its tensors keep no version
+    # counter, which the gather kept for the next reader of the same rows relies on.
+    twin = Twin(lambda s: TensorDictReplayBuffer(storage=s, batch_size=4), tmp_path)
+    twin.extend(transitions(8))
+    index = torch.tensor([2, 4, 4])
+    with torch.inference_mode():
+        for _ in range(2):  # (the second read of the same rows too)
+            assert_same(twin.zarr.storage[index], twin.ref.storage[index], "storage[index]")
+        assert twin.zarr.sample().batch_size == torch.Size([4])
+    assert_same(twin.zarr.storage[index], twin.ref.storage[index], "storage[index] after")

@@ -56,8 +56,12 @@ class GatherCache:
     def keep(
         self, index: torch.Tensor, revision: Revision, leaves: Mapping[Key, torch.Tensor]
     ) -> None:
-        """Keep the leaves of a gather (the tensors the caller's result is built of)."""
+        """Keep the leaves of a gather (the tensors the caller's result is built of); not
+        those read under ``torch.inference_mode()``, which keep no version counter."""
         kept = dict(leaves)
+        if any(tensor.is_inference() for tensor in kept.values()):
+            self._last = None
+            return
         self._last = (index.clone(), revision, kept, _versions(kept))
 
     def clear(self) -> None:
