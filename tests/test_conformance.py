@@ -8,6 +8,7 @@ cursors, stored rows, samples. The patterns are those of TorchRL's own replay-bu
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import pickle
@@ -46,6 +47,7 @@ from zarr_rb import (
     StoreNotFoundError,
     ZarrStorage,
 )
+from zarr_rb.errors import ReadOnlyError, RowsNotCommittedError
 
 SMALL = Compression(chunk_rows=2, block_rows=8, large_row_bytes=64)
 
@@ -349,6 +351,68 @@ def test_a_saved_state_dict_of_an_unchanged_store_copies_nothing(tmp_path, monke
     assert writes == []  # in place: its rows are those it covered
     assert (len(storage), storage.cursor) == (30, 30)
     same(storage[:], _filled(LazyTensorStorage(40))[:])
+
+
+def test_a_state_dict_of_a_store_made_again_at_its_path_copies_its_rows(tmp_path):
+    path = tmp_path / "rb.zarr"
+    first = TensorDictReplayBuffer(storage=ZarrStorage(10, path, compression=SMALL))
+    first.extend(transitions(6))
+    state = _saved(first.state_dict())
+    first.storage.close()
+    again = TensorDictReplayBuffer(storage=ZarrStorage(10, path, compression=SMALL, mode="w"))
+    again.extend(transitions(6, start=100))  # a new store there: the same epoch, length
+    again.load_state_dict(state)
+    same(again.storage[:].exclude("index"), transitions(6))
+
+
+def test_a_reader_refuses_a_state_whose_rows_the_writer_wrote_over(tmp_path):
+    path = tmp_path / "rb.zarr"
+    writer = TensorDictReplayBuffer(storage=ZarrStorage(10, path, compression=SMALL))
+    writer.extend(transitions(6))
+    state = _saved(writer.storage.state_dict())
+    reader = ZarrStorage(path=path, read_only=True)
+    writer.extend(transitions(10, start=100))
+    writer.storage.flush()
+    with pytest.raises(ReadOnlyError):  # (it cannot write the state's rows back)
+        reader.load_state_dict(state)
+    reader.close()
+
+
+def test_a_pytree_state_dict_loaded_back_after_its_rows_were_written_over(tmp_path):
+    def rows(n: int, start: int) -> dict:
+        a = torch.arange(start, start + n).float()
+        return {"a": a, "b": (a * 2, a.long())}
+
+    rb = ReplayBuffer(storage=ZarrStorage(10, tmp_path / "rb.zarr", compression=SMALL))
+    rb.extend(rows(6, 0))
+    state = _saved(rb.state_dict())
+    rb.extend(rows(10, 100))
+    rb.load_state_dict(state)
+    got = rb.storage.get(torch.arange(len(rb)))
+    assert torch.equal(got["a"], torch.arange(6.0))
+    assert torch.equal(got["b"][1], torch.arange(6))
+
+
+def test_a_deep_copy_of_a_state_dict_is_a_snapshot(tmp_path):
+    theirs, ours = twins(tmp_path, lambda s: TensorDictReplayBuffer(storage=s), max_size=10)
+    for rb in (theirs, ours):
+        rb.extend(transitions(6))
+        state = copy.deepcopy(rb.state_dict())
+        rb.extend(transitions(10, start=100))
+        rb.load_state_dict(state)
+    same(ours.storage[:], theirs.storage[:])
+
+
+def test_a_state_kept_in_memory_refuses_to_load_once_its_rows_were_emptied(tmp_path):
+    rb = TensorDictReplayBuffer(storage=ZarrStorage(10, tmp_path / "rb.zarr", compression=SMALL))
+    rb.extend(transitions(6))
+    state = rb.state_dict()  # the store's own rows, by reference
+    rb.empty()
+    rb.extend(transitions(2, start=200))
+    with pytest.raises(RowsNotCommittedError, match="no longer in the store"):
+        rb.load_state_dict(state)
+    assert len(rb) == 2  # as it was
+    same(rb.storage[:].exclude("index"), transitions(2, start=200))
 
 
 # --- 4. columns added by a later write --------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -437,6 +438,7 @@ def _empty(max_size: int, ndim: int | None, compression: Compression, commit: Co
         schema=None,
         commit=commit,
         compression=compression.to_json(),
+        store_id=secrets.token_hex(8),
     )
 
 

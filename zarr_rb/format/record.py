@@ -98,6 +98,9 @@ class StoreMeta:
     before they were recorded)."""
     versions: Mapping[str, Saved] = dataclasses.field(default_factory=dict)
     """Saves kept by name (``zarr_rb.save(rb, tag=...)``), besides the last one."""
+    store_id: str | None = None
+    """Drawn at random when the store is made: tells it from a store made at the same path
+    later (``None`` in stores made before it was recorded)."""
 
     def run_maps(self) -> list[RunMap]:
         """Every run map of the record (those kept in pieces name objects of their own)."""
@@ -127,6 +130,7 @@ class StoreMeta:
             "saved": None if self.saved is None else self.saved.to_json(),
             "compression": None if self.compression is None else dict(self.compression),
             "versions": {tag: saved.to_json() for tag, saved in self.versions.items()},
+            **({} if self.store_id is None else {"store_id": self.store_id}),
         }
 
 
@@ -330,6 +334,12 @@ def parse_store_meta(
             value.get("versions"), max_size=max_size, rows=rows, pieces=pieces
         )
         compression = parse_compression(value.get("compression"))
+        store_id = value.get("store_id")
+        _expect(
+            store_id is None or (isinstance(store_id, str) and 0 < len(store_id) <= 64),
+            "a store id string",
+            store_id,
+        )
     except MapPieceMissingError as err:
         raise MapPieceMissingError(f"{where}: {err}", key=err.key) from None
     except StoreCorruptedError as err:
@@ -344,4 +354,5 @@ def parse_store_meta(
         versions=versions,
         format=fmt,
         compression=compression,
+        store_id=store_id,
     )

@@ -178,6 +178,12 @@ class LazyColumn(torch.Tensor):
         # Pickles (and torch.save) as the plain tensor it stands for.
         return self.materialize().__reduce_ex__(protocol)  # type: ignore[no-untyped-call]
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        # A copy of the rows now, a plain tensor (as a pickled column comes back).
+        copy = self.materialize().clone()
+        memo[id(self)] = copy
+        return copy
+
     # --- views -------------------------------------------------------------------------
 
     def _view(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

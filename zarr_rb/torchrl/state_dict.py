@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from tensordict import TensorDict, is_non_tensor, is_tensor_collection
 from torchrl.data.replay_buffers.storages import Storage
 
+from zarr_rb.errors import RowsNotCommittedError
 from zarr_rb.torchrl.columns import LazyColumn
 from zarr_rb.torchrl.data_kinds import clone, flip_list, nbytes_per_row, select
 from zarr_rb.torchrl.reads import StorageReads
@@ -48,6 +50,7 @@ def state_of(storage: StorageReads) -> dict[str, Any]:
         "_len": len(storage),
         STATE_KEY: {
             "path": storage.url,
+            "store_id": storage.store_id,
             "cursor": storage.cursor,
             "epoch": storage.committed_epoch(),
         },
@@ -73,41 +76,74 @@ def load_state(storage: StorageReads, state: dict[str, Any]) -> None:
         _load_rows(storage, rows, cursor=None if ours is None else int(ours["cursor"]))
         return
     length = int(state["_len"])
-    if ours is not None and _same_store(str(ours["path"]), storage):
+    if (
+        ours is not None
+        and _same_store(str(ours["path"]), storage)
+        and ours.get("store_id") == storage.store_id  # (not a store made there since)
+    ):
         # Nothing to copy where the rows it covered are still the store's, or where it
         # holds the store's own lazy columns (kept in memory: the rows as they are now,
         # as LazyTensorStorage's state holds its live tensor). A state saved and loaded
         # holds its values: those of rows written over since are copied below.
-        in_memory = _holds_columns(rows)
         epoch = ours.get("epoch")
-        if in_memory or (
-            epoch is not None and storage.holds_rows_of(length=length, epoch=int(epoch))
-        ):
+        if _holds_columns(rows):
+            if not storage.holds_readable_rows(length):
+                raise RowsNotCommittedError(
+                    f"store {storage.url!r}: this state holds the store's own rows, by "
+                    f"reference, and some of the {length} it covered are no longer in the "
+                    "store (emptied, or withdrawn by a repair, since): it cannot be loaded. "
+                    "A state saved with torch.save keeps its rows"
+                )
             storage.restore(length=length, cursor=int(ours["cursor"]))
             return
-    if isinstance(rows, dict):
-        if not rows or not state.get("initialized", True):
-            storage.restore(length=0, cursor=0)
+        if epoch is not None and storage.holds_rows_of(length=length, epoch=int(epoch)):
+            storage.restore(length=length, cursor=int(ours["cursor"]))
             return
+    if isinstance(rows, (dict, tuple)) and (not rows or not state.get("initialized", True)):
+        storage.restore(length=0, cursor=0)
+        return
+    if _is_pytree(rows, storage):
+        # Rows of pytrees (a tensor storage keeps them as a pytree of tensors).
+        shape = pytree.tree_leaves(rows)[0].shape
+    elif isinstance(rows, dict):
         # By reference: lazy columns stay lazy until copied block by block.
         rows = TensorDict().load_state_dict(rows, strict=False)
-    elif not isinstance(rows, torch.Tensor):
+        shape = rows.shape
+    elif isinstance(rows, torch.Tensor):
+        shape = rows.shape
+    else:
         raise TypeError(
-            f"expected the rows of a tensor storage (a tensor or a TensorDict state dict), got "
-            f"{type(rows).__name__}; for other storages use rb.dumps/rb.loads or "
-            "zarr_rb.save",
+            f"expected the rows of a tensor storage (a tensor, a TensorDict state dict or a "
+            f"pytree of tensors), got {type(rows).__name__}; for other storages use "
+            "rb.dumps/rb.loads or zarr_rb.save",
         )
-    per_row = math.prod(rows.shape[1 : storage.ndim])
-    n_rows = min(rows.shape[0], -(-length // per_row))
+    per_row = math.prod(shape[1 : storage.ndim])
+    n_rows = min(shape[0], -(-length // per_row))
     copy_rows(rows, storage, rows=n_rows)
-    cursor = int(ours["cursor"]) if ours is not None else n_rows % rows.shape[0]
+    cursor = int(ours["cursor"]) if ours is not None else n_rows % shape[0]
     storage.restore(length=length, cursor=cursor)
+
+
+def _is_pytree(rows: Any, storage: StorageReads) -> bool:
+    """Whether the rows of a state are a pytree of tensors rather than a TensorDict's state
+    dict (whose values are all tensors): a tuple, or a dict holding containers, or rows of
+    a storage of pytrees."""
+    schema = storage.schema
+    if schema is not None:
+        return schema.kind == "pytree"
+    if isinstance(rows, tuple):
+        return True
+    return isinstance(rows, dict) and any(
+        isinstance(value, (dict, tuple, list)) for value in rows.values()
+    )
 
 
 def _holds_columns(rows: Any) -> bool:
     """Whether the rows of a state are lazy columns (a ZarrStorage's, not pickled since)."""
     if isinstance(rows, dict):
         return any(_holds_columns(value) for value in rows.values())
+    if isinstance(rows, (list, tuple)):
+        return any(_holds_columns(value) for value in rows)
     return isinstance(rows, LazyColumn)
 
 

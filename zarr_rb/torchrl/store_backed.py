@@ -388,16 +388,30 @@ class StoreBacked(TensorStorage):  # type: ignore[misc]
         """The epoch of the last commit (it moves whenever committed rows are written over)."""
         return self._store.committed.epoch
 
+    @property
+    def store_id(self) -> str | None:
+        """What tells this store from another made at its path (``None``: made by a zarr_rb
+        that did not record it)."""
+        return self._store.meta.store_id
+
     def holds_rows_of(self, *, length: int, epoch: int) -> bool:
         """Whether the first ``length`` elements are still those of the commit at ``epoch``
         (every row committed first): none written over since, the buffer not emptied. A
-        store of several writers answers no (its epochs are not one writer's)."""
+        store of several writers answers no (its epochs are not one writer's), and so does
+        a reader (the commit it shows may not be the last)."""
         self.flush()
         store = self._store
-        if store.is_shared:
+        if store.is_shared or store.read_only:
             return False
+        return store.committed.epoch == epoch and self.holds_readable_rows(length)
+
+    def holds_readable_rows(self, length: int) -> bool:
+        """Whether the first ``length`` elements are all committed and readable."""
+        store = self._store
         rows = -(-length // (1 if store.schema is None else store.schema.elements_per_row))
-        return store.committed.epoch == epoch and store.committed.length >= rows
+        if store.committed.length < rows:
+            return False
+        return not bool((store.unreadable_rows() < rows).any())
 
     def check_unchanged_since(self, *, length: int, cursor: int, epoch: int) -> None:
         """Check that the rows of a :meth:`commit_point` are still those it covered.
