@@ -1014,3 +1014,18 @@ def test_reads_under_inference_mode(tmp_path: Path) -> None:
             assert_same(twin.zarr.storage[index], twin.ref.storage[index], "storage[index]")
         assert twin.zarr.sample().batch_size == torch.Size([4])
     assert_same(twin.zarr.storage[index], twin.ref.storage[index], "storage[index] after")
+
+
+def test_rows_read_again_come_from_the_store_whatever_the_caller_did_to_the_first(
+    tmp_path: Path,
+) -> None:
+    # Changes through numpy or .data move no version counter: a second read of the same
+    # rows must not be a copy of what the first caller was handed.
+    twin = Twin(lambda s: TensorDictReplayBuffer(storage=s, batch_size=4), tmp_path)
+    twin.extend(transitions(8))
+    index = torch.tensor([1, 3, 5])
+    for rb in twin.buffers:
+        first = rb.storage[index]
+        first["obs"].numpy()[:] = 0
+        first.get(("next", "reward")).data.zero_()
+    assert_same(twin.zarr.storage[index], twin.ref.storage[index], "read again")

@@ -1,8 +1,10 @@
 """The last row gather of a storage, kept for the next reader of the very same rows.
 
 Samplers such as ``SliceSampler`` read ``storage[index]`` for a few flags, then the buffer
-reads the very same rows: the last gather's leaves are kept, and copies of them are handed
-out when the same index comes again with no write in between and its tensors untouched.
+reads the very same rows: the leaves of the sampler's read are kept, and copies of them are
+handed to the buffer's gather of the same index, once, if nothing was written in between and
+its tensors were not changed in place. Only a sampler's reads are kept: a caller handed
+other rows may change them in ways no version counter shows (through numpy, ``.data``).
 
 The cache keeps the leaves as read, in a dictionary of its own, never the object a caller
 was handed: the first caller goes on changing that object (TorchRL adds ``index`` and the
@@ -35,12 +37,14 @@ class GatherCache:
     def __init__(self) -> None:
         self._last: _Kept | None = None
 
-    def get(self, index: torch.Tensor, revision: Revision) -> dict[Key, torch.Tensor] | None:
+    def take(self, index: torch.Tensor, revision: Revision) -> dict[Key, torch.Tensor] | None:
         """Copies of the kept leaves if they were gathered at ``index`` in ``revision`` and
-        nobody changed them in place since; ``None`` otherwise."""
+        nobody changed them in place since (they are then no longer kept); ``None``
+        otherwise."""
         last = self._last
         if last is None:
             return None
+        self._last = None
         kept, kept_revision, leaves, versions = last
         if not (
             revision == kept_revision

@@ -137,17 +137,21 @@ class StorageReads(StorageWrites):
         held = self._store.commits.held()  # (a sample's: the rows of the commit it holds)
         generation = None if held is None else held.generation
         revision = (compat.revision(self), self._store.version, generation)
-        shaped = self._gathers.get(index, revision)
+        # A sampler's own read of the rows it drew (SliceSampler reads their flags) is kept
+        # for the buffer's gather of the same rows, which follows; no other read is kept,
+        # as its caller may change what it was handed in ways no version counter shows.
+        drawing = bool(getattr(self._thread_state, "drawing", False))
+        shaped = None if drawing else self._gathers.take(index, revision)
         if shaped is None:
             rows = index_forms.check_rows(index.reshape(-1).numpy(), length, where=self._where)
             leaves = self._store.read(rows, (leaf.key for leaf in schema.leaves))
             shaped = {key: v.reshape(*index.shape, *v.shape[1:]) for key, v in leaves.items()}
-            if any(leaf.value != "tensor" for leaf in schema.leaves):
-                # Python values (which a caller may replace unseen) or one TensorDict per
-                # row (too many tensors to watch for changes cheaply): not cached.
-                self._gathers.clear()
-            else:
+            if drawing and all(leaf.value == "tensor" for leaf in schema.leaves):
                 self._gathers.keep(index, revision, shaped)
+            else:
+                # (Python values, which a caller may replace unseen, or one TensorDict per
+                # row, too many tensors to watch for changes cheaply: not kept.)
+                self._gathers.clear()
         return data_kinds.build(
             shaped,
             schema=schema,
