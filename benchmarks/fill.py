@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-STORAGES = ("memmap", "zarr", "zarr-0")
-"""``--storages`` choices: LazyMemmapStorage, ZarrStorage (default settings), and
-ZarrStorage with ``ram_bytes=0``."""
+STORAGES = ("memmap", "zarr", "zarr-0", "zarr-frames")
+"""``--storages`` choices: LazyMemmapStorage, ZarrStorage (default settings), ZarrStorage
+with ``ram_bytes=0``, and ZarrStorage with frames stored once (``Compression(frames=True)``)."""
 BATCH = 1024
 
 
@@ -44,7 +44,10 @@ def fill(kind: str, data: Any, where: Path) -> tuple[float, float]:
     from zarr_rb import Compression, ZarrStorage
 
     kind, _, level = kind.partition("@")
-    compression = Compression(level=int(level)) if level else None
+    settings: dict[str, Any] = {"level": int(level)} if level else {}
+    if kind == "zarr-frames":
+        settings["frames"] = True
+    compression = Compression(**settings) if settings else None
 
     rows = data.shape[0]
     path = Path(tempfile.mkdtemp(dir=where))

@@ -243,14 +243,14 @@ def writes_held_back(lands_now: Callable[[int], bool] | None = None):
     (see :class:`HeldBackWrites`); a write started to land on its own thread (a block
     written while the next rows come) waits there until the writer waits for it, but the
     blocks ``lands_now`` picks (by their number, from 1), which land as they are started."""
-    from zarr_rb.core import arrays as core_arrays
+    from zarr_rb.core.array_writes import ArrayWrites
     from zarr_rb.engine import rows as engine_rows
 
     held = HeldBackWrites(lands_now)
     original = engine_rows.RowArray.start_write_rows
-    land_method = core_arrays.StoreArrays.__dict__["_land"]
-    land, finish = core_arrays.StoreArrays._land, core_arrays.StoreArrays.finish
-    start_rows = core_arrays.StoreArrays.start_rows
+    land_method = ArrayWrites.__dict__["_land"]
+    land, finish = ArrayWrites._land, ArrayWrites.finish
+    start_rows = ArrayWrites.start_rows
 
     def start(self: Any, rows: Any, values: Any, *, behind: bool = False) -> Any:
         if held.starting_now:
@@ -291,14 +291,14 @@ def writes_held_back(lands_now: Callable[[int], bool] | None = None):
         return finish(self, pending, **kwargs)
 
     engine_rows.RowArray.start_write_rows = start  # type: ignore[method-assign]
-    core_arrays.StoreArrays.start_rows = counted_start_rows  # type: ignore[method-assign]
-    core_arrays.StoreArrays._land = staticmethod(gated_land)  # type: ignore[method-assign,assignment]
-    core_arrays.StoreArrays.finish = opening_finish  # type: ignore[method-assign]
+    ArrayWrites.start_rows = counted_start_rows  # type: ignore[method-assign]
+    ArrayWrites._land = staticmethod(gated_land)  # type: ignore[method-assign,assignment]
+    ArrayWrites.finish = opening_finish  # type: ignore[method-assign]
     try:
         yield held
     finally:
         held.open = True  # (no thread is left waiting)
         engine_rows.RowArray.start_write_rows = original  # type: ignore[method-assign]
-        core_arrays.StoreArrays.start_rows = start_rows  # type: ignore[method-assign]
-        core_arrays.StoreArrays._land = land_method  # type: ignore[method-assign]
-        core_arrays.StoreArrays.finish = finish  # type: ignore[method-assign]
+        ArrayWrites.start_rows = start_rows  # type: ignore[method-assign]
+        ArrayWrites._land = land_method  # type: ignore[method-assign]
+        ArrayWrites.finish = finish  # type: ignore[method-assign]

@@ -271,13 +271,14 @@ def test_fill_benchmark_smoke(tmp_path):
     )
     assert "| zarr-0 |" in result.stdout
     fills = json.loads(out.read_text())["fills"]
-    assert set(fills) == {"memmap", "zarr", "zarr-0"}
+    assert set(fills) == {"memmap", "zarr", "zarr-0", "zarr-frames"}
     assert all(f["wall_s"] > 0 and f["cpu_s"] > 0 and len(f["all"]) == 2 for f in fills.values())
     # Every ZarrStorage fill commits (and syncs); only the default one fills a RAM tier.
     parts = {kind: fills[kind]["breakdown_s"] for kind in ("zarr", "zarr-0")}
     assert all(p["commits"] > 0 and p["fsync, on this thread"] > 0 for p in parts.values())
     tier = "frames into the RAM tier"
     assert parts["zarr"][tier] > parts["zarr-0"][tier]
+    assert fills["zarr-frames"]["breakdown_s"]["commits"] > 0
 
 
 def test_holes_benchmark_smoke(tmp_path, monkeypatch, capsys):

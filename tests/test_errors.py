@@ -124,8 +124,16 @@ def _rewrite_attrs(store_path, mutate) -> None:
 
 def test_newer_format_version(filled, store_path):
     filled.close()
-    _rewrite_attrs(store_path, lambda a: a.update(format=zarr_rb.FORMAT_VERSION + 1))
+    newest = zarr_rb.FORMAT_VERSION + 1  # (format 4: stores with frames on disk)
+    _rewrite_attrs(store_path, lambda a: a.update(format=newest + 1))
     with pytest.raises(FormatVersionError, match="Upgrade zarr_rb"):
+        ZarrStorage(20, store_path)
+
+
+def test_a_store_of_format_4_without_frames_is_damaged(filled, store_path):
+    filled.close()
+    _rewrite_attrs(store_path, lambda a: a.update(format=4))
+    with pytest.raises(StoreCorruptedError, match="frames"):
         ZarrStorage(20, store_path)
 
 

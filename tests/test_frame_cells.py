@@ -77,7 +77,7 @@ def _episodes(spec: FrameKeys, rows: int, seed: int, *, resets: int = 3) -> dict
 
 
 def _write(cells: FrameCells, rows: np.ndarray, values: dict) -> None:
-    for future, _ in cells.start_write(rows, values):
+    for _, future, _ in cells.start_write(rows, values):
         future.result()
 
 
@@ -202,7 +202,7 @@ def test_an_id_outside_its_region_is_damage(tmp_path):
     values = _episodes(spec, rows, seed=11)
     cells = _open(tmp_path, spec, rows, block, create=True)
     _write(cells, np.arange(rows), values)
-    bad = np.full((1, 1, spec.stack), block * cells.cells_per_row, dtype=np.int32)
+    bad = np.full((1, spec.stack), block * cells.cells_per_row, dtype=np.int32)
     cells.ids[NEXT].write_rows(np.array([2]), bad).result()
     with pytest.raises(StoreCorruptedError, match="outside its block"):
         cells.read(np.array([2]), [OBS, NEXT])

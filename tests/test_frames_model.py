@@ -29,7 +29,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 import zarr_rb
-from zarr_rb import ZarrStorage
+from zarr_rb import Compression, ZarrStorage
 from zarr_rb.core import ram_fill
 from zarr_rb.core.ram_fill import TierFill
 from zarr_rb.errors import SaveOverwrittenError
@@ -75,16 +75,23 @@ class Episodes:
 
 class FramesMachine(RuleBasedStateMachine):
     @initialize(
-        budget=st.sampled_from(["auto", "small", "given"]),
+        budget=st.sampled_from(["auto", "small", "given", "none"]),
         envs=st.sampled_from([1, 1, 2]),
         shared=st.booleans(),
+        on_disk=st.booleans(),
     )
-    def setup(self, budget: str, envs: int, shared: bool) -> None:
+    def setup(self, budget: str, envs: int, shared: bool, on_disk: bool) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="zarr_rb-frames-model-"))
         self.path = self.dir / "rb.zarr"
         # "small": room for the frames of about 6 rows (each row 1 new frame at best, 8 at
-        # worst), with the ids of every row.
-        self.ram_bytes: Any = {"auto": "auto", "small": 8 * 1024 + 4_000, "given": 2**22}[budget]
+        # worst), with the ids of every row. "none": every row read from the store.
+        budgets = {"auto": "auto", "small": 8 * 1024 + 4_000, "given": 2**22, "none": 0}
+        self.ram_bytes: Any = budgets[budget]
+        # Frames stored once per block on disk (Compression(frames=True)), in blocks of 8
+        # rows: rings written over, blocks moved and filled in several writes.
+        self.compression = (
+            Compression(frames=True, block_rows=8) if on_disk and not shared else None
+        )
         self.behind = budget == "auto"
         if self.behind:  # the thread does nothing: the rule fill_behind runs its steps
             self.patched = (TierFill.__dict__["_run"], ram_fill.STEP_ROWS)
@@ -116,6 +123,7 @@ class FramesMachine(RuleBasedStateMachine):
             ndim=self.ndim,
             ram_bytes=self.ram_bytes,
             shared=self.shared,
+            compression=self.compression,
         )
 
     def _buffer(self, storage: Any) -> TensorDictReplayBuffer:

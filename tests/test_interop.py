@@ -173,3 +173,36 @@ def test_zarr_python_reads_a_ring_of_several_writers_through_its_runs(store_path
     np.testing.assert_array_equal(rows_with_zarr_python(store_path, "step"), want["step"])
     np.testing.assert_array_equal(rows_with_zarr_python(store_path, "obs"), want["obs"])
     np.testing.assert_array_equal(rows_with_zarr_python(store_path, "index"), want["index"])
+
+
+def test_zarr_python_rebuilds_frames_stored_once_as_the_docs_say(tmp_path):
+    # docs/reading-without-zarr_rb.md, "Frames stored once", after a ring written over.
+    from zarr_rb import Compression
+
+    path = tmp_path / "rb.zarr"
+    run = torch.randint(0, 256, (70, 6, 5), dtype=torch.uint8)
+    stacks = torch.stack([run[t : t + 4] for t in range(66)])
+    data = TensorDict({"observation": stacks[:-1], ("next", "observation"): stacks[1:]}, [65])
+    compression = Compression(frames=True, block_rows=8, large_row_bytes=64)
+    storage = ZarrStorage(32, path, compression=compression)
+    storage.set(torch.arange(32), data[:32])
+    storage.set(torch.arange(20), data[32:52])  # written over: blocks in other slots
+    storage.close()
+    expected = torch.cat([data[32:52], data[20:32]])
+    group = zarr.open_group(path, mode="r")
+    commit = group.attrs["zarr_rb"]["commit"]
+    block_rows = group.attrs["zarr_rb"]["block_rows"]
+    positions = np.arange(commit["length"])
+    slot = np.zeros(sum(count for _, _, count in commit["slots"]["runs"]), dtype=np.int64)
+    for first, where, count in commit["slots"]["runs"]:
+        slot[first : first + count] = np.arange(where, where + count)
+    rows = slot[positions // block_rows] * block_rows + positions % block_rows
+    for key in ("observation", "next/observation"):
+        cells = group["data/observation"]
+        per_row = cells.shape[1]
+        ids = group[f"frame_ids/{key}"].oindex[rows]
+        at = (rows - rows % block_rows)[:, None] * per_row + ids
+        wanted, where = np.unique(at // per_row, return_inverse=True)
+        stacks_read = cells.oindex[wanted][where.reshape(at.shape), at % per_row]
+        want = expected["observation" if key == "observation" else ("next", "observation")]
+        np.testing.assert_array_equal(stacks_read, want.numpy())

@@ -30,9 +30,10 @@ import numpy as np
 
 from zarr_rb.core.open import open_store
 from zarr_rb.core.store import Store
+from zarr_rb.engine import RowArray
 from zarr_rb.errors import StoreCorruptedError
 from zarr_rb.format.messages import describe_runs
-from zarr_rb.format.names import STATE_GROUP
+from zarr_rb.format.names import STATE_GROUP, frame_ids_path
 from zarr_rb.format.schema import LeafSpec
 
 __all__ = ["DamagedChunk", "VerifyReport", "verify"]
@@ -144,9 +145,13 @@ def verify(
             if history is not None
             else np.empty(0, np.int64)
         )
+        stored_as_frames = store.schema.frame_keys if store.schema is not None else frozenset()
         for leaf in store.schema.leaves if store.schema is not None else ():
             arrays += 1
-            if leaf.ragged:
+            if leaf.key in stored_as_frames:
+                held = np.union1d(physical, archived)
+                damaged.extend(_check_frames(store, leaf.key, held))
+            elif leaf.ragged:
                 damaged.extend(_check_ragged(store, leaf, positions, physical))
             else:
                 rows = _ranges(np.union1d(physical, archived))
@@ -177,6 +182,63 @@ def verify(
         store.close()
 
 
+def _check_frames(store: Store, key: tuple[str, ...], rows: np.ndarray) -> list[DamagedChunk]:
+    """The damage of a leaf stored as frames, at rows ``rows`` of the arrays: in its ids,
+    and in the cells they name (reported at the rows naming them, which a repair withdraws).
+    """
+    try:
+        cells = store.arrays.frames.cells(key)
+    except (StoreCorruptedError, ValueError) as err:
+        return [DamagedChunk(frame_ids_path(key), (0, 0), f"cannot open the array: {err}")]
+    ids = cells.ids[key]
+    damaged = _damaged_in(ids, frame_ids_path(key), _ranges(rows))
+    if damaged or not rows.size:
+        return damaged
+    named = ids.read_rows(rows).result().astype(np.int64).reshape(rows.size, -1)
+    per_row = cells.cells_per_row
+    outside = ((named < 0) | (named >= cells.region_cells)).any(axis=1)
+    damaged.extend(
+        DamagedChunk(ids.path, (lo, hi), "a frame id outside its block's region")
+        for lo, hi in _ranges(rows[outside])
+    )
+    inside = ~outside
+    cell_rows = (rows[inside] - rows[inside] % cells.block_rows)[:, None] + named[inside] // per_row
+    bad = {
+        row
+        for lo, hi, _ in (
+            run
+            for start, stop in _ranges(np.unique(cell_rows))
+            for run in cells.cells.damaged_runs(start, stop)
+        )
+        for row in range(lo, hi)
+    }
+    if bad:
+        hit = np.isin(cell_rows, np.fromiter(bad, np.int64)).any(axis=1)
+        damaged.extend(
+            DamagedChunk(cells.cells.path, (lo, hi), "a frame of these rows cannot be read back")
+            for lo, hi in _ranges(rows[inside][hit])
+        )
+    return damaged
+
+
+def _damaged_in(
+    array: RowArray, array_path: str, ranges: tuple[tuple[int, int], ...]
+) -> list[DamagedChunk]:
+    """The damaged chunks of ``array`` among ``ranges`` of its rows."""
+    step = array.chunk_rows
+    damaged: list[DamagedChunk] = []
+    for start, stop in ranges:
+        # One shard (or chunk) at a time: bounded memory, and a damaged chunk is narrowed
+        # down to its inner chunk.
+        for first in range(start - start % step, stop, step):
+            a, b = max(first, start), min(first + step, stop)
+            damaged.extend(
+                DamagedChunk(array_path, (lo, hi), reason)
+                for lo, hi, reason in array.damaged_runs(a, b)
+            )
+    return damaged
+
+
 def _check_array(
     store: Store,
     array_path: str,
@@ -195,18 +257,7 @@ def _check_array(
         return [DamagedChunk(array_path, (0, 0), f"cannot open the array: {err}")]
     if ranges is None:
         ranges = ((0, array.shape[0]),)
-    step = array.chunk_rows
-    damaged: list[DamagedChunk] = []
-    for start, stop in ranges:
-        # One shard (or chunk) at a time: bounded memory, and a damaged chunk is narrowed
-        # down to its inner chunk.
-        for first in range(start - start % step, stop, step):
-            a, b = max(first, start), min(first + step, stop)
-            damaged.extend(
-                DamagedChunk(array_path, (lo, hi), reason)
-                for lo, hi, reason in array.damaged_runs(a, b)
-            )
-    return damaged
+    return _damaged_in(array, array_path, ranges)
 
 
 def _ranges(rows: np.ndarray) -> tuple[tuple[int, int], ...]:

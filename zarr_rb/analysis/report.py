@@ -21,7 +21,7 @@ from zarr_rb.analysis._keys import dotted, public_key
 from zarr_rb.analysis.episodes import Episodes, find_episodes, find_keys
 from zarr_rb.errors import NoEpisodeFlagsError, StoreCorruptedError
 from zarr_rb.format.commit import Commit, mask_to_ranges
-from zarr_rb.format.names import FORMAT_VERSION, STATE_GROUP
+from zarr_rb.format.names import FORMAT_VERSION, STATE_GROUP, array_path, frame_ids_path
 from zarr_rb.format.record import StoreMeta
 from zarr_rb.util.io import load_json
 from zarr_rb.util.keys import Key
@@ -131,12 +131,20 @@ def describe(
     codec = compression.get("codec", "zstd")
     codec = codec if codec == "none" else f"{codec} {compression.get('level', 1)}"
     keys = []
+    twins = {} if schema is None else {k: f.key for f in schema.frames for k in f.keys}
     for leaf in () if schema is None else schema.leaves:
         if leaf.value == "lengths":
             continue
         paths = [leaf.path, *([leaf.lengths_leaf().path] if leaf.ragged else [])]
+        data_path = leaf.path
+        if leaf.key in twins:
+            # Stored as frames: the cells of the pair (counted with its first key) and its
+            # frame ids.
+            data_path = array_path(twins[leaf.key])
+            cells = [data_path] if twins[leaf.key] == leaf.key else []
+            paths = [*cells, frame_ids_path(leaf.key)]
         stored = sum(max(0, n) for path in paths for n in source.sizes(path + "/").values())
-        document = _json(source.read(f"{leaf.path}/zarr.json"))
+        document = _json(source.read(f"{data_path}/zarr.json"))
         shard_rows, chunk_rows = _chunking(document)
         kind = _KINDS.get(leaf.value, "values")
         shape = ("*" if leaf.ragged else None, *leaf.shape)

@@ -1,94 +1,43 @@
-"""A store's data arrays: opened and checked against the schema, created, grown, written
-by slot, and their unreferenced slots deleted. Rows here are rows of the arrays (physical);
-where a position is among them is the owner of the positions' business
-(:attr:`Store.commits <zarr_rb.core.store.Store.commits>`). Reads are
-:mod:`zarr_rb.core.disk_reads`.
+"""A store's data arrays: opened and checked against the schema, created, grown, and their
+unreferenced slots deleted. Rows here are rows of the arrays (physical); where a position is
+among them is the owner of the positions' business
+(:attr:`Store.commits <zarr_rb.core.store.Store.commits>`). Writes are
+:mod:`zarr_rb.core.array_writes`, reads :mod:`zarr_rb.core.disk_reads`, the leaves stored
+as frames :mod:`zarr_rb.core.frame_arrays`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
 
 import numpy as np
-import tensorstore as ts
 import torch
 
-from zarr_rb.core.disk_reads import RowsOwner, padded, read_rows, read_rows_all
+from zarr_rb.core.array_writes import ArraysOwner, ArrayWrites, PendingWrite
+from zarr_rb.core.disk_reads import read_rows, read_rows_all
 from zarr_rb.core.dtypes import to_numpy
-from zarr_rb.core.write_cache import Write
-from zarr_rb.engine import Engine, RowArray, once
-from zarr_rb.engine.layout import Compression, leaf_layout
+from zarr_rb.core.frame_arrays import FrameArrays
+from zarr_rb.engine import RowArray
+from zarr_rb.engine.layout import leaf_layout
 from zarr_rb.errors import StoreCorruptedError
 from zarr_rb.format.names import ATTRS_KEY
 from zarr_rb.format.schema import LeafSpec, Schema
 from zarr_rb.locations.base import ROOT_METADATA
 from zarr_rb.util.keys import Key
 
+__all__ = ["ArraysOwner", "PendingWrite", "StoreArrays"]
+
 ARRAYS_WAIT_SECONDS = 10.0
 """How long a store that just got its schema from another writer waits for its arrays."""
 
 
-class _Hold(Protocol):
-    def check_hold(self) -> None: ...
-    @property
-    def creates_once(self) -> bool: ...
-
-
-class ArraysOwner(RowsOwner, Protocol):
-    """What the arrays use of their store (:class:`~zarr_rb.core.store.Store`)."""
-
-    @property
-    def engine(self) -> Engine: ...
-    @property
-    def compression(self) -> Compression: ...
-    @property
-    def physical_rows(self) -> int: ...
-    @property
-    def lifetime(self) -> _Hold: ...
-
-    def writing(
-        self, what: str, *, kept: bool = True
-    ) -> contextlib.AbstractContextManager[None]: ...
-
-
-@dataclasses.dataclass(eq=False)
-class PendingWrite:
-    """A write of rows started and not waited for (see :meth:`StoreArrays.start_rows`)."""
-
-    futures: list[ts.WriteFutures]
-    behind: bool
-    """Whether commits made until it finishes do not depend on it (see
-    :meth:`StoreArrays.start_rows`)."""
-    written: list[tuple[RowArray, list[str]]]
-    """The chunk objects each array writes: durable at the first commit after the write
-    completes (a commit while it runs may sync them before they hold their data)."""
-    landed: concurrent.futures.Future[list[ValueError]] | None = None
-    """A write ``behind``: its wait and the sync of its objects, on a thread of its own (the
-    errors of the write)."""
-    lent: list[weakref.ref[np.ndarray]] = dataclasses.field(default_factory=list)
-    """A write ``behind``: the arrays TensorStore writes without a copy (see
-    :meth:`released`)."""
-
-    def has_landed(self) -> bool:
-        """Whether a write ``behind`` has finished (written and synced, or failed): waiting
-        for it returns at once."""
-        return self.landed is not None and self.landed.done()
-
-    def released(self) -> bool:
-        """Whether TensorStore holds none of the arrays it wrote without a copy: their
-        memory may take other values. (TensorStore may keep them after the write; it lets
-        go of them when it completes, as measured, and this checks it each time.)"""
-        return all(ref() is None for ref in self.lent)
-
-
-class StoreArrays:
+class StoreArrays(ArrayWrites):
     """The data arrays of one open store, opened once each."""
+
+    frames: FrameArrays
 
     def __init__(self, store: ArraysOwner) -> None:
         self.store = store
@@ -97,6 +46,8 @@ class StoreArrays:
         """Writes started and not finished: waited for at close."""
         self._landing: concurrent.futures.ThreadPoolExecutor | None = None
         """The thread that waits for writes ``behind`` and syncs what they wrote."""
+        self.frames = FrameArrays(store)
+        """The leaves stored as frames (``Compression(frames=True)``): their own arrays."""
 
     def expected_shape(self, leaf: LeafSpec) -> tuple[int | None, ...]:
         """The shape a leaf's array must have (``None``: any length along that dimension:
@@ -118,8 +69,12 @@ class StoreArrays:
 
     def check_metadata(self, schema: Schema) -> None:
         """Check the schema against an array on disk (row masks are sized from it)."""
-        first = next(leaf for leaf in schema.leaves if not leaf.ragged)
-        self.store.engine.check_array_metadata(first.path, self.expected_shape(first))
+        framed = schema.frame_keys
+        first = next(
+            (leaf for leaf in schema.leaves if not leaf.ragged and leaf.key not in framed), None
+        )
+        if first is not None:
+            self.store.engine.check_array_metadata(first.path, self.expected_shape(first))
 
     def get(self, key: Key) -> RowArray:
         """The array of ``key``, opened and checked against the schema at its first use.
@@ -184,6 +139,7 @@ class StoreArrays:
             self._landing.shutdown()
             self._landing = None
         self._open.clear()
+        self.frames.forget()
 
     def create(
         self,
@@ -193,9 +149,11 @@ class StoreArrays:
         *,
         replace: bool = True,
         samples: Mapping[Key, torch.Tensor] | None = None,
+        schema: Schema | None = None,
     ) -> None:
         """Create the arrays of ``leaves``. ``samples``: the first rows written of some of
         them; a large leaf among those that the codec does not shrink is stored raw.
+        ``schema``: the schema being set, whose frames leaves get their own arrays.
 
         Raises:
             UnsupportedDataError: a leaf that cannot be laid out in chunks; raised before
@@ -203,6 +161,11 @@ class StoreArrays:
         """
         store = self.store
         store.lifetime.check_hold()
+        framed = schema.frame_keys if schema is not None else frozenset()
+        plain = [leaf for leaf in leaves if leaf.key not in framed]
+        if schema is not None and schema.frames:
+            self.frames.create(schema, batch_shape[0], block_rows, replace=replace, samples=samples)
+        leaves = plain
         layouts = [
             leaf_layout(
                 leaf, batch_shape=batch_shape, block_rows=block_rows, compression=store.compression
@@ -266,152 +229,39 @@ class StoreArrays:
                 else:
                     array.grow_rows(rows)
 
-    # --- writing ---------------------------------------------------------------------------
-
-    def write_rows(
-        self,
-        writes: Sequence[Write],
-        *,
-        physical: bool = False,
-        seeds: Sequence[tuple[int, int]] = (),
-    ) -> None:
-        """Write rows to the slots the writer's map gives their blocks (``physical``: the
-        rows are rows of the arrays already: a shared writer's). ``seeds``: when objects
-        are created once, ``(slot, new slot)`` whose objects (of the arrays sharded by
-        block) the new slot's start from, as stored."""
-        store = self.store
-        if physical:
-            # (Its slots were taken with room in the arrays: Sharing._take.)
-            store.lifetime.check_hold()
-        if store.lifetime.creates_once:
-            self._create_rows(writes, seeds, physical=physical)
-            return
-        assert not seeds
-        self.finish(self.start_rows(writes, physical=physical))
-
-    def start_rows(
-        self, writes: Sequence[Write], *, physical: bool = False, behind: bool = False
-    ) -> PendingWrite:
-        """Start writing rows (as :meth:`write_rows`, to objects that may be written over)
-        and return without waiting: :meth:`finish` waits. The values must not change until
-        then. ``behind``: no commit made before it finishes depends on the objects it
-        writes (they hold no row such a commit declares), and the values must never change
-        (TensorStore writes them without a copy, and may keep them)."""
-        store = self.store
-        pending = PendingWrite([], behind, [])
-        with store.writing("writing rows"):
-            try:
-                for rows, values in writes:
-                    at = rows if physical else store.physical(rows)
-                    for key, tensor in values.items():
-                        array = self.get(key)
-                        if array.ragged:
-                            tensor = _whole_chunks(tensor, array)
-                            if not tensor.shape[1]:
-                                continue  # empty rows: nothing to write
-                            array.grow(tensor.shape[1])
-                        source = to_numpy(tensor)
-                        future, keys = array.start_write_rows(at, source, behind=behind)
-                        if behind:
-                            pending.lent.append(weakref.ref(source))
-                        del source
-                        pending.futures.append(future)
-                        pending.written.append((array, keys))
-            except BaseException:
-                self._wait(pending)  # what was started ends before the error is raised
-                raise
-        if behind:
-            if self._landing is None:
-                self._landing = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="zarr_rb-landing"
-                )
-            pending.landed = self._landing.submit(self._land, pending)
-        self._pending.append(pending)
-        return pending
-
-    def finish(self, pending: PendingWrite, *, what: str = "writing rows") -> None:
-        """Wait for a write :meth:`start_rows` started; raises the first of its errors."""
-        self._pending.remove(pending)
-        with self.store.writing(what):
-            errors = self._wait(pending)
-            if errors:
-                raise errors[0]
-        for array, keys in pending.written:
-            # (Again: a commit while it ran may have synced them before they were whole.)
-            array.mark_written(keys, behind=pending.behind)
-
-    @classmethod
-    def _land(cls, pending: PendingWrite) -> list[ValueError]:
-        """Wait for a write and sync what it wrote (on the landing thread)."""
-        errors = cls._wait_futures(pending)
-        if not errors:
-            for array, keys in pending.written:
-                array.sync_objects(keys)
-        return errors
-
-    @classmethod
-    def _wait(cls, pending: PendingWrite) -> list[ValueError]:
-        """Wait for a write; returns its errors."""
-        if pending.landed is not None:
-            return pending.landed.result()
-        return cls._wait_futures(pending)
-
-    @staticmethod
-    def _wait_futures(pending: PendingWrite) -> list[ValueError]:
-        errors = []
-        for future in pending.futures:
-            try:
-                future.result()
-            except ValueError as err:
-                errors.append(err)
-        return errors
-
-    def _create_rows(
-        self, writes: Sequence[Write], seeds: Sequence[tuple[int, int]], *, physical: bool
-    ) -> None:
-        """:meth:`write_rows`, every object created once: the rows of each key together."""
-        store = self.store
-        seeded = self.whole_block_keys() if seeds else []
-        by_key: dict[Key, list[tuple[np.ndarray, torch.Tensor]]] = {key: [] for key in seeded}
-        for rows, values in writes:
-            at = rows if physical else store.physical(rows)
-            for key, tensor in values.items():
-                by_key.setdefault(key, []).append((at, tensor))
-        with store.writing("writing rows"):
-            started = []
-            try:
-                for key, pieces in by_key.items():
-                    array = self.get(key)
-                    width = None
-                    if array.ragged and pieces:
-                        pieces = [(at, _whole_chunks(tensor, array)) for at, tensor in pieces]
-                        width = max(int(tensor.shape[1]) for _, tensor in pieces)
-                        if not width and key not in seeded:
-                            continue  # empty rows: nothing to write
-                        array.grow(width)
-                        pieces = [(at, padded(tensor, width)) for at, tensor in pieces]
-                    writes_of_key = [(at, to_numpy(tensor)) for at, tensor in pieces if width != 0]
-                    key_seeds = seeds if key in seeded else ()
-                    # A shared writer's slots are mostly taken again once free: with the
-                    # objects of the rows they held (deleted first, in one round).
-                    creation = array.create_rows(
-                        writes_of_key, width=width, seeds=key_seeds, clear=physical
-                    )
-                    started.append((array, creation))
-            finally:
-                # (Every key's requests in flight at once; those started are waited for.)
-                once.finish_all([creation for _, creation in started])
-            for array, creation in started:
-                array.forget(creation)
-
     # --- slots -----------------------------------------------------------------------------
 
     def whole_block_keys(self) -> list[Key]:
-        """The leaves whose write chunks (objects) each hold one block: one object per
-        slot, which a collection can delete (larger shards keep their slots' rows, written
-        over when the slots are reused)."""
+        """The leaves whose write chunks (objects) each hold one block and are copied as
+        stored to move a block: one object per slot, which a collection can delete (larger
+        shards keep their slots' rows, written over when the slots are reused). Not the
+        frames leaves, copied by value (:meth:`block_arrays` has their arrays)."""
         block_rows = self.store.meta.block_rows or 1
-        return [key for key in self.store.leaves if self.get(key).chunk_rows == block_rows]
+        framed = self.frames.keys()
+        return [
+            key
+            for key in self.store.leaves
+            if key not in framed and self.get(key).chunk_rows == block_rows
+        ]
+
+    def block_arrays(self) -> list[RowArray]:
+        """Every array whose objects each hold one block: those of :meth:`whole_block_keys`
+        and the frames leaves' (what a collection deletes by slot)."""
+        return [*(self.get(key) for key in self.whole_block_keys()), *self.frames.arrays()]
+
+    def objects_by_block(self) -> bool:
+        """Whether every leaf is stored in objects of one block each."""
+        framed = self.frames.keys()
+        return len(self.whole_block_keys()) + len(framed) == len(self.store.leaves)
+
+    def grow_rows(self, rows: int) -> None:
+        """Give every array ``rows`` rows (metadata only)."""
+        framed = self.frames.keys()
+        for key in self.store.leaves:
+            if key not in framed:
+                self.get(key).grow_rows(rows)
+        for array in self.frames.arrays():
+            array.grow_rows(rows)
 
     def stored_slots(self, keys: Sequence[Key]) -> set[int]:
         """The slots of which an array of ``keys`` holds an object (one listing each)."""
@@ -455,10 +305,3 @@ class StoreArrays:
         """:meth:`read` of leaves and of the lengths of their ragged ones (``physical``:
         where positions are, if not where the store has them now)."""
         return read_rows_all(self, requests, physical=physical)
-
-
-def _whole_chunks(tensor: torch.Tensor, array: RowArray) -> torch.Tensor:
-    """Ragged rows padded with zeros to whole chunks along their length (no chunk is
-    partly written, which would read it back first)."""
-    width = tensor.shape[1]
-    return padded(tensor, -(-width // array.chunk_length) * array.chunk_length)

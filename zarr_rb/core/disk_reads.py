@@ -29,12 +29,19 @@ class RowsOwner(StoreFacts, Protocol):
     def physical(self, positions: np.ndarray) -> np.ndarray: ...
 
 
+class FrameReads(Protocol):
+    def keys(self) -> frozenset[Key]: ...
+    def read(self, key: Key, rows: np.ndarray) -> torch.Tensor: ...
+
+
 class Arrays(Protocol):
     """The arrays a read goes to (:class:`~zarr_rb.core.arrays.StoreArrays`)."""
 
     @property
     def store(self) -> RowsOwner: ...
     def get(self, key: Key) -> RowArray: ...
+    @property
+    def frames(self) -> FrameReads: ...
 
 
 def read_rows(
@@ -59,8 +66,9 @@ def read_rows(
     store = arrays.store
     physical = physical or store.physical
     futures: dict[Key, list[tuple[np.ndarray, int | None, Any]]] = {}
+    framed = arrays.frames.keys()
     for key, positions in requests.items():
-        if not positions.size:
+        if not positions.size or key in framed:
             continue
         array = arrays.get(key)
         rows = physical(positions)
@@ -90,6 +98,9 @@ def read_rows(
     for key, rows in requests.items():
         leaf = store.leaf(key)
         dtype = TORCH_DTYPES[leaf.dtype]
+        if key in framed:
+            out[key] = arrays.frames.read(key, physical(rows))  # (rows of the arrays)
+            continue
         if not leaf.ragged:
             parts = futures.get(key)
             if parts is None:

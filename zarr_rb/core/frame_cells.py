@@ -40,10 +40,16 @@ def cells_per_row(spec: FrameKeys) -> int:
     return spec.slots_per_row
 
 
+def ids_tail(spec: FrameKeys) -> tuple[int, ...]:
+    """The shape of a row of an ids array: a cell per frame of the stack, per lane when a
+    row has several (``[time, n_envs]`` storages)."""
+    return (spec.stack,) if spec.lanes == 1 else (spec.lanes, spec.stack)
+
+
 def cell_layouts(spec: FrameKeys, rows: int, block_rows: int) -> tuple[LeafLayout, LeafLayout]:
     """The layouts of the cells array (``[rows, C, *frame]``, one shard per block, one row of
-    cells per inner chunk) and of an ids array (``[rows, L, S]``, one chunk per block, so
-    that a block's objects move together)."""
+    cells per inner chunk) and of an ids array (``[rows, S]``, or ``[rows, L, S]``: one chunk
+    per block, so that a block's objects move together)."""
     cells = cells_per_row(spec)
     frame = tuple(spec.frame_shape)
     return (
@@ -53,8 +59,8 @@ def cell_layouts(spec: FrameKeys, rows: int, block_rows: int) -> tuple[LeafLayou
             shards=(block_rows, cells, *frame),
         ),
         LeafLayout(
-            shape=(rows, spec.lanes, spec.stack),
-            chunks=(block_rows, spec.lanes, spec.stack),
+            shape=(rows, *ids_tail(spec)),
+            chunks=(block_rows, *ids_tail(spec)),
             shards=None,
         ),
     )
@@ -137,10 +143,11 @@ class FrameCells:
         values: Mapping[Key, torch.Tensor],
         *,
         behind: bool = False,
-    ) -> list[tuple[Any, list[str]]]:
+    ) -> list[tuple[RowArray, Any, list[str]]]:
         """Start writing the rows ``rows`` of the arrays (sorted, unique) with the ``values``
         of one or both keys: each block's new frames into cells past its slot's mark, and
-        the rows' ids. Returns the writes started and the objects each writes.
+        the rows' ids. Returns the writes started: each array, its write and the objects it
+        writes.
 
         Raises:
             RegionFullError: a block's region has too few cells left past its mark (nothing
@@ -153,10 +160,11 @@ class FrameCells:
         for part in parts:
             if not self.room(int(blocks[part[0]]), part.size):
                 raise RegionFullError(f"block {int(blocks[part[0]])} of {self.cells.path!r}")
-        started: list[tuple[Any, list[str]]] = []
+        started: list[tuple[RowArray, Any, list[str]]] = []
         for part in parts:
-            picked = torch.from_numpy(part)
-            block_values = {key: values[key].index_select(0, picked) for key in spec.keys}
+            # (A block's rows of the write are a run of them: views, not copies.)
+            first, stop = int(part[0]), int(part[-1]) + 1
+            block_values = {key: values[key][first:stop] for key in spec.keys}
             started.extend(
                 self._write_block(int(blocks[part[0]]), rows[part], block_values, spec, behind)
             )
@@ -176,7 +184,7 @@ class FrameCells:
         values: Mapping[Key, torch.Tensor],
         spec: FrameKeys,
         behind: bool,
-    ) -> list[tuple[Any, list[str]]]:
+    ) -> list[tuple[RowArray, Any, list[str]]]:
         per_row = self.cells_per_row
         plan = plan_frames(spec, values, None)
         fresh = plan.fresh_count
@@ -196,16 +204,19 @@ class FrameCells:
             source = values[key].to(spec.dtype).reshape(-1, *spec.frame_shape)
             copy_frames(cells, slot_ids[chosen], frame_bytes(source), chosen - i * per_key)
             key_ids = mark + slot_ids[i * per_key : (i + 1) * per_key]
-            ids[key] = key_ids.astype(ID_DTYPE).reshape(rows.size, spec.lanes, spec.stack)
+            ids[key] = key_ids.astype(ID_DTYPE).reshape(rows.size, *ids_tail(spec))
         dtype = np.dtype(self.cells.dtype)
         frames = cells.view(dtype).reshape(taken // per_row, per_row, *spec.frame_shape)
         first_row = slot * self.block_rows + mark // per_row
         cell_rows = np.arange(first_row, first_row + frames.shape[0])
         started = []
         if frames.shape[0]:
-            started.append(self.cells.start_write_rows(cell_rows, frames, behind=behind))
+            started.append(
+                (self.cells, *self.cells.start_write_rows(cell_rows, frames, behind=behind))
+            )
         for key, key_ids in ids.items():
-            started.append(self.ids[key].start_write_rows(rows, key_ids, behind=behind))
+            array = self.ids[key]
+            started.append((array, *array.start_write_rows(rows, key_ids, behind=behind)))
         self._marks[slot] = mark + taken
         return started
 
@@ -222,6 +233,8 @@ class FrameCells:
         """
         spec = self.spec
         per_row = self.cells_per_row
+        if not rows.size:
+            return {key: torch.empty((0, *spec.element_shape), dtype=spec.dtype) for key in keys}
         pending = {key: self.ids[key].read_rows(rows) for key in keys}
         named: dict[Key, np.ndarray] = {}
         for key, future in pending.items():

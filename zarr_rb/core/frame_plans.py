@@ -21,7 +21,7 @@ import torch
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.engine.layout import leaf_row_nbytes
 from zarr_rb.engine.rows import is_run
-from zarr_rb.format.schema import LeafSpec
+from zarr_rb.format.schema import FrameLeaf, LeafSpec, Schema, leaves_by_key
 from zarr_rb.util.keys import Key
 
 
@@ -86,6 +86,38 @@ def frame_keys(
                 stack=shape[0] if stacked else 1,
                 frame_shape=shape[1:] if stacked else shape,
                 dtype=TORCH_DTYPES[leaf.dtype],
+            )
+        )
+    return out
+
+
+def frame_leaves(
+    leaves: Sequence[LeafSpec], batch_shape: tuple[int, ...], large_row_bytes: int
+) -> tuple[FrameLeaf, ...]:
+    """The leaves a store of ``Compression(frames=True)`` stores as frames: those
+    :func:`frame_keys` gives, as the schema records them."""
+    return tuple(
+        FrameLeaf(key=spec.key, next_key=spec.next_key, stack=spec.stack)
+        for spec in frame_keys(leaves, batch_shape, large_row_bytes)
+    )
+
+
+def stored_frame_keys(schema: Schema) -> list[FrameKeys]:
+    """The leaves ``schema`` records as stored as frames (:attr:`Schema.frames`)."""
+    leaves = leaves_by_key(schema.leaves)
+    lanes = math.prod(schema.batch_shape[1:])
+    out = []
+    for stored in schema.frames:
+        shape = leaves[stored.key].shape
+        out.append(
+            FrameKeys(
+                key=stored.key,
+                next_key=stored.next_key,
+                element_shape=(*schema.batch_shape[1:], *shape),
+                lanes=lanes,
+                stack=stored.stack,
+                frame_shape=shape[1:] if stored.stack > 1 else shape,
+                dtype=TORCH_DTYPES[leaves[stored.key].dtype],
             )
         )
     return out

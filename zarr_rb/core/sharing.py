@@ -46,6 +46,7 @@ from zarr_rb.core import sharing_slots
 from zarr_rb.core.sharing_saves import SharingSaves
 from zarr_rb.core.sharing_slots import runs_of
 from zarr_rb.core.store_facts import whole_rows
+from zarr_rb.engine.layout import Compression
 from zarr_rb.errors import (
     LockedError,
     NotSupportedError,
@@ -438,9 +439,26 @@ def _to_runs(meta: StoreMeta, *, late_writes: bool) -> StoreMeta | None:
     return dataclasses.replace(meta, commit=commit, format=FORMAT_VERSION)
 
 
+def check_frames_shareable(url: str, compression: Compression | None) -> None:
+    """Shared writers do not write leaves stored as frames yet.
+
+    Raises:
+        NotSupportedError: ``compression`` stores frames once per block.
+    """
+    if compression is not None and compression.frames:
+        raise NotSupportedError(
+            f"store {url!r} stores frames once per block (Compression(frames=True)), which "
+            "shared writers cannot write yet; keep one writer for it, or create the store "
+            "with Compression(frames=False) (the default)"
+        )
+
+
 def check_shareable(store: StoreAPI) -> None:
     """A store written by one writer can take more only if no object on disk holds rows
-    of two blocks (stores of zarr_rb 0.x before shared writers could have such chunks)."""
+    of two blocks (stores of zarr_rb 0.x before shared writers could have such chunks), and
+    only without leaves stored as frames (``Compression(frames=True)``), which shared
+    writers do not write yet."""
+    check_frames_shareable(store.url, store.compression)
     if store.schema is None:
         return
     block_rows = store.meta.block_rows or 1

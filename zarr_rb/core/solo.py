@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import torch
 
+from zarr_rb.core.frame_arrays import with_frames
 from zarr_rb.core.history import Extended
 from zarr_rb.core.reader import reread_commit
 from zarr_rb.core.solo_cursor import SoloCursor, first_unset
@@ -47,7 +48,7 @@ from zarr_rb.format.commit import (
     commit_from_mask,
     declared_length,
 )
-from zarr_rb.format.names import ATTRS_KEY
+from zarr_rb.format.names import ATTRS_KEY, FRAMES_FORMAT
 from zarr_rb.format.record import Saved, StoreMeta
 from zarr_rb.format.runs import RunMap
 from zarr_rb.format.schema import Schema
@@ -85,9 +86,15 @@ class SoloCommits(SoloCursor):
         self, schema: Schema, block_rows: int, samples: Mapping[Key, torch.Tensor] | None
     ) -> None:
         store = self.store
+        fmt = self.meta.format
+        if store.compression.frames:
+            schema = with_frames(store.arrays.store, schema)
+            fmt = FRAMES_FORMAT if schema.frames else fmt
         with store.writing("creating the arrays", kept=False):
-            store.arrays.create(schema.leaves, schema.batch_shape, block_rows, samples=samples)
-        self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows)
+            store.arrays.create(
+                schema.leaves, schema.batch_shape, block_rows, samples=samples, schema=schema
+            )
+        self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows, format=fmt)
         store.attach_schema(schema, block_rows)
         self.publish_meta()
 

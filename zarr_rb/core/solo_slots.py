@@ -95,23 +95,24 @@ class SoloSlots(Commits):
             if len(free) > SPARE_FACTOR * slots.blocks:
                 known = None  # many slots not known to be empty: listing them costs less
         self._announce_kept()
-        whole = store.arrays.whole_block_keys()
+        arrays = store.arrays.block_arrays()
         emptied: set[int] = set()
         with store.writing("deleting slots no record refers to"):
-            stale = {
-                key: free
-                if known is not None
-                else sorted(
-                    store.arrays.get(key).stored_chunks() & set(np.flatnonzero(eligible).tolist())
+            stale = [
+                (
+                    array,
+                    free
+                    if known is not None
+                    else sorted(array.stored_chunks() & set(np.flatnonzero(eligible).tolist())),
                 )
-                for key in whole
-            }
-            if any(slot >= self._own_floor() for chunks in stale.values() for slot in chunks):
+                for array in arrays
+            ]
+            if any(slot >= self._own_floor() for _, chunks in stale for slot in chunks):
                 # A DELETE is a write: one that lands late must not reach a writer that took
                 # the store over at a record that leaves it these slots.
                 self._first_own_slot()
-            for key, chunks in stale.items():
-                store.arrays.get(key).drop_chunks(chunks)
+            for array, chunks in stale:
+                array.drop_chunks(chunks)
                 emptied.update(chunks)
         self._known_empty = eligible
         return len(emptied)
@@ -312,8 +313,7 @@ class SoloSlots(Commits):
             self.meta = dataclasses.replace(self.meta, format=FORMAT_VERSION)
             self.publish(self.committed, rows=False)
         with self.store.writing("adding slots to the arrays"):
-            for key in self.store.leaves:
-                self.store.arrays.get(key).grow_rows(capacity * slots.block_rows)
+            self.store.arrays.grow_rows(capacity * slots.block_rows)
         self.positions = slots.with_capacity(capacity)
         known = self._known_empty
         if known is not None:  # slots up to the old capacity may hold objects, new ones not

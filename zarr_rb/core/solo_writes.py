@@ -16,6 +16,7 @@ import torch
 
 from zarr_rb.core.arrays import PendingWrite
 from zarr_rb.core.arrivals import Arrivals
+from zarr_rb.core.commits import StoreAPI
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.solo_slots import SoloSlots
 from zarr_rb.core.store_facts import whole_rows
@@ -280,7 +281,7 @@ class SoloWrites(SoloSlots):
             and not self.store.archive
             # Objects of the block's rows alone: a commit made while they are written
             # declares no row they hold (a shard of several blocks would hold some).
-            and len(self.store.arrays.whole_block_keys()) == len(self.store.leaves)
+            and self.store.arrays.objects_by_block()
         )
 
     def _write_behind(self, block: Block) -> None:
@@ -389,6 +390,9 @@ class SoloWrites(SoloSlots):
         # (emptied or withdrawn since): a reader may still read that commit.
         kept = self._kept_readable(touched_blocks, slots, np.flatnonzero(touched))
         move = pinned | (committed & has_live) | foreign | kept
+        # A block whose frames could run out of cells where it is moves, its frames copied
+        # by value: it starts afresh in its new slot (docs/design/frames-on-disk.md).
+        move |= ~self.store.arrays.frames.room(slots, touched_blocks, writes, block_rows)
         creates_once = self.store.lifetime.creates_once
         if creates_once:
             # No object is written over: a block whose slot holds rows to keep (any of
@@ -402,6 +406,7 @@ class SoloWrites(SoloSlots):
         if not blocks.size:
             return none, none, [], in_place, []
         fresh = self._free_slots(blocks.size)
+        self.store.arrays.frames.take_slots(fresh.tolist())
         before = block_map.slots[blocks].copy()
         positions = (blocks[:, None] * block_rows + np.arange(block_rows)).ravel()
         positions = positions[positions < ledger.extent]
@@ -425,27 +430,45 @@ class SoloWrites(SoloSlots):
                     for block, source, target in moved_blocks:
                         if kept[block * block_rows : (block + 1) * block_rows].any():
                             self.store.arrays.get(key).copy_chunk(source, target)
-        others = [key for key in self.store.leaves if key not in whole]
-        for group in plain_then_ragged(self.store.leaves, others):
-            requests = {}
-            for key in group:
-                written = [rows for rows, values in writes if key in values]
-                keep = ledger.readable(positions, key)
-                if written:
-                    keep &= ~np.isin(positions, np.concatenate(written))
-                if keep.any():
-                    requests[key] = positions[keep]
-            lengths = {
-                key: self.store.arrays.read({self.store.leaf(key).lengths_key: rows})[
-                    self.store.leaf(key).lengths_key
-                ].numpy()
-                for key, rows in requests.items()
-                if self.store.leaf(key).ragged
-            }
-            for key, values in self.store.arrays.read(requests, lengths).items():
-                copies.append((requests[key], {key: values}))
+        copies.extend(_copies_by_value(self.store, writes, positions, whole))
         block_map.assign(blocks, fresh)
         return blocks, before, copies, in_place, seeds
+
+
+def _copies_by_value(
+    store: StoreAPI, writes: Sequence[Write], positions: np.ndarray, whole: Sequence[Key]
+) -> list[Write]:
+    """The writes that copy, by value, the rows of moved blocks (``positions``) that
+    ``writes`` leave alone, of the leaves not copied as stored (not in ``whole``): of each
+    key, the rows holding data of it; the leaves stored as frames a row at a time."""
+    ledger = store.ledger
+    assert ledger is not None
+    copies: list[Write] = []
+    others = [key for key in store.leaves if key not in whole]
+    stored_as_frames = store.arrays.frames.keys()
+    for group in plain_then_ragged(store.leaves, others):
+        requests = {}
+        for key in group:
+            written = [rows for rows, values in writes if key in values]
+            keep = ledger.readable(positions, key)
+            if written:
+                keep &= ~np.isin(positions, np.concatenate(written))
+            if keep.any():
+                requests[key] = positions[keep]
+        framed = {key: rows for key, rows in requests.items() if key in stored_as_frames}
+        if framed:
+            copies.extend(store.arrays.frames.copies(framed, store.arrays.read(framed)))
+            requests = {key: rows for key, rows in requests.items() if key not in framed}
+        lengths = {
+            key: store.arrays.read({store.leaf(key).lengths_key: rows})[
+                store.leaf(key).lengths_key
+            ].numpy()
+            for key, rows in requests.items()
+            if store.leaf(key).ragged
+        }
+        for key, values in store.arrays.read(requests, lengths).items():
+            copies.append((requests[key], {key: values}))
+    return copies
 
 
 def _written_mask(writes: Sequence[Write], key: Key, rows: int) -> np.ndarray:

@@ -20,7 +20,8 @@ from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
 from zarr_rb.format.commit import Commit
 from zarr_rb.format.index_key import INDEX_KEY, put_positions
 from zarr_rb.format.messages import preview_rows
-from zarr_rb.format.record import parse_current_record
+from zarr_rb.format.names import array_path, frame_ids_path
+from zarr_rb.format.record import StoreMeta, parse_current_record
 from zarr_rb.format.schema import LeafSpec
 from zarr_rb.util.io import load_json
 from zarr_rb.util.seqlock import seqlock_read
@@ -54,28 +55,67 @@ class ForkedReader:
         self._where = f"store {str(root)!r}"
         self._leaves = list(leaves)
         self._store = LocalStore(root, read_only=True)
+        meta = self._meta()
+        schema = meta.schema
+        # Leaves stored as frames: their ids, and the cells of their pair's first key.
+        self._frames = {
+            key: (stored.key, stored.stack)
+            for stored in (schema.frames if schema is not None else ())
+            for key in stored.keys
+        }
+        self._block_rows = meta.block_rows or 1
         self._arrays = self._open()
 
     def _open(self) -> dict[tuple[str, ...], Any]:
         import zarr
 
-        return {
-            leaf.key: zarr.open_array(store=self._store, path=leaf.path, mode="r")
-            for leaf in self._leaves
-        }
+        out = {}
+        for leaf in self._leaves:
+            path = frame_ids_path(leaf.key) if leaf.key in self._frames else leaf.path
+            out[leaf.key] = zarr.open_array(store=self._store, path=path, mode="r")
+        for first, _ in self._frames.values():
+            out[("", "cells", *first)] = zarr.open_array(
+                store=self._store, path=array_path(first), mode="r"
+            )
+        return out
 
-    def _commit(self) -> Commit:
+    def _meta(self) -> StoreMeta:
         def read() -> dict[str, Any]:
             document: dict[str, Any] = load_json((self._root / "zarr.json").read_bytes())
             return document
 
         try:
             pieces = FilePieces(self._root)
-            return parse_current_record(read(), read, where=self._where, pieces=pieces).commit
+            return parse_current_record(read(), read, where=self._where, pieces=pieces)
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise StoreCorruptedError(
                 f"{self._where}: cannot read its commit record: {err}"
             ) from None
+
+    def _commit(self) -> Commit:
+        return self._meta().commit
+
+    def _read_leaf(self, key: tuple[str, ...], physical: np.ndarray) -> np.ndarray:
+        """Rows ``physical`` (unique, sorted) of the arrays, of ``key``."""
+        array = self._arrays[key]
+        if key not in self._frames:
+            return np.asarray(array.oindex[physical])
+        first, _ = self._frames[key]
+        cells = self._arrays[("", "cells", *first)]
+        per_row = int(cells.shape[1])
+        named = np.asarray(array.oindex[physical]).astype(np.int64)  # [rows, (lanes,) stack]
+        base = (physical - physical % self._block_rows) * per_row
+        at = base.reshape(-1, *[1] * (named.ndim - 1)) + named
+        wanted, where = np.unique(at // per_row, return_inverse=True)
+        stored = np.asarray(cells.oindex[wanted]).reshape(wanted.size * per_row, -1)
+        frames = stored[where.reshape(at.shape) * per_row + at % per_row]
+        leaf = next(leaf for leaf in self._leaves if leaf.key == key)
+        lanes = named[0].size // (
+            named.shape[-1] or 1
+        )  # (ids: [rows, stack] or [rows, lanes, stack])
+        element = tuple(leaf.shape) if lanes == 1 else (lanes, *leaf.shape)
+        out: np.ndarray = frames.reshape(physical.size, *element)
+        return out
 
     def read(self, rows: np.ndarray) -> dict[tuple[str, ...], np.ndarray]:
         """``rows`` (any order, repeats allowed) of every leaf, as the last commit has them, in
@@ -94,9 +134,9 @@ class ForkedReader:
             physical = commit.physical(unique)
             if physical.size and any(
                 int(physical.max()) >= a.shape[0] for a in self._arrays.values()
-            ):
+            ):  # (the cells array has as many rows as the others)
                 self._arrays = self._open()  # the writer added slots since they were opened
-            out = {key: np.asarray(a.oindex[physical])[inverse] for key, a in self._arrays.items()}
+            out = {leaf.key: self._read_leaf(leaf.key, physical)[inverse] for leaf in self._leaves}
             if INDEX_KEY in out:
                 out[INDEX_KEY] = put_positions(out[INDEX_KEY], rows)
             return out

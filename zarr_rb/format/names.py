@@ -20,6 +20,11 @@ ATTRS_KEY = "zarr_rb"
 DATA_GROUP = "data"
 LENGTHS_GROUP = "lengths"
 """Where the per-row lengths of ragged leaves live (``lengths/<key>``, int64)."""
+FRAME_IDS_GROUP = "frame_ids"
+"""Where the frame ids of leaves stored as frames live (``frame_ids/<key>``, int32)."""
+FRAMES_FORMAT = 4
+"""The format of a store with leaves stored as frames, each once per block
+(``docs/design/frames-on-disk.md``); others keep :data:`FORMAT_VERSION`."""
 STATE_GROUP = "state"
 TENSOR_LEAF_NAME = "tensor"
 """Array name used under ``data/`` when the storage holds a bare tensor."""
@@ -184,3 +189,8 @@ def array_path(key: tuple[str, ...]) -> str:
     if not key:
         return f"{DATA_GROUP}/{TENSOR_LEAF_NAME}"
     return "/".join((DATA_GROUP, *key))
+
+
+def frame_ids_path(key: tuple[str, ...]) -> str:
+    """Path of the frame ids of a leaf stored as frames (``frame_ids/<key>``)."""
+    return FRAME_IDS_GROUP + array_path(key)[len(DATA_GROUP) :]

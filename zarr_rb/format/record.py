@@ -14,7 +14,7 @@ from typing import Any
 from zarr_rb.errors import FormatVersionError, StoreCorruptedError
 from zarr_rb.format._parse import _MAX_DIMS, _expect, _parse_int, _parse_int_list
 from zarr_rb.format.commit import Commit, parse_commit
-from zarr_rb.format.names import ATTRS_KEY, FORMAT_VERSION, STATE_GROUP
+from zarr_rb.format.names import ATTRS_KEY, FORMAT_VERSION, FRAMES_FORMAT, STATE_GROUP
 from zarr_rb.format.pieces import MapPieceMissingError, PieceSource, parse_map
 from zarr_rb.format.ring import SlotMap, parse_slot_map
 from zarr_rb.format.runs import RunMap
@@ -212,7 +212,14 @@ def parse_compression(value: object) -> dict[str, Any] | None:
         if block_rows is None
         else _parse_int(block_rows, "compression block_rows", lo=1, hi=2**31),
         "large_row_bytes": _parse_int(value.get("large_row_bytes"), "large_row_bytes"),
+        "frames": _parse_bool(value.get("frames", False), "compression frames"),
     }
+
+
+def _parse_bool(value: object, what: str) -> bool:
+    _expect(isinstance(value, bool), f"{what} to be true or false", value)
+    assert isinstance(value, bool)
+    return value
 
 
 RECORD_RETRIES = 20
@@ -266,10 +273,10 @@ def parse_store_meta(
         _expect(isinstance(value, Mapping), f"attributes[{ATTRS_KEY!r}] to be an object", value)
         assert isinstance(value, Mapping)
         fmt = _parse_int(value.get("format"), "format version")
-        if fmt > FORMAT_VERSION:
+        if fmt > FRAMES_FORMAT:
             raise FormatVersionError(
                 f"{where} was written in zarr_rb store format {fmt}; this zarr_rb reads "
-                f"format {FORMAT_VERSION} and older. Upgrade zarr_rb to open it.",
+                f"format {FRAMES_FORMAT} and older. Upgrade zarr_rb to open it.",
             )
         _expect(fmt >= 1, "format version >= 1", fmt)
         max_size = _parse_int(value.get("max_size"), "max_size", lo=1)
@@ -281,6 +288,12 @@ def parse_store_meta(
                 schema.rows == -(-max_size // per_row),
                 f"batch_shape {list(schema.batch_shape)} to hold max_size={max_size}",
                 list(schema.batch_shape),
+            )
+        if schema is not None:
+            _expect(
+                (fmt == FRAMES_FORMAT) == bool(schema.frames),
+                f"leaves stored as frames in a store of format {FRAMES_FORMAT} (and only there)",
+                fmt,
             )
         rows = schema.rows if schema is not None else max_size
         block_rows = value.get("block_rows")

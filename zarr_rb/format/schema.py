@@ -100,6 +100,25 @@ class LeafSpec:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class FrameLeaf:
+    """A leaf stored as frames, each once per block (``docs/design/frames-on-disk.md``):
+    its key, its ``("next", ...)`` twin stored with it (or ``None``), and the frames of
+    each of its stacks (1: the leaf is kept by element)."""
+
+    key: tuple[str, ...]
+    next_key: tuple[str, ...] | None
+    stack: int
+
+    @property
+    def keys(self) -> tuple[tuple[str, ...], ...]:
+        return (self.key,) if self.next_key is None else (self.key, self.next_key)
+
+    def to_json(self) -> dict[str, Any]:
+        twin = None if self.next_key is None else list(self.next_key)
+        return {"key": list(self.key), "next": twin, "stack": self.stack}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Schema:
     """What the store holds: the data kind, its batch shape and its leaves."""
 
@@ -114,6 +133,14 @@ class Schema:
     treespec: str | None = None
     """For ``kind == "pytree"``: the structure (``torch.utils._pytree.treespec_dumps``); the
     leaves are in its order."""
+    frames: tuple[FrameLeaf, ...] = ()
+    """Leaves stored as frames (``Compression(frames=True)``), fixed when the schema is set:
+    a leaf added later is never one."""
+
+    @property
+    def frame_keys(self) -> frozenset[tuple[str, ...]]:
+        """Every key stored as frames (twins included)."""
+        return frozenset(key for leaf in self.frames for key in leaf.keys)
 
     @property
     def rows(self) -> int:
@@ -135,7 +162,7 @@ class Schema:
         return dataclasses.replace(self, leaves=grown)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "kind": self.kind,
             "batch_shape": list(self.batch_shape),
             "tensorclass": self.tensorclass,
@@ -143,6 +170,9 @@ class Schema:
             "leaves": [leaf.to_json() for leaf in self.leaves],
             "treespec": self.treespec,
         }
+        if self.frames:
+            out["frames"] = [leaf.to_json() for leaf in self.frames]
+        return out
 
 
 # --- parsing (untrusted JSON -> typed records) -------------------------------------------
@@ -239,7 +269,57 @@ def parse_schema(value: object, *, ndim: int) -> Schema | None:
         tensorclass=tensorclass,
         item_batch_shape=item_batch_shape,
         treespec=treespec,
+        frames=_parse_frames(value.get("frames", []), leaves_by_key(leaves)),
     )
+
+
+def _parse_frames(
+    value: object, leaves: Mapping[tuple[str, ...], LeafSpec]
+) -> tuple[FrameLeaf, ...]:
+    _expect(isinstance(value, list) and len(value) <= _MAX_LEAVES, "a list of frames", value)
+    assert isinstance(value, list)
+    out = []
+    taken: set[tuple[str, ...]] = set()
+    for entry in value:
+        _expect(isinstance(entry, Mapping), "a frames leaf object", entry)
+        assert isinstance(entry, Mapping)
+        key, twin = (_parse_leaf_key(entry.get(name), leaves) for name in ("key", "next"))
+        _expect(key is not None, "the key of a frames leaf", entry)
+        assert key is not None
+        leaf = leaves[key]
+        stack = _parse_int_list([entry.get("stack")], "frames stack", lo=1)[0]
+        _expect(
+            leaf.value == "tensor"
+            and (stack == 1 or (len(leaf.shape) >= 3 and leaf.shape[0] == stack)),
+            f"a tensor leaf of {stack}-frame stacks",
+            entry,
+        )
+        _expect(
+            twin is None or (leaves[twin].shape, leaves[twin].dtype) == (leaf.shape, leaf.dtype),
+            "a next twin of the same shape and dtype",
+            entry,
+        )
+        keys = {key} if twin is None else {key, twin}
+        _expect(
+            not keys & taken and len(keys) == (1 if twin is None else 2),
+            "frames leaves once",
+            entry,
+        )
+        taken |= keys
+        out.append(FrameLeaf(key=key, next_key=twin, stack=stack))
+    return tuple(out)
+
+
+def _parse_leaf_key(
+    value: object, leaves: Mapping[tuple[str, ...], LeafSpec]
+) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    _expect(
+        isinstance(value, list) and tuple(value) in leaves, "the key of a leaf of the schema", value
+    )
+    assert isinstance(value, list)
+    return tuple(value)
 
 
 def leaves_by_key(leaves: Iterable[LeafSpec]) -> dict[tuple[str, ...], LeafSpec]:

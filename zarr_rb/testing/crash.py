@@ -33,25 +33,29 @@ class CrashWorkload:
     flush_every: int = 7
     alpha: float = 1.0  # priorities stored exactly (no pow rounding), compared bit for bit
     beta: float = 0.5
+    frames: bool = False
+    """Frames stored once on disk (``Compression(frames=True)``), and observations that are
+    stacks of a run of frames, as an Atari agent's (``next/obs[t]`` is ``obs[t + 1]``)."""
 
-    @staticmethod
-    def rows(steps: torch.Tensor, capacity: int) -> Any:
+    def rows(self, steps: torch.Tensor, capacity: int) -> Any:
         from tensordict import TensorDict
 
         t = steps.to(torch.int64)
         pattern = torch.arange(1024, dtype=torch.int64)
-        obs = ((t[:, None] * 31 + pattern) % 251).to(torch.uint8).view(-1, 4, 16, 16)
+        if self.frames:  # frame f of the run: ((f * 31 + pixel) % 251), 4 to a stack
+            frames = (t[:, None, None] + torch.arange(5)[:, None]) * 31 + pattern[:256]
+            stacks = (frames % 251).to(torch.uint8).view(-1, 5, 16, 16)
+            obs, nxt = stacks[:, :4], stacks[:, 1:]
+        else:
+            obs = ((t[:, None] * 31 + pattern) % 251).to(torch.uint8).view(-1, 4, 16, 16)
+            nxt = ((t[:, None] * 31 + pattern + 7) % 251).to(torch.uint8).view(-1, 4, 16, 16)
         return TensorDict(
             {
                 "step": t,
                 "slot": t % capacity,
-                "obs": obs,
+                "obs": obs.contiguous(),
                 "reward": t.to(torch.float32) * 0.5,
-                "next": {
-                    "obs": ((t[:, None] * 31 + pattern + 7) % 251)
-                    .to(torch.uint8)
-                    .view(-1, 4, 16, 16)
-                },
+                "next": {"obs": nxt.contiguous()},
             },
             batch_size=[t.numel()],
         )
@@ -69,7 +73,7 @@ class CrashWorkload:
         storage = ZarrStorage(
             self.capacity,
             path,
-            compression=Compression(block_rows=self.block_rows),
+            compression=Compression(block_rows=self.block_rows, frames=self.frames),
             storage_options=storage_options,
         )
         return TensorDictPrioritizedReplayBuffer(

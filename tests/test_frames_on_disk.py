@@ -1,0 +1,176 @@
+"""Leaves stored as frames, each once per block (``Compression(frames=True)``,
+``docs/design/frames-on-disk.md``): rows bit for bit as TorchRL's storage has them, across
+ring overwrites, reopens, crashes and repairs; the settings it refuses. The model-based
+test is ``tests/test_frames_model.py`` (its stores of frames on disk)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_identical
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+import zarr_rb
+from zarr_rb import Compression, ZarrStorage
+from zarr_rb.errors import NotSupportedError
+from zarr_rb.format.names import FRAMES_FORMAT
+from zarr_rb.testing import CrashWorkload, forkserver_context, kill_randomly
+
+FRAMES = Compression(frames=True, block_rows=8, large_row_bytes=256)
+"""(A 4x12x10 stack is 480 bytes: a large leaf at 256.)"""
+
+
+def episodes(start: int, n: int, *, every: int = 11) -> TensorDict:
+    """Transitions ``start`` to ``start + n`` of 4-frame stacks of 12x10 frames, an episode
+    every ``every`` steps (a reset repeats its first frame), each row's ``step`` its number."""
+
+    def frame(t: int) -> torch.Tensor:
+        out = torch.full((12, 10), (t * 37) % 251, dtype=torch.uint8)
+        out[0, :2] = torch.tensor([t % 256, t // 256])  # each frame its own
+        return out
+
+    def stack(t: int, first: int) -> torch.Tensor:
+        return torch.stack([frame(max(first, t - 3 + k)) for k in range(4)])
+
+    steps = range(start, start + n)
+    obs = torch.stack([stack(t, t - t % every) for t in steps])
+    nxt = torch.stack([stack(t + 1, t - t % every) for t in steps])  # (an episode's last too)
+    return TensorDict(
+        {
+            "obs": obs,
+            "step": torch.arange(start, start + n),
+            "next": {"obs": nxt, "done": torch.zeros(n, 1, dtype=torch.bool)},
+        },
+        batch_size=[n],
+    )
+
+
+def twins(path: Path, capacity: int, **kwargs):
+    ours = TensorDictReplayBuffer(
+        storage=ZarrStorage(capacity, path, compression=FRAMES, **kwargs), batch_size=4
+    )
+    theirs = TensorDictReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=4)
+    return ours, theirs
+
+
+def same_rows(ours, theirs) -> None:
+    assert len(ours) == len(theirs)
+    rows = torch.arange(len(theirs))
+    assert_identical(
+        ours.storage.get(rows).exclude("index"), theirs.storage.get(rows).exclude("index")
+    )
+
+
+@pytest.mark.parametrize("ram_bytes", ["auto", 0], ids=["tier", "store"])
+def test_rows_come_back_as_written_across_a_ring_written_over_and_a_reopen(tmp_path, ram_bytes):
+    path = tmp_path / "rb.zarr"
+    ours, theirs = twins(path, 40, ram_bytes=ram_bytes)
+    start = 0
+    for n in (3, 9, 14, 1, 30, 8, 25, 40, 5):
+        batch = episodes(start, n)
+        start += n
+        for rb in (ours, theirs):
+            rb.extend(batch)
+        if n % 3 == 0:
+            ours.storage.flush()
+        same_rows(ours, theirs)
+    rewritten = torch.tensor([2, 3, 17, 30])
+    for rb in (ours, theirs):
+        rb.storage.set(rewritten, episodes(900, 4), set_cursor=False)
+    same_rows(ours, theirs)
+    ours.storage.close()
+    reopened = ZarrStorage(path=path, ram_bytes=0)
+    rows = torch.arange(len(theirs))
+    assert_identical(reopened.get(rows).exclude("index"), theirs.storage.get(rows).exclude("index"))
+    record = json.loads((path / "zarr.json").read_text())["attributes"]["zarr_rb"]
+    assert record["format"] == FRAMES_FORMAT
+    assert record["schema"]["frames"] == [{"key": ["obs"], "next": ["next", "obs"], "stack": 4}]
+    assert not (path / "data" / "next" / "obs").exists()  # stored with obs, once
+    reopened.close()
+
+
+def test_a_run_takes_about_one_frame_a_row_on_disk(tmp_path):
+    data = episodes(0, 256, every=1000)
+    sizes = {}
+    for frames in (False, True):
+        path = tmp_path / f"frames-{frames}" / "rb.zarr"
+        compression = Compression(frames=frames, codec="none", block_rows=64, large_row_bytes=256)
+        storage = ZarrStorage(256, path, compression=compression)
+        storage.set(torch.arange(256), data)
+        storage.close()
+        # obs and next/obs: their stacks, or their cells and frame ids.
+        parts = [path / "data" / "obs", path / "data" / "next" / "obs", path / "frame_ids"]
+        sizes[frames] = sum(f.stat().st_size for p in parts for f in p.rglob("*") if f.is_file())
+    # Raw bytes (no codec): 8 frames of 120 bytes a row as stacks; as frames, one a row (the
+    # first row of each block 4 more), and 32 bytes of ids a row.
+    assert sizes[True] * 4 < sizes[False]
+
+
+def test_a_repair_withdraws_the_rows_whose_frames_were_damaged(tmp_path):
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(64, path, compression=FRAMES)
+    storage.set(torch.arange(40), episodes(0, 40))
+    storage.close()
+    assert zarr_rb.verify(path).ok
+    shard = next(f for f in sorted((path / "data" / "obs" / "c").rglob("*")) if f.is_file())
+    damaged = bytearray(shard.read_bytes())
+    damaged[50] ^= 0xFF
+    shard.write_bytes(bytes(damaged))
+    report = zarr_rb.verify(path)
+    assert not report.ok
+    assert {chunk.array for chunk in report.damaged} == {"data/obs"}
+    repaired = zarr_rb.verify(path, repair=True)
+    assert 0 < repaired.withdrawn_rows <= 8  # the rows of the damaged block naming them
+    assert zarr_rb.verify(path).ok
+    reader = ZarrStorage(path=path, read_only=True, ram_bytes=0)
+    readable = np.setdiff1d(np.arange(40), reader.unreadable_rows())
+    got = reader.get(torch.from_numpy(readable))
+    assert_identical(got.exclude("index"), episodes(0, 40)[torch.from_numpy(readable)])
+    reader.close()
+
+
+def test_shared_writers_are_refused_frames_on_disk(tmp_path):
+    path = tmp_path / "rb.zarr"
+    with pytest.raises(NotSupportedError, match="frames"):
+        ZarrStorage(40, path, compression=FRAMES, shared=True)
+    alone = ZarrStorage(40, path, compression=FRAMES)  # one writer takes it
+    alone.set(torch.arange(4), episodes(0, 4))
+    with pytest.raises(NotSupportedError, match="frames"):
+        ZarrStorage(path=path, shared=True)
+    assert_identical(alone.get(torch.arange(4)).exclude("index"), episodes(0, 4))
+    alone.close()
+
+
+def test_random_kills_leave_every_committed_row_whole(tmp_path):
+    workload = CrashWorkload(frames=True)
+    context = forkserver_context()
+    saved = 0
+    for seed in range(4):
+        where = tmp_path / f"seed-{seed}"
+        where.mkdir()
+        check = kill_randomly(where, seed, workload, context, after_a_save=True)
+        saved += check.saved is not None
+    assert saved >= 2
+
+
+def test_a_forked_worker_reads_the_frames_with_zarr_python(tmp_path):
+    # (DataLoader workers forked from a process that used TensorStore read with zarr-python.)
+    from zarr_rb.engine.forked import ForkedReader
+
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(40, path, compression=FRAMES)
+    storage.set(torch.arange(40), episodes(0, 40))
+    storage.set(torch.arange(5), episodes(500, 5))  # moved to another slot, values copied
+    storage.close()
+    schema = ZarrStorage(path=path, read_only=True)._store.schema
+    assert schema is not None
+    rows = np.array([39, 0, 4, 5, 17, 17, 2])
+    got = ForkedReader(path, schema.leaves).read(rows)
+    expected = torch.cat([episodes(500, 5), episodes(5, 35)])[torch.from_numpy(rows)]
+    for key in (("obs",), ("next", "obs"), ("step",)):
+        assert np.array_equal(got[key], expected[key].numpy()), key
