@@ -146,6 +146,7 @@ def test_shared_writers_are_refused_frames_on_disk(tmp_path):
     alone.close()
 
 
+@pytest.mark.slow  # (10 s: writer processes killed in turn; CI runs it)
 def test_random_kills_leave_every_committed_row_whole(tmp_path):
     workload = CrashWorkload(frames=True)
     context = forkserver_context()
