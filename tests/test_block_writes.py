@@ -7,6 +7,7 @@ write would.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from unittest import mock
 
@@ -292,3 +293,26 @@ def test_a_block_write_that_landed_gives_its_memory_to_the_next_block(tmp_path):
     assert_identical(
         rb.storage.get(every).exclude("index"), twin.storage.get(every).exclude("index")
     )
+
+
+def test_a_store_closes_from_inside_the_threading_modules_bookkeeping(tmp_path):
+    """A storage dropped without close() is closed by its finalizer, at a garbage collection
+    that may run inside threading's own bookkeeping, under its lock of threads that ended
+    (as a thread starts). Closing joined the thread that lands block writes, which takes
+    that lock again: the process hung (found by CI, a test's landing thread never started).
+    """
+    rb = buffer(tmp_path / "rb.zarr")
+    rb.extend(rows_of(torch.arange(2)))
+    rb.extend(rows_of(torch.arange(2, 4)))  # a full block: written by the landing thread
+    rb.storage.flush()
+    assert rb.storage._store.arrays._landing is not None
+    closed = threading.Event()
+
+    def close_there() -> None:
+        with threading._shutdown_locks_lock:  # as threading._maintain_shutdown_locks holds it
+            rb.storage.close()
+        closed.set()
+
+    closer = threading.Thread(target=close_there, daemon=True)
+    closer.start()
+    assert closed.wait(60), "close() waited for a lock its own thread holds"

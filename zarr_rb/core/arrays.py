@@ -136,7 +136,10 @@ class StoreArrays(ArrayWrites):
                 pass
         self._pending.clear()
         if self._landing is not None:
-            self._landing.shutdown()
+            # Its writes were waited for above: its thread only has to end. Not joined: a
+            # store closed by its finalizer may close from inside the threading module's
+            # own bookkeeping (a garbage collection there), whose lock a join takes again.
+            self._landing.shutdown(wait=False)
             self._landing = None
         self._open.clear()
         self.frames.forget()
