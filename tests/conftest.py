@@ -26,6 +26,16 @@ torch.set_num_threads(1)
 os.environ.setdefault("TENSORSTORE_VERBOSE_LOGGING", "")
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> None:
+    """One torch thread in every test, not only until the first collector: TorchRL's
+    ParallelEnv and multi-process collectors set the process's count back to the number of
+    cores when they close. With more than one, the LazyTensorStorage twins are not a model:
+    an extend that writes a row twice (more rows than the capacity) leaves which value it
+    keeps to torch's threads (``index_put_``), where ZarrStorage keeps the last."""
+    torch.set_num_threads(1)
+
+
 def assert_identical(actual, expected) -> None:
     """Bit-exact equality of tensors or tensor collections (NaNs included)."""
     if is_tensor_collection(expected):
