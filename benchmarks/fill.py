@@ -77,6 +77,11 @@ def fill(kind: str, data: Any, where: Path) -> tuple[float, float]:
 
 STEPS = {
     "frames into the RAM tier": ("zarr_rb.core.ram_rows", "RamRows", "update_frames"),
+    "frames into the cells (frames on disk)": (
+        "zarr_rb.core.frame_cells",
+        "FrameCells",
+        "_write_block",
+    ),
     "waiting for TensorStore's write": ("zarr_rb.core.solo_writes", "SoloWrites", "_finish_write"),
     "commits": ("zarr_rb.core.solo", "SoloCommits", "_commit"),
 }

@@ -653,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", choices=["zstd", "lz4", "none"], default=None)
     parser.add_argument("--level", type=int, default=None, help="the codec's level")
     parser.add_argument("--chunk-rows", type=int, default=None, help="rows per inner chunk")
+    parser.add_argument(
+        "--frames", action="store_true", default=None, help="each frame once on disk"
+    )
     parser.add_argument("--out-of-core", action="store_true", help="only the out-of-core run")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results.json"))
     parser.add_argument("--workdir", type=Path, default=None, help="where stores are written")
@@ -661,7 +664,12 @@ def main(argv: list[str] | None = None) -> int:
     if parts - set(PARTS):
         parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {PARTS}")
     rows = int(args.rows * args.scale)
-    settings = {"codec": args.codec, "level": args.level, "chunk_rows": args.chunk_rows}
+    settings = {
+        "codec": args.codec,
+        "level": args.level,
+        "chunk_rows": args.chunk_rows,
+        "frames": args.frames,
+    }
     compression = zarr_rb.Compression(**{k: v for k, v in settings.items() if v is not None})
     results: dict[str, Any] = {
         "machine": f"{cpu_model()} ({platform.machine()}), {torch.get_num_threads()} threads",

@@ -246,6 +246,7 @@ def test_checkpoint_and_dqn_loop_benchmarks_smoke(tmp_path, monkeypatch, capsys)
         "ZarrStorage",
         "ZarrStorage, ram_bytes",
         "ZarrStorage, ram_bytes=0",
+        "ZarrStorage, frames on disk",
     }
     assert all(r["sample_ms"] > 0 and r["peak_rss_gb"] > 0 for r in results.values())
 
