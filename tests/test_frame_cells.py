@@ -11,6 +11,7 @@ import torch
 
 from zarr_rb.core.frame_cells import FrameCells, RegionFullError, cell_layouts
 from zarr_rb.core.frame_plans import FrameKeys
+from zarr_rb.core.frames import FrameTier
 from zarr_rb.engine.layout import Compression
 from zarr_rb.engine.tensorstore import Engine
 from zarr_rb.errors import StoreCorruptedError
@@ -195,6 +196,32 @@ def test_lanes_and_float_frames_come_back_bit_for_bit(tmp_path):
     cells = _open(tmp_path, spec, rows, block, create=True)
     _write(cells, np.arange(rows), values)
     _check(cells, values, np.arange(rows)[::-1].copy())
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_cells_taken_from_the_tiers_plan_read_back_as_compared_ones(tmp_path, lanes):
+    """A block whose rows the RAM tier holds takes its cells from the tier's ids, without
+    comparing its frames again: the same cells as compared, rows bit for bit. A block with
+    a row the tier does not hold (here released) compares them."""
+    spec, rows, block = _spec(lanes=lanes), 48, 16
+    values = _episodes(spec, rows, seed=12, resets=4)
+    tier = FrameTier([spec], rows=rows, budget=2**22)
+    known_cells = _open(tmp_path / "known", spec, rows, block, create=True)
+    compared = _open(tmp_path / "compared", spec, rows, block, create=True)
+    for start, stop in itertools.pairwise([0, 7, 16, 30, 48]):  # extends across blocks
+        at = np.arange(start, stop)
+        given = {key: v[start:stop] for key, v in values.items()}
+        assert tier.put(at, given)
+        if start == 30:
+            tier.release(np.array([40]))  # block 2: one row not held
+        known = tier.known(OBS, at)
+        assert known.known.all() == (start != 30)
+        for _, future, _ in known_cells.start_write(at, given, known=known):
+            future.result()
+        _write(compared, at, given)
+    assert [known_cells.mark(b) for b in range(3)] == [compared.mark(b) for b in range(3)]
+    _check(known_cells, values, np.arange(rows))
+    _check(_open(tmp_path / "known", spec, rows, block, create=False), values, np.arange(rows))
 
 
 def test_an_id_outside_its_region_is_damage(tmp_path):

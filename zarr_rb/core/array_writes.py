@@ -19,6 +19,7 @@ import torch
 
 from zarr_rb.core.disk_reads import RowsOwner, padded
 from zarr_rb.core.dtypes import to_numpy
+from zarr_rb.core.frame_plans import KnownFrames
 from zarr_rb.core.write_cache import Write
 from zarr_rb.engine import Engine, RowArray, once
 from zarr_rb.engine.layout import Compression
@@ -29,6 +30,10 @@ class _Hold(Protocol):
     def check_hold(self) -> None: ...
     @property
     def creates_once(self) -> bool: ...
+
+
+class _KnowsFrames(Protocol):
+    def known_frames(self, key: Key, positions: np.ndarray) -> KnownFrames | None: ...
 
 
 class ArraysOwner(RowsOwner, Protocol):
@@ -46,6 +51,9 @@ class ArraysOwner(RowsOwner, Protocol):
     def writing(
         self, what: str, *, kept: bool = True
     ) -> contextlib.AbstractContextManager[None]: ...
+
+    @property
+    def ram(self) -> _KnowsFrames: ...
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,7 +92,12 @@ class FrameWrites(Protocol):
 
     def keys(self) -> frozenset[Key]: ...
     def start_write(
-        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, behind: bool
+        self,
+        rows: np.ndarray,
+        values: Mapping[Key, torch.Tensor],
+        *,
+        behind: bool,
+        positions: np.ndarray | None,
     ) -> list[tuple[RowArray, Any, list[str]]]: ...
 
 
@@ -141,7 +154,7 @@ class ArrayWrites:
                     if framed:
                         given = {key: values[key] for key in framed}
                         for array, future, keys in self.frames.start_write(
-                            at, given, behind=behind
+                            at, given, behind=behind, positions=None if physical else rows
                         ):
                             pending.futures.append(future)
                             pending.written.append((array, keys))

@@ -159,9 +159,16 @@ class FrameArrays:
     # --- writes and reads ------------------------------------------------------------------
 
     def start_write(
-        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, behind: bool
+        self,
+        rows: np.ndarray,
+        values: Mapping[Key, torch.Tensor],
+        *,
+        behind: bool,
+        positions: np.ndarray | None,
     ) -> list[tuple[RowArray, Any, list[str]]]:
-        """Start writing the frames leaves among ``values`` to rows ``rows`` of the arrays."""
+        """Start writing the frames leaves among ``values`` to rows ``rows`` of the arrays;
+        ``positions``: the buffer's positions of those rows, if known (their frames may be
+        in the RAM tier)."""
         started = []
         done: set[int] = set()
         for key in values:
@@ -170,7 +177,8 @@ class FrameArrays:
                 continue
             done.add(id(cells))
             given = {k: values[k] for k in cells.spec.keys if k in values}
-            started.extend(cells.start_write(rows, given, behind=behind))
+            known = None if positions is None else self.store.ram.known_frames(key, positions)
+            started.extend(cells.start_write(rows, given, behind=behind, known=known))
         return started
 
     def read(self, key: Key, rows: np.ndarray) -> torch.Tensor:

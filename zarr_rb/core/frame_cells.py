@@ -10,9 +10,11 @@ copied as stored into another slot read the same.
 
 Cells are taken from a slot's *mark* up and never written again in place (the mark goes
 back to 0 only when the ring takes a free slot for a block, :meth:`FrameCells.take_slots`).
-Which frames are new is found by exact comparison of bytes, as the RAM tier does
-(:func:`~zarr_rb.core.frame_plans.plan_frames`): a row that fits no pattern gets new frames,
-never a wrong one.
+Which frames are new is what the RAM tier found when the rows were written, for a block
+whose rows it holds (their ids name each of its frames once, :func:`~zarr_rb.core.
+frame_plans.cells_from_ids`); for any other block, it is found by exact comparison of bytes,
+as the tier does (:func:`~zarr_rb.core.frame_plans.plan_frames`): a row that fits no
+pattern gets new frames, never a wrong one.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from zarr_rb.core.frame_plans import FrameKeys, copy_frames, frame_bytes, plan_frames
+from zarr_rb.core.frame_plans import (
+    FrameKeys,
+    KnownFrames,
+    cells_from_ids,
+    copy_frames,
+    frame_bytes,
+    plan_frames,
+)
 from zarr_rb.engine.layout import LeafLayout
 from zarr_rb.engine.rows import RowArray
 from zarr_rb.errors import StoreCorruptedError
@@ -143,11 +152,16 @@ class FrameCells:
         values: Mapping[Key, torch.Tensor],
         *,
         behind: bool = False,
+        known: KnownFrames | None = None,
     ) -> list[tuple[RowArray, Any, list[str]]]:
         """Start writing the rows ``rows`` of the arrays (sorted, unique) with the ``values``
         of one or both keys: each block's new frames into cells past its slot's mark, and
         the rows' ids. Returns the writes started: each array, its write and the objects it
         writes.
+
+        ``known``: the frames of the rows as the RAM tier holds them (the values given,
+        each frame once): a block whose rows are all known there takes its cells from
+        them, without comparing its frames again.
 
         Raises:
             RegionFullError: a block's region has too few cells left past its mark (nothing
@@ -165,8 +179,11 @@ class FrameCells:
             # (A block's rows of the write are a run of them: views, not copies.)
             first, stop = int(part[0]), int(part[-1]) + 1
             block_values = {key: values[key][first:stop] for key in spec.keys}
+            block_known = None if known is None else known.part(first, stop)
             started.extend(
-                self._write_block(int(blocks[part[0]]), rows[part], block_values, spec, behind)
+                self._write_block(
+                    int(blocks[part[0]]), rows[part], block_values, spec, behind, block_known
+                )
             )
         return started
 
@@ -184,25 +201,18 @@ class FrameCells:
         values: Mapping[Key, torch.Tensor],
         spec: FrameKeys,
         behind: bool,
+        known: KnownFrames | None,
     ) -> list[tuple[RowArray, Any, list[str]]]:
         per_row = self.cells_per_row
-        plan = plan_frames(spec, values, None)
-        fresh = plan.fresh_count
-        taken = _whole_rows_of_cells(fresh, per_row)
         mark = self.mark(slot)
-        nbytes = spec.frame_nbytes
-        cells = np.zeros((taken, nbytes), dtype=np.uint8)
-        slot_ids = np.empty(plan.links.size, dtype=np.int64)
-        slot_ids[plan.fresh_slots] = np.arange(fresh)
-        slot_ids = slot_ids[plan.links]  # every slot takes the cell of the slot it links to
-        per_key = plan.slots_per_key
+        if known is not None and spec.keys == self.spec.keys and known.known.all():
+            cells, slot_ids = self._cells_known(known, spec)
+        else:
+            cells, slot_ids = self._cells_compared(values, spec)
+        taken = cells.shape[0]
+        per_key = rows.size * spec.lanes * spec.stack
         ids: dict[Key, np.ndarray] = {}
         for i, key in enumerate(spec.keys):
-            chosen = plan.fresh_slots[
-                (plan.fresh_slots >= i * per_key) & (plan.fresh_slots < (i + 1) * per_key)
-            ]
-            source = values[key].to(spec.dtype).reshape(-1, *spec.frame_shape)
-            copy_frames(cells, slot_ids[chosen], frame_bytes(source), chosen - i * per_key)
             key_ids = mark + slot_ids[i * per_key : (i + 1) * per_key]
             ids[key] = key_ids.astype(ID_DTYPE).reshape(rows.size, *ids_tail(spec))
         dtype = np.dtype(self.cells.dtype)
@@ -219,6 +229,37 @@ class FrameCells:
             started.append((array, *array.start_write_rows(rows, key_ids, behind=behind)))
         self._marks[slot] = mark + taken
         return started
+
+    def _cells_known(self, known: KnownFrames, spec: FrameKeys) -> tuple[np.ndarray, np.ndarray]:
+        """A block's cells (bytes, whole rows of cells) and the cell of each slot, from the
+        frames the RAM tier holds for its rows."""
+        picked, slot_ids = cells_from_ids(known, spec.keys)
+        taken = _whole_rows_of_cells(picked.size, self.cells_per_row)
+        cells = np.zeros((taken, spec.frame_nbytes), dtype=np.uint8)
+        copy_frames(cells, np.arange(picked.size), known.frames, picked)
+        return cells, slot_ids
+
+    def _cells_compared(
+        self, values: Mapping[Key, torch.Tensor], spec: FrameKeys
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A block's cells (bytes, whole rows of cells) and the cell of each slot, finding
+        its new frames by comparison (:func:`plan_frames`)."""
+        plan = plan_frames(spec, values, None)
+        fresh = plan.fresh_count
+        cells = np.zeros(
+            (_whole_rows_of_cells(fresh, self.cells_per_row), spec.frame_nbytes), dtype=np.uint8
+        )
+        slot_ids = np.empty(plan.links.size, dtype=np.int64)
+        slot_ids[plan.fresh_slots] = np.arange(fresh)
+        slot_ids = slot_ids[plan.links]  # every slot takes the cell of the slot it links to
+        per_key = plan.slots_per_key
+        for i, key in enumerate(spec.keys):
+            chosen = plan.fresh_slots[
+                (plan.fresh_slots >= i * per_key) & (plan.fresh_slots < (i + 1) * per_key)
+            ]
+            source = values[key].to(spec.dtype).reshape(-1, *spec.frame_shape)
+            copy_frames(cells, slot_ids[chosen], frame_bytes(source), chosen - i * per_key)
+        return cells, slot_ids
 
     # --- reads -----------------------------------------------------------------------------
 

@@ -204,6 +204,40 @@ def plan_frames(
     return Plan(links=links, fresh_slots=fresh, slots_per_key=per_key)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class KnownFrames:
+    """The frames of a write's rows as the RAM tier holds them, each once: the plan the
+    tier made of them when they were written (:meth:`~zarr_rb.core.frames.FrameTier.known`).
+    """
+
+    known: np.ndarray
+    """Per row, whether its ids below are those of the values written last (the row is
+    resident in the tier)."""
+    ids: Mapping[Key, np.ndarray]
+    """Per key, ``[rows, lanes, stack]``: the frame each slot holds, as rows of
+    :attr:`frames`."""
+    frames: np.ndarray
+    """The tier's frames, ``[frames, frame_nbytes]`` bytes."""
+
+    def part(self, start: int, stop: int) -> KnownFrames:
+        """The rows ``[start, stop)`` of the write."""
+        ids = {key: value[start:stop] for key, value in self.ids.items()}
+        return KnownFrames(self.known[start:stop], ids, self.frames)
+
+
+def cells_from_ids(known: KnownFrames, keys: Sequence[Key]) -> tuple[np.ndarray, np.ndarray]:
+    """The cells of rows whose frames are all :attr:`KnownFrames.known`, without comparing
+    them again: each frame the rows name, once, in the order first named. Returns the
+    frames of the cells (rows of :attr:`KnownFrames.frames`) and, per slot (numbered as
+    :class:`Plan`'s, without the last row's), the cell it takes."""
+    named = np.concatenate([known.ids[key].reshape(-1) for key in keys])
+    frames, first, inverse = np.unique(named, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    cell_of = np.empty(order.size, dtype=np.int64)
+    cell_of[order] = np.arange(order.size)
+    return frames[order], cell_of[inverse.reshape(-1)]
+
+
 def _resolve(links: np.ndarray) -> np.ndarray:
     """Follow the links to their ends (pointer jumping: a chain of length ``m`` takes
     ``log2(m)`` passes)."""

@@ -17,7 +17,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from zarr_rb.core.frame_plans import FrameKeys, Plan, copy_frames, frame_bytes, plan_frames
+from zarr_rb.core.frame_plans import (
+    FrameKeys,
+    KnownFrames,
+    Plan,
+    copy_frames,
+    frame_bytes,
+    plan_frames,
+)
 from zarr_rb.core.mirror import zeros
 from zarr_rb.util.keys import Key
 
@@ -159,6 +166,21 @@ class FrameTier:
         ids = torch.from_numpy(self._ids[key][rows].reshape(-1))
         frames = self._pools[spec.key].frames.index_select(0, ids)
         return frames.view(rows.size, *spec.element_shape)
+
+    def known(self, key: Key, rows: np.ndarray) -> KnownFrames:
+        """The frames of ``rows`` (unique) of the leaf of ``key`` and its twin, as held here
+        (see :class:`~zarr_rb.core.frame_plans.KnownFrames`)."""
+        spec = self._spec_of[key]
+        inside = rows < self.rows
+        known = np.zeros(rows.size, dtype=bool)
+        known[inside] = self.resident[rows[inside]]
+        ids = {
+            k: self._ids[k][np.where(inside, rows, 0)] if self._ids[k].size else np.empty(0)
+            for k in spec.keys
+        }
+        if not all(value.size for value in ids.values()):
+            known[:] = False
+        return KnownFrames(known, ids, self._pools[spec.key].frame_bytes)
 
     # --- writes ----------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from zarr_rb.core.arrays import StoreArrays
 from zarr_rb.core.calls import Calls
 from zarr_rb.core.disk_reads import place, rows_as_of
 from zarr_rb.core.dtypes import TORCH_DTYPES
-from zarr_rb.core.frame_plans import frame_keys
+from zarr_rb.core.frame_plans import KnownFrames, frame_keys
 from zarr_rb.core.frames import FrameTier
 from zarr_rb.core.mirror import Mirror, put_rows, zeros
 from zarr_rb.core.ram_fill import FillStore, TierFill
@@ -127,6 +127,12 @@ class RamRows:
         """The frames of rows :meth:`update` took without them."""
         if self.frames is not None:
             self.frames.put(rows, values)
+
+    def known_frames(self, key: Key, positions: np.ndarray) -> KnownFrames | None:
+        """The frames of the leaf of ``key`` (and its twin) at ``positions`` as the tier
+        holds them, if it keeps that leaf."""
+        tier = self.frames
+        return None if tier is None or key not in tier.keys else tier.known(key, positions)
 
     def clear(self) -> None:
         """Forget every row kept in RAM (``empty``, a save loaded): read again when needed."""

@@ -158,6 +158,10 @@ class SoloCommits(SoloCursor):
             store.write_cache.supersede(rows, values.keys())
             values, zeros = self._zeros_where_unwritten(rows, values)
             store.ram.update(rows, values, frames=False)
+            if store.arrays.frames.keys():
+                # Frames on disk take their cells from the plan the tier makes of these rows
+                # (FrameCells.start_write): the tier first.
+                frames.run()
             writes, blocks = self._writes_for(rows, values, zeros, sequential=cursor is not None)
             if writes:
                 behind = self._block_behind(writes, blocks) if cursor is not None else None
