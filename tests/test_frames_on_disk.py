@@ -175,3 +175,41 @@ def test_a_forked_worker_reads_the_frames_with_zarr_python(tmp_path):
     expected = torch.cat([episodes(500, 5), episodes(5, 35)])[torch.from_numpy(rows)]
     for key in (("obs",), ("next", "obs"), ("step",)):
         assert np.array_equal(got[key], expected[key].numpy()), key
+
+
+@pytest.mark.parametrize("ram_bytes", ["auto", 0], ids=["tier", "store"])
+def test_a_key_written_alone_over_a_full_block_moves_it_in_one_row_of_cells(tmp_path, ram_bytes):
+    """A set of ``obs`` alone over a row of a committed block whose region is full (frames
+    that repeat nothing: every row takes its row of cells) moves the block. The row's
+    ``next`` is copied by value and its ``obs`` written in the same call, as one write:
+    written in two, the row took two rows of cells and the block ran out (the set, and
+    every flush and close after it, raised RegionFullError)."""
+    gen = torch.Generator().manual_seed(3)
+
+    def noise(n: int, start: int) -> TensorDict:
+        def frames() -> torch.Tensor:
+            return torch.randint(0, 256, (n, 4, 12, 10), generator=gen, dtype=torch.uint8)
+
+        return TensorDict(
+            {"obs": frames(), "step": torch.arange(start, start + n), "next": {"obs": frames()}},
+            batch_size=[n],
+        )
+
+    path = tmp_path / "rb.zarr"
+    ours = ZarrStorage(16, path, compression=FRAMES, ram_bytes=ram_bytes)
+    theirs = LazyTensorStorage(16)
+    data = noise(16, 0)
+    for storage in (ours, theirs):
+        storage.set(torch.arange(16), data)
+    ours.flush()
+    for round_ in range(3):
+        rows = torch.tensor([3, 9 + round_])
+        patch = noise(2, 100 + round_).select("obs")
+        for storage in (ours, theirs):
+            storage.set(rows, patch, set_cursor=False)
+        ours.flush()
+        assert_identical(ours.get(torch.arange(16)), theirs.get(torch.arange(16)))
+    ours.close()
+    with ZarrStorage(path=path, read_only=True) as reader:
+        assert_identical(reader.get(torch.arange(16)), theirs.get(torch.arange(16)))
+    assert zarr_rb.verify(path).ok

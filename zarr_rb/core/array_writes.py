@@ -86,18 +86,18 @@ class PendingWrite:
         return all(ref() is None for ref in self.lent)
 
 
+FramedWrite = tuple[np.ndarray, np.ndarray | None, Mapping[Key, torch.Tensor]]
+"""A write of leaves stored as frames: rows of the arrays, the buffer's positions of them
+(when known), and the values."""
+
+
 class FrameWrites(Protocol):
     """The writes of the leaves stored as frames
     (:class:`~zarr_rb.core.frame_arrays.FrameArrays`)."""
 
     def keys(self) -> frozenset[Key]: ...
-    def start_write(
-        self,
-        rows: np.ndarray,
-        values: Mapping[Key, torch.Tensor],
-        *,
-        behind: bool,
-        positions: np.ndarray | None,
+    def start_writes(
+        self, writes: Sequence[FramedWrite], *, behind: bool
     ) -> list[tuple[RowArray, Any, list[str]]]: ...
 
 
@@ -148,16 +148,13 @@ class ArrayWrites:
         pending = PendingWrite([], behind, [])
         with store.writing("writing rows"):
             try:
+                framed_writes: list[FramedWrite] = []
                 for rows, values in writes:
                     at = rows if physical else store.physical(rows)
                     framed = self.frames.keys() & values.keys()
                     if framed:
                         given = {key: values[key] for key in framed}
-                        for array, future, keys in self.frames.start_write(
-                            at, given, behind=behind, positions=None if physical else rows
-                        ):
-                            pending.futures.append(future)
-                            pending.written.append((array, keys))
+                        framed_writes.append((at, None if physical else rows, given))
                     for key, tensor in values.items():
                         if key in framed:
                             continue
@@ -172,6 +169,12 @@ class ArrayWrites:
                         if behind:
                             pending.lent.append(weakref.ref(source))
                         del source
+                        pending.futures.append(future)
+                        pending.written.append((array, keys))
+                if framed_writes:
+                    for array, future, keys in self.frames.start_writes(
+                        framed_writes, behind=behind
+                    ):
                         pending.futures.append(future)
                         pending.written.append((array, keys))
             except BaseException:

@@ -30,7 +30,42 @@ from zarr_rb.format.schema import Schema, leaves_by_key
 from zarr_rb.util.keys import Key
 
 if TYPE_CHECKING:
-    from zarr_rb.core.array_writes import ArraysOwner
+    from zarr_rb.core.array_writes import ArraysOwner, FramedWrite
+
+
+def _merged(
+    writes: Sequence[FramedWrite], keys: Sequence[Key]
+) -> list[tuple[np.ndarray, dict[Key, torch.Tensor]]]:
+    """``writes`` (of the keys of one leaf and its twin) as one write per set of keys given:
+    each row once, with the last value written of each of its keys."""
+    every = np.unique(np.concatenate([at for at, _, _ in writes]))
+    owner = np.full((len(keys), every.size), -1)
+    where = np.zeros((len(keys), every.size), dtype=np.int64)
+    for i, (at, _, given) in enumerate(writes):
+        at_every = np.searchsorted(every, at)
+        for k, key in enumerate(keys):
+            if key in given:
+                owner[k, at_every] = i
+                where[k, at_every] = np.arange(at.size)
+    has = owner >= 0
+    out = []
+    for pattern in np.unique(has, axis=1).T:
+        picked = np.flatnonzero((has == pattern[:, None]).all(0))
+        values: dict[Key, torch.Tensor] = {}
+        for k in np.flatnonzero(pattern).tolist():
+            key = keys[k]
+            parts = []
+            for i in np.unique(owner[k, picked]).tolist():
+                mask = owner[k, picked] == i
+                source = torch.from_numpy(where[k, picked[mask]])
+                parts.append((np.flatnonzero(mask), writes[i][2][key][source]))
+            first = parts[0][1]
+            value = torch.empty((picked.size, *first.shape[1:]), dtype=first.dtype)
+            for positions, part in parts:
+                value[torch.from_numpy(positions)] = part.to(first.dtype)
+            values[key] = value
+        out.append((every[picked], values))
+    return out
 
 
 def with_frames(store: ArraysOwner, schema: Schema) -> Schema:
@@ -158,27 +193,35 @@ class FrameArrays:
 
     # --- writes and reads ------------------------------------------------------------------
 
-    def start_write(
-        self,
-        rows: np.ndarray,
-        values: Mapping[Key, torch.Tensor],
-        *,
-        behind: bool,
-        positions: np.ndarray | None,
+    def start_writes(
+        self, writes: Sequence[FramedWrite], *, behind: bool
     ) -> list[tuple[RowArray, Any, list[str]]]:
-        """Start writing the frames leaves among ``values`` to rows ``rows`` of the arrays;
-        ``positions``: the buffer's positions of those rows, if known (their frames may be
-        in the RAM tier)."""
+        """Start the writes of the frames leaves of one call: rows of the arrays, the
+        buffer's positions of them if known (their frames may be in the RAM tier), values.
+
+        Writes that give a row of a leaf more than once (a moved block's row copied of one
+        key and written of the other, say) are made as one, the last value of each key
+        winning: a row then takes one row of cells in its block, which the block's region
+        has room for (written in two, it would take two)."""
         started = []
-        done: set[int] = set()
-        for key in values:
-            cells = self.cells(key)
-            if id(cells) in done:
+        for spec in self.specs():
+            mine = [
+                (at, positions, {k: values[k] for k in spec.keys if k in values})
+                for at, positions, values in writes
+                if values.keys() & set(spec.keys)
+            ]
+            if not mine:
                 continue
-            done.add(id(cells))
-            given = {k: values[k] for k in cells.spec.keys if k in values}
-            known = None if positions is None else self.store.ram.known_frames(key, positions)
-            started.extend(cells.start_write(rows, given, behind=behind, known=known))
+            cells = self.cells(spec.key)
+            rows = np.concatenate([at for at, _, _ in mine])
+            if np.unique(rows).size == rows.size:
+                for at, positions, given in mine:
+                    ram = self.store.ram
+                    known = None if positions is None else ram.known_frames(spec.key, positions)
+                    started.extend(cells.start_write(at, given, behind=behind, known=known))
+            else:
+                for at, given in _merged(mine, spec.keys):
+                    started.extend(cells.start_write(at, given, behind=behind))
         return started
 
     def read(self, key: Key, rows: np.ndarray) -> torch.Tensor:
