@@ -213,3 +213,26 @@ def test_a_key_written_alone_over_a_full_block_moves_it_in_one_row_of_cells(tmp_
     with ZarrStorage(path=path, read_only=True) as reader:
         assert_identical(reader.get(torch.arange(16)), theirs.get(torch.arange(16)))
     assert zarr_rb.verify(path).ok
+
+
+def test_a_reader_opened_before_the_writer_added_slots_reads_the_moved_blocks(tmp_path):
+    """Writes over committed rows move their blocks to slots past the arrays' ends: the
+    writer grows the arrays. A reader opened before, refreshed, reads the cells and ids of
+    those slots (it opens the arrays again; before, it raised IndexError)."""
+    path = tmp_path / "rb.zarr"
+    ours = ZarrStorage(16, path, compression=FRAMES, ram_bytes=0)
+    theirs = LazyTensorStorage(16)
+    for storage in (ours, theirs):
+        storage.set(torch.arange(16), episodes(0, 16))
+    ours.flush()
+    reader = ZarrStorage(path=path, read_only=True, ram_bytes=0)
+    assert_identical(reader.get(torch.arange(16)), theirs.get(torch.arange(16)))
+    for round_ in range(3):
+        rows = torch.tensor([1, 9, 12])
+        for storage in (ours, theirs):
+            storage.set(rows, episodes(100 + 10 * round_, 3), set_cursor=False)
+        ours.flush()
+        reader.refresh()
+        assert_identical(reader.get(torch.arange(16)), theirs.get(torch.arange(16)))
+    reader.close()
+    ours.close()

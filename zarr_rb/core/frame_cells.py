@@ -276,6 +276,7 @@ class FrameCells:
         per_row = self.cells_per_row
         if not rows.size:
             return {key: torch.empty((0, *spec.element_shape), dtype=spec.dtype) for key in keys}
+        self._reach(int(rows.max()))
         pending = {key: self.ids[key].read_rows(rows) for key in keys}
         named: dict[Key, np.ndarray] = {}
         for key, future in pending.items():
@@ -309,6 +310,24 @@ class FrameCells:
                 rows.size, *spec.element_shape
             )
         return out
+
+    def _reach(self, row: int) -> None:
+        """Open again the arrays that end before ``row`` (a writer added slots since they
+        were opened, in another process or another store of this one).
+
+        Raises:
+            StoreCorruptedError: an array still ends before it.
+        """
+        for array in (self.cells, *self.ids.values()):
+            if row >= array.shape[0]:
+                array.refresh()
+                if row >= array.shape[0]:
+                    raise StoreCorruptedError(
+                        f"array {array.path!r}: the commit record maps rows to row {row}, "
+                        f"and it has {array.shape[0]}: the record or the array's metadata "
+                        "is damaged. Restore the store from a copy, or run "
+                        "zarr_rb.verify(path)"
+                    )
 
 
 def _whole_rows_of_cells(cells: int, per_row: int) -> int:
