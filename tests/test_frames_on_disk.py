@@ -236,3 +236,30 @@ def test_a_reader_opened_before_the_writer_added_slots_reads_the_moved_blocks(tm
         assert_identical(reader.get(torch.arange(16)), theirs.get(torch.arange(16)))
     reader.close()
     ours.close()
+
+
+def test_bfloat16_frames_come_back_bit_for_bit_across_a_move_and_a_reopen(tmp_path):
+    """bfloat16 cells are stored as their uint16 bits: read back as bfloat16 (before, as
+    uint16, and a moved block's kept rows were converted by value, changed on disk)."""
+    gen = torch.Generator().manual_seed(5)
+
+    def rows(n: int, start: int) -> TensorDict:
+        def stacks() -> torch.Tensor:
+            return torch.randn((n, 4, 12, 10), generator=gen).to(torch.bfloat16)
+
+        return TensorDict(
+            {"obs": stacks(), "step": torch.arange(start, start + n), "next": {"obs": stacks()}},
+            batch_size=[n],
+        )
+
+    path = tmp_path / "rb.zarr"
+    ours = ZarrStorage(8, path, compression=FRAMES, ram_bytes=0)
+    theirs = LazyTensorStorage(8)
+    for data, at in ((rows(8, 0), torch.arange(8)), (rows(1, 100), torch.tensor([0]))):
+        for storage in (ours, theirs):
+            storage.set(at, data)  # the second moves the block, its other rows copied
+        ours.flush()
+        assert_identical(ours.get(torch.arange(8)), theirs.get(torch.arange(8)))
+    ours.close()
+    with ZarrStorage(path=path, read_only=True, ram_bytes=0) as reader:
+        assert_identical(reader.get(torch.arange(8)), theirs.get(torch.arange(8)))

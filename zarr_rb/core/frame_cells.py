@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zarr_rb.core.dtypes import from_numpy
 from zarr_rb.core.frame_plans import (
     FrameKeys,
     KnownFrames,
@@ -299,7 +300,7 @@ class FrameCells:
             stored = self.cells.read_rows(wanted).result()
         except ValueError as err:
             raise self.cells.damage_error(wanted, err) from None
-        flat = torch.from_numpy(stored).view(wanted.size * per_row, *spec.frame_shape)
+        flat = from_numpy(stored, spec.dtype).view(wanted.size * per_row, *spec.frame_shape)
         at = where.reshape(cells.shape) * per_row + cells % per_row
         gathered = flat.index_select(0, torch.from_numpy(at.reshape(-1)))
         per_key = math.prod(spec.element_shape) // math.prod(spec.frame_shape)
