@@ -15,6 +15,7 @@ import torch
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy
 from zarr_rb.core.store_facts import StoreFacts
 from zarr_rb.engine import RowArray
+from zarr_rb.engine.rows import reaches
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
 from zarr_rb.format.commit import Commit
 from zarr_rb.format.index_key import INDEX_KEY, put_positions
@@ -72,15 +73,13 @@ def read_rows(
             continue
         array = arrays.get(key)
         rows = physical(positions)
-        if int(rows.max()) >= array.shape[0]:
-            array.refresh()  # the writer added slots since it was opened
-            if int(rows.max()) >= array.shape[0]:
-                raise StoreCorruptedError(
-                    f"store {store.url!r}: its commit record maps rows to row "
-                    f"{int(rows.max())} of array {'/'.join(key)!r}, which has "
-                    f"{array.shape[0]}: the record or the array's metadata is damaged. "
-                    "Restore the store from a copy, or run zarr_rb.verify(path)",
-                )
+        if not reaches(array, int(rows.max())):
+            raise StoreCorruptedError(
+                f"store {store.url!r}: its commit record maps rows to row "
+                f"{int(rows.max())} of array {'/'.join(key)!r}, which has "
+                f"{array.shape[0]}: the record or the array's metadata is damaged. "
+                "Restore the store from a copy, or run zarr_rb.verify(path)",
+            )
         if not array.ragged:
             futures[key] = [(np.arange(rows.size), None, array.read_rows(rows))]
             continue

@@ -37,7 +37,7 @@ from zarr_rb.core.frame_plans import (
     plan_frames,
 )
 from zarr_rb.engine.layout import LeafLayout
-from zarr_rb.engine.rows import RowArray
+from zarr_rb.engine.rows import RowArray, reaches
 from zarr_rb.errors import StoreCorruptedError
 from zarr_rb.util.keys import Key
 
@@ -320,15 +320,12 @@ class FrameCells:
             StoreCorruptedError: an array still ends before it.
         """
         for array in (self.cells, *self.ids.values()):
-            if row >= array.shape[0]:
-                array.refresh()
-                if row >= array.shape[0]:
-                    raise StoreCorruptedError(
-                        f"array {array.path!r}: the commit record maps rows to row {row}, "
-                        f"and it has {array.shape[0]}: the record or the array's metadata "
-                        "is damaged. Restore the store from a copy, or run "
-                        "zarr_rb.verify(path)"
-                    )
+            if not reaches(array, row):
+                raise StoreCorruptedError(
+                    f"array {array.path!r}: the commit record maps rows to row {row}, and "
+                    f"it has {array.shape[0]}: the record or the array's metadata is "
+                    "damaged. Restore the store from a copy, or run zarr_rb.verify(path)"
+                )
 
 
 def _whole_rows_of_cells(cells: int, per_row: int) -> int:

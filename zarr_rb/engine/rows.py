@@ -470,6 +470,14 @@ class RowArray:
             self._refresh_reader()
 
 
+def reaches(array: RowArray, row: int) -> bool:
+    """Whether ``array`` has row ``row``; opened again first if it ends before it (a writer
+    added slots since it was opened)."""
+    if row >= array.shape[0]:
+        array.refresh()
+    return row < array.shape[0]
+
+
 def _rows_of(grid: Any) -> int:
     """Rows (first dimension) of a TensorStore chunk grid."""
     shape = grid.shape
