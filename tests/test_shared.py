@@ -37,6 +37,7 @@ from zarr_rb import Compression, ZarrStorage
 from zarr_rb.errors import (
     LocksUnsupportedError,
     NotSupportedError,
+    RowsNotCommittedError,
     SchemaMismatchError,
     StoreNotFoundError,
 )
@@ -232,8 +233,16 @@ def test_writers_wrapping_around_a_small_ring_never_tear_a_row(where):
     try:
         while any(w.is_alive() for w in writers):
             if len(rb) > 0:
-                assert torn(rb.sample()) == 0
+                try:
+                    batch = rb.sample()
+                except RowsNotCommittedError:
+                    # The writers turned the ring over under every redraw of this sample
+                    # (more likely the busier the machine): refused, typed, nothing
+                    # returned. What comes back is never torn.
+                    continue
+                assert torn(batch) == 0
         join(writers)
+        assert torn(rb.sample()) == 0  # no writer left: a sample is never refused
         assert len(storage) == 256
         stamps = every_row(storage)
         assert stamps.numel() == 256  # no hole
