@@ -146,16 +146,28 @@ def verify(
             else np.empty(0, np.int64)
         )
         stored_as_frames = store.schema.frame_keys if store.schema is not None else frozenset()
+        # The rows naming a frame that cannot be read back, per cells array: the keys
+        # stored as frames share one, whose damage is reported once.
+        unreadable_frames: dict[str, np.ndarray] = {}
         for leaf in store.schema.leaves if store.schema is not None else ():
             arrays += 1
             if leaf.key in stored_as_frames:
                 held = np.union1d(physical, archived)
-                damaged.extend(_check_frames(store, leaf.key, held))
+                ids_damage, cells_path, hit = _check_frames(store, leaf.key, held)
+                damaged.extend(ids_damage)
+                if hit.size:
+                    before = unreadable_frames.get(cells_path, np.empty(0, np.int64))
+                    unreadable_frames[cells_path] = np.union1d(before, hit)
             elif leaf.ragged:
                 damaged.extend(_check_ragged(store, leaf, positions, physical))
             else:
                 rows = _ranges(np.union1d(physical, archived))
                 damaged.extend(_check_array(store, leaf.path, rows, leaf.key))
+        damaged.extend(
+            DamagedChunk(cells_path, (lo, hi), "a frame of these rows cannot be read back")
+            for cells_path, hit in unreadable_frames.items()
+            for lo, hi in _ranges(hit)
+        )
         state_arrays, unreadable = _state_arrays(store)
         damaged.extend(unreadable)
         for array_path, size in state_arrays:
@@ -182,18 +194,25 @@ def verify(
         store.close()
 
 
-def _check_frames(store: Store, key: tuple[str, ...], rows: np.ndarray) -> list[DamagedChunk]:
-    """The damage of a leaf stored as frames, at rows ``rows`` of the arrays: in its ids,
-    and in the cells they name (reported at the rows naming them, which a repair withdraws).
-    """
+def _check_frames(
+    store: Store, key: tuple[str, ...], rows: np.ndarray
+) -> tuple[list[DamagedChunk], str, np.ndarray]:
+    """The damage of a leaf stored as frames, at rows ``rows`` of the arrays: that of its
+    ids, the path of the cells they name, and the rows naming cells that cannot be read
+    back (reported at those rows, which a repair withdraws)."""
+    none = np.empty(0, np.int64)
     try:
         cells = store.arrays.frames.cells(key)
     except (StoreCorruptedError, ValueError) as err:
-        return [DamagedChunk(frame_ids_path(key), (0, 0), f"cannot open the array: {err}")]
+        return (
+            [DamagedChunk(frame_ids_path(key), (0, 0), f"cannot open the array: {err}")],
+            "",
+            none,
+        )
     ids = cells.ids[key]
     damaged = _damaged_in(ids, frame_ids_path(key), _ranges(rows))
     if damaged or not rows.size:
-        return damaged
+        return damaged, cells.cells.path, none
     named = ids.read_rows(rows).result().astype(np.int64).reshape(rows.size, -1)
     per_row = cells.cells_per_row
     outside = ((named < 0) | (named >= cells.region_cells)).any(axis=1)
@@ -212,13 +231,10 @@ def _check_frames(store: Store, key: tuple[str, ...], rows: np.ndarray) -> list[
         )
         for row in range(lo, hi)
     }
+    hit = none
     if bad:
-        hit = np.isin(cell_rows, np.fromiter(bad, np.int64)).any(axis=1)
-        damaged.extend(
-            DamagedChunk(cells.cells.path, (lo, hi), "a frame of these rows cannot be read back")
-            for lo, hi in _ranges(rows[inside][hit])
-        )
-    return damaged
+        hit = rows[inside][np.isin(cell_rows, np.fromiter(bad, np.int64)).any(axis=1)]
+    return damaged, cells.cells.path, hit
 
 
 def _damaged_in(
