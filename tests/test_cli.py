@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import PongRun, assert_identical
 from PIL import Image, ImageSequence
+from sample_runner import Result, python_c
 from tensordict import TensorDict
 from torchrl.data import (
     LazyMemmapStorage,
@@ -33,15 +34,16 @@ from zarr_rb.cli import main
 COMMANDS = ["info", "episodes", "show", "plot", "snapshot", "import", "export", "verify"]
 
 
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "160"}
-    return subprocess.run(
-        [sys.executable, "-m", "zarr_rb", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+_AS_MAIN = """
+import os, runpy
+os.environ["COLUMNS"] = "160"
+runpy.run_module("zarr_rb", run_name="__main__", alter_sys=True)
+"""
+
+
+def run(*args: str) -> Result:
+    """``python -m zarr_rb args``, in another process (see :func:`python_c`)."""
+    return python_c(_AS_MAIN, *args, cwd=os.getcwd(), timeout=300)
 
 
 def call(*args: str, columns: int = 160) -> subprocess.CompletedProcess[str]:

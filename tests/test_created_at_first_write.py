@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sample_runner import python_c
 from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
 
@@ -153,7 +154,8 @@ for path in sys.argv[1:]:
 
 
 def another_process_makes_the_stores(*paths: Path) -> None:
-    subprocess.run([sys.executable, "-c", WRITE_AND_CLOSE, *map(str, paths)], check=True)
+    done = python_c(WRITE_AND_CLOSE, *map(str, paths), cwd=paths[0].parent)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_a_storage_that_never_wrote_deletes_nothing_when_it_cleans_up(tmp_path: Path) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -21,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kinds import assert_same_rows, assert_same_samples, row_leaves, token_rows, values
+from sample_runner import python_c
 from tensordict import (
     LazyStackedTensorDict,
     NonTensorData,
@@ -133,13 +132,7 @@ def test_values_and_ragged_rows_read_back_in_another_process(tmp_path):
             ReplayBuffer(storage=storage).extend(data)
             expected = storage.get(torch.arange(len(data)))
             zarr_rb.save(ReplayBuffer(storage=storage))
-        done = subprocess.run(
-            [sys.executable, "-c", READ_BACK, str(path)],
-            capture_output=True,
-            text=True,
-            cwd=tests,
-            timeout=120,
-        )
+        done = python_c(READ_BACK, str(path), cwd=tests)
         assert done.returncode == 0, done.stderr[-3000:]
         out = done.stdout
         theirs = json.loads(out.strip().splitlines()[-1])

@@ -17,6 +17,7 @@ import pytest
 import torch
 import zarr
 from conftest import assert_identical
+from sample_runner import python_c
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
@@ -113,7 +114,7 @@ def test_full_filesystem_is_enospc_keeps_the_commit_and_recovers(tmpfs, tmp_path
 
     # Another process sees the last commit, whole.
     seen = tmp_path / "committed.pt"
-    done = _run(sys.executable, "-c", _READ_COMMITTED, str(disk / "rb.zarr"), str(seen))
+    done = python_c(_READ_COMMITTED, str(disk / "rb.zarr"), str(seen), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     committed = torch.load(seen)
     length = len(committed["step"])

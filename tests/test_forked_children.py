@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_identical
+from sample_runner import python_c
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
@@ -92,9 +93,7 @@ def _another_process_opens_to_write(path: Path) -> str:
         "try:\n    ZarrStorage(path=sys.argv[1]).close()\n    print('opened')\n"
         "except Exception as err:\n    print(type(err).__name__)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300
-    )
+    out = python_c(code, str(path), cwd=path.parent, timeout=300)
     return out.stdout.strip() or out.stderr[-2000:]
 
 

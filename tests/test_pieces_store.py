@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
 import textwrap
 import zlib
 from pathlib import Path
@@ -24,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
+from sample_runner import python_c
 from tensordict import TensorDict
 from test_archive import (  # noqa: F401 (run again here, with small pieces)
     test_shared_writers_append_in_the_order_their_extends_commit,
@@ -129,12 +128,9 @@ def test_a_reader_with_the_default_span_reads_pieces_in_another_process(tmp_path
     twin = LazyTensorStorage(32)
     for writer in interleaved(path, 13, twin):
         writer.close()
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
+    child = python_c(
+        textwrap.dedent(
+            f"""
                 import torch
                 from zarr_rb import ZarrStorage
                 from zarr_rb.format import runs
@@ -142,11 +138,8 @@ def test_a_reader_with_the_default_span_reads_pieces_in_another_process(tmp_path
                 reader = ZarrStorage(path={str(path)!r}, read_only=True)
                 print(reader.get(torch.arange(len(reader)))["step"].tolist())
                 """
-            ),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
+        ),
+        cwd=tmp_path,
     )
     assert child.returncode == 0, child.stderr[-3000:]
     assert json.loads(child.stdout) == twin.get(torch.arange(32))["step"].tolist()

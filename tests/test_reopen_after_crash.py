@@ -3,13 +3,12 @@ record's cursor always matches the rows it publishes."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from conftest import Crash, crash_at_row_write
+from sample_runner import python_c
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
@@ -37,7 +36,7 @@ def test_a_writer_killed_mid_extend_reopens_after_its_last_committed_row(tmp_pat
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
-    child = subprocess.run([sys.executable, "-c", script], timeout=300, check=False)
+    child = python_c(script, cwd=tmp_path, timeout=300)
     assert child.returncode == -9
     rb = TensorDictReplayBuffer(storage=ZarrStorage(path=path))
     committed = len(rb)

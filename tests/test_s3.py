@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 from conftest import assert_identical
+from sample_runner import python_c
 from tensordict import TensorDict
 from torchrl.data import (
     LazyMemmapStorage,
@@ -84,7 +85,11 @@ def fill(*buffers, total: int = 250, step: int = 30) -> None:
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 120):
-    """Run ``code`` in a fresh interpreter (another "machine": nothing shared but S3)."""
+    """Run ``code`` in another process (another "machine": nothing shared but S3): a fork of
+    a runner that imported the libraries, or, given variables to set, a fresh interpreter
+    (the libraries may read them as they are imported)."""
+    if env is None:
+        return python_c(textwrap.dedent(code), cwd=os.path.dirname(__file__), timeout=timeout)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env={**os.environ, **(env or {})},

@@ -4,8 +4,6 @@ buffer class (sync=False prioritized buffers included), and the same next sample
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torchrl
+from sample_runner import python_c
 from tensordict import TensorDict
 from torchrl.data import (
     PrioritizedReplayBuffer,
@@ -249,7 +248,8 @@ def test_a_failing_constructor_releases_the_store(tmp_path: Path, monkeypatch) -
     monkeypatch.undo()
     # The writer lock is free again: another process takes the store.
     code = f"from zarr_rb import ZarrStorage; ZarrStorage({N}, {str(path)!r}).close()"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    done = python_c(code, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_random_sampler_buffer_round_trip_of_non_tensordict_class(tmp_path: Path) -> None:

@@ -9,11 +9,10 @@ other picked its group and the moment it writes there.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import torch
+from sample_runner import python_c
 from test_s3 import batch
 from torchrl.data import TensorDictPrioritizedReplayBuffer
 
@@ -56,13 +55,7 @@ def test_shared_writers_saving_at_once_each_keep_their_own_state(tmp_path, monke
             zarr_rb.save(rb, tag="other", progress=False)
             storage.close()
             """
-        child = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(other)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=os.path.dirname(__file__),
-        )
+        child = python_c(textwrap.dedent(other), cwd=os.path.dirname(__file__))
         assert child.returncode == 0, child.stderr[-3000:]
         return save_buffer(*args, **kwargs)
 
