@@ -7,7 +7,7 @@ the fresh interpreter the sample would have had, with the libraries already in
 ``sys.modules``:
 
 - the sample runs as a fresh ``__main__`` module whose namespace holds nothing the runner
-  imported (a sample that forgets an import still fails), with ``sys.argv == ["-c"]``;
+  imported (a sample that forgets an import still fails), with ``sys.argv == ["-c", *argv]``;
 - in its own working directory and process group, stdin from ``/dev/null``, stdout and
   stderr captured;
 - it ends as an interpreter ends (threads that are not daemons are waited for, then
