@@ -316,3 +316,15 @@ def test_a_store_closes_from_inside_the_threading_modules_bookkeeping(tmp_path):
     closer = threading.Thread(target=close_there, daemon=True)
     closer.start()
     assert closed.wait(60), "close() waited for a lock its own thread holds"
+
+
+def test_the_write_buffer_counts_the_ram_of_the_blocks_it_holds(tmp_path):
+    rb = buffer(tmp_path / "rb.zarr")
+    twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16), batch_size=4)
+    extend_by_two(rb, twin, range(2))  # half a block: staged
+    cache = rb.storage._store.write_cache
+    (filling,) = list(cache.held())
+    block_bytes = sum(v.untyped_storage().nbytes() for v in filling.values.values())
+    assert block_bytes >= 4 * (32 * 32 + 8)  # 4 rows of obs and step
+    assert cache.nbytes == block_bytes
+    rb.storage.close()

@@ -88,6 +88,14 @@ class WriteBuffer:
         """The blocks waiting to be written (not the one being written)."""
         return iter(list(self._blocks.values()))
 
+    @property
+    def nbytes(self) -> int:
+        """RAM of the blocks held here (waiting and being written) and of the spare one
+        kept for the next block."""
+        tensors = [v for block in self.held() for v in block.values.values()]
+        tensors += list((self._spare or {}).values())
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
     def held(self) -> Iterator[Block]:
         """Every block whose rows are read from here: those waiting and the one being
         written."""
