@@ -267,3 +267,27 @@ def test_bfloat16_frames_come_back_bit_for_bit_across_a_move_and_a_reopen(tmp_pa
     ours.close()
     with ZarrStorage(path=path, read_only=True, ram_bytes=0) as reader:
         assert_identical(reader.get(torch.arange(8)), theirs.get(torch.arange(8)))
+
+
+def test_a_repair_withdraws_rows_with_damaged_frames_beside_damaged_frame_ids(tmp_path):
+    """The frame ids of next/obs damaged in one chunk, and a frame of other rows: a repair
+    withdraws both, not only the rows of the damaged ids (found by a review: a damaged ids
+    chunk of a key skipped the check of the frames of every row of that key)."""
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(64, path, compression=FRAMES)
+    storage.set(torch.arange(40), episodes(0, 40))
+    storage.close()
+    for damaged in ["frame_ids/next/obs/c/0/0", "data/obs/c/4/0/0/0"]:
+        chunk = path / damaged
+        data = bytearray(chunk.read_bytes())
+        data[min(50, len(data) - 1)] ^= 0xFF
+        chunk.write_bytes(bytes(data))
+    report = zarr_rb.verify(path)
+    assert {chunk.array for chunk in report.damaged} == {"frame_ids/next/obs", "data/obs"}
+    zarr_rb.verify(path, repair=True)
+    assert zarr_rb.verify(path).ok
+    reader = ZarrStorage(path=path, read_only=True, ram_bytes=0)
+    readable = np.setdiff1d(np.arange(40), reader.unreadable_rows())
+    got = reader.get(torch.from_numpy(readable))
+    assert_identical(got.exclude("index"), episodes(0, 40)[torch.from_numpy(readable)])
+    reader.close()

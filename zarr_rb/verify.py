@@ -211,7 +211,9 @@ def _check_frames(
         )
     ids = cells.ids[key]
     damaged = _damaged_in(ids, frame_ids_path(key), _ranges(rows))
-    if damaged or not rows.size:
+    for chunk in damaged:  # (reported with their ids; the frames of the others are checked)
+        rows = rows[(rows < chunk.rows[0]) | (rows >= chunk.rows[1])]
+    if not rows.size:
         return damaged, cells.cells.path, none
     named = ids.read_rows(rows).result().astype(np.int64).reshape(rows.size, -1)
     per_row = cells.cells_per_row
