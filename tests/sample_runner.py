@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -142,6 +143,11 @@ class SampleRunner:
     ``close`` ends it."""
 
     def __init__(self, env: dict[str, str]) -> None:
+        self._lock = threading.Lock()
+        """One sample at a time: answers come back in the order of the requests."""
+        self._unanswered = 0
+        """Requests sent whose answer was not read: their caller was interrupted (a
+        test's timeout, an exception while it waited). Their answers are read first."""
         self._process = subprocess.Popen(
             [sys.executable, "-c", _SERVER, json.dumps(PRELOAD)],
             stdin=subprocess.PIPE,
@@ -161,11 +167,18 @@ class SampleRunner:
         """Runs ``code`` as ``python -c code *argv`` would in ``cwd``; waits for it to end."""
         assert self._process.stdin is not None
         request = {"code": code, "cwd": str(cwd), "timeout": timeout, "argv": list(argv)}
-        self._process.stdin.write(json.dumps(request) + "\n")
-        self._process.stdin.flush()
-        answer = self._answer()
-        if not answer:
-            raise RuntimeError("the sample runner ended while it ran a sample")
+        with self._lock:
+            while self._unanswered:  # (an interrupted call's answer: not this one's)
+                if not self._answer():
+                    break
+                self._unanswered -= 1
+            self._process.stdin.write(json.dumps(request) + "\n")
+            self._process.stdin.flush()
+            self._unanswered += 1
+            answer = self._answer()
+            if not answer:
+                raise RuntimeError("the sample runner ended while it ran a sample")
+            self._unanswered -= 1
         return Result(**json.loads(answer))
 
     def close(self) -> None:
@@ -175,6 +188,7 @@ class SampleRunner:
 
 
 _RUNNER: SampleRunner | None = None
+_STARTING = threading.Lock()
 _ENVIRONMENT = dict(os.environ)
 """The environment of :func:`python_c`'s runner: this process's as the tests were collected
 (not as a test that changed it left it, whichever test starts the runner)."""
@@ -185,7 +199,8 @@ def python_c(code: str, *argv: str, cwd: Path | str, timeout: float = 120) -> Re
     on first use): another process, which shares nothing with this one but the files it
     names, in a fraction of a fresh interpreter's time."""
     global _RUNNER
-    if _RUNNER is None:
-        _RUNNER = SampleRunner(_ENVIRONMENT)
-        atexit.register(_RUNNER.close)
+    with _STARTING:
+        if _RUNNER is None:
+            _RUNNER = SampleRunner(_ENVIRONMENT)
+            atexit.register(_RUNNER.close)
     return _RUNNER.run(code, Path(cwd), timeout, argv)

@@ -4,6 +4,7 @@ both ways and must give the same exit status and output."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -72,3 +73,36 @@ def test_a_sample_that_outruns_its_timeout_is_killed(runner: SampleRunner, tmp_p
     assert result.returncode is None
     # The runner goes on with the next sample.
     assert runner.run("print('next')", cwd=tmp_path, timeout=60).stdout == "next\n"
+
+
+def test_a_sample_gets_its_arguments_as_python_c_gives_them(
+    runner: SampleRunner, tmp_path: Path
+) -> None:
+    result = runner.run("import sys\nprint(sys.argv)", cwd=tmp_path, timeout=60, argv=["a", "b c"])
+    assert result.stdout == "['-c', 'a', 'b c']\n"  # as `python -c code a "b c"` has them
+
+
+def test_a_call_interrupted_while_it_waits_leaves_the_next_its_own_answer(
+    runner: SampleRunner, tmp_path: Path
+) -> None:
+    """A test's timeout (a signal) interrupts a caller waiting for its sample: the next call
+    must get its own sample's answer, not the interrupted one's (found by a review)."""
+    go = tmp_path / "go"
+    waits = (
+        f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.01)\nprint('late')"
+    )
+
+    def interrupt(*_: object) -> None:
+        raise TimeoutError("interrupted")
+
+    before = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(TimeoutError):
+            runner.run(waits, cwd=tmp_path, timeout=120)  # waits for `go`: still running
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    go.touch()
+    result = runner.run("import sys\nsys.exit(3)", cwd=tmp_path, timeout=120)
+    assert (result.returncode, result.stdout) == (3, "")
