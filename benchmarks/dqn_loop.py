@@ -111,9 +111,9 @@ def _tier_frames_bytes(storage: Any) -> int:
 
 
 def _write_buffer_bytes(storage: Any) -> int:
-    """RAM of a ZarrStorage's write buffer at the end of the run: the blocks it holds and
-    its spare (0 for other storages). Two blocks at most, as at the peak: one filling and
-    one being written, or one filling and the spare."""
+    """RAM of a ZarrStorage's write buffer at the end of the run (0 for other storages): the
+    blocks it holds (the one filling, and the one being written if a write is in flight) and
+    its spare, the memory of the last block written, kept for the next one."""
     store = getattr(storage, "store", None)
     return 0 if store is None else int(store.write_cache.nbytes)
 
