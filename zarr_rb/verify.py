@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from zarr_rb.core.frame_cells import FrameCells
 from zarr_rb.core.open import open_store
 from zarr_rb.core.store import Store
 from zarr_rb.engine import RowArray
@@ -146,28 +147,24 @@ def verify(
             else np.empty(0, np.int64)
         )
         stored_as_frames = store.schema.frame_keys if store.schema is not None else frozenset()
-        # The rows naming a frame that cannot be read back, per cells array: the keys
-        # stored as frames share one, whose damage is reported once.
-        unreadable_frames: dict[str, np.ndarray] = {}
+        # The cells each key stored as frames names, per cells array: the keys share one,
+        # read (and its damage reported) once.
+        named_cells: dict[str, tuple[FrameCells, list[_Naming]]] = {}
         for leaf in store.schema.leaves if store.schema is not None else ():
             arrays += 1
             if leaf.key in stored_as_frames:
                 held = np.union1d(physical, archived)
-                ids_damage, cells_path, hit = _check_frames(store, leaf.key, held)
+                ids_damage, cells, naming = _check_frame_ids(store, leaf.key, held)
                 damaged.extend(ids_damage)
-                if hit.size:
-                    before = unreadable_frames.get(cells_path, np.empty(0, np.int64))
-                    unreadable_frames[cells_path] = np.union1d(before, hit)
+                if cells is not None:
+                    named_cells.setdefault(cells.cells.path, (cells, []))[1].append(naming)
             elif leaf.ragged:
                 damaged.extend(_check_ragged(store, leaf, positions, physical))
             else:
                 rows = _ranges(np.union1d(physical, archived))
                 damaged.extend(_check_array(store, leaf.path, rows, leaf.key))
-        damaged.extend(
-            DamagedChunk(cells_path, (lo, hi), "a frame of these rows cannot be read back")
-            for cells_path, hit in unreadable_frames.items()
-            for lo, hi in _ranges(hit)
-        )
+        for cells, namings in named_cells.values():
+            damaged.extend(_check_cells(cells, namings))
         state_arrays, unreadable = _state_arrays(store)
         damaged.extend(unreadable)
         for array_path, size in state_arrays:
@@ -194,27 +191,29 @@ def verify(
         store.close()
 
 
-def _check_frames(
+_Naming = tuple[np.ndarray, np.ndarray]
+"""Rows of a key stored as frames, and the rows of the cells array each names (a row of
+them per row)."""
+
+
+def _check_frame_ids(
     store: Store, key: tuple[str, ...], rows: np.ndarray
-) -> tuple[list[DamagedChunk], str, np.ndarray]:
-    """The damage of a leaf stored as frames, at rows ``rows`` of the arrays: that of its
-    ids, the path of the cells they name, and the rows naming cells that cannot be read
-    back (reported at those rows, which a repair withdraws)."""
-    none = np.empty(0, np.int64)
+) -> tuple[list[DamagedChunk], FrameCells | None, _Naming]:
+    """The damage of the frame ids of a leaf stored as frames, at rows ``rows`` of the
+    arrays; the cells they name (``None`` when they cannot be opened) and which rows of
+    them the rows whose ids are whole name (checked by :func:`_check_cells`)."""
+    nothing: _Naming = (np.empty(0, np.int64), np.empty((0, 0), np.int64))
     try:
         cells = store.arrays.frames.cells(key)
     except (StoreCorruptedError, ValueError) as err:
-        return (
-            [DamagedChunk(frame_ids_path(key), (0, 0), f"cannot open the array: {err}")],
-            "",
-            none,
-        )
+        unopened = DamagedChunk(frame_ids_path(key), (0, 0), f"cannot open the array: {err}")
+        return [unopened], None, nothing
     ids = cells.ids[key]
     damaged = _damaged_in(ids, frame_ids_path(key), _ranges(rows))
     for chunk in damaged:  # (reported with their ids; the frames of the others are checked)
         rows = rows[(rows < chunk.rows[0]) | (rows >= chunk.rows[1])]
     if not rows.size:
-        return damaged, cells.cells.path, none
+        return damaged, cells, nothing
     named = ids.read_rows(rows).result().astype(np.int64).reshape(rows.size, -1)
     per_row = cells.cells_per_row
     outside = ((named < 0) | (named >= cells.region_cells)).any(axis=1)
@@ -224,19 +223,30 @@ def _check_frames(
     )
     inside = ~outside
     cell_rows = (rows[inside] - rows[inside] % cells.block_rows)[:, None] + named[inside] // per_row
-    bad = {
-        row
-        for lo, hi, _ in (
-            run
-            for start, stop in _ranges(np.unique(cell_rows))
-            for run in cells.cells.damaged_runs(start, stop)
-        )
-        for row in range(lo, hi)
-    }
-    hit = none
-    if bad:
-        hit = rows[inside][np.isin(cell_rows, np.fromiter(bad, np.int64)).any(axis=1)]
-    return damaged, cells.cells.path, hit
+    return damaged, cells, (rows[inside], cell_rows)
+
+
+def _check_cells(cells: FrameCells, namings: list[_Naming]) -> list[DamagedChunk]:
+    """The rows naming a frame of ``cells`` that cannot be read back, over every key that
+    names them (``namings``): each row of cells named is read once, and the damage is
+    reported at the rows naming it, which a repair withdraws."""
+    named = np.unique(np.concatenate([cell_rows.reshape(-1) for _, cell_rows in namings]))
+    bad = np.fromiter(
+        {
+            row
+            for start, stop in _ranges(named)
+            for lo, hi, _ in cells.cells.damaged_runs(start, stop)
+            for row in range(lo, hi)
+        },
+        np.int64,
+    )
+    if not bad.size:
+        return []
+    hit = np.concatenate([rows[np.isin(cell_rows, bad).any(axis=1)] for rows, cell_rows in namings])
+    return [
+        DamagedChunk(cells.cells.path, (lo, hi), "a frame of these rows cannot be read back")
+        for lo, hi in _ranges(np.unique(hit))
+    ]
 
 
 def _damaged_in(
