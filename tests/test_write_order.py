@@ -245,7 +245,7 @@ def test_a_failed_write_retried_with_a_write_of_other_keys_keeps_their_cells(
     # r); 6: row 4's.
     with fail_at_row_write(6, 1), pytest.raises(StoreWriteError):
         rb[torch.tensor([4])] = _rows(torch.tensor([41])).exclude("r")
-    assert rb.storage._store.write_cache.patched_rows().tolist() == [4]
+    assert rb.storage._store.write_cache.patches.rows().tolist() == [4]
     assert rb.storage._store.unreadable_rows().size == 0
     rb.storage.flush()
     steps, _ = crash_and_read(rb, path)

@@ -20,7 +20,7 @@ import torch
 from zarr_rb.core.disk_reads import RowsOwner, padded
 from zarr_rb.core.dtypes import to_numpy
 from zarr_rb.core.frame_plans import KnownFrames
-from zarr_rb.core.write_cache import Write
+from zarr_rb.core.write_patches import Write
 from zarr_rb.engine import Engine, RowArray, once
 from zarr_rb.engine.layout import Compression
 from zarr_rb.util.keys import Key

@@ -12,7 +12,7 @@ a row that fits no pattern takes more room, and is never rebuilt wrong. See
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -123,6 +123,11 @@ class FrameTier:
         """Entries of ``_admitted`` past which those no longer live are dropped."""
         self._last: int | None = None
         """The row admitted last: the next write's rows may continue it."""
+        self.before_release: Callable[[np.ndarray], None] | None = None
+        """Called with resident rows (sorted, unique) before they stop being resident, while
+        their frames can still be gathered: the write buffer copies there the frames of the
+        rows it left to the tier (:meth:`~zarr_rb.core.write_cache.WriteBuffer.keep_frames`).
+        If it raises, the rows stay resident."""
 
     @property
     def capacity(self) -> int:
@@ -166,6 +171,14 @@ class FrameTier:
         ids = torch.from_numpy(self._ids[key][rows].reshape(-1))
         frames = self._pools[spec.key].frames.index_select(0, ids)
         return frames.view(rows.size, *spec.element_shape)
+
+    def gather_into(self, key: Key, rows: np.ndarray, out: torch.Tensor) -> None:
+        """:meth:`gather` into ``out``: ``rows.size`` contiguous rows of ``key``'s shape and
+        dtype (no tensor in between)."""
+        spec = self._spec_of[key]
+        ids = torch.from_numpy(self._ids[key][rows].reshape(-1))
+        frames = self._pools[spec.key].frames
+        torch.index_select(frames, 0, ids, out=out.view(-1, *spec.frame_shape))
 
     def known(self, key: Key, rows: np.ndarray) -> KnownFrames:
         """The frames of ``rows`` (unique) of the leaf of ``key`` and its twin, as held here
@@ -277,6 +290,8 @@ class FrameTier:
         rows = np.unique(rows[self.resident[rows]])
         if not rows.size:
             return
+        if self.before_release is not None:
+            self.before_release(rows)
         self.resident[rows] = False
         for spec in self.specs:
             pool = self._pools[spec.key]

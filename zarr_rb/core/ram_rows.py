@@ -98,6 +98,9 @@ class RamRows:
             tier = FrameTier(specs, rows=schema.rows, budget=budget)
             self.frames = tier if tier.capacity else None
             self.fill.again()
+        if self.store.write_cache is not None:
+            # (Rows whose frames the tier before held for it are copied in first.)
+            self.store.write_cache.lend_frames(self.frames)
 
     @property
     def mirrored(self) -> bool:
@@ -196,7 +199,7 @@ class RamRows:
         for block, positions in served:
             offsets = rows[positions] - block.index * store.write_cache.block_rows
             out[torch.from_numpy(positions)] = block.values[key][torch.from_numpy(offsets)]
-        for positions, values in store.write_cache.patched(rows, key):
+        for positions, values in store.write_cache.patches.cells(rows, key):
             out[torch.from_numpy(positions)] = values
         return out
 
@@ -228,7 +231,7 @@ class RamRows:
             lost = np.flatnonzero(unreadable)
             whole = np.ones(lost.size, dtype=bool)
             for key in self.store.leaves:
-                whole &= ledger.readable(lost, key) | cache.patched_mask(lost, key)
+                whole &= ledger.readable(lost, key) | cache.patches.mask(lost, key)
             unreadable[lost[whole]] = False
         return np.flatnonzero(unreadable)
 
@@ -256,7 +259,7 @@ class RamRows:
         hit, served = cache.staged_rows(rows)
         wanted = with_lengths(store.leaves, keys)
         # Cells of failed writes of some keys, kept for a retry: the newest values there.
-        patches = {key: cache.patched(rows, key) for key in wanted} if cache.patches else {}
+        patches = {key: cache.patches.cells(rows, key) for key in wanted} if cache.patches else {}
         nothing = np.zeros(rows.size, dtype=bool)
         patched = {}
         for key, found in patches.items():

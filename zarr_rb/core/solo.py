@@ -39,7 +39,6 @@ from zarr_rb.core.frame_arrays import with_frames
 from zarr_rb.core.history import Extended
 from zarr_rb.core.reader import reread_commit
 from zarr_rb.core.solo_cursor import SoloCursor, first_unset
-from zarr_rb.core.write_cache import block_write
 from zarr_rb.errors import NotSupportedError, StoreWriteError
 from zarr_rb.format.commit import (
     ERA_SLOTS,
@@ -56,6 +55,7 @@ from zarr_rb.util.keys import Key
 
 if TYPE_CHECKING:
     from zarr_rb.core.commits import StoreAPI
+    from zarr_rb.core.write_cache import WriteBuffer
 
 _R = TypeVar("_R")
 
@@ -135,9 +135,11 @@ class SoloCommits(SoloCursor):
                 cursor is None
                 or np.any(rows // store.write_cache.block_rows == writing.index)
                 or self._in_flight_landed()
+                or (store.ram.frames is not None and _ends_a_block(rows, store.write_cache))
             ):
                 # Only an extend past the block in flight goes on beside it, until that block
-                # has landed (then its memory serves the next block). If that block's write
+                # has landed (then its memory serves the next block: the next block written,
+                # whose frames the RAM tier held, takes them there). If that block's write
                 # failed, it waits in RAM again, this call's rows are written (or kept) as
                 # usual, and the failure is raised at the end.
                 try:
@@ -155,14 +157,20 @@ class SoloCommits(SoloCursor):
                     self._extended.add(rows, cursor, store.rows)
                     extended = True
             # Failed writes waiting to be written again must not land over these newer rows.
-            store.write_cache.supersede(rows, values.keys())
+            store.write_cache.patches.supersede(rows, values.keys())
             values, zeros = self._zeros_where_unwritten(rows, values)
             store.ram.update(rows, values, frames=False)
-            if store.arrays.frames.keys():
-                # Frames on disk take their cells from the plan the tier makes of these rows
-                # (FrameCells.start_write): the tier first.
+            tier = store.ram.frames
+            if tier is not None or store.arrays.frames.keys():
+                # The tier first: the rows it holds leave it their frames while they wait in
+                # the write buffer, and frames on disk take their cells from the plan it
+                # makes of them (FrameCells.start_write).
                 frames.run()
-            writes, blocks = self._writes_for(rows, values, zeros, sequential=cursor is not None)
+            # (A tier whose put failed may hold older frames of these rows: none are lent.)
+            lent = None if tier is None or frames.error else tier.resident_rows(rows)
+            writes, blocks = self._writes_for(
+                rows, values, zeros, sequential=cursor is not None, lent=lent
+            )
             if writes:
                 behind = self._block_behind(writes, blocks) if cursor is not None else None
                 if behind is not None:
@@ -200,9 +208,9 @@ class SoloCommits(SoloCursor):
             # A block write in flight that failed waits again with the others: this flush
             # writes it (and raises if it fails again).
             self.settle()
-        writes = [block_write(block) for block in store.write_cache]
+        writes = [store.write_cache.write_of(block) for block in store.write_cache]
         store.write_cache.clear()
-        self._write_in_turn([*store.write_cache.take_patches(), *writes])
+        self._write_in_turn([*store.write_cache.patches.take(), *writes])
         self._commit()
 
     def move_cursor(self, cursor: int) -> None:
@@ -460,6 +468,13 @@ def _run_on(rows: np.ndarray, start: int, cursor: int, ring: int) -> bool:
     return bool(
         rows[wrapped - 1] == wrapped - 1 and rows[wrapped] == start and rows[-1] == ring - 1
     )
+
+
+def _ends_a_block(rows: np.ndarray, cache: WriteBuffer) -> bool:
+    """Whether ``rows`` take the last row of a block (an extend that may fill one)."""
+    if not rows.size:
+        return False
+    return bool(np.any((rows + 1) % cache.block_rows == 0)) or int(rows.max()) + 1 >= cache.rows
 
 
 @dataclasses.dataclass

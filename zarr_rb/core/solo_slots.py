@@ -151,7 +151,7 @@ class SoloSlots(Commits):
         if not torn.any():
             return none
         waiting = self.store.ram.staged_mask(ledger.extent)
-        patched = cache.patched_rows()
+        patched = cache.patches.rows()
         waiting[patched[patched < ledger.extent]] = True
         torn &= waiting  # (not rows withdrawn as damaged: those stay withdrawn)
         if not torn.any():

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from zarr_rb.core.solo_writes import SoloWrites
-from zarr_rb.core.write_cache import Block, Write
+from zarr_rb.core.write_cache import Block
+from zarr_rb.core.write_patches import Write
 from zarr_rb.util.keys import Key
 
 _MAX_STAGED_BLOCKS = 8
@@ -34,14 +35,16 @@ class SoloStaging(SoloWrites):
         zeros: list[Write],
         *,
         sequential: bool,
+        lent: np.ndarray | None = None,
     ) -> tuple[list[Write], list[Block]]:
         """What a write of ``values`` to ``rows`` (after ``zeros``, zeros into cells of keys
         never written) writes now, and the blocks taken out of RAM that it writes; the
-        other rows wait in RAM. ``sequential``: an extend."""
+        other rows wait in RAM. ``sequential``: an extend. ``lent``: the rows whose frames
+        the RAM tier holds as written, which leave them there while they wait."""
         cache = self.store.write_cache
         assert cache is not None
         if values.keys() == self.store.leaves.keys():
-            return self._stage_rows(rows, values, sequential=sequential)
+            return self._stage_rows(rows, values, sequential=sequential, lent=lent)
         # Some keys: rows waiting in RAM take the new values there; the others are written
         # now (the other keys of a row that is not held are not known here).
         in_ram = cache.patch(rows, values)
@@ -58,7 +61,12 @@ class SoloStaging(SoloWrites):
         return writes, blocks
 
     def _stage_rows(
-        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, sequential: bool
+        self,
+        rows: np.ndarray,
+        values: Mapping[Key, torch.Tensor],
+        *,
+        sequential: bool,
+        lent: np.ndarray | None = None,
     ) -> tuple[list[Write], list[Block]]:
         """Stage whole rows in RAM by block; returns what must be written now, and the
         blocks taken out of RAM to be written (their memory serves again once they are).
@@ -84,7 +92,7 @@ class SoloStaging(SoloWrites):
                     raise
             return [(rows, values)], []
         before = {block.index for block in cache}
-        direct, full = cache.stage(rows, values)
+        direct, full = cache.stage(rows, values, lent=lent)
         if sequential and rows.size:
             block_rows = cache.block_rows
             last = (self.cursor - 1) % cache.rows // block_rows

@@ -20,7 +20,8 @@ from zarr_rb.core.commits import StoreAPI
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.solo_slots import SoloSlots
 from zarr_rb.core.store_facts import whole_rows
-from zarr_rb.core.write_cache import Block, Write, block_write
+from zarr_rb.core.write_cache import Block, block_write
+from zarr_rb.core.write_patches import Write
 from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.schema import plain_then_ragged
 from zarr_rb.util.keys import Key
@@ -96,7 +97,7 @@ class SoloWrites(SoloSlots):
         # not zero.)
         fresh = self.committed.unwritten_at(rows)
         empty = {
-            key: ~(self.store.ledger.readable(rows, key) | hit | cache.patched_mask(rows, key))
+            key: ~(self.store.ledger.readable(rows, key) | hit | cache.patches.mask(rows, key))
             & fresh
             for key in missing
         }
@@ -124,7 +125,7 @@ class SoloWrites(SoloSlots):
         if cache is None or ledger is None or not rows.size:
             return rows[:0]
         self.store.ram.forget(rows)
-        kept = np.isin(rows, cache.held_rows()) | np.isin(rows, cache.patched_rows())
+        kept = np.isin(rows, cache.held_rows()) | np.isin(rows, cache.patches.rows())
         return rows[~kept | np.isin(rows, cache.take_restored())]
 
     def _write_now(
@@ -154,7 +155,7 @@ class SoloWrites(SoloSlots):
             raise
         # (Their cells are none of these writes': each write drops the cells it rewrites
         # from the patches, see WriteBuffer.supersede.)
-        self._write_in_turn([*self.store.write_cache.take_patches(), *writes], meanwhile=meanwhile)
+        self._write_in_turn([*self.store.write_cache.patches.take(), *writes], meanwhile=meanwhile)
         self.store.write_cache.reuse(blocks)
 
     def _write_in_turn(
@@ -192,7 +193,7 @@ class SoloWrites(SoloSlots):
         last_patch = some_keys[-1] if some_keys else -1
         for i, (rows, values) in enumerate(writes):
             if i <= last_patch:
-                cache.keep_patch((rows, values))
+                cache.patches.keep((rows, values))
             else:
                 cache.stage(rows, values, force=True)
 

@@ -9,17 +9,19 @@ TorchRL's writers); scattered writes go straight to disk, so a random
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from zarr_rb.core.mirror import zeros
+from zarr_rb.core.write_patches import Patches, Write
 from zarr_rb.engine.rows import is_run
 from zarr_rb.util.keys import Key
 
-Write = tuple[np.ndarray, Mapping[Key, torch.Tensor]]
-"""Rows (sorted and unique) and the values of some leaves to write there."""
+if TYPE_CHECKING:
+    from zarr_rb.core.frames import FrameTier
 
 
 @dataclasses.dataclass(slots=True)
@@ -31,14 +33,42 @@ class Block:
     dirty: np.ndarray
     length: int
     """Rows of this block inside the array (the last block may be shorter)."""
+    lent: np.ndarray
+    """Rows (held) whose frames the RAM tier holds for this block: its tensors of the tier's
+    keys do not hold them until the block is written or the tier lets them go (see
+    :meth:`WriteBuffer.lend_frames`)."""
+    frames_touched: bool = False
+    """Whether its tensors of the tier's keys hold pages: rows were copied in, or they
+    served a block before (unwritten, they are mappings that take no RAM)."""
 
     @property
     def full(self) -> bool:
         return bool(self.dirty[: self.length].all())
 
+    def put(self, key: Key, offsets: torch.Tensor, values: torch.Tensor, *, ragged: bool) -> None:
+        """``values[key][offsets] = values``; ``ragged`` rows padded with zeros to the
+        block's width, which grows to the width of ``values``."""
+        target = self.values[key]
+        if not ragged:
+            if is_run(offsets.numpy()):
+                first = int(offsets[0])
+                target[first : first + offsets.numel()] = values  # a run of rows: one copy
+            else:
+                target[offsets] = values
+            return
+        width = values.shape[1]
+        if width > target.shape[1]:
+            wider = target.new_zeros((target.shape[0], width, *target.shape[2:]))
+            wider[:, : target.shape[1]] = target
+            self.values[key] = target = wider
+        target[offsets, :width] = values
+        target[offsets, width:] = 0
+
 
 def block_write(block: Block) -> Write:
-    """The rows a block holds and their values (all of them when the block is full)."""
+    """The rows a block holds and their values (all of them when the block is full); no
+    row's frames are lent (see :meth:`WriteBuffer.write_of`)."""
+    assert not block.lent.any()
     offsets = np.flatnonzero(block.dirty[: block.length])
     start = block.index * block.dirty.size
     if offsets.size == block.length:
@@ -67,19 +97,20 @@ class WriteBuffer:
         """Keys whose rows differ in length (their first element dimension): a block holds
         them padded with zeros to the longest row it holds, and grows wider as needed."""
         self._blocks: dict[int, Block] = {}
-        self._spare: dict[Key, torch.Tensor] | None = None
-        """The tensors of a block written to disk, for the next new block (see :meth:`reuse`)."""
+        self._spare: dict[Key, torch.Tensor] = {}
+        """The tensors of a block written to disk, for the next new block (see :meth:`reuse`);
+        those of the tier's keys wait for the next block written (:meth:`write_of`)."""
+        self._tier: FrameTier | None = None
+        """The RAM tier that holds the frames of the rows it holds for the blocks here."""
         self._writing: Block | None = None
         """A full block whose write to disk was started and has not finished: its rows are
         read from here (they are not on disk yet), and nothing else writes into it."""
         self._restored: list[np.ndarray] = []
         """Rows whose values a copy interrupted between two keys put back (see
         :meth:`_put_rows`), until :meth:`take_restored`."""
-        self._patches: list[Write] = []
-        """Writes of rows not held in a block, whose write to disk failed, in the order
-        made (of some keys, and whole rows written before one of them): the next flush
-        writes them again, and reads take those cells from here (a newer write of the
-        same cells drops them, see :meth:`supersede`)."""
+        self.patches = Patches()
+        """Writes of rows not held in a block whose write to disk failed (see
+        :class:`~zarr_rb.core.write_patches.Patches`)."""
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -92,8 +123,14 @@ class WriteBuffer:
     def nbytes(self) -> int:
         """RAM of the blocks held here (waiting and being written) and of the spare one
         kept for the next block."""
-        tensors = [v for block in self.held() for v in block.values.values()]
-        tensors += list((self._spare or {}).values())
+        lendable = self._lendable()
+        tensors = [
+            value
+            for block in self.held()
+            for key, value in block.values.items()
+            if block.frames_touched or key not in lendable
+        ]
+        tensors += list(self._spare.values())
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def held(self) -> Iterator[Block]:
@@ -113,7 +150,7 @@ class WriteBuffer:
         written)."""
         assert self._writing is None
         self._blocks.clear()
-        self._patches.clear()
+        self.patches.clear()
 
     # --- the block being written -----------------------------------------------------------
 
@@ -145,68 +182,15 @@ class WriteBuffer:
         for key, value in block.values.items():
             values[key] = zeros(tuple(value.shape), value.dtype)
             values[key].copy_(value)
-        self._blocks[block.index] = dataclasses.replace(block, values=values)
-
-    # --- patches: failed writes kept in order ---------------------------------------------
-
-    def keep_patch(self, write: Write) -> None:
-        """Keep a write that failed, for the next flush and for reads."""
-        self._patches.append(write)
-
-    @property
-    def patches(self) -> int:
-        """How many patches are kept."""
-        return len(self._patches)
-
-    def take_patches(self) -> list[Write]:
-        """Every patch kept, oldest first (to write again: kept again if that fails)."""
-        patches, self._patches = self._patches, []
-        return patches
-
-    def supersede(self, rows: np.ndarray, keys: Iterable[Key]) -> None:
-        """A newer write holds the cells of ``keys`` in ``rows``: patches drop them (the
-        next flush must not write older values over newer ones)."""
-        if self._patches:
-            self._patches = without_cells(self._patches, rows, keys)
+        self._blocks[block.index] = dataclasses.replace(block, values=values, frames_touched=True)
 
     def held_rows(self, *, writing: bool = True) -> np.ndarray:
         """The rows held here (sorted, unique): in a block waiting (and in the one being
         written, with ``writing``), or with cells in a patch."""
         blocks = self.held() if writing else iter(self)
-        parts = [self.patched_rows()]
+        parts = [self.patches.rows()]
         parts += [block.index * self.block_rows + np.flatnonzero(block.dirty) for block in blocks]
         return np.unique(np.concatenate(parts))
-
-    def patched_rows(self) -> np.ndarray:
-        """The rows some patch holds cells of (sorted, unique)."""
-        return np.unique(np.concatenate([np.empty(0, np.int64), *(r for r, _ in self._patches)]))
-
-    def patched_mask(self, rows: np.ndarray, key: Key) -> np.ndarray:
-        """Which of ``rows`` have their cell of ``key`` in a patch."""
-        mask = np.zeros(rows.size, dtype=bool)
-        for positions, _, _ in self._matches(rows, key):
-            mask[positions] = True
-        return mask
-
-    def patched(self, rows: np.ndarray, key: Key) -> list[tuple[np.ndarray, torch.Tensor]]:
-        """The cells of ``key`` that patches hold for ``rows`` (any order, repeats
-        allowed), oldest first: the positions (into ``rows``) and their values."""
-        return [
-            (positions, values[torch.from_numpy(where)])
-            for positions, where, values in self._matches(rows, key)
-        ]
-
-    def _matches(
-        self, rows: np.ndarray, key: Key
-    ) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
-        """For each patch holding cells of ``key`` for some of ``rows``, oldest first: the
-        positions (into ``rows``), where the patch holds them, and its values of ``key``."""
-        for written, values in self._patches:
-            if key in values:
-                where = np.searchsorted(written, rows).clip(max=written.size - 1)
-                positions = np.flatnonzero(written[where] == rows)
-                if positions.size:
-                    yield positions, where[positions], values[key]
 
     def pop(self, index: int) -> Block:
         return self._blocks.pop(index)
@@ -216,7 +200,7 @@ class WriteBuffer:
         of the rows of a block partly filled may fail), so that a failure leaves every
         block here."""
         blocks = [self._blocks[index] for index in indices]
-        writes = [block_write(block) for block in blocks]
+        writes = [self.write_of(block) for block in blocks]
         for block in blocks:
             del self._blocks[block.index]
         return blocks, writes
@@ -227,35 +211,105 @@ class WriteBuffer:
     def reuse(self, blocks: list[Block]) -> None:
         """Blocks popped and now written to disk: the next new block takes the memory of
         one (pages the process holds already: filling a new block's 50 MB of Atari rows
-        took 2-4 times as long in fresh pages, each faulted in on first write)."""
+        took 2-4 times as long in fresh pages, each faulted in on first write), and the
+        next block written its tensors of the tier's keys."""
         for block in blocks:
             if not self._ragged and block.values.keys() == self._element_shapes.keys():
-                self._spare = block.values
+                self._spare = dict(block.values)
 
     def _new_block(self, index: int) -> Block:
         n = self.block_rows
+        lendable = self._lendable()
         # Zeros, as ragged leaves' padding must be (other leaves: only rows marked dirty
-        # are ever read or written).
-        values, self._spare = self._spare, None
-        if values is None:
-            # (Large ones are mappings of their own: given back whole once let go.)
-            values = {
-                key: zeros((n, *shape), self._dtypes[key])
-                for key, shape in self._element_shapes.items()
-            }
-        dirty = np.zeros(n, dtype=bool)
+        # are ever read or written). (Large ones are mappings of their own: given back
+        # whole once let go, and taking no RAM until written.)
+        values = {}
+        for key, shape in self._element_shapes.items():
+            spare = None if key in lendable else self._spare.pop(key, None)
+            values[key] = zeros((n, *shape), self._dtypes[key]) if spare is None else spare
+        self._spare = {key: value for key, value in self._spare.items() if key in lendable}
         block = Block(
-            index=index, values=values, dirty=dirty, length=self._block_rows_in_array(index)
+            index=index,
+            values=values,
+            dirty=np.zeros(n, dtype=bool),
+            length=self._block_rows_in_array(index),
+            lent=np.zeros(n, dtype=bool),
+            frames_touched=not lendable,
         )
         self._blocks[index] = block
         return block
 
+    # --- frames the RAM tier holds ---------------------------------------------------------
+
+    def lend_frames(self, tier: FrameTier | None) -> None:
+        """Rows staged whole whose frames ``tier`` holds as staged leave them there: a block
+        holds stacks only from when it is written (``docs/design/ram-tier.md``, "The write
+        buffer's frames"). The tier calls :meth:`keep_frames` before it lets rows go. Rows
+        lent to the tier lent before are copied here first."""
+        if self._tier is not None:
+            for block in self._blocks.values():
+                self._keep(block, np.flatnonzero(block.lent))
+            self._tier.before_release = None
+        self._tier = tier
+        if tier is not None:
+            tier.before_release = self.keep_frames
+
+    def _lendable(self) -> frozenset[Key]:
+        return frozenset() if self._tier is None else self._tier.keys
+
+    def lent_rows(self) -> np.ndarray:
+        """The rows whose frames the tier holds for a block here (sorted)."""
+        parts = [block.index * self.block_rows + np.flatnonzero(block.lent) for block in self]
+        return np.sort(np.concatenate([np.empty(0, np.int64), *parts]))
+
+    def keep_frames(self, rows: np.ndarray) -> None:
+        """Rows (sorted, unique) the tier is about to let go: those whose frames it holds
+        for a block here are copied into the block."""
+        for block in self._blocks.values():
+            start = block.index * self.block_rows
+            lo, hi = np.searchsorted(rows, [start, start + self.block_rows])
+            offsets = rows[lo:hi] - start
+            self._keep(block, offsets[block.lent[offsets]])
+
+    def write_of(self, block: Block) -> Write:
+        """:func:`block_write`, the frames the block lent copied in first: into the tensors
+        of the block written before it (pages held already) when its own hold no row."""
+        lent = np.flatnonzero(block.lent)
+        if lent.size and not (block.dirty & ~block.lent).any():
+            for key in self._lendable():
+                spare = self._spare.pop(key, None)
+                if spare is not None:
+                    block.values[key] = spare
+        self._keep(block, lent)
+        return block_write(block)
+
+    def _keep(self, block: Block, offsets: np.ndarray) -> None:
+        """Copy the frames of rows ``offsets`` (sorted, lent) of ``block`` from the tier."""
+        if not offsets.size:
+            return
+        assert self._tier is not None
+        rows = block.index * self.block_rows + offsets
+        runs = np.split(np.arange(offsets.size), np.flatnonzero(np.diff(offsets) != 1) + 1)
+        for key in self._tier.keys:
+            target = block.values[key]
+            for run in runs:
+                first = int(offsets[run[0]])
+                self._tier.gather_into(key, rows[run], target[first : first + run.size])
+        block.frames_touched = True
+        block.lent[offsets] = False
+
     def stage(
-        self, rows: np.ndarray, values: Mapping[Key, torch.Tensor], *, force: bool = False
+        self,
+        rows: np.ndarray,
+        values: Mapping[Key, torch.Tensor],
+        *,
+        force: bool = False,
+        lent: np.ndarray | None = None,
     ) -> tuple[list[tuple[int, int]], list[int]]:
         """Stage what belongs in RAM (everything, with ``force``).
 
-        ``rows`` is sorted and unique, ``values[key][i]`` belongs to ``rows[i]``.
+        ``rows`` is sorted and unique, ``values[key][i]`` belongs to ``rows[i]``. ``lent``:
+        which rows the tier lent to holds as given here (their frames stay there).
 
         Returns:
             The ranges of positions (into ``rows``) that were *not* staged and must be
@@ -286,7 +340,12 @@ class WriteBuffer:
             if block is None:
                 block = self._new_block(index)
             try:
-                self._put_rows(block, offsets, {k: t[start:stop] for k, t in values.items()})
+                self._put_rows(
+                    block,
+                    offsets,
+                    {k: t[start:stop] for k, t in values.items()},
+                    lent=None if lent is None else lent[start:stop],
+                )
             except BaseException:
                 if new:  # (a block that holds no row: not left here)
                     self.reuse([self._blocks.pop(index)])
@@ -320,47 +379,54 @@ class WriteBuffer:
         return np.concatenate(restored) if restored else np.empty(0, dtype=np.int64)
 
     def _put_rows(
-        self, block: Block, offsets: np.ndarray, values: Mapping[Key, torch.Tensor]
+        self,
+        block: Block,
+        offsets: np.ndarray,
+        values: Mapping[Key, torch.Tensor],
+        *,
+        lent: np.ndarray | None = None,
     ) -> None:
         """Put ``values`` (of some keys) into rows ``offsets`` of ``block``, whole or not at
         all: interrupted after a key, rows the block held get back the values they held
-        (copied first), and the others stop being held here."""
-        positions = torch.from_numpy(offsets)
+        (copied first), and the others stop being held here. ``lent``: rows whose frames
+        the tier holds as given (with every key of the tier's in ``values``): not copied."""
+        lendable = self._lendable()
+        frames = lendable & values.keys()
+        if frames:
+            # Rows lent before whose frames change: the frames they keep are copied first.
+            self._keep(block, offsets[block.lent[offsets]])
+        if lent is None or frames != lendable:
+            lent = np.zeros(offsets.size, dtype=bool)
+        parts = {key: (offsets, tensor) for key, tensor in values.items()}
+        if lent.any():
+            copied = np.flatnonzero(~lent)
+            for key in frames:
+                parts[key] = (offsets[copied], values[key][torch.from_numpy(copied)])
         held = block.dirty[offsets]
-        again = positions[torch.from_numpy(held)]
-        before = {key: block.values[key][again].clone() for key in values} if again.numel() else {}
+        before = {}
+        for key, (at, _) in parts.items():
+            again = at[block.dirty[at]]
+            if again.size:
+                before[key] = (again, block.values[key][torch.from_numpy(again)].clone())
         put: list[Key] = []
         try:
-            for key, tensor in values.items():
+            for key, (at, tensor) in parts.items():
                 put.append(key)
-                self._put(block, key, positions, tensor)
+                if at.size:
+                    block.put(key, torch.from_numpy(at), tensor, ragged=key in self._ragged)
         except BaseException:
             block.dirty[offsets] = False  # (torn until their values are back)
-            if before:
+            if held.any():
                 for key in put:
-                    self._put(block, key, again, before[key])
+                    if key in before:
+                        again, old = before[key]
+                        block.put(key, torch.from_numpy(again), old, ragged=key in self._ragged)
                 block.dirty[offsets[held]] = True
                 self._restored.append(block.index * self.block_rows + offsets[held])
             raise
-
-    def _put(self, block: Block, key: Key, offsets: torch.Tensor, values: torch.Tensor) -> None:
-        """``block.values[key][offsets] = values``; ragged rows padded with zeros to the
-        block's width, which grows to the width of ``values``."""
-        target = block.values[key]
-        if key not in self._ragged:
-            if is_run(offsets.numpy()):
-                first = int(offsets[0])
-                target[first : first + offsets.numel()] = values  # a run of rows: one copy
-            else:
-                target[offsets] = values
-            return
-        width = values.shape[1]
-        if width > target.shape[1]:
-            wider = target.new_zeros((target.shape[0], width, *target.shape[2:]))
-            wider[:, : target.shape[1]] = target
-            block.values[key] = target = wider
-        target[offsets, :width] = values
-        target[offsets, width:] = 0
+        if frames:
+            block.lent[offsets] = lent
+            block.frames_touched |= not lent.all()
 
     def add_key(
         self,
@@ -375,15 +441,12 @@ class WriteBuffer:
         that they land with the patch, in its place in the order."""
         self._element_shapes[key] = element_shape
         self._dtypes[key] = dtype
-        self._spare = None
+        self._spare = {}
         if ragged:
             self._ragged.add(key)
         for block in self._blocks.values():
             block.values[key] = torch.zeros((self.block_rows, *element_shape), dtype=dtype)
-        self._patches = [
-            (rows, {**values, key: torch.zeros((rows.size, *element_shape), dtype=dtype)})
-            for rows, values in self._patches
-        ]
+        self.patches.add_key(key, element_shape, dtype)
 
     def staged_rows(self, rows: np.ndarray) -> tuple[np.ndarray, list[tuple[Block, np.ndarray]]]:
         """Which of ``rows`` (any order, repeats allowed) are held in RAM.
@@ -408,19 +471,3 @@ class WriteBuffer:
                 hit[positions] = True
                 served.append((block, positions))
         return hit, served
-
-
-def without_cells(writes: Sequence[Write], rows: np.ndarray, keys: Iterable[Key]) -> list[Write]:
-    """``writes`` without the cells of ``keys`` in ``rows`` (a newer write holds them)."""
-    keys = set(keys)
-    out: list[Write] = []
-    for written, values in writes:
-        kept = ~np.isin(written, rows)
-        index = torch.from_numpy(np.flatnonzero(kept))
-        covered = {key: value[index] for key, value in values.items() if key in keys}
-        others = {key: value for key, value in values.items() if key not in keys}
-        if covered and kept.any():
-            out.append((written[kept], covered))
-        if others:
-            out.append((written, others))
-    return out

@@ -1,0 +1,175 @@
+"""Rows waiting in the write buffer leave their frames to the RAM tier, which holds them
+already (``docs/design/ram-tier.md``, "The write buffer's frames"): a block holds the
+stacks of its rows only from when it is written, and rows the tier lets go first have their
+frames copied into their block. Every test reads the rows back against LazyTensorStorage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from conftest import assert_identical, fail_at_row_write
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+from zarr_rb import Compression, StoreWriteError, ZarrStorage
+
+ROWS = 32
+BLOCK = 8
+FRAME = (16, 16)  # a stack of 4 is 1,024 bytes: a large leaf, kept by frame
+
+
+class Episode:
+    """Rows of an episode of stacked frames: ``obs[t]`` is frames ``t..t+3``, and
+    ``("next", "obs")[t]`` is ``obs[t + 1]``; frames differ from step to step."""
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def rows(self, n: int) -> TensorDict:
+        steps = torch.arange(self.t, self.t + n + 4)
+        frames = (steps[:, None, None] * 13 + torch.arange(256).view(FRAME)) % 251
+        frames = frames.to(torch.uint8)
+        obs = torch.stack([frames[i : i + 4] for i in range(n)])
+        nxt = torch.stack([frames[i + 1 : i + 5] for i in range(n)])
+        data = {"step": steps[:n], "obs": obs, "next": {"obs": nxt}}
+        self.t += n
+        return TensorDict(data, [n])
+
+
+def buffers(path: Path, ram_bytes: int = 2**20) -> tuple[TensorDictReplayBuffer, ...]:
+    zarr = ZarrStorage(ROWS, path, compression=Compression(block_rows=BLOCK), ram_bytes=ram_bytes)
+    twin = LazyTensorStorage(ROWS)
+    return tuple(TensorDictReplayBuffer(storage=s, batch_size=4) for s in (zarr, twin))
+
+
+def extend(rbs: tuple[TensorDictReplayBuffer, ...], episode: Episode, n: int) -> None:
+    data = episode.rows(n)
+    for rb in rbs:
+        rb.extend(data)
+
+
+def assert_same_rows(rbs: tuple[TensorDictReplayBuffer, ...]) -> None:
+    rb, twin = rbs
+    assert len(rb) == len(twin)
+    every = torch.arange(len(twin))
+    assert_identical(
+        rb.storage.get(every).exclude("index"), twin.storage.get(every).exclude("index")
+    )
+
+
+def test_rows_the_tier_holds_wait_without_their_frames(tmp_path):
+    rbs = buffers(tmp_path / "rb.zarr")
+    episode = Episode()
+    extend(rbs, episode, 5)  # part of block 0: it waits in RAM
+    store = rbs[0].storage._store
+    cache = store.write_cache
+    assert cache.lent_rows().tolist() == list(range(5))
+    (block,) = list(cache)
+    assert not block.frames_touched  # its frames' memory never written: no pages
+    frames_bytes = sum(
+        block.values[key].untyped_storage().nbytes() for key in store.ram.frames.keys
+    )
+    assert (
+        cache.nbytes
+        == sum(v.untyped_storage().nbytes() for v in block.values.values()) - frames_bytes
+    )
+    assert_same_rows(rbs)
+    rbs[0].storage.flush()
+    assert_same_rows(rbs)
+    rbs[0].storage.close()
+    reopened = ZarrStorage(ROWS, tmp_path / "rb.zarr")
+    first = torch.arange(5)
+    assert_identical(
+        reopened.get(first).exclude("index"), rbs[1].storage.get(first).exclude("index")
+    )
+    reopened.close()
+
+
+def test_a_writer_holds_the_stacks_of_one_block_at_a_time(tmp_path):
+    """The block being written (or kept for the next) holds stacks, the block being filled
+    none."""
+    rbs = buffers(tmp_path / "rb.zarr")
+    episode = Episode()
+    extend(rbs, episode, 3)
+    cache = rbs[0].storage._store.write_cache
+    (filling,) = list(cache)
+    frames = {"obs", ("next", "obs")}
+    small = sum(v.untyped_storage().nbytes() for k, v in filling.values.items() if k not in frames)
+    stacks = sum(v.untyped_storage().nbytes() for k, v in filling.values.items() if k in frames)
+    for _ in range(12):
+        extend(rbs, episode, 3)
+        # The block filling's small leaves, and at most one block with its stacks.
+        assert cache.nbytes <= small + (small + stacks)
+        for block in cache:
+            assert not block.frames_touched
+        assert_same_rows(rbs)
+    rbs[0].storage.close()
+
+
+def test_rows_the_tier_evicts_keep_their_frames(tmp_path):
+    """A budget of a few rows: the tier evicts rows still waiting in RAM, whose frames are
+    copied into their block first."""
+    rbs = buffers(tmp_path / "rb.zarr", ram_bytes=ROWS * 2 * 4 * 4 + 6 * 256 + 4_000)
+    episode = Episode()
+    for n in (3, 3, 3, 3, 5, 7, 2):
+        extend(rbs, episode, n)
+        assert_same_rows(rbs)
+    tier = rbs[0].storage._store.ram.frames
+    assert tier is not None
+    assert not tier.resident.all()
+    rbs[0].storage.flush()
+    assert_same_rows(rbs)
+    rbs[0].storage.close()
+
+
+def test_a_new_budget_keeps_the_frames_of_rows_lent_to_the_tier_before(tmp_path):
+    rbs = buffers(tmp_path / "rb.zarr")
+    episode = Episode()
+    extend(rbs, episode, 5)
+    store = rbs[0].storage._store
+    store.ram.keep_in_ram(2**22)  # a new tier: the rows it did not read in are not lent
+    assert store.write_cache.lent_rows().size == 0
+    assert_same_rows(rbs)
+    extend(rbs, episode, 7)
+    assert_same_rows(rbs)
+    rbs[0].storage.flush()
+    assert_same_rows(rbs)
+    rbs[0].storage.close()
+
+
+def test_writing_one_frames_key_of_lent_rows_keeps_the_other(tmp_path):
+    rbs = buffers(tmp_path / "rb.zarr")
+    episode = Episode()
+    extend(rbs, episode, 5)
+    index = torch.tensor([1, 3])
+    new = TensorDict({"obs": torch.full((2, 4, *FRAME), 7, dtype=torch.uint8)}, [2])
+    for rb in rbs:
+        rb.storage.set(index, new, set_cursor=False)
+    store = rbs[0].storage._store
+    assert store.write_cache.lent_rows().tolist() == [0, 2, 4]
+    assert_same_rows(rbs)
+    rbs[0].storage.flush()
+    assert_same_rows(rbs)
+    rbs[0].storage.close()
+
+
+def test_a_failed_block_write_keeps_the_frames_of_its_rows(tmp_path):
+    rbs = buffers(tmp_path / "rb.zarr")
+    episode = Episode()
+    extend(rbs, episode, 2)  # (the arrays are created)
+    failed = 0
+    with fail_at_row_write(1, 100):
+        for _ in range(5):  # block 0 fills at the third: its write fails, then waits again
+            data = episode.rows(3)
+            try:
+                rbs[0].extend(data)
+            except StoreWriteError:
+                failed += 1
+            rbs[1].extend(data)
+            assert_same_rows(rbs)
+    assert failed
+    rbs[0].storage.flush()
+    assert_same_rows(rbs)
+    rbs[0].storage.close()
