@@ -259,7 +259,7 @@ def test_an_extend_interrupted_between_two_keys_puts_no_row_into_the_history(tmp
     history took it with the value written in place)."""
     from unittest import mock
 
-    from zarr_rb.core.write_cache import WriteBuffer
+    from zarr_rb.core.write_cache import Block
 
     path = tmp_path / "rb.zarr"
     compression = Compression(block_rows=4)
@@ -271,16 +271,16 @@ def test_an_extend_interrupted_between_two_keys_puts_no_row_into_the_history(tmp
     in_place = steps([55])
     in_place["index"] = torch.tensor([5])
     storage[torch.tensor([5])] = in_place  # row 5, in RAM, not extended
-    put, calls = WriteBuffer._put, []
+    put, calls = Block.put, []
 
-    def interrupted(self: WriteBuffer, *args) -> None:
+    def interrupted(self: Block, *args, **kwargs) -> None:
         calls.append(1)
         if len(calls) == 2:  # after the first key
             raise KeyboardInterrupt
 
-        put(self, *args)
+        put(self, *args, **kwargs)
 
-    with mock.patch.object(WriteBuffer, "_put", interrupted), pytest.raises(KeyboardInterrupt):
+    with mock.patch.object(Block, "put", interrupted), pytest.raises(KeyboardInterrupt):
         rb.extend(steps([105, 106]))  # rows 5 and 6
     assert storage.get(torch.tensor([5]))["step"].tolist() == [55]
     storage.close()

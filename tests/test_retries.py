@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
 from zarr_rb import Compression, StoreWriteError, ZarrStorage
-from zarr_rb.core.write_cache import WriteBuffer
+from zarr_rb.core.write_cache import Block, WriteBuffer
 from zarr_rb.util.io import observe_io
 
 
@@ -658,14 +658,14 @@ def test_an_interrupt_copying_into_a_new_block_leaves_no_empty_block(tmp_path: P
     path = tmp_path / "rb.zarr"
     storage = ZarrStorage(16, path, compression=Compression(block_rows=4), ram_bytes=0)
     storage.set(torch.arange(3), steps(torch.arange(3)))  # rows 0-2 wait in block 0
-    put = WriteBuffer._put
+    put = Block.put
 
-    def interrupted(self: WriteBuffer, block: Any, *args: Any) -> None:
+    def interrupted(block: Block, *args: Any, **kwargs: Any) -> None:
         if not block.dirty.any():
             raise KeyboardInterrupt
-        put(self, block, *args)
+        put(block, *args, **kwargs)
 
-    with mock.patch.object(WriteBuffer, "_put", interrupted), pytest.raises(KeyboardInterrupt):
+    with mock.patch.object(Block, "put", interrupted), pytest.raises(KeyboardInterrupt):
         storage.set(torch.tensor([13, 14]), steps(torch.tensor([13, 14])))
     assert [block.index for block in storage._store.write_cache.held()] == [0]
 
@@ -741,19 +741,19 @@ def test_a_row_interrupted_between_its_keys_is_not_read_torn(tmp_path: Path) -> 
     path = tmp_path / "rb.zarr"
     storage, rb = _ring(path)
     rb.extend(steps(torch.arange(6)))  # rows 4-5 wait in RAM
-    put, calls = WriteBuffer._put, []
+    put, calls = Block.put, []
 
-    def interrupted(self: WriteBuffer, *args: Any) -> None:
+    def interrupted(self: Block, *args: Any, **kwargs: Any) -> None:
         calls.append(1)
         if len(calls) == 2:  # after the first key of the row
             raise KeyboardInterrupt
-        put(self, *args)
+        put(self, *args, **kwargs)
 
     every = steps(torch.tensor([55]))
     every["index"] = torch.tensor([5])
     for row, held in ((steps(torch.tensor([55])), 5), (every, 55)):  # some keys, every key
         calls.clear()
-        with mock.patch.object(WriteBuffer, "_put", interrupted), pytest.raises(KeyboardInterrupt):
+        with mock.patch.object(Block, "put", interrupted), pytest.raises(KeyboardInterrupt):
             storage.set(torch.tensor([5]), row)
         before = storage.get(torch.tensor([5]))
         assert before["step"].tolist() == [held]
