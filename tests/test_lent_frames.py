@@ -7,13 +7,16 @@ frames copied into their block. Every test reads the rows back against LazyTenso
 from __future__ import annotations
 
 from pathlib import Path
+from unittest import mock
 
+import pytest
 import torch
 from conftest import assert_identical, fail_at_row_write
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 from zarr_rb import Compression, StoreWriteError, ZarrStorage
+from zarr_rb.core.frames import FrameTier
 
 ROWS = 32
 BLOCK = 8
@@ -170,6 +173,29 @@ def test_a_failed_block_write_keeps_the_frames_of_its_rows(tmp_path):
             rbs[1].extend(data)
             assert_same_rows(rbs)
     assert failed
+    rbs[0].storage.flush()
+    assert_same_rows(rbs)
+    rbs[0].storage.close()
+
+
+@pytest.mark.parametrize("rows", [5, BLOCK], ids=["staged", "written at once"])
+def test_rows_a_failed_put_left_in_the_tier_are_read_as_written(tmp_path, rows):
+    """A put into the tier that fails takes the rows out of the tier; one interrupted
+    before it did (here: a put that raises at once) left the rows' older frames there. The
+    write goes on, and its rows read back as written, not as the tier's older frames."""
+    rbs = buffers(tmp_path / "rb.zarr")
+    episode = Episode()
+    extend(rbs, episode, 2 * BLOCK)
+    rbs[0].storage.flush()
+    index = torch.arange(rows)
+    again = episode.rows(rows)
+    with (
+        mock.patch.object(FrameTier, "put", side_effect=KeyboardInterrupt),
+        pytest.raises(KeyboardInterrupt),
+    ):
+        rbs[0].storage.set(index, again, set_cursor=False)
+    rbs[1].storage.set(index, again, set_cursor=False)
+    assert_same_rows(rbs)
     rbs[0].storage.flush()
     assert_same_rows(rbs)
     rbs[0].storage.close()

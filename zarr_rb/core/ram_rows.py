@@ -285,6 +285,11 @@ class RamRows:
         index = torch.from_numpy(rows)
         tier = self.frames
         in_tier = np.zeros(rows.size, dtype=bool) if tier is None else tier.resident_rows(rows)
+        # Rows waiting in the write buffer come from the tier only where they lent it their
+        # frames: the values of the others are those in their block.
+        lent = np.zeros(rows.size, dtype=bool)
+        for block, positions in served:
+            lent[positions] = block.lent[rows[positions] - block.index * cache.block_rows]
         # Plain leaves first: they include the lengths that ragged leaves are read by.
         for group in plain_then_ragged(store.leaves, wanted):
             mirrored = [key for key in group if key in self.mirror.keys]
@@ -293,11 +298,12 @@ class RamRows:
                 out.update(
                     {key: self.mirror.gather(key, index, reach, self._load) for key in mirrored}
                 )
-            # Rows of the RAM tier: those resident and readable (on disk or staged).
+            # Rows of the RAM tier: those resident and readable (on disk, or lent by the
+            # write buffer).
             tiered = {}
             for key in group:
                 if tier is not None and key in tier.keys:
-                    resident = in_tier & (on_disk[key] | hit)
+                    resident = in_tier & (on_disk[key] | lent)
                     if resident.all():
                         out[key] = tier.gather(key, rows)
                     elif resident.any():

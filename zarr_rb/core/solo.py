@@ -166,8 +166,13 @@ class SoloCommits(SoloCursor):
                 # the write buffer, and frames on disk take their cells from the plan it
                 # makes of them (FrameCells.start_write).
                 frames.run()
-            # (A tier whose put failed may hold older frames of these rows: none are lent.)
-            lent = None if tier is None or frames.error else tier.resident_rows(rows)
+            lent = None
+            if tier is not None and frames.error is not None:
+                # (A put that failed takes the rows out of the tier; if that was interrupted
+                # too, it may hold older frames of them: none are lent, and they go again.)
+                tier.release(rows)
+            elif tier is not None:
+                lent = tier.resident_rows(rows)
             writes, blocks = self._writes_for(
                 rows, values, zeros, sequential=cursor is not None, lent=lent
             )
