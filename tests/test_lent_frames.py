@@ -199,3 +199,63 @@ def test_rows_a_failed_put_left_in_the_tier_are_read_as_written(tmp_path, rows):
     rbs[0].storage.flush()
     assert_same_rows(rbs)
     rbs[0].storage.close()
+
+
+def test_rows_staged_after_the_tier_was_replaced_are_not_lent_to_it(tmp_path):
+    """A new budget replaces the tier between a write's put into it and the staging of its
+    rows (another storage opened on the store; here, inside the write): the rows keep their
+    frames in their block, since the new tier does not hold them."""
+    from zarr_rb.core.solo_staging import SoloStaging
+
+    rbs = buffers(tmp_path / "rb.zarr")
+    episode = Episode()
+    extend(rbs, episode, 3)
+    store = rbs[0].storage._store
+    writes_for = SoloStaging._writes_for
+
+    def replaced(self, *args, **kwargs):
+        store.ram.keep_in_ram(2**22)
+        return writes_for(self, *args, **kwargs)
+
+    with mock.patch.object(SoloStaging, "_writes_for", replaced):
+        extend(rbs, episode, 3)
+    assert store.write_cache.lent_rows().size == 0
+    assert_same_rows(rbs)
+    rbs[0].storage.flush()
+    assert_same_rows(rbs)
+    rbs[0].storage.close()
+
+
+def test_rows_whose_eviction_was_interrupted_go_first_later(tmp_path):
+    """An eviction interrupted in the write buffer's copy of the frames leaves its rows in the
+    tier, still the first to be evicted (they were lost to eviction for good: the tier kept
+    them until they were written again)."""
+    rbs = buffers(tmp_path / "rb.zarr", ram_bytes=ROWS * 2 * 4 * 4 + 10 * 256)
+    episode = Episode()
+    extend(rbs, episode, 4)  # 8 frames of the 10 the tier holds
+    tier = rbs[0].storage._store.ram.frames
+    assert tier is not None
+    keep = tier.before_release
+    calls = []
+
+    def interrupted_once(rows):
+        calls.append(rows)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        keep(rows)
+
+    tier.before_release = interrupted_once
+    data = episode.rows(4)
+    with pytest.raises(KeyboardInterrupt):
+        rbs[0].extend(data)  # 4 new frames: the tier evicts rows 0-3, interrupted
+    rbs[1].extend(data)  # (the rows are stored: the tier's error is raised after)
+    first = calls[0].tolist()
+    assert first == [0, 1, 2, 3]
+    assert tier.resident[first].all()
+    assert_same_rows(rbs)
+    extend(rbs, episode, 4)
+    assert not tier.resident[first].any()  # evicted first
+    assert_same_rows(rbs)
+    rbs[0].storage.flush()
+    assert_same_rows(rbs)
+    rbs[0].storage.close()

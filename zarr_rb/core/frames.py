@@ -332,7 +332,7 @@ class FrameTier:
 
     def _evict_oldest(self, count: int) -> bool:
         """Release up to ``count`` rows, those admitted first; False when none is left."""
-        picked: list[np.ndarray] = []
+        picked: list[tuple[np.ndarray, int]] = []
         found = 0
         while self._admitted and found < count:
             rows, stamp = self._admitted.popleft()
@@ -340,11 +340,17 @@ class FrameTier:
             if live.size > count - found:
                 self._admitted.appendleft((live[count - found :], stamp))
                 live = live[: count - found]
-            picked.append(live)
+            picked.append((live, stamp))
             found += live.size
         if not found:
             return False
-        self.release(np.concatenate(picked))
+        try:
+            self.release(np.concatenate([rows for rows, _ in picked]))
+        except BaseException:
+            # (Interrupted before the rows went, in the write buffer's copy of their frames:
+            # they stay resident, and the first to be evicted.)
+            self._admitted.extendleft(reversed(picked))
+            raise
         return True
 
     def _admit(

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from zarr_rb.core.arrays import StoreArrays
-from zarr_rb.core.calls import Calls
+from zarr_rb.core.calls import Calls, serialized
 from zarr_rb.core.disk_reads import place, rows_as_of
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.frame_plans import KnownFrames, frame_keys
@@ -57,6 +57,9 @@ class RamRows:
         """The frames of the large leaves this writer keeps in RAM (with ``ram_bytes``)."""
         self._large_row_bytes = large_row_bytes
         self._read_only = read_only
+        self.calls = store.calls
+        """The store's calls: a new budget waits for the call under way (whose rows may be
+        lent to the tier it replaces)."""
         self.fill = TierFill(self, store.calls)
         """When the tier reads the rows already in the store."""
         self.rows_written = 0
@@ -64,6 +67,7 @@ class RamRows:
 
     # --- the mirror ------------------------------------------------------------------------
 
+    @serialized
     def keep_in_ram(self, nbytes: int, *, fill: bool = False, behind: bool = False) -> None:
         """Let the writer keep the rows it writes in RAM, frames too, in at most ``nbytes``
         there (the small leaves take at least :data:`~zarr_rb.core.mirror.MIRROR_LIMIT_BYTES`);

@@ -172,7 +172,7 @@ class SoloCommits(SoloCursor):
                 # too, it may hold older frames of them: none are lent, and they go again.)
                 tier.release(rows)
             elif tier is not None:
-                lent = tier.resident_rows(rows)
+                lent = (tier, tier.resident_rows(rows))
             writes, blocks = self._writes_for(
                 rows, values, zeros, sequential=cursor is not None, lent=lent
             )

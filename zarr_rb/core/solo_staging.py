@@ -10,6 +10,7 @@ from it) that decides; :class:`~zarr_rb.core.solo_writes.SoloWrites` writes.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,9 @@ from zarr_rb.core.solo_writes import SoloWrites
 from zarr_rb.core.write_cache import Block
 from zarr_rb.core.write_patches import Write
 from zarr_rb.util.keys import Key
+
+if TYPE_CHECKING:
+    from zarr_rb.core.frames import FrameTier
 
 _MAX_STAGED_BLOCKS = 8
 STAGED_RAGGED_BYTES = 128 * 2**20
@@ -35,7 +39,7 @@ class SoloStaging(SoloWrites):
         zeros: list[Write],
         *,
         sequential: bool,
-        lent: np.ndarray | None = None,
+        lent: tuple[FrameTier, np.ndarray] | None = None,
     ) -> tuple[list[Write], list[Block]]:
         """What a write of ``values`` to ``rows`` (after ``zeros``, zeros into cells of keys
         never written) writes now, and the blocks taken out of RAM that it writes; the
@@ -66,7 +70,7 @@ class SoloStaging(SoloWrites):
         values: Mapping[Key, torch.Tensor],
         *,
         sequential: bool,
-        lent: np.ndarray | None = None,
+        lent: tuple[FrameTier, np.ndarray] | None = None,
     ) -> tuple[list[Write], list[Block]]:
         """Stage whole rows in RAM by block; returns what must be written now, and the
         blocks taken out of RAM to be written (their memory serves again once they are).

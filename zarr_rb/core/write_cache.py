@@ -304,12 +304,13 @@ class WriteBuffer:
         values: Mapping[Key, torch.Tensor],
         *,
         force: bool = False,
-        lent: np.ndarray | None = None,
+        lent: tuple[FrameTier, np.ndarray] | None = None,
     ) -> tuple[list[tuple[int, int]], list[int]]:
         """Stage what belongs in RAM (everything, with ``force``).
 
         ``rows`` is sorted and unique, ``values[key][i]`` belongs to ``rows[i]``. ``lent``:
-        which rows the tier lent to holds as given here (their frames stay there).
+        a tier and which rows it holds as given here: their frames stay there, if that is
+        the tier lent to (:meth:`lend_frames`).
 
         Returns:
             The ranges of positions (into ``rows``) that were *not* staged and must be
@@ -318,6 +319,7 @@ class WriteBuffer:
         """
         if not rows.size:
             return [], []
+        held = None if lent is None or lent[0] is not self._tier else lent[1]
         block_ids = rows // self.block_rows
         # Boundaries of the runs of equal block ids (rows are sorted).
         starts = np.flatnonzero(np.diff(block_ids, prepend=-1))
@@ -344,7 +346,7 @@ class WriteBuffer:
                     block,
                     offsets,
                     {k: t[start:stop] for k, t in values.items()},
-                    lent=None if lent is None else lent[start:stop],
+                    lent=None if held is None else held[start:stop],
                 )
             except BaseException:
                 if new:  # (a block that holds no row: not left here)
