@@ -112,8 +112,9 @@ def _tier_frames_bytes(storage: Any) -> int:
 
 def _write_buffer_bytes(storage: Any) -> int:
     """RAM of a ZarrStorage's write buffer at the end of the run (0 for other storages): the
-    blocks it holds (the one filling, and the one being written if a write is in flight) and
-    its spare, the memory of the last block written, kept for the next one."""
+    blocks it holds (the one filling, whose rows lend their frames to the RAM tier, and the
+    one being written if a write is in flight) and its spare, the memory of the last block
+    written, kept for the next one."""
     store = getattr(storage, "store", None)
     return 0 if store is None else int(store.write_cache.nbytes)
 
