@@ -62,6 +62,14 @@ def assert_same_rows(rbs: tuple[TensorDictReplayBuffer, ...]) -> None:
     )
 
 
+def assert_same_rows_through_a_flush(rbs: tuple[TensorDictReplayBuffer, ...]) -> None:
+    """The rows read the same before a flush and after it; the store is closed."""
+    assert_same_rows(rbs)
+    rbs[0].storage.flush()
+    assert_same_rows(rbs)
+    rbs[0].storage.close()
+
+
 def test_rows_the_tier_holds_wait_without_their_frames(tmp_path):
     rbs = buffers(tmp_path / "rb.zarr")
     episode = Episode()
@@ -78,10 +86,7 @@ def test_rows_the_tier_holds_wait_without_their_frames(tmp_path):
         cache.nbytes
         == sum(v.untyped_storage().nbytes() for v in block.values.values()) - frames_bytes
     )
-    assert_same_rows(rbs)
-    rbs[0].storage.flush()
-    assert_same_rows(rbs)
-    rbs[0].storage.close()
+    assert_same_rows_through_a_flush(rbs)
     reopened = ZarrStorage(ROWS, tmp_path / "rb.zarr")
     first = torch.arange(5)
     assert_identical(
@@ -122,9 +127,7 @@ def test_rows_the_tier_evicts_keep_their_frames(tmp_path):
     tier = rbs[0].storage._store.ram.frames
     assert tier is not None
     assert not tier.resident.all()
-    rbs[0].storage.flush()
-    assert_same_rows(rbs)
-    rbs[0].storage.close()
+    assert_same_rows_through_a_flush(rbs)
 
 
 def test_a_new_budget_keeps_the_frames_of_rows_lent_to_the_tier_before(tmp_path):
@@ -136,10 +139,7 @@ def test_a_new_budget_keeps_the_frames_of_rows_lent_to_the_tier_before(tmp_path)
     assert store.write_cache.lent_rows().size == 0
     assert_same_rows(rbs)
     extend(rbs, episode, 7)
-    assert_same_rows(rbs)
-    rbs[0].storage.flush()
-    assert_same_rows(rbs)
-    rbs[0].storage.close()
+    assert_same_rows_through_a_flush(rbs)
 
 
 def test_writing_one_frames_key_of_lent_rows_keeps_the_other(tmp_path):
@@ -152,10 +152,7 @@ def test_writing_one_frames_key_of_lent_rows_keeps_the_other(tmp_path):
         rb.storage.set(index, new, set_cursor=False)
     store = rbs[0].storage._store
     assert store.write_cache.lent_rows().tolist() == [0, 2, 4]
-    assert_same_rows(rbs)
-    rbs[0].storage.flush()
-    assert_same_rows(rbs)
-    rbs[0].storage.close()
+    assert_same_rows_through_a_flush(rbs)
 
 
 def test_a_failed_block_write_keeps_the_frames_of_its_rows(tmp_path):
@@ -173,9 +170,7 @@ def test_a_failed_block_write_keeps_the_frames_of_its_rows(tmp_path):
             rbs[1].extend(data)
             assert_same_rows(rbs)
     assert failed
-    rbs[0].storage.flush()
-    assert_same_rows(rbs)
-    rbs[0].storage.close()
+    assert_same_rows_through_a_flush(rbs)
 
 
 @pytest.mark.parametrize("rows", [5, BLOCK], ids=["staged", "written at once"])
@@ -195,10 +190,7 @@ def test_rows_a_failed_put_left_in_the_tier_are_read_as_written(tmp_path, rows):
     ):
         rbs[0].storage.set(index, again, set_cursor=False)
     rbs[1].storage.set(index, again, set_cursor=False)
-    assert_same_rows(rbs)
-    rbs[0].storage.flush()
-    assert_same_rows(rbs)
-    rbs[0].storage.close()
+    assert_same_rows_through_a_flush(rbs)
 
 
 def test_rows_staged_after_the_tier_was_replaced_are_not_lent_to_it(tmp_path):
@@ -220,10 +212,7 @@ def test_rows_staged_after_the_tier_was_replaced_are_not_lent_to_it(tmp_path):
     with mock.patch.object(SoloStaging, "_writes_for", replaced):
         extend(rbs, episode, 3)
     assert store.write_cache.lent_rows().size == 0
-    assert_same_rows(rbs)
-    rbs[0].storage.flush()
-    assert_same_rows(rbs)
-    rbs[0].storage.close()
+    assert_same_rows_through_a_flush(rbs)
 
 
 def test_rows_whose_eviction_was_interrupted_go_first_later(tmp_path):
@@ -255,7 +244,4 @@ def test_rows_whose_eviction_was_interrupted_go_first_later(tmp_path):
     assert_same_rows(rbs)
     extend(rbs, episode, 4)
     assert not tier.resident[first].any()  # evicted first
-    assert_same_rows(rbs)
-    rbs[0].storage.flush()
-    assert_same_rows(rbs)
-    rbs[0].storage.close()
+    assert_same_rows_through_a_flush(rbs)
