@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import assert_identical, fail_at_row_write
+from conftest import assert_identical, fail_at_row_write, writes_held_back
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
@@ -245,3 +245,29 @@ def test_rows_whose_eviction_was_interrupted_go_first_later(tmp_path):
     extend(rbs, episode, 4)
     assert not tier.resident[first].any()  # evicted first
     assert_same_rows_through_a_flush(rbs)
+
+
+def test_rows_of_the_block_being_written_are_read_from_the_tier(tmp_path):
+    """The block being written holds its rows' stacks, copied from the tier, which still
+    holds their frames: a read of them is one gather from the tier per key, as for rows on
+    disk (read from the block instead, a sample mixing both took twice as long)."""
+    gathers: list[list[int]] = []
+    gather = FrameTier.gather
+
+    def spied(self, key, rows):
+        gathers.append(rows.tolist())
+        return gather(self, key, rows)
+
+    with writes_held_back():
+        rbs = buffers(tmp_path / "rb.zarr")
+        episode = Episode()
+        for n in (3, 3, 2):  # block 0 fills: written behind, held back
+            extend(rbs, episode, n)
+        cache = rbs[0].storage._store.write_cache
+        assert cache.writing is not None
+        assert cache.writing.index == 0
+        every = list(range(BLOCK))
+        with mock.patch.object(FrameTier, "gather", spied):
+            rbs[0].storage.get(torch.tensor(every))
+        assert gathers == [every, every]  # obs, ("next", "obs")
+        assert_same_rows_through_a_flush(rbs)

@@ -289,11 +289,11 @@ class RamRows:
         index = torch.from_numpy(rows)
         tier = self.frames
         in_tier = np.zeros(rows.size, dtype=bool) if tier is None else tier.resident_rows(rows)
-        # Rows waiting in the write buffer come from the tier only where they lent it their
-        # frames: the values of the others are those in their block.
+        # Rows waiting in the write buffer (or being written) come from the tier only where
+        # they lent it their frames: the values of the others are those in their block.
         lent = np.zeros(rows.size, dtype=bool)
         for block, positions in served:
-            lent[positions] = block.lent[rows[positions] - block.index * cache.block_rows]
+            lent[positions] = block.in_tier[rows[positions] - block.index * cache.block_rows]
         # Plain leaves first: they include the lengths that ragged leaves are read by.
         for group in plain_then_ragged(store.leaves, wanted):
             mirrored = [key for key in group if key in self.mirror.keys]

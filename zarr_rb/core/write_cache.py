@@ -37,6 +37,9 @@ class Block:
     """Rows (held) whose frames the RAM tier holds for this block: its tensors of the tier's
     keys do not hold them until the block is written or the tier lets them go (see
     :meth:`WriteBuffer.lend_frames`)."""
+    in_tier: np.ndarray
+    """Rows whose frames the tier held as this block does when they were staged, lent
+    then: while the tier holds them, it holds their frames (copied here since or not)."""
     frames_touched: bool = False
     """Whether its tensors of the tier's keys hold pages: rows were copied in, or they
     served a block before (unwritten, they are mappings that take no RAM)."""
@@ -234,6 +237,7 @@ class WriteBuffer:
             dirty=np.zeros(n, dtype=bool),
             length=self._block_rows_in_array(index),
             lent=np.zeros(n, dtype=bool),
+            in_tier=np.zeros(n, dtype=bool),
             frames_touched=not lendable,
         )
         self._blocks[index] = block
@@ -428,6 +432,7 @@ class WriteBuffer:
             raise
         if frames:
             block.lent[offsets] = lent
+            block.in_tier[offsets] = lent
             block.frames_touched |= not lent.all()
 
     def add_key(
