@@ -168,9 +168,9 @@ class FrameTier:
     def gather(self, key: Key, rows: np.ndarray) -> torch.Tensor:
         """Rows (all resident) of ``key``, rebuilt from their frames."""
         spec = self._spec_of[key]
-        ids = torch.from_numpy(self._ids[key][rows].reshape(-1))
-        frames = self._pools[spec.key].frames.index_select(0, ids)
-        return frames.view(rows.size, *spec.element_shape)
+        out = torch.empty((rows.size, *spec.element_shape), dtype=spec.dtype)
+        self.gather_into(key, rows, out)
+        return out
 
     def gather_into(self, key: Key, rows: np.ndarray, out: torch.Tensor) -> None:
         """:meth:`gather` into ``out``: ``rows.size`` contiguous rows of ``key``'s shape and
