@@ -88,10 +88,9 @@ class FramesMachine(RuleBasedStateMachine):
         budgets = {"auto": "auto", "small": 8 * 1024 + 4_000, "given": 2**22, "none": 0}
         self.ram_bytes: Any = budgets[budget]
         # Frames stored once per block on disk (Compression(frames=True)), in blocks of 8
-        # rows: rings written over, blocks moved and filled in several writes.
-        self.compression = (
-            Compression(frames=True, block_rows=8) if on_disk and not shared else None
-        )
+        # rows: rings written over, blocks moved and filled in several writes (a shared
+        # writer's blocks: appended into slots it takes).
+        self.compression = Compression(frames=True, block_rows=8) if on_disk else None
         self.behind = budget == "auto"
         if self.behind:  # the thread does nothing: the rule fill_behind runs its steps
             self.patched = (TierFill.__dict__["_run"], ram_fill.STEP_ROWS)

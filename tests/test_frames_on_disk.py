@@ -13,17 +13,19 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_identical
+from shared_workers import WRITER_STRIDE, independent_writer, torn
 from tensordict import TensorDict
-from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+from torchrl.data import LazyTensorStorage, RandomSampler, ReplayBuffer, TensorDictReplayBuffer
 
 import zarr_rb
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb.errors import NotSupportedError
+from zarr_rb.errors import NotSupportedError, RowsNotCommittedError
 from zarr_rb.format.names import FRAMES_FORMAT
 from zarr_rb.testing import CrashWorkload, forkserver_context, kill_randomly
 
 FRAMES = Compression(frames=True, block_rows=8, large_row_bytes=256)
 """(A 4x12x10 stack is 480 bytes: a large leaf at 256.)"""
+SPAWN = forkserver_context()
 
 
 def episodes(start: int, n: int, *, every: int = 11) -> TensorDict:
@@ -143,16 +145,71 @@ def test_a_repair_withdraws_the_rows_whose_frames_were_damaged(tmp_path):
     assert_readable_rows_whole(path, episodes(0, 40))
 
 
-def test_shared_writers_are_refused_frames_on_disk(tmp_path):
+def test_a_store_of_one_writer_with_frames_takes_shared_writers(tmp_path):
     path = tmp_path / "rb.zarr"
-    with pytest.raises(NotSupportedError, match="frames"):
-        ZarrStorage(40, path, compression=FRAMES, shared=True)
-    alone = ZarrStorage(40, path, compression=FRAMES)  # one writer takes it
-    alone.set(torch.arange(4), episodes(0, 4))
-    with pytest.raises(NotSupportedError, match="frames"):
-        ZarrStorage(path=path, shared=True)
-    assert_identical(alone.get(torch.arange(4)).exclude("index"), episodes(0, 4))
-    alone.close()
+    ours, theirs = twins(path, 40)
+    for rb in (ours, theirs):
+        rb.extend(episodes(0, 12))
+    ours.storage.close()
+    writers = [ZarrStorage(path=path, shared=True) for _ in range(2)]
+    rb = TensorDictReplayBuffer(storage=writers[0], batch_size=4)
+    for i, start in enumerate(range(12, 60, 8)):  # turns, over the ring's end
+        data = episodes(start, 8)
+        writers[i % 2].set(torch.arange(8), data)
+        theirs.extend(data)
+    writers[0].refresh()
+    assert len(rb) == len(theirs) == 40
+    assert_identical(rb[:].exclude("index"), theirs[:].exclude("index"))
+    record = json.loads((path / "zarr.json").read_text())["attributes"]["zarr_rb"]
+    assert record["format"] == FRAMES_FORMAT  # (shared writers relabel others at 3)
+    assert record["schema"]["frames"] == [{"key": ["obs"], "next": ["next", "obs"], "stack": 4}]
+    for writer in writers:
+        writer.close()
+    assert zarr_rb.verify(path).ok
+
+
+def test_shared_writers_in_processes_store_frames_once_and_never_tear_a_row(tmp_path):
+    url = str(tmp_path / "rb.zarr")
+    # (A row of obs, 8x8 bytes, is a frame of its own: its next is the writer's next row.)
+    frames = Compression(frames=True, block_rows=16, large_row_bytes=64)
+    ZarrStorage(256, url, shared=True, compression=frames).close()
+    progress = SPAWN.Queue()
+    writers = [
+        SPAWN.Process(target=independent_writer, args=(url, w, 25, 16, None, progress, 0.0))
+        for w in range(3)
+    ]
+    for writer in writers:
+        writer.start()
+    storage = ZarrStorage(path=url, shared=True, ram_bytes=0)  # reads from the cells
+    rb = ReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=32)
+    try:
+        samples = 0
+        while any(w.is_alive() for w in writers):
+            if len(rb):
+                try:
+                    batch = rb.sample()
+                except RowsNotCommittedError:
+                    continue  # (the writers turned the ring over under every redraw)
+                assert torn(batch) == 0
+                samples += 1
+        for writer in writers:
+            writer.join(120)
+        assert [w.exitcode for w in writers] == [0, 0, 0]
+        storage.refresh()
+        assert storage._store.schema is not None
+        assert storage._store.schema.frames
+        assert len(storage) == 256
+        stamps = storage.get(torch.arange(256))
+        assert torn(stamps) == 0  # obs and next obs rebuilt from the cells, bit for bit
+        for writer in range(3):  # each keeps its newest rows, once each
+            mine = stamps["stamp"][stamps["stamp"] // WRITER_STRIDE == writer] % WRITER_STRIDE
+            if mine.numel():
+                assert torch.equal(mine.sort().values, torch.arange(int(mine.min()), 25 * 16))
+        assert samples
+    finally:
+        storage.close()
+    report = zarr_rb.verify(url)
+    assert report.ok, report
 
 
 @pytest.mark.slow  # (10 s: writer processes killed in turn; CI runs it)
@@ -292,3 +349,18 @@ def test_a_repair_withdraws_rows_with_damaged_frames_beside_damaged_frame_ids(tm
     zarr_rb.verify(path, repair=True)
     assert zarr_rb.verify(path).ok
     assert_readable_rows_whole(path, episodes(0, 40))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["one-writer", "shared"])
+def test_frames_on_disk_on_s3_are_refused_at_the_first_write_before_anything_is_made(
+    s3_url, s3_options, shared
+):
+    storage = ZarrStorage(40, s3_url, compression=FRAMES, shared=shared, storage_options=s3_options)
+    with pytest.raises(NotSupportedError, match="object stores"):
+        storage.set(torch.arange(4), episodes(0, 4))
+    assert len(storage) == 0
+    storage.close()
+    again = ZarrStorage(path=s3_url, storage_options=s3_options)
+    assert len(again) == 0
+    assert again._store.schema is None
+    again.close()

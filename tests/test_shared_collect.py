@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
-from shared_workers import stamped
+from shared_workers import stamped, torn
 from test_shared_model import SharedWriters
 from torchrl.data import ReplayBuffer
 
@@ -31,9 +31,9 @@ ROWS = 64
 BLOCK_ROWS = 4
 
 
-def slot_objects(path: Path) -> set[int]:
-    """The slots of which the store's ``obs`` array holds an object."""
-    chunks = path / "data" / "obs" / "c"
+def slot_objects(path: Path, array: str = "data/obs") -> set[int]:
+    """The slots of which the store's ``obs`` array (or ``array``) holds an object."""
+    chunks = path / array / "c"
     return {int(file.relative_to(chunks).parts[0]) for file in chunks.rglob("*") if file.is_file()}
 
 
@@ -57,11 +57,12 @@ def few_spare_slots(monkeypatch):
 
 
 def _grow_and_keep(
-    path: str, turns: int, options: dict | None = None
+    path: str, turns: int, options: dict | None = None, *, frames: bool = False
 ) -> tuple[ZarrStorage, dict[str, list[int]]]:
     """A shared writer that keeps a version at each turn of its ring (each version holds
-    the slots of a ring of rows, so the arrays grow)."""
-    layout = Compression(block_rows=BLOCK_ROWS)
+    the slots of a ring of rows, so the arrays grow); ``frames``: ``obs`` and its next
+    stored as frames (a row of 8x8 bytes is a frame)."""
+    layout = Compression(block_rows=BLOCK_ROWS, frames=frames, large_row_bytes=64)
     storage = ZarrStorage(ROWS, path, shared=True, compression=layout, storage_options=options)
     rb = ReplayBuffer(storage=storage)
     kept = {}
@@ -70,6 +71,26 @@ def _grow_and_keep(
         zarr_rb.save(rb, tag=f"v{turn}", progress=False)
         kept[f"v{turn}"] = stamps(storage)
     return storage, kept
+
+
+def test_dropped_versions_of_a_shared_store_of_frames_give_back_their_cells_and_ids(
+    tmp_path, few_spare_slots
+):
+    path = tmp_path / "rb.zarr"
+    storage, _ = _grow_and_keep(str(path), turns=10, frames=True)
+    head = stamps(storage)
+    storage.close()
+    arrays = ("data/obs", "frame_ids/obs", "frame_ids/next/obs")  # cells, and ids of each key
+    grown = {array: len(slot_objects(path, array)) for array in arrays}
+    assert min(grown.values()) >= 10 * ROWS // BLOCK_ROWS  # ten rings held by ten versions
+    for turn in range(9):
+        zarr_rb.drop_version(str(path), f"v{turn}")
+    for array in arrays:
+        assert len(slot_objects(path, array)) < grown[array] // 2, array
+    reader = ZarrStorage(path=str(path), read_only=True)
+    assert stamps(reader) == head
+    assert torn(reader.get(torch.arange(len(reader)))) == 0  # frames rebuilt from the cells
+    reader.close()
 
 
 def test_dropped_versions_of_a_shared_store_give_their_slots_back(tmp_path, few_spare_slots):
@@ -352,13 +373,22 @@ class _KilledError(Exception):
     pass
 
 
+class SharedWritersOfFramesKeepingVersions(SharedWritersKeepingVersions):
+    """The same, ``obs`` and its next stored as frames: collections delete the slots'
+    cells and ids too, and a slot taken again takes its cells from the first."""
+
+    frames = True
+
+
 TestSharedWritersKeepingVersions = SharedWritersKeepingVersions.TestCase
-TestSharedWritersKeepingVersions.settings = settings(
-    max_examples=10,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestSharedWritersOfFramesKeepingVersions = SharedWritersOfFramesKeepingVersions.TestCase
+for _case in (TestSharedWritersKeepingVersions, TestSharedWritersOfFramesKeepingVersions):
+    _case.settings = settings(
+        max_examples=10,
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 
 
 def test_a_collection_empties_a_slot_once(tmp_path, few_spare_slots, monkeypatch):

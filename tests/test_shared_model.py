@@ -29,12 +29,20 @@ WRITERS = 3
 
 
 class SharedWriters(RuleBasedStateMachine):
+    frames = False
+    """Whether the store keeps its frames leaves as frames on disk (``obs`` and its twin
+    ``("next", "obs")``: a frame per row, each once per block)."""
+
     @initialize(rows=st.sampled_from([12, 48, 4096]), block_rows=st.sampled_from([2, 4, 8]))
     def setup(self, rows: int, block_rows: int) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="zarr_rb-shared-model-"))
         self.url = str(self.dir / "buffer.zarr")
         self.rows = rows
         compression = Compression(block_rows=block_rows, chunk_rows=2)
+        if self.frames:
+            compression = Compression(
+                block_rows=block_rows, chunk_rows=2, frames=True, large_row_bytes=64
+            )
         self.writers = [
             ZarrStorage(rows, self.url, shared=True, compression=compression)
             for _ in range(WRITERS)
@@ -175,10 +183,20 @@ class _KilledError(Exception):
     pass
 
 
+class SharedWritersOfFrames(SharedWriters):
+    """The same, with the frames of ``obs`` and ``("next", "obs")`` stored once per block
+    (``Compression(frames=True)``): each writer's blocks take their cells from their own
+    regions, and every row reads back bit for bit."""
+
+    frames = True
+
+
 TestSharedWriters = SharedWriters.TestCase
-TestSharedWriters.settings = settings(
-    max_examples=25,
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+TestSharedWritersOfFrames = SharedWritersOfFrames.TestCase
+for _case in (TestSharedWriters, TestSharedWritersOfFrames):
+    _case.settings = settings(
+        max_examples=25,
+        stateful_step_count=25,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )

@@ -59,10 +59,13 @@ class StoreArrays(ArrayWrites):
 
     def wait_for(self, schema: Schema) -> None:
         """The arrays of a shared store are created by the writer that set its schema,
-        right after it published it: wait for the last of them."""
-        last = schema.leaves[-1]
+        right after it published it: wait for the last of them (:meth:`create` makes the
+        frames leaves' arrays first)."""
+        framed = schema.frame_keys
+        plain = [leaf.path for leaf in schema.leaves if leaf.key not in framed]
+        last = plain[-1] if plain else self.frames.paths(schema)[-1]
         deadline = time.monotonic() + ARRAYS_WAIT_SECONDS
-        while self.store.engine.location.read(f"{last.path}/{ROOT_METADATA}") is None:
+        while self.store.engine.location.read(f"{last}/{ROOT_METADATA}") is None:
             if time.monotonic() > deadline:
                 return  # reported by the checks that follow
             time.sleep(0.01)
@@ -210,6 +213,7 @@ class StoreArrays(ArrayWrites):
                 (self.store.physical_rows, *schema.batch_shape[1:]),
                 self.store.meta.block_rows or 1,
                 replace=False,
+                schema=schema,
             )
 
     def ensure_capacity(self, slots: int) -> None:
@@ -219,9 +223,10 @@ class StoreArrays(ArrayWrites):
         if self.store.schema is None:
             return
         rows = slots * (self.store.meta.block_rows or 1)
+        framed = self.frames.keys()
         with self.store.writing("adding slots to the arrays"):
-            for key in self.store.leaves:
-                array = self.get(key)
+            arrays = [self.get(key) for key in self.store.leaves if key not in framed]
+            for array in [*arrays, *self.frames.arrays()]:
                 for _ in range(5):
                     if array.shape[0] >= rows:
                         break
@@ -266,16 +271,18 @@ class StoreArrays(ArrayWrites):
         for array in self.frames.arrays():
             array.grow_rows(rows)
 
-    def stored_slots(self, keys: Sequence[Key]) -> set[int]:
-        """The slots of which an array of ``keys`` holds an object (one listing each)."""
-        return set().union(*(self.get(key).stored_chunks() for key in keys))
+    @staticmethod
+    def stored_slots(arrays: Sequence[RowArray]) -> set[int]:
+        """The slots of which one of ``arrays`` (of :meth:`block_arrays`) holds an object
+        (one listing each)."""
+        return set().union(*(array.stored_chunks() for array in arrays))
 
-    def drop_slots(self, keys: Sequence[Key], slots: Sequence[int]) -> None:
-        """Delete the objects of ``slots`` in the arrays of ``keys`` (slots no record
-        refers to, that no writer writes)."""
+    def drop_slots(self, arrays: Sequence[RowArray], slots: Sequence[int]) -> None:
+        """Delete the objects of ``slots`` in ``arrays`` (of :meth:`block_arrays`: slots no
+        record refers to, that no writer writes)."""
         with self.store.writing("deleting slots no record refers to"):
-            for key in keys:
-                self.get(key).drop_chunks(slots)
+            for array in arrays:
+                array.drop_chunks(slots)
 
     def forget_slots(self, slots: Sequence[int]) -> None:
         """Drop the cached objects of ``slots`` (a reader: their objects were created

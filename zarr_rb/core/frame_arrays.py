@@ -146,6 +146,16 @@ class FrameArrays:
                     replace=replace,
                 )
 
+    def paths(self, schema: Schema) -> list[str]:
+        """The paths of the cells and ids arrays of ``schema``'s frames leaves, in the order
+        :meth:`create` makes them."""
+        leaves = leaves_by_key(schema.leaves)
+        return [
+            path
+            for spec in self.specs(schema)
+            for path in (leaves[spec.key].path, *(frame_ids_path(key) for key in spec.keys))
+        ]
+
     def cells(self, key: Key) -> FrameCells:
         """The frames of the leaf of ``key`` (or of its twin), opened at first use.
 
@@ -172,7 +182,10 @@ class FrameArrays:
             raise StoreCorruptedError(
                 f"store {store.url!r}: cannot open array {path!r} ({err})"
             ) from None
-        if array.shape[1:] != tail or array.shape[0] < store.physical_rows:
+        # (A shared store's writers grow its arrays after they took more slots: other
+        # writers may not have yet; reads and writes past them grow or reopen them.)
+        least = store.rows if store.committed.ring is not None else store.physical_rows
+        if array.shape[1:] != tail or array.shape[0] < least:
             raise StoreCorruptedError(
                 f"store {store.url!r}: array {path!r} has shape {array.shape}, expected "
                 f"({store.physical_rows}, {', '.join(map(str, tail))}) (at least as many rows)"

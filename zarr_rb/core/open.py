@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from zarr_rb.core.history import as_history
 from zarr_rb.core.metadata import check_is_store, check_meta, parse_meta, parse_record, read_root
-from zarr_rb.core.sharing import Sharing, check_frames_shareable, new_writer_id
+from zarr_rb.core.sharing import Sharing, new_writer_id
 from zarr_rb.core.store import Store
 from zarr_rb.engine import Engine
 from zarr_rb.engine.layout import Compression
@@ -255,7 +255,6 @@ def _open_shared(
     """Open (or create) the store as one of its shared writers: no cleanup (other writers'
     writes are under way), the record created by compare-and-swap if missing."""
     where = f"store {engine.url!r}"
-    check_frames_shareable(engine.url, compression)  # (before the store is made)
     writer = new_writer_id()
     hold = engine.location.join_writers(writer)
     try:
@@ -275,7 +274,6 @@ def _open_shared(
             # the schema is taken (and missing arrays created) as the store is joined.
             meta = dataclasses.replace(meta, schema=None, block_rows=None)
         recorded = _compression_of(meta, compression, where)
-        check_frames_shareable(engine.url, recorded)
         store = Store(engine, meta, read_only=False, compression=recorded, lock=hold)
         Sharing.start(store, writer)
     except BaseException:

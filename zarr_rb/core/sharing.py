@@ -43,10 +43,10 @@ import numpy as np
 import torch
 
 from zarr_rb.core import sharing_slots
+from zarr_rb.core.frame_arrays import with_frames
 from zarr_rb.core.sharing_saves import SharingSaves
 from zarr_rb.core.sharing_slots import runs_of
 from zarr_rb.core.store_facts import whole_rows
-from zarr_rb.engine.layout import Compression
 from zarr_rb.errors import (
     LockedError,
     NotSupportedError,
@@ -55,8 +55,7 @@ from zarr_rb.errors import (
 from zarr_rb.format.commit import ERA_SLOTS, Commit, ObjectEra, Ring
 from zarr_rb.format.index_key import INDEX_KEY, put_positions
 from zarr_rb.format.messages import preview_rows
-from zarr_rb.format.names import FORMAT_VERSION
-from zarr_rb.format.record import StoreMeta
+from zarr_rb.format.record import StoreMeta, shared_format
 from zarr_rb.format.runs import RunMap
 from zarr_rb.format.schema import LeafSpec, Schema
 from zarr_rb.util.keys import Key
@@ -128,7 +127,11 @@ class Sharing(SharingSaves):
                 )
                 commit = dataclasses.replace(meta.commit, ring=ring, runs=RunMap.empty())
                 return dataclasses.replace(
-                    meta, schema=schema, block_rows=block_rows, commit=commit, format=FORMAT_VERSION
+                    meta,
+                    schema=schema,
+                    block_rows=block_rows,
+                    commit=commit,
+                    format=shared_format(schema),
                 )
             if meta.schema != schema:
                 raise SchemaMismatchError(
@@ -148,6 +151,8 @@ class Sharing(SharingSaves):
     def initialize(
         self, schema: Schema, block_rows: int, samples: Mapping[Key, torch.Tensor] | None
     ) -> None:
+        if self.store.compression.frames:
+            schema = with_frames(self.store.arrays.store, schema)
         self.set_schema(schema, block_rows)
 
     def add_leaves(
@@ -330,7 +335,7 @@ class Sharing(SharingSaves):
         if next_slot:
             assert meta.commit.ring is not None
             self.store.arrays.ensure_capacity(meta.commit.ring.capacity)
-            self.slot, self.filled = next_slot[0], 0
+            self.open_slot(next_slot[0])
             self._replaced_seen = replaced
         return placed[0]
 
@@ -436,33 +441,20 @@ def _to_runs(meta: StoreMeta, *, late_writes: bool) -> StoreMeta | None:
     commit = dataclasses.replace(
         commit, ring=ring, runs=runs, slots=None, holes=runs.holes(commit.length), lease=None
     )
-    return dataclasses.replace(meta, commit=commit, format=FORMAT_VERSION)
-
-
-def check_frames_shareable(url: str, compression: Compression | None) -> None:
-    """Shared writers do not write leaves stored as frames yet.
-
-    Raises:
-        NotSupportedError: ``compression`` stores frames once per block.
-    """
-    if compression is not None and compression.frames:
-        raise NotSupportedError(
-            f"store {url!r} stores frames once per block (Compression(frames=True)), which "
-            "shared writers cannot write yet; keep one writer for it, or create the store "
-            "with Compression(frames=False) (the default)"
-        )
+    return dataclasses.replace(meta, commit=commit, format=shared_format(meta.schema))
 
 
 def check_shareable(store: StoreAPI) -> None:
     """A store written by one writer can take more only if no object on disk holds rows
-    of two blocks (stores of zarr_rb 0.x before shared writers could have such chunks), and
-    only without leaves stored as frames (``Compression(frames=True)``), which shared
-    writers do not write yet."""
-    check_frames_shareable(store.url, store.compression)
+    of two blocks (stores of zarr_rb 0.x before shared writers could have such chunks).
+    (The frames leaves' objects each hold one block: see ``docs/design/frames-on-disk.md``.)"""
     if store.schema is None:
         return
     block_rows = store.meta.block_rows or 1
+    framed = store.schema.frame_keys
     for leaf in store.schema.leaves:
+        if leaf.key in framed:
+            continue
         if leaf.ragged:
             raise NotSupportedError(
                 f"store {store.url!r}: key {leaf.key!r} holds rows of different lengths, "

@@ -15,11 +15,11 @@ from collections.abc import Callable
 import numpy as np
 
 from zarr_rb.core.commits import Commits
+from zarr_rb.engine import RowArray
 from zarr_rb.errors import FencedError, SlotsExhaustedError
 from zarr_rb.format.commit import RECENT_TAKES, Commit, Ring, max_ring_capacity
 from zarr_rb.format.record import Saved, StoreMeta
 from zarr_rb.format.runs import RunMap
-from zarr_rb.util.keys import Key
 
 COLLECT_BATCH = 256
 """Free slots a collection holds (as open slots of its own) per record it publishes."""
@@ -128,7 +128,13 @@ class SharingSlots(Commits):
         meta = self.update(take)
         assert meta.commit.ring is not None
         self.store.arrays.ensure_capacity(meta.commit.ring.capacity)
-        self.slot, self.filled = chosen[0], 0
+        self.open_slot(chosen[0])
+
+    def open_slot(self, slot: int) -> None:
+        """Append into ``slot`` from its first row on: a slot just taken, which was free
+        (no record refers to it), so that its frames' cells are taken from the first."""
+        self.slot, self.filled = slot, 0
+        self.store.arrays.frames.take_slots([slot])
 
     def with_slot_taken(self, meta: StoreMeta) -> tuple[StoreMeta, int]:
         """``meta`` with a free slot opened as this writer's (the arrays' capacity grown
@@ -210,29 +216,29 @@ class SharingSlots(Commits):
         go without. The first collection of a writer lists the arrays; later ones delete
         the slots that came free since (a slot taken since may hold objects again)."""
         store = self.store
-        keys = store.arrays.whole_block_keys()
+        arrays = store.arrays.block_arrays()
         meta = self.read_record()
         ring = meta.commit.ring
         assert ring is not None
         spare = initial_capacity(-(-store.rows // self.block_rows))
         never_again = kept_out(ring)
-        if not keys or (ring.capacity <= spare and not never_again.any()):
+        if not arrays or (ring.capacity <= spare and not never_again.any()):
             return 0
-        stored = self._maybe_stored(ring, keys)
+        stored = self._maybe_stored(ring, arrays)
         referenced = self._referenced_slots(meta, list(ring.open), ring)
         candidates = stored & ~referenced
         emptied = np.flatnonzero(candidates & never_again)  # never taken again: wherever they are
         if emptied.size:
             store.lifetime.check_hold()
             self._count_taken(emptied.tolist())
-            store.arrays.drop_slots(keys, emptied.tolist())
+            store.arrays.drop_slots(arrays, emptied.tolist())
         candidates[:spare] = False  # free ones that writers take first keep their objects
         free = np.flatnonzero(candidates & ~never_again)
         for start in range(0, free.size, COLLECT_BATCH):
             held = self._hold(free[start : start + COLLECT_BATCH].tolist())
             try:
                 store.lifetime.check_hold()
-                store.arrays.drop_slots(keys, held)
+                store.arrays.drop_slots(arrays, held)
             finally:
                 # Free again, emptied or not (a slot taken is written whole before use).
                 self._give_back(held)
@@ -249,7 +255,7 @@ class SharingSlots(Commits):
         self._emptied = (after if alone and after is not None else ring, empty)
         return int(emptied.size)
 
-    def _maybe_stored(self, ring: Ring, keys: list[Key]) -> np.ndarray:
+    def _maybe_stored(self, ring: Ring, arrays: list[RowArray]) -> np.ndarray:
         """Boolean mask over the slots of ``ring``: those that may hold objects."""
         if self._emptied is not None:
             seen, empty = self._emptied
@@ -260,7 +266,8 @@ class SharingSlots(Commits):
                 known[[slot for slot in taken if slot < ring.capacity]] = False
                 return ~known
         stored = np.zeros(ring.capacity, dtype=bool)
-        listed = [slot for slot in self.store.arrays.stored_slots(keys) if slot < ring.capacity]
+        stored_slots = self.store.arrays.stored_slots(arrays)
+        listed = [slot for slot in stored_slots if slot < ring.capacity]
         stored[listed] = True
         return stored
 

@@ -78,7 +78,8 @@ class Compression:
             ``[4, 84, 84]``, with their ``("next", ...)`` twin) as frames, each once per
             block, instead of as stacks: extends encode and sync about an eighth of the
             bytes of Atari transitions, and reads from the store rebuild the stacks
-            (``docs/design/frames-on-disk.md``). A store of one writer, on a local path.
+            (``docs/design/frames-on-disk.md``). A store on a local path (one writer or
+            shared ones); object stores refuse it.
 
     Examples:
         >>> from zarr_rb import Compression, ZarrStorage

@@ -137,6 +137,13 @@ class StoreMeta:
 # --- parsing (untrusted JSON -> typed records) -------------------------------------------
 
 
+def shared_format(schema: Schema | None) -> int:
+    """The format a shared store records (writers that take a store over as shared ones
+    relabel it): :data:`FRAMES_FORMAT` where it stores leaves as frames, else
+    :data:`FORMAT_VERSION`."""
+    return FRAMES_FORMAT if schema is not None and schema.frames else FORMAT_VERSION
+
+
 def parse_saved(
     value: object, *, max_size: int, rows: int, pieces: PieceSource | None = None
 ) -> Saved | None:
