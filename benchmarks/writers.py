@@ -11,6 +11,12 @@ each extend visible to other processes shows against a single writer), rows lost
 and rows whose ``"index"`` is not their position.
 
     python benchmarks/writers.py --s3 --json benchmarks/writers.json
+
+``--frames``: rows as an Atari collector writes them, each writer's rows the steps of one
+episode (``obs`` the last 4 frames, ``("next", "obs")`` the next 4: one new frame a row),
+and zarr_rb with the frames stored once on disk (``Compression(frames=True)``) too::
+
+    python benchmarks/writers.py --frames --writers 1,2,4 --json benchmarks/writers-frames.json
 """
 
 from __future__ import annotations
@@ -31,37 +37,55 @@ import torch
 from tensordict import TensorDict
 from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
 
-from zarr_rb import ZarrStorage
+from zarr_rb import Compression, ZarrStorage
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # s3_server: SeaweedFS
 
 SPAWN = mp.get_context("spawn")
+FRAMES_ON_DISK = "zarr_rb, frames on disk"
+"""(``--frames``) A shared store of ``Compression(frames=True)``."""
 STRIDE = 1_000_000
 
 
-def batch(writer: int, first: int, count: int) -> TensorDict:
+def batch(writer: int, first: int, count: int, *, frames: bool = False) -> TensorDict:
+    """Rows ``first`` to ``first + count`` of ``writer``: a stack of 4 frames each, all
+    the row's own; ``frames``: the frames of steps ``t - 3`` to ``t`` and, as
+    ``("next", "obs")``, ``t - 2`` to ``t + 1``."""
     stamp = writer * STRIDE + torch.arange(first, first + count)
-    frame = (stamp % 251).to(torch.uint8).view(-1, 1, 1, 1).expand(-1, 4, 84, 84).clone()
-    frame[:, :, 20:30, 40:50] = 7  # something for the codec to work on
-    return TensorDict(
-        {"stamp": stamp, "obs": frame, "reward": stamp.float(), "done": stamp % 50 == 0},
-        batch_size=[count],
+    steps = stamp.view(-1, 1) + (
+        torch.arange(-3, 2) if frames else torch.zeros(4, dtype=torch.long)
     )
+    frame = (steps % 251).to(torch.uint8).view(count, -1, 1, 1).expand(-1, -1, 84, 84).clone()
+    frame[:, :, 20:30, 40:50] = 7  # something for the codec to work on
+    data = {
+        "stamp": stamp,
+        "obs": frame[:, :4].clone(),
+        "reward": stamp.float(),
+        "done": stamp % 50 == 0,
+    }
+    if frames:
+        data["next"] = {"obs": frame[:, 1:].clone()}
+    return TensorDict(data, batch_size=[count])
 
 
 def torn_rows(data: Any) -> int:
     stamp = data["stamp"]
-    frame = (stamp % 251).to(torch.uint8).view(-1, 1, 1)
+    frame = (stamp % 251).to(torch.uint8).view(-1, 1)
     whole = (
-        (data["obs"][:, :, 0, :5] == frame).flatten(1).all(1)
+        (data["obs"][:, -1, 0, :5] == frame).all(1)
         & (data["reward"] == stamp.float())
         & (data["done"] == (stamp % 50 == 0))
     )
+    if "next" in data:
+        following = ((stamp + 1) % 251).to(torch.uint8).view(-1, 1)
+        whole &= (data["next", "obs"][:, -1, 0, :5] == following).all(1)
     return int((~whole).sum())
 
 
-def work(rb: Any, writer: int, batches: int, size: int, start: Any, times: Any) -> None:
-    pending = [batch(writer, i * size, size) for i in range(batches)]
+def work(
+    rb: Any, writer: int, batches: int, size: int, frames: bool, start: Any, times: Any
+) -> None:
+    pending = [batch(writer, i * size, size, frames=frames) for i in range(batches)]
     start.wait()
     spent = []
     for data in pending:
@@ -74,7 +98,14 @@ def work(rb: Any, writer: int, batches: int, size: int, start: Any, times: Any) 
 
 
 def run(
-    kind: str, writers: int, batches: int, size: int, workdir: Path, server: Any = None
+    kind: str,
+    writers: int,
+    batches: int,
+    size: int,
+    workdir: Path,
+    server: Any = None,
+    *,
+    frames: bool = False,
 ) -> dict[str, Any]:
     capacity = writers * batches * size + 4096  # no row is evicted: every one is counted
     path = workdir / f"{kind}-{writers}"
@@ -84,13 +115,16 @@ def run(
         storage: Any = ZarrStorage(capacity, url, shared=True, storage_options=options)
     elif kind == "zarr_rb":
         storage = ZarrStorage(capacity, path / "buffer.zarr", shared=True)
+    elif kind == FRAMES_ON_DISK:
+        once = Compression(frames=True)
+        storage = ZarrStorage(capacity, path / "buffer.zarr", shared=True, compression=once)
     else:
         storage = LazyMemmapStorage(capacity, scratch_dir=path)
     rb = TensorDictReplayBuffer(storage=storage)
-    rb.extend(batch(99, 0, 1))  # a memmap is shared once it exists
+    rb.extend(batch(99, 0, 1, frames=frames))  # a memmap is shared once it exists
     start, times = SPAWN.Barrier(writers + 1), SPAWN.Queue()
     processes = [
-        SPAWN.Process(target=work, args=(rb, w, batches, size, start, times))
+        SPAWN.Process(target=work, args=(rb, w, batches, size, frames, start, times))
         for w in range(writers)
     ]
     for process in processes:
@@ -126,11 +160,11 @@ def run(
     return out
 
 
-def one_writer(batches: int, size: int, workdir: Path) -> float:
+def one_writer(batches: int, size: int, workdir: Path, *, frames: bool = False) -> float:
     """Median ms of one extend of a ZarrStorage with one writer (rows wait in RAM by block
     until it is full, unseen by other processes): the reference for a shared extend."""
     rb = TensorDictReplayBuffer(storage=ZarrStorage(batches * size, workdir / "one.zarr"))
-    pending = [batch(0, i * size, size) for i in range(batches)]
+    pending = [batch(0, i * size, size, frames=frames) for i in range(batches)]
     spent = []
     for data in pending:
         began = time.perf_counter()
@@ -148,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3", action="store_true", help="zarr_rb on SeaweedFS too")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument(
+        "--frames", action="store_true", help="Atari-like rows; zarr_rb with frames on disk too"
+    )
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(dir=args.workdir, prefix="writers-"))
     results: dict[str, list[dict[str, Any]]] = {"zarr_rb": [], "LazyMemmapStorage": []}
@@ -157,11 +194,23 @@ def main(argv: list[str] | None = None) -> int:
 
         server = start_server(workdir / "server")
         results["zarr_rb_s3"] = []
+    if args.frames:
+        results[FRAMES_ON_DISK] = []
     try:
         for writers in [int(n) for n in args.writers.split(",")]:
             for kind in results:
-                results[kind].append(run(kind, writers, args.batches, args.batch, workdir, server))
-        single = one_writer(args.batches, args.batch, workdir)
+                results[kind].append(
+                    run(
+                        kind,
+                        writers,
+                        args.batches,
+                        args.batch,
+                        workdir,
+                        server,
+                        frames=args.frames,
+                    )
+                )
+        single = one_writer(args.batches, args.batch, workdir, frames=args.frames)
     finally:
         if server is not None:
             from s3_server import stop_server
@@ -182,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     print(f"ZarrStorage, one writer (not shared), extend (median): {single:.1f} ms")
     if args.json is not None:
-        figures = {"batch": args.batch, "batches": args.batches, **results}
+        figures = {"batch": args.batch, "batches": args.batches, "frames": args.frames, **results}
         args.json.write_text(json.dumps({**figures, "one_writer_extend_ms": single}, indent=2))
     return 0
 
