@@ -3,6 +3,7 @@
     python benchmarks/s3.py                      # SeaweedFS on loopback, 4,096 transitions
     python benchmarks/s3.py --rows 20000 --json benchmarks/s3.json
     python benchmarks/s3.py --endpoint http://host:9000 --key K --secret S --bucket B
+    python benchmarks/s3.py --frames             # frames stored once (Compression(frames=True))
 
 It starts a SeaweedFS server on free loopback ports (``weed`` from the test extra)
 unless ``--endpoint`` names one. For each location it measures, on the same frames:
@@ -58,11 +59,15 @@ def sample_times(rb: Any, repeats: int) -> list[float]:
 
 
 def bench_location(
-    url: str, options: dict[str, Any] | None, data: TensorDict, repeats: int
+    url: str,
+    options: dict[str, Any] | None,
+    data: TensorDict,
+    repeats: int,
+    compression: zarr_rb.Compression | None = None,
 ) -> dict[str, float]:
     rows = data.shape[0]
     raw_mb = sum(v.numel() * v.element_size() for v in data.values(True, True)) / 1e6
-    storage = zarr_rb.ZarrStorage(rows, url, storage_options=options)
+    storage = zarr_rb.ZarrStorage(rows, url, storage_options=options, compression=compression)
     start = time.perf_counter()
     for first in range(0, rows, BATCH):
         storage.set(torch.arange(first, min(rows, first + BATCH)), data[first : first + BATCH])
@@ -145,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--secret")
     parser.add_argument("--bucket", default="zarr-rb-test")
     parser.add_argument("--json", type=Path, help="write the figures here too")
+    parser.add_argument(
+        "--frames", action="store_true", help="frames stored once (Compression(frames=True))"
+    )
     args = parser.parse_args(argv)
+    compression = zarr_rb.Compression(frames=True) if args.frames else None
 
     data = run.dataset(args.dataset, args.rows)
     work = Path(tempfile.mkdtemp(prefix="zarr_rb-s3-bench-"))
@@ -162,9 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, Any] = {
             "rows": args.rows,
             "dataset": args.dataset,
+            "frames": args.frames,
             "machine": f"{platform.machine()}, {platform.python_version()}",
-            "local": bench_location(str(work / "local.zarr"), None, data, args.repeats),
-            "s3": bench_location(url, options, data, args.repeats),
+            "local": bench_location(
+                str(work / "local.zarr"), None, data, args.repeats, compression
+            ),
+            "s3": bench_location(url, options, data, args.repeats, compression),
             "memmap_sample_ms": bench_memmap(data, work, args.repeats),
         }
     finally:

@@ -19,7 +19,7 @@ from torchrl.data import LazyTensorStorage, RandomSampler, ReplayBuffer, TensorD
 
 import zarr_rb
 from zarr_rb import Compression, ZarrStorage
-from zarr_rb.errors import NotSupportedError, RowsNotCommittedError
+from zarr_rb.errors import RowsNotCommittedError
 from zarr_rb.format.names import FRAMES_FORMAT
 from zarr_rb.testing import CrashWorkload, forkserver_context, kill_randomly
 
@@ -349,18 +349,3 @@ def test_a_repair_withdraws_rows_with_damaged_frames_beside_damaged_frame_ids(tm
     zarr_rb.verify(path, repair=True)
     assert zarr_rb.verify(path).ok
     assert_readable_rows_whole(path, episodes(0, 40))
-
-
-@pytest.mark.parametrize("shared", [False, True], ids=["one-writer", "shared"])
-def test_frames_on_disk_on_s3_are_refused_at_the_first_write_before_anything_is_made(
-    s3_url, s3_options, shared
-):
-    storage = ZarrStorage(40, s3_url, compression=FRAMES, shared=shared, storage_options=s3_options)
-    with pytest.raises(NotSupportedError, match="object stores"):
-        storage.set(torch.arange(4), episodes(0, 4))
-    assert len(storage) == 0
-    storage.close()
-    again = ZarrStorage(path=s3_url, storage_options=s3_options)
-    assert len(again) == 0
-    assert again._store.schema is None
-    again.close()

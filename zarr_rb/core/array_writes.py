@@ -99,6 +99,9 @@ class FrameWrites(Protocol):
     def start_writes(
         self, writes: Sequence[FramedWrite], *, behind: bool
     ) -> list[tuple[RowArray, Any, list[str]]]: ...
+    def create_writes(
+        self, writes: Sequence[FramedWrite]
+    ) -> list[tuple[RowArray, list[tuple[np.ndarray, np.ndarray]]]]: ...
 
 
 class ArrayWrites:
@@ -233,10 +236,16 @@ class ArrayWrites:
         store = self.store
         seeded = self.whole_block_keys() if seeds else []
         by_key: dict[Key, list[tuple[np.ndarray, torch.Tensor]]] = {key: [] for key in seeded}
+        framed = self.frames.keys()
+        framed_writes: list[FramedWrite] = []
         for rows, values in writes:
             at = rows if physical else store.physical(rows)
+            given = {key: values[key] for key in framed & values.keys()}
+            if given:  # (copied by value into a moved block's slot, never seeded)
+                framed_writes.append((at, None if physical else rows, given))
             for key, tensor in values.items():
-                by_key.setdefault(key, []).append((at, tensor))
+                if key not in framed:
+                    by_key.setdefault(key, []).append((at, tensor))
         with store.writing("writing rows"):
             started = []
             try:
@@ -258,6 +267,8 @@ class ArrayWrites:
                         writes_of_key, width=width, seeds=key_seeds, clear=physical
                     )
                     started.append((array, creation))
+                for array, cells_or_ids in self.frames.create_writes(framed_writes):
+                    started.append((array, array.create_rows(cells_or_ids, clear=physical)))
             finally:
                 # (Every key's requests in flight at once; those started are waited for.)
                 once.finish_all([creation for _, creation in started])

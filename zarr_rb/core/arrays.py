@@ -223,10 +223,8 @@ class StoreArrays(ArrayWrites):
         if self.store.schema is None:
             return
         rows = slots * (self.store.meta.block_rows or 1)
-        framed = self.frames.keys()
         with self.store.writing("adding slots to the arrays"):
-            arrays = [self.get(key) for key in self.store.leaves if key not in framed]
-            for array in [*arrays, *self.frames.arrays()]:
+            for array in self.row_arrays():
                 for _ in range(5):
                     if array.shape[0] >= rows:
                         break
@@ -262,13 +260,16 @@ class StoreArrays(ArrayWrites):
         framed = self.frames.keys()
         return len(self.whole_block_keys()) + len(framed) == len(self.store.leaves)
 
+    def row_arrays(self) -> list[RowArray]:
+        """Every array that holds rows: each leaf's, but the frames leaves', whose cells
+        and ids arrays hold theirs."""
+        framed = self.frames.keys()
+        arrays = [self.get(key) for key in self.store.leaves if key not in framed]
+        return [*arrays, *self.frames.arrays()]
+
     def grow_rows(self, rows: int) -> None:
         """Give every array ``rows`` rows (metadata only)."""
-        framed = self.frames.keys()
-        for key in self.store.leaves:
-            if key not in framed:
-                self.get(key).grow_rows(rows)
-        for array in self.frames.arrays():
+        for array in self.row_arrays():
             array.grow_rows(rows)
 
     @staticmethod
@@ -292,8 +293,8 @@ class StoreArrays(ArrayWrites):
             return
         block_rows = self.store.meta.block_rows or 1
         rows = np.asarray(sorted(set(slots)), dtype=np.int64) * block_rows
-        for key in self.store.leaves:
-            cache.invalidate(self.get(key).chunk_keys(rows, run=False))
+        for array in self.row_arrays():
+            cache.invalidate(array.chunk_keys(rows, run=False))
 
     # --- reading ---------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ those leaves. Rows here are rows of the arrays (physical).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -21,10 +21,10 @@ from zarr_rb.core.frame_cells import (
     cells_per_row,
     ids_tail,
 )
-from zarr_rb.core.frame_plans import FrameKeys, frame_leaves, stored_frame_keys
+from zarr_rb.core.frame_plans import FrameKeys, KnownFrames, frame_leaves, stored_frame_keys
 from zarr_rb.engine import RowArray
 from zarr_rb.engine.layout import dimension_names
-from zarr_rb.errors import NotSupportedError, StoreCorruptedError
+from zarr_rb.errors import StoreCorruptedError
 from zarr_rb.format.names import ATTRS_KEY, frame_ids_path
 from zarr_rb.format.schema import Schema, leaves_by_key
 from zarr_rb.util.keys import Key
@@ -70,17 +70,7 @@ def _merged(
 
 def with_frames(store: ArraysOwner, schema: Schema) -> Schema:
     """``schema`` with the leaves a store of ``Compression(frames=True)`` stores as frames,
-    fixed now (:attr:`Schema.frames`).
-
-    Raises:
-        NotSupportedError: a store whose objects are created once (on S3), where frames on
-            disk are not built yet.
-    """
-    if store.lifetime.creates_once:
-        raise NotSupportedError(
-            f"store {store.url!r}: Compression(frames=True) is not supported on object stores "
-            "yet; pass Compression(frames=False) (the default), or a local path"
-        )
+    fixed now (:attr:`Schema.frames`)."""
     frames = frame_leaves(schema.leaves, schema.batch_shape, store.compression.large_row_bytes)
     return dataclasses.replace(schema, frames=frames)
 
@@ -210,13 +200,39 @@ class FrameArrays:
         self, writes: Sequence[FramedWrite], *, behind: bool
     ) -> list[tuple[RowArray, Any, list[str]]]:
         """Start the writes of the frames leaves of one call: rows of the arrays, the
-        buffer's positions of them if known (their frames may be in the RAM tier), values.
-
-        Writes that give a row of a leaf more than once (a moved block's row copied of one
-        key and written of the other, say) are made as one, the last value of each key
-        winning: a row then takes one row of cells in its block, which the block's region
-        has room for (written in two, it would take two)."""
+        buffer's positions of them if known (their frames may be in the RAM tier), values
+        (a row given twice, of one key and of the other, say, is written once)."""
         started = []
+        for cells, at, given, known in self._by_leaf(writes):
+            started.extend(cells.start_write(at, given, behind=behind, known=known))
+        return started
+
+    def create_writes(
+        self, writes: Sequence[FramedWrite]
+    ) -> list[tuple[RowArray, list[tuple[np.ndarray, np.ndarray]]]]:
+        """The writes of the frames leaves of one call when objects are created once (as
+        :meth:`start_writes`, not started): each array and its rows and values. The
+        objects of the slots written are made of these writes alone (every row of a slot
+        that holds data is among them), so each slot's cells are taken from the first."""
+        every = [at for at, _, _ in writes]
+        if not every:
+            return []
+        slots = np.unique(np.concatenate(every) // (self.store.meta.block_rows or 1))
+        self.take_slots(slots.tolist())
+        by_array: dict[str, tuple[RowArray, list[tuple[np.ndarray, np.ndarray]]]] = {}
+        for cells, at, given, known in self._by_leaf(writes):
+            for array, rows, values in cells.row_writes(at, given, known=known):
+                by_array.setdefault(array.path, (array, []))[1].append((rows, values))
+        return list(by_array.values())
+
+    def _by_leaf(
+        self, writes: Sequence[FramedWrite]
+    ) -> Iterator[tuple[FrameCells, np.ndarray, Mapping[Key, torch.Tensor], KnownFrames | None]]:
+        """Each write of each frames leaf: its cells, rows, values, and the frames the RAM
+        tier holds for them (when their positions are known). Writes that give a row of a
+        leaf more than once are made as one, the last value of each key winning: a row
+        then takes one row of cells in its block, which the block's region has room for
+        (written in two, it would take two)."""
         for spec in self.specs():
             mine = [
                 (at, positions, {k: values[k] for k in spec.keys if k in values})
@@ -231,11 +247,10 @@ class FrameArrays:
                 for at, positions, given in mine:
                     ram = self.store.ram
                     known = None if positions is None else ram.known_frames(spec.key, positions)
-                    started.extend(cells.start_write(at, given, behind=behind, known=known))
+                    yield cells, at, given, known
             else:
                 for at, given in _merged(mine, spec.keys):
-                    started.extend(cells.start_write(at, given, behind=behind))
-        return started
+                    yield cells, at, given, None
 
     def read(self, key: Key, rows: np.ndarray) -> torch.Tensor:
         """Rows ``rows`` of the arrays (any order) of the leaf of ``key``."""

@@ -168,6 +168,24 @@ class FrameCells:
             RegionFullError: a block's region has too few cells left past its mark (nothing
                 is written then).
         """
+        return [
+            (array, *array.start_write_rows(at, value, behind=behind))
+            for array, at, value in self.row_writes(rows, values, known=known)
+        ]
+
+    def row_writes(
+        self,
+        rows: np.ndarray,
+        values: Mapping[Key, torch.Tensor],
+        *,
+        known: KnownFrames | None = None,
+    ) -> list[tuple[RowArray, np.ndarray, np.ndarray]]:
+        """The writes of rows ``rows`` of the arrays (as :meth:`start_write`), not started:
+        each array, its rows and their values. The slots' marks move past the cells taken.
+
+        Raises:
+            RegionFullError: as :meth:`start_write` (the marks are left as they were).
+        """
         spec = self._spec_for(values.keys())
         blocks = rows // self.block_rows
         bounds = np.flatnonzero(np.diff(blocks)) + 1
@@ -175,18 +193,18 @@ class FrameCells:
         for part in parts:
             if not self.room(int(blocks[part[0]]), part.size):
                 raise RegionFullError(f"block {int(blocks[part[0]])} of {self.cells.path!r}")
-        started: list[tuple[RowArray, Any, list[str]]] = []
+        writes: list[tuple[RowArray, np.ndarray, np.ndarray]] = []
         for part in parts:
             # (A block's rows of the write are a run of them: views, not copies.)
             first, stop = int(part[0]), int(part[-1]) + 1
             block_values = {key: values[key][first:stop] for key in spec.keys}
             block_known = None if known is None else known.part(first, stop)
-            started.extend(
-                self._write_block(
-                    int(blocks[part[0]]), rows[part], block_values, spec, behind, block_known
+            writes.extend(
+                self._block_writes(
+                    int(blocks[part[0]]), rows[part], block_values, spec, block_known
                 )
             )
-        return started
+        return writes
 
     def _spec_for(self, keys: Iterable[Key]) -> FrameKeys:
         given = [key for key in self.spec.keys if key in keys]
@@ -195,15 +213,14 @@ class FrameCells:
         # One key alone: its stacks compared with each other only.
         return dataclasses.replace(self.spec, key=given[0], next_key=None)
 
-    def _write_block(
+    def _block_writes(
         self,
         slot: int,
         rows: np.ndarray,
         values: Mapping[Key, torch.Tensor],
         spec: FrameKeys,
-        behind: bool,
         known: KnownFrames | None,
-    ) -> list[tuple[RowArray, Any, list[str]]]:
+    ) -> list[tuple[RowArray, np.ndarray, np.ndarray]]:
         per_row = self.cells_per_row
         mark = self.mark(slot)
         if known is not None and spec.keys == self.spec.keys and known.known.all():
@@ -220,16 +237,12 @@ class FrameCells:
         frames = cells.view(dtype).reshape(taken // per_row, per_row, *spec.frame_shape)
         first_row = slot * self.block_rows + mark // per_row
         cell_rows = np.arange(first_row, first_row + frames.shape[0])
-        started = []
+        writes: list[tuple[RowArray, np.ndarray, np.ndarray]] = []
         if frames.shape[0]:
-            started.append(
-                (self.cells, *self.cells.start_write_rows(cell_rows, frames, behind=behind))
-            )
-        for key, key_ids in ids.items():
-            array = self.ids[key]
-            started.append((array, *array.start_write_rows(rows, key_ids, behind=behind)))
+            writes.append((self.cells, cell_rows, frames))
+        writes.extend((self.ids[key], rows, key_ids) for key, key_ids in ids.items())
         self._marks[slot] = mark + taken
-        return started
+        return writes
 
     def _cells_known(self, known: KnownFrames, spec: FrameKeys) -> tuple[np.ndarray, np.ndarray]:
         """A block's cells (bytes, whole rows of cells) and the cell of each slot, from the

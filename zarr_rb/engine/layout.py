@@ -78,8 +78,7 @@ class Compression:
             ``[4, 84, 84]``, with their ``("next", ...)`` twin) as frames, each once per
             block, instead of as stacks: extends encode and sync about an eighth of the
             bytes of Atari transitions, and reads from the store rebuild the stacks
-            (``docs/design/frames-on-disk.md``). A store on a local path (one writer or
-            shared ones); object stores refuse it.
+            (``docs/design/frames-on-disk.md``).
 
     Examples:
         >>> from zarr_rb import Compression, ZarrStorage
