@@ -80,7 +80,7 @@ STEPS = {
     "frames into the cells (frames on disk)": (
         "zarr_rb.core.frame_cells",
         "FrameCells",
-        "_write_block",
+        "row_writes",
     ),
     "waiting for TensorStore's write": ("zarr_rb.core.solo_writes", "SoloWrites", "_finish_write"),
     "commits": ("zarr_rb.core.solo", "SoloCommits", "_commit"),
