@@ -207,3 +207,22 @@ def test_rows_of_no_elements_are_stored(store_path, shape):
     write_both(storage, twin, data, 0)
     storage.close()
     reopened_matches(store_path, twin, 4, picked=[3, 1])
+
+
+def test_frames_of_rows_of_256_mib_are_cut_into_chunks_readers_accept(store_path):
+    # Stored as frames (Compression(frames=True)): a row's 16 frames of 4096x4096 bytes are
+    # its cells, 2**28 elements, more than a chunk may hold: cut, as a stack would be.
+    ndim, shape, dtype = HUGE_ROWS["uint8-2**28"]
+    storage = ZarrStorage(1, store_path, ndim=ndim, compression=Compression(frames=True))
+    twin = LazyTensorStorage(1, ndim=ndim)
+    data = TensorDict({"big": huge_values(shape, dtype)}, batch_size=[1])
+    write_both(storage, twin, data, 0)
+    del data
+    assert storage._store.schema is not None
+    assert storage._store.schema.frames  # (the frames of a stack of 16)
+    storage.close()
+    chunks, shards = chunking(store_path, "big")  # the cells
+    assert math.prod(shards) <= MAX_CHUNK_ELEMENTS
+    assert math.prod(chunks) <= MAX_CHUNK_ELEMENTS
+    assert shards[0] == chunks[0] == 1
+    reopened_matches(store_path, twin, 1)

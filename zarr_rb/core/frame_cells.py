@@ -36,7 +36,7 @@ from zarr_rb.core.frame_plans import (
     frame_bytes,
     plan_frames,
 )
-from zarr_rb.engine.layout import LeafLayout
+from zarr_rb.engine.layout import LeafLayout, fitted
 from zarr_rb.engine.rows import RowArray, reaches
 from zarr_rb.errors import StoreCorruptedError
 from zarr_rb.util.keys import Key
@@ -58,15 +58,21 @@ def ids_tail(spec: FrameKeys) -> tuple[int, ...]:
 
 def cell_layouts(spec: FrameKeys, rows: int, block_rows: int) -> tuple[LeafLayout, LeafLayout]:
     """The layouts of the cells array (``[rows, C, *frame]``, one shard per block, one row of
-    cells per inner chunk) and of an ids array (``[rows, S]``, or ``[rows, L, S]``: one chunk
-    per block, so that a block's objects move together)."""
+    cells per inner chunk; a block or a row of cells past a chunk's bound is cut along the
+    cells, as a leaf's rows are, :func:`~zarr_rb.engine.layout.fitted`) and of an ids array
+    (``[rows, S]``, or ``[rows, L, S]``: one chunk per block, so that a block's objects move
+    together)."""
     cells = cells_per_row(spec)
     frame = tuple(spec.frame_shape)
     return (
-        LeafLayout(
-            shape=(rows, cells, *frame),
-            chunks=(1, cells, *frame),
-            shards=(block_rows, cells, *frame),
+        fitted(
+            LeafLayout(
+                shape=(rows, cells, *frame),
+                chunks=(1, cells, *frame),
+                shards=(block_rows, cells, *frame),
+            ),
+            block_rows,
+            name=".".join(spec.key),
         ),
         LeafLayout(
             shape=(rows, *ids_tail(spec)),

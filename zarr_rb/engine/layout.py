@@ -310,7 +310,7 @@ def _chunking(
     )
     if _fits(layout):
         return layout
-    return _cut_rows(leaf, layout, block_rows)
+    return _cut_rows(".".join(leaf.key) or "tensor", layout, block_rows)
 
 
 def _whole_rows(
@@ -359,17 +359,27 @@ def _fits(layout: LeafLayout) -> bool:
     )
 
 
-def _cut_rows(leaf: LeafSpec, layout: LeafLayout, block_rows: int) -> LeafLayout:
+def fitted(layout: LeafLayout, block_rows: int, *, name: str) -> LeafLayout:
+    """``layout`` as it is if each of its chunks fits :data:`MAX_CHUNK_ELEMENTS`, else cut
+    as :func:`_cut_rows` cuts a leaf's (the layouts zarr_rb makes of its own, such as the
+    cells of frames; ``name``: the key, for the error).
+
+    Raises:
+        UnsupportedDataError: a block taller than a chunk's elements (no cut can fit it).
+    """
+    return layout if _fits(layout) else _cut_rows(name, layout, block_rows)
+
+
+def _cut_rows(name: str, layout: LeafLayout, block_rows: int) -> LeafLayout:
     """``layout`` with its blocks cut along the rows' own dimensions until a block's part
     fits in one chunk; inner chunks of one row each, so that reading a row decodes nothing
-    of the rows around it.
+    of the rows around it. ``name``: the leaf's key, for the error.
 
     Raises:
         UnsupportedDataError: a block taller than a chunk's elements (no cut can fit it).
     """
     room = MAX_CHUNK_ELEMENTS // block_rows
     if room < 1:
-        name = ".".join(leaf.key) or "tensor"
         raise UnsupportedDataError(
             f"key {name!r}: a block of {block_rows:,} rows cannot be stored, as a chunk holds "
             f"at most {MAX_CHUNK_ELEMENTS:,} elements (2**27) and a block's rows of one key "
