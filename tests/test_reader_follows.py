@@ -200,3 +200,36 @@ def test_a_view_taken_after_many_commits_reads_the_newest(store_path) -> None:
     assert len(reader) == 16
     reader.close()
     rb.storage.close()
+
+
+def test_a_read_overtaken_by_every_commit_says_the_store_is_not_damaged(
+    store_path, monkeypatch
+) -> None:
+    # Every attempt of the reader fails as a read of an object a writer is replacing does
+    # (on S3, a shard deleted and created anew under it), and the writer commits meanwhile.
+    writer = ZarrStorage(RING, store_path, compression=BLOCKS)
+    writer.set(torch.arange(RING), steps(0, RING))
+    writer.flush()
+    reader = ZarrStorage(path=store_path, read_only=True)
+    arrays = reader._store.arrays
+    written = [RING]
+
+    def overtaken(*args, **kwargs):
+        writer.set(torch.arange(8), steps(written[0], 8))
+        writer.flush()
+        written[0] += 8
+        raise ValueError(
+            "array 'data/obs', rows 5, cannot be read back intact (NOT_FOUND: chunk missing); "
+            "run python -m zarr_rb verify <store> --repair"
+        )
+
+    monkeypatch.setattr(arrays, "read_all", overtaken)
+    with pytest.raises(RowsNotCommittedError) as raised:
+        reader.get(torch.arange(RING))
+    message = str(raised.value)
+    assert "not damaged" in message
+    assert "--repair" not in message  # (the store needs no repair)
+    assert isinstance(raised.value.__cause__, ValueError)  # the last attempt's, chained
+    monkeypatch.undo()
+    reader.close()
+    writer.close()

@@ -175,8 +175,11 @@ def read_committed(
         retried=(ValueError,),
         lasting=(StoreCorruptedError,),
         gave_up=lambda last_error: RowsNotCommittedError(
-            f"store {store.url!r}: rows kept changing while being read "
-            f"({_READ_RETRIES} attempts; last error: {last_error})",
+            f"store {store.url!r}: writers kept writing over rows {preview_rows(rows)} while "
+            f"this reader read them: each of {_READ_RETRIES} attempts was overtaken by a newer "
+            "commit (an object it read being replaced is no sign of damage: the store is not "
+            "damaged by it). Nothing was returned; read again, or fewer rows at once (the "
+            "last attempt's error is chained below)",
         ),
     )
 

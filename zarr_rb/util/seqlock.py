@@ -53,4 +53,4 @@ def seqlock_read(
             if isinstance(failed, lasting):
                 raise failed
         time.sleep(pause * (attempt + 1))
-    raise gave_up(last_error)
+    raise gave_up(last_error) from last_error
