@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from s3_proxy import S3Proxy
 from s3_server import S3Server, WeedNotFoundError, start_server, stop_server
 from tensordict import TensorDict, is_tensor_collection
 
@@ -92,6 +93,20 @@ def s3_url(s3_server: S3Server, request) -> str:
 @pytest.fixture
 def s3_options(s3_server: S3Server) -> dict[str, str]:
     return s3_server.storage_options()
+
+
+@pytest.fixture
+def proxy(s3_server: S3Server):
+    """A proxy in front of the S3 server that logs every request (:class:`S3Proxy`)."""
+    proxy = S3Proxy(s3_server.endpoint, s3_server.bucket)
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def options(s3_options: dict[str, str], proxy: S3Proxy) -> dict[str, str]:
+    """Storage options that reach the S3 server through :func:`proxy`."""
+    return {**s3_options, "endpoint_url": proxy.endpoint}
 
 
 class PongRun:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import random
 
-import pytest
 import torch
 from conftest import assert_identical
 from s3_proxy import S3Proxy
@@ -22,18 +21,6 @@ from zarr_rb import Compression, ZarrStorage
 
 CAPACITY = 40
 FRAMES = Compression(frames=True, block_rows=8, large_row_bytes=256)
-
-
-@pytest.fixture
-def proxy(s3_server):
-    proxy = S3Proxy(s3_server.endpoint, s3_server.bucket)
-    yield proxy
-    proxy.close()
-
-
-@pytest.fixture
-def options(s3_options, proxy):
-    return {**s3_options, "endpoint_url": proxy.endpoint}
 
 
 def twin() -> TensorDictReplayBuffer:

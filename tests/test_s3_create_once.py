@@ -43,18 +43,6 @@ def batch(start: int, n: int) -> TensorDict:
     )
 
 
-@pytest.fixture
-def proxy(s3_server):
-    proxy = S3Proxy(s3_server.endpoint, s3_server.bucket)
-    yield proxy
-    proxy.close()
-
-
-@pytest.fixture
-def options(s3_options, proxy):
-    return {**s3_options, "endpoint_url": proxy.endpoint}
-
-
 def prefix_of(url: str) -> str:
     """The store's keys in the bucket, as the proxy names them."""
     return url.split("/", 3)[3].rstrip("/") + "/"

@@ -15,7 +15,6 @@ import signal
 
 import pytest
 import torch
-from s3_proxy import S3Proxy
 from shared_workers import stamped, torn
 from tensordict import TensorDict
 from test_s3_create_once import (
@@ -35,18 +34,6 @@ import zarr_rb
 from zarr_rb import ZarrStorage
 from zarr_rb.core.metadata import read_root
 from zarr_rb.format import runs as runs_module
-
-
-@pytest.fixture
-def proxy(s3_server):
-    proxy = S3Proxy(s3_server.endpoint, s3_server.bucket)
-    yield proxy
-    proxy.close()
-
-
-@pytest.fixture
-def options(s3_options, proxy):
-    return {**s3_options, "endpoint_url": proxy.endpoint}
 
 
 def first_writer(url: str, options: dict) -> TensorDictReplayBuffer:
