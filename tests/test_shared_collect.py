@@ -389,6 +389,7 @@ for _case in (TestSharedWritersKeepingVersions, TestSharedWritersOfFramesKeeping
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
+del _case  # (else pytest collects the last case twice, under this name)
 
 
 def test_a_collection_empties_a_slot_once(tmp_path, few_spare_slots, monkeypatch):

@@ -200,3 +200,4 @@ for _case in (TestSharedWriters, TestSharedWritersOfFrames):
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
+del _case  # (else pytest collects the last case twice, under this name)
