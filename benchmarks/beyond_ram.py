@@ -7,6 +7,7 @@ samples from it::
 
     python benchmarks/run.py --memory-limit 2G                 # a buffer 2.5 times the limit
     python benchmarks/run.py --memory-limit 2G --times-limit 3
+    python benchmarks/run.py --parts beyond-ram --frames       # ZarrStorage's frames on disk
 
 Creating a cgroup takes root (or a delegated cgroup); without one the run stops with a
 message that says so.
@@ -138,13 +139,16 @@ def timings_within(fn: Callable[[], Any], repeats: int, seconds: float) -> list[
     return out
 
 
-def fill_and_sample(kind: str, rows: int, samples: int, where: Path) -> dict[str, Any]:
-    """Fill one storage with ``rows`` cycled Pong transitions, then sample from it."""
+def fill_and_sample(
+    kind: str, rows: int, samples: int, where: Path, compression: zarr_rb.Compression | None = None
+) -> dict[str, Any]:
+    """Fill one storage with ``rows`` cycled Pong transitions, then sample from it
+    (``compression``: ZarrStorage's settings)."""
     import run  # not at the top: run.py imports this module
 
     pool = run.dataset("pong", POOL_ROWS)
     if kind == "ZarrStorage":
-        storage: Any = zarr_rb.ZarrStorage(rows, where / "rb.zarr")
+        storage: Any = zarr_rb.ZarrStorage(rows, where / "rb.zarr", compression=compression)
     else:
         storage = run.LazyMemmapStorage(rows, scratch_dir=where / "memmap")
     rb = TensorDictReplayBuffer(storage=storage, sampler=RandomSampler(), batch_size=run.SAMPLE)
@@ -184,9 +188,16 @@ def fill_and_sample(kind: str, rows: int, samples: int, where: Path) -> dict[str
 # --- the parent ---------------------------------------------------------------------------------
 
 
-def side_by_side(limit: int, times_limit: float, samples: int, work: Path) -> dict[str, Any]:
+def side_by_side(
+    limit: int,
+    times_limit: float,
+    samples: int,
+    work: Path,
+    compression: zarr_rb.Compression | None = None,
+) -> dict[str, Any]:
     """Each storage in a child confined to ``limit`` bytes, on a buffer of ``times_limit``
-    times that many raw bytes."""
+    times that many raw bytes (``compression``: ZarrStorage's settings)."""
+    settings = json.dumps((compression or zarr_rb.Compression()).to_json())
     rows = int(limit * times_limit / ROW_BYTES)
     out: dict[str, Any] = {
         "limit_bytes": limit,
@@ -199,7 +210,7 @@ def side_by_side(limit: int, times_limit: float, samples: int, work: Path) -> di
         where.mkdir()
         with MemoryCgroup.made(f"zarr-rb-bench-{os.getpid()}-{kind}", limit) as cgroup:
             child = subprocess.run(
-                [sys.executable, __file__, kind, str(rows), str(samples), str(where)],
+                [sys.executable, __file__, kind, str(rows), str(samples), str(where), settings],
                 preexec_fn=cgroup.join,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -253,5 +264,6 @@ def report(result: dict[str, Any]) -> list[str]:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
-    kind, rows, samples, where = sys.argv[1:5]
-    print(json.dumps(fill_and_sample(kind, int(rows), int(samples), Path(where))))
+    kind, rows, samples, where, settings = sys.argv[1:6]
+    compression = zarr_rb.Compression.from_json(json.loads(settings))
+    print(json.dumps(fill_and_sample(kind, int(rows), int(samples), Path(where), compression)))

@@ -684,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         if "beyond-ram" in parts:
             try:
                 results["beyond_ram"] = beyond_ram.side_by_side(
-                    args.memory_limit, args.times_limit, args.samples, work
+                    args.memory_limit, args.times_limit, args.samples, work, compression
                 )
             except beyond_ram.CgroupUnavailableError as err:
                 print(f"beyond-ram skipped: {err}")
