@@ -56,6 +56,14 @@ class ArraysOwner(RowsOwner, Protocol):
     def ram(self) -> _KnowsFrames: ...
 
 
+def least_rows(store: ArraysOwner) -> int:
+    """The rows an array of ``store`` must have at least when it is opened: the store's
+    physical rows, or its ring's rows for a shared store (whose writers grow its arrays
+    after they took more slots: other writers may not have yet; reads and writes past them
+    grow or reopen them)."""
+    return store.rows if store.committed.ring is not None else store.physical_rows
+
+
 @dataclasses.dataclass(eq=False)
 class PendingWrite:
     """A write of rows started and not waited for (see :meth:`StoreArrays.start_rows`)."""

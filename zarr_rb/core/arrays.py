@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from zarr_rb.core.array_writes import ArraysOwner, ArrayWrites, PendingWrite
+from zarr_rb.core.array_writes import ArraysOwner, ArrayWrites, PendingWrite, least_rows
 from zarr_rb.core.disk_reads import read_rows, read_rows_all
 from zarr_rb.core.dtypes import to_numpy
 from zarr_rb.core.frame_arrays import FrameArrays
@@ -100,9 +100,7 @@ class StoreArrays(ArrayWrites):
             raise StoreCorruptedError(
                 f"store {store.url!r}: cannot open array {leaf.path!r} ({err})"
             ) from None
-        # (A shared store's writers grow its arrays after they took more slots: other
-        # writers may not have yet; reads and writes past them grow or reopen them.)
-        least = store.rows if store.committed.ring is not None else store.physical_rows
+        least = least_rows(store)
         shape_ok = (
             len(array.shape) == len(expected)
             and array.shape[0] >= least

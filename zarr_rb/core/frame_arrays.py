@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from zarr_rb.core.array_writes import least_rows
 from zarr_rb.core.dtypes import to_numpy
 from zarr_rb.core.frame_cells import (
     ID_DTYPE,
@@ -69,8 +70,10 @@ def _merged(
 
 
 def with_frames(store: ArraysOwner, schema: Schema) -> Schema:
-    """``schema`` with the leaves a store of ``Compression(frames=True)`` stores as frames,
-    fixed now (:attr:`Schema.frames`)."""
+    """``schema`` with the leaves ``store`` stores as frames, fixed now
+    (:attr:`Schema.frames`): none unless its settings say ``Compression(frames=True)``."""
+    if not store.compression.frames:
+        return schema
     frames = frame_leaves(schema.leaves, schema.batch_shape, store.compression.large_row_bytes)
     return dataclasses.replace(schema, frames=frames)
 
@@ -172,10 +175,7 @@ class FrameArrays:
             raise StoreCorruptedError(
                 f"store {store.url!r}: cannot open array {path!r} ({err})"
             ) from None
-        # (A shared store's writers grow its arrays after they took more slots: other
-        # writers may not have yet; reads and writes past them grow or reopen them.)
-        least = store.rows if store.committed.ring is not None else store.physical_rows
-        if array.shape[1:] != tail or array.shape[0] < least:
+        if array.shape[1:] != tail or array.shape[0] < least_rows(store):
             raise StoreCorruptedError(
                 f"store {store.url!r}: array {path!r} has shape {array.shape}, expected "
                 f"({store.physical_rows}, {', '.join(map(str, tail))}) (at least as many rows)"

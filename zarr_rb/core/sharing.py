@@ -151,9 +151,7 @@ class Sharing(SharingSaves):
     def initialize(
         self, schema: Schema, block_rows: int, samples: Mapping[Key, torch.Tensor] | None
     ) -> None:
-        if self.store.compression.frames:
-            schema = with_frames(self.store.arrays.store, schema)
-        self.set_schema(schema, block_rows)
+        self.set_schema(with_frames(self.store.arrays.store, schema), block_rows)
 
     def add_leaves(
         self, leaves: Sequence[LeafSpec], samples: Mapping[Key, torch.Tensor] | None

@@ -86,10 +86,8 @@ class SoloCommits(SoloCursor):
         self, schema: Schema, block_rows: int, samples: Mapping[Key, torch.Tensor] | None
     ) -> None:
         store = self.store
-        fmt = self.meta.format
-        if store.compression.frames:
-            schema = with_frames(store.arrays.store, schema)
-            fmt = FRAMES_FORMAT if schema.frames else fmt
+        schema = with_frames(store.arrays.store, schema)
+        fmt = FRAMES_FORMAT if schema.frames else self.meta.format
         with store.writing("creating the arrays", kept=False):
             store.arrays.create(
                 schema.leaves, schema.batch_shape, block_rows, samples=samples, schema=schema

@@ -308,9 +308,7 @@ def _chunking(
     layout = _whole_rows(
         leaf, batch_shape=batch_shape, block_rows=block_rows, compression=compression
     )
-    if _fits(layout):
-        return layout
-    return _cut_rows(".".join(leaf.key) or "tensor", layout, block_rows)
+    return fitted(layout, block_rows, name=".".join(leaf.key) or "tensor")
 
 
 def _whole_rows(
