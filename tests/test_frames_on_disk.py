@@ -19,6 +19,7 @@ from torchrl.data import LazyTensorStorage, RandomSampler, ReplayBuffer, TensorD
 
 import zarr_rb
 from zarr_rb import Compression, ZarrStorage
+from zarr_rb.engine import RowArray
 from zarr_rb.errors import RowsNotCommittedError
 from zarr_rb.format.names import FRAMES_FORMAT
 from zarr_rb.testing import CrashWorkload, forkserver_context, kill_randomly
@@ -112,6 +113,26 @@ def test_a_run_takes_about_one_frame_a_row_on_disk(tmp_path):
     # Raw bytes (no codec): 8 frames of 120 bytes a row as stacks; as frames, one a row (the
     # first row of each block 4 more), and 32 bytes of ids a row.
     assert sizes[True] * 4 < sizes[False]
+
+
+def test_a_sample_reads_the_cells_a_row_and_its_next_share_once(tmp_path, monkeypatch):
+    storage = ZarrStorage(64, tmp_path / "rb.zarr", compression=FRAMES, ram_bytes=0)
+    data = episodes(0, 64)
+    storage.set(torch.arange(64), data)
+    storage.flush()
+    reads: list[str] = []
+    read_rows = RowArray.read_rows
+
+    def counted(self, *args, **kwargs):
+        reads.append(self.path)
+        return read_rows(self, *args, **kwargs)
+
+    monkeypatch.setattr(RowArray, "read_rows", counted)
+    rows = torch.tensor([5, 40, 41, 7, 63, 5])
+    assert_identical(storage.get(rows).exclude("index"), data[rows])
+    # The cells of obs and next/obs are one array: one read of it (two before).
+    assert sum(path.endswith("data/obs") for path in reads) == 1, reads
+    storage.close()
 
 
 def assert_readable_rows_whole(path: Path, written: TensorDict) -> None:

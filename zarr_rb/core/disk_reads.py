@@ -32,7 +32,7 @@ class RowsOwner(StoreFacts, Protocol):
 
 class FrameReads(Protocol):
     def keys(self) -> frozenset[Key]: ...
-    def read(self, key: Key, rows: np.ndarray) -> torch.Tensor: ...
+    def read(self, requests: Mapping[Key, np.ndarray]) -> dict[Key, torch.Tensor]: ...
 
 
 class Arrays(Protocol):
@@ -93,12 +93,14 @@ def read_rows(
             for span in np.unique(spans[spans > 0]).tolist()
             for picked, width in [(np.flatnonzero(spans == span), span * array.chunk_length)]
         ]
-    out = {}
+    # (The plain keys' reads are under way meanwhile.)
+    out = arrays.frames.read(
+        {key: physical(rows) for key, rows in requests.items() if key in framed}
+    )
     for key, rows in requests.items():
         leaf = store.leaf(key)
         dtype = TORCH_DTYPES[leaf.dtype]
         if key in framed:
-            out[key] = arrays.frames.read(key, physical(rows))  # (rows of the arrays)
             continue
         if not leaf.ragged:
             parts = futures.get(key)
@@ -127,7 +129,7 @@ def read_rows(
         if widest:
             padded_rows[np.arange(widest) >= sizes[:, None]] = 0  # what lies past each length
         out[key] = from_numpy(padded_rows, dtype)
-    return out
+    return {key: out[key] for key in requests}
 
 
 def read_rows_all(

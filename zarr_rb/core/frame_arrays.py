@@ -252,9 +252,19 @@ class FrameArrays:
                 for at, given in _merged(mine, spec.keys):
                     yield cells, at, given, None
 
-    def read(self, key: Key, rows: np.ndarray) -> torch.Tensor:
-        """Rows ``rows`` of the arrays (any order) of the leaf of ``key``."""
-        return self.cells(key).read(rows, [key])[key]
+    def read(self, requests: Mapping[Key, np.ndarray]) -> dict[Key, torch.Tensor]:
+        """The rows ``requests[key]`` of the arrays (any order) of each frames key. The keys
+        of a leaf and its twin that ask the same rows (a sample asks both) are read
+        together: their ids, then the cells they name, once."""
+        out: dict[Key, torch.Tensor] = {}
+        for spec in self.specs():
+            asked = [key for key in spec.keys if key in requests]
+            while asked:
+                rows = requests[asked[0]]
+                alike = [key for key in asked if np.array_equal(requests[key], rows)]
+                out.update(self.cells(spec.key).read(rows, alike))
+                asked = [key for key in asked if key not in alike]
+        return out
 
     def room(
         self,
