@@ -117,7 +117,7 @@ class PongRun:
     STEPS = 700  # the ring wraps: the oldest 200 rows were overwritten
     EPISODE_STEPS = 90  # episodes truncated at 90 steps, so that several fit
 
-    def __init__(self, path) -> None:
+    def __init__(self, path, compression: Any = None) -> None:
         import gymnasium
         from torchrl.data import TensorDictReplayBuffer
 
@@ -125,7 +125,9 @@ class PongRun:
         from zarr_rb.demo import collect, make_env
 
         self.path = path
-        rb = TensorDictReplayBuffer(storage=ZarrStorage(self.CAPACITY, path))
+        rb = TensorDictReplayBuffer(
+            storage=ZarrStorage(self.CAPACITY, path, compression=compression)
+        )
         written = []
 
         class Both:
@@ -152,6 +154,15 @@ class PongRun:
 @pytest.fixture(scope="session")
 def pong(tmp_path_factory) -> PongRun:
     return PongRun(tmp_path_factory.mktemp("pong") / "pong.zarr")
+
+
+@pytest.fixture(scope="session")
+def pong_stacks(tmp_path_factory) -> PongRun:
+    """:func:`pong` with every leaf stored as stacks (``frames=False``), as other programs
+    read plain arrays."""
+    from zarr_rb import Compression
+
+    return PongRun(tmp_path_factory.mktemp("pong") / "pong.zarr", Compression(frames=False))
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -355,7 +355,8 @@ def test_to_dask_keeps_dtypes_and_leaves_out_what_no_array_holds(tmp_path: Path)
     assert_identical(got, values)
 
 
-def test_xarray_opens_the_data_group_without_zarr_rb(pong: PongRun) -> None:
+def test_xarray_opens_the_data_group_without_zarr_rb(pong_stacks: PongRun) -> None:
+    pong = pong_stacks  # (frames=False: stacks, as xarray reads them)
     expected = _in_storage_order(pong, "observation")[:, -1].astype(np.float64).mean()
     script = f"""
 import sys

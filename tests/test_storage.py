@@ -445,7 +445,9 @@ def test_compression_settings_are_applied(store_path):
 
     frames = torch.zeros(300, 4, 84, 84, dtype=torch.uint8)
     frames[:, :, 20:40, 30:50] = 200
-    storage = ZarrStorage(20_000, store_path, compression=Compression(chunk_rows=2))
+    # (frames=False: stacks, whose chunks are asserted; frames have their own layout.)
+    compression = Compression(chunk_rows=2, frames=False)
+    storage = ZarrStorage(20_000, store_path, compression=compression)
     storage.set(torch.arange(300), TensorDict({"obs": frames, "r": torch.ones(300)}, [300]))
     storage.close()
     group = zarr.open_group(store_path, mode="r")

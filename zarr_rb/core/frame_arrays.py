@@ -69,12 +69,20 @@ def _merged(
     return out
 
 
-def with_frames(store: ArraysOwner, schema: Schema) -> Schema:
+def with_frames(
+    store: ArraysOwner, schema: Schema, samples: Mapping[Key, torch.Tensor] | None
+) -> Schema:
     """``schema`` with the leaves ``store`` stores as frames, fixed now
-    (:attr:`Schema.frames`): none unless its settings say ``Compression(frames=True)``."""
-    if not store.compression.frames:
-        return schema
-    frames = frame_leaves(schema.leaves, schema.batch_shape, store.compression.large_row_bytes)
+    (:attr:`Schema.frames`), by its setting ``Compression.frames`` and the rows of its first
+    write (``samples``, see :func:`~zarr_rb.core.frame_plans.frame_leaves`)."""
+    compression = store.compression
+    frames = frame_leaves(
+        schema.leaves,
+        schema.batch_shape,
+        compression.large_row_bytes,
+        compression.frames,
+        samples,
+    )
     return dataclasses.replace(schema, frames=frames)
 
 

@@ -92,14 +92,49 @@ def frame_keys(
 
 
 def frame_leaves(
-    leaves: Sequence[LeafSpec], batch_shape: tuple[int, ...], large_row_bytes: int
+    leaves: Sequence[LeafSpec],
+    batch_shape: tuple[int, ...],
+    large_row_bytes: int,
+    setting: bool | None,
+    samples: Mapping[Key, torch.Tensor] | None = None,
 ) -> tuple[FrameLeaf, ...]:
-    """The leaves a store of ``Compression(frames=True)`` stores as frames: those
-    :func:`frame_keys` gives, as the schema records them."""
+    """The leaves a store stores as frames, as its schema records them, by its setting
+    (``Compression.frames``): none with ``False``; with ``True``, every leaf
+    :func:`frame_keys` gives; with ``None``, those of them that share frames: a stack of
+    images, or a leaf with a ``("next", ...)`` twin, whose first rows written (``samples``,
+    when two or more) link a frame to another (:func:`links_frames`)."""
+    if setting is False:
+        return ()
+    specs = frame_keys(leaves, batch_shape, large_row_bytes)
+    if setting is None:
+        specs = [
+            spec
+            for spec in specs
+            if (spec.stack > 1 or spec.next_key is not None) and links_frames(spec, samples)
+        ]
     return tuple(
-        FrameLeaf(key=spec.key, next_key=spec.next_key, stack=spec.stack)
-        for spec in frame_keys(leaves, batch_shape, large_row_bytes)
+        FrameLeaf(key=spec.key, next_key=spec.next_key, stack=spec.stack) for spec in specs
     )
+
+
+LINK_SAMPLE_ROWS = 64
+"""Rows of a first write that :func:`links_frames` compares, at most."""
+
+
+def links_frames(spec: FrameKeys, samples: Mapping[Key, torch.Tensor] | None) -> bool:
+    """Whether the first rows written of ``spec``'s leaf (``samples``, in the order written)
+    link any frame to a frame before it, as the RAM tier plans them (:func:`plan_frames`: a
+    stack shifting by a frame, a twin one row ahead). Of fewer than two rows, or rows not
+    given, the leaf's shape alone decides: true. (A share would mislead: a first write of
+    one Atari row links 3 of its 8 frames, of a vector state with its twin none.)"""
+    if samples is None or any(key not in samples for key in spec.keys):
+        return True
+    rows = min(LINK_SAMPLE_ROWS, *(samples[key].shape[0] for key in spec.keys))
+    if rows < 2:
+        return True
+    first = {key: samples[key][:rows].reshape(rows, *spec.element_shape) for key in spec.keys}
+    plan = plan_frames(spec, first, None)
+    return plan.fresh_count < plan.slots_per_key * len(spec.keys)
 
 
 def stored_frame_keys(schema: Schema) -> list[FrameKeys]:

@@ -450,10 +450,12 @@ def _compression_of(meta: StoreMeta, given: Compression | None, where: str) -> C
     if meta.compression is None:
         return given or Compression()
     recorded = Compression.from_json(meta.compression)
-    if given is not None and given != recorded:
+    if given is not None and not recorded.matches(given):
         raise SchemaMismatchError(
             f"{where} was created with {recorded!r}, got compression={given!r}; a store keeps "
             "the compression it was created with: pass compression=None to reopen it, or "
             "mode='w' to start over with new settings",
         )
+    if recorded.frames is None and given is not None:
+        return given  # (an empty store: its first write decides with these)
     return recorded

@@ -118,6 +118,8 @@ class Sharing(SharingSaves):
                 "writers cannot write yet; keep one writer for it",
             )
 
+        compression = self.store.compression
+
         def claim(meta: StoreMeta) -> StoreMeta | None:
             if meta.schema is None:
                 blocks = -(-schema.rows // block_rows)
@@ -132,8 +134,12 @@ class Sharing(SharingSaves):
                     block_rows=block_rows,
                     commit=commit,
                     format=shared_format(schema),
+                    compression=compression.resolved(bool(schema.frames)).to_json(),
                 )
-            if meta.schema != schema:
+            # (Which leaves are stored as frames, the first writer decided from its rows.)
+            if dataclasses.replace(meta.schema, frames=()) != dataclasses.replace(
+                schema, frames=()
+            ):
                 raise SchemaMismatchError(
                     f"{where}: another writer created it with keys "
                     f"{[leaf.key for leaf in meta.schema.leaves]} and batch shape "
@@ -151,7 +157,7 @@ class Sharing(SharingSaves):
     def initialize(
         self, schema: Schema, block_rows: int, samples: Mapping[Key, torch.Tensor] | None
     ) -> None:
-        self.set_schema(with_frames(self.store.arrays.store, schema), block_rows)
+        self.set_schema(with_frames(self.store.arrays.store, schema, samples), block_rows)
 
     def add_leaves(
         self, leaves: Sequence[LeafSpec], samples: Mapping[Key, torch.Tensor] | None

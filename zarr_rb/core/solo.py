@@ -86,13 +86,19 @@ class SoloCommits(SoloCursor):
         self, schema: Schema, block_rows: int, samples: Mapping[Key, torch.Tensor] | None
     ) -> None:
         store = self.store
-        schema = with_frames(store.arrays.store, schema)
+        schema = with_frames(store.arrays.store, schema, samples)
         fmt = FRAMES_FORMAT if schema.frames else self.meta.format
         with store.writing("creating the arrays", kept=False):
             store.arrays.create(
                 schema.leaves, schema.batch_shape, block_rows, samples=samples, schema=schema
             )
-        self.meta = dataclasses.replace(self.meta, schema=schema, block_rows=block_rows, format=fmt)
+        self.meta = dataclasses.replace(
+            self.meta,
+            schema=schema,
+            block_rows=block_rows,
+            format=fmt,
+            compression=store.compression.resolved(bool(schema.frames)).to_json(),
+        )
         store.attach_schema(schema, block_rows)
         self.publish_meta()
 

@@ -155,6 +155,7 @@ class Store:
 
     def attach_schema(self, schema: Schema, block_rows: int) -> None:
         self.leaves = leaves_by_key(schema.leaves)
+        self.compression = self.compression.resolved(bool(schema.frames))  # (as recorded)
         self.commits.use_map(self.committed)
         if self.meta.commit.ring is not None:
             self.arrays.wait_for(schema)  # (a shared store's, made by another writer)

@@ -74,11 +74,14 @@ class Compression:
             for rows too wide for 256 in a shard).
         large_row_bytes: leaves with at least this many bytes per row are sharded;
             smaller ones are stored in plain chunks of one block.
-        frames: store the large leaves that the RAM tier keeps by frame (stacks of images,
-            ``[4, 84, 84]``, with their ``("next", ...)`` twin) as frames, each once per
-            block, instead of as stacks: extends encode and sync about an eighth of the
-            bytes of Atari transitions, and reads from the store rebuild the stacks
-            (``docs/design/frames-on-disk.md``).
+        frames: which large leaves are stored as frames, each once per block, instead of
+            as stacks (stacks of images, ``[4, 84, 84]``, with their ``("next", ...)`` twin:
+            extends encode and sync about an eighth of the bytes of Atari transitions, and
+            reads from the store rebuild the stacks; ``docs/design/frames-on-disk.md``).
+            ``None`` (default): decided per leaf at the first write, a stack of images or a
+            leaf with a ``("next", ...)`` twin unless its first rows share no frame, and
+            recorded (``True`` if any leaf is, else ``False``); ``False``: none (plain
+            arrays of stacks, as other programs read them); ``True``: every large leaf.
 
     Examples:
         >>> from zarr_rb import Compression, ZarrStorage
@@ -90,11 +93,11 @@ class Compression:
     chunk_rows: int = 2
     block_rows: int | None = None
     large_row_bytes: int = 1024
-    frames: bool = False
+    frames: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.frames, bool):
-            raise ValueError(f"expected frames to be True or False, got {self.frames!r}")
+        if self.frames is not None and not isinstance(self.frames, bool):
+            raise ValueError(f"expected frames to be None, True or False, got {self.frames!r}")
         if self.codec not in ("zstd", "lz4", "none"):
             raise ValueError(f"expected codec 'zstd', 'lz4' or 'none', got {self.codec!r}")
         if self.level is None:
@@ -149,6 +152,18 @@ class Compression:
         """:attr:`level`, set (``__post_init__`` gives ``None`` the codec's default)."""
         assert self.level is not None
         return self.level
+
+    def resolved(self, stores_frames: bool) -> Compression:
+        """These settings as a store records them once its first write fixed its schema:
+        ``frames=None`` becomes whether it stores a leaf as frames."""
+        return self if self.frames is not None else dataclasses.replace(self, frames=stores_frames)
+
+    def matches(self, other: Compression) -> bool:
+        """Whether a store recorded with these settings opens with ``other``: the same,
+        ``frames=None`` (decided at the first write) matching ``True`` or ``False``."""
+        if self.frames is None or other.frames is None:
+            return dataclasses.replace(self, frames=None) == dataclasses.replace(other, frames=None)
+        return self == other
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

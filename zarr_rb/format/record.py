@@ -219,8 +219,13 @@ def parse_compression(value: object) -> dict[str, Any] | None:
         if block_rows is None
         else _parse_int(block_rows, "compression block_rows", lo=1, hi=2**31),
         "large_row_bytes": _parse_int(value.get("large_row_bytes"), "large_row_bytes"),
-        "frames": _parse_bool(value.get("frames", False), "compression frames"),
+        "frames": _parse_optional_bool(value.get("frames", False), "compression frames"),
     }
+
+
+def _parse_optional_bool(value: object, what: str) -> bool | None:
+    """``null`` (a setting decided at the store's first write), true or false."""
+    return None if value is None else _parse_bool(value, what)
 
 
 def _parse_bool(value: object, what: str) -> bool:
