@@ -7,7 +7,7 @@ samples from it::
 
     python benchmarks/run.py --memory-limit 2G                 # a buffer 2.5 times the limit
     python benchmarks/run.py --memory-limit 2G --times-limit 3
-    python benchmarks/run.py --parts beyond-ram --frames       # ZarrStorage's frames on disk
+    python benchmarks/run.py --parts beyond-ram --frames off   # ZarrStorage with stacks on disk
 
 Creating a cgroup takes root (or a delegated cgroup); without one the run stops with a
 message that says so.

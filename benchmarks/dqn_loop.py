@@ -37,7 +37,7 @@ STORAGES = {
     "zarr": "ZarrStorage",
     "zarr-ram": "ZarrStorage, ram_bytes",
     "zarr-0": "ZarrStorage, ram_bytes=0",
-    "zarr-frames": "ZarrStorage, frames on disk",
+    "zarr-stacks": "ZarrStorage, stacks on disk",
 }
 """``--storages`` choices and the names the results give them."""
 
@@ -64,9 +64,9 @@ def _one_run(name: str, args: dict[str, Any], out: Any) -> None:
             storage = LazyTensorStorage(min(capacity, args["batches"] * rows))
         elif name == "ZarrStorage":
             storage = zarr_rb.ZarrStorage(capacity, f"{where}/rb.zarr")
-        elif name == "ZarrStorage, frames on disk":
-            frames_on_disk = zarr_rb.Compression(frames=True)
-            storage = zarr_rb.ZarrStorage(capacity, f"{where}/rb.zarr", compression=frames_on_disk)
+        elif name == "ZarrStorage, stacks on disk":
+            stacks = zarr_rb.Compression(frames=False)
+            storage = zarr_rb.ZarrStorage(capacity, f"{where}/rb.zarr", compression=stacks)
         elif name == "ZarrStorage, ram_bytes=0":
             storage = zarr_rb.ZarrStorage(capacity, f"{where}/rb.zarr", ram_bytes=0)
         else:

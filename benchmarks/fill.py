@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-STORAGES = ("memmap", "zarr", "zarr-0", "zarr-frames")
-"""``--storages`` choices: LazyMemmapStorage, ZarrStorage (default settings), ZarrStorage
-with ``ram_bytes=0``, and ZarrStorage with frames stored once (``Compression(frames=True)``)."""
+STORAGES = ("memmap", "zarr", "zarr-0", "zarr-stacks")
+"""``--storages`` choices: LazyMemmapStorage, ZarrStorage (default settings: stacks of frames
+stored as frames, each once), ZarrStorage with ``ram_bytes=0``, and ZarrStorage with every
+leaf stored as stacks (``Compression(frames=False)``)."""
 BATCH = 1024
 
 
@@ -45,8 +46,8 @@ def fill(kind: str, data: Any, where: Path) -> tuple[float, float]:
 
     kind, _, level = kind.partition("@")
     settings: dict[str, Any] = {"level": int(level)} if level else {}
-    if kind == "zarr-frames":
-        settings["frames"] = True
+    if kind == "zarr-stacks":
+        settings["frames"] = False
     compression = Compression(**settings) if settings else None
 
     rows = data.shape[0]

@@ -618,6 +618,10 @@ def bench_dataset(
     gc.collect()
 
 
+FRAMES_SETTINGS = {"auto": None, "on": True, "off": False}
+"""``--frames``: ZarrStorage's ``Compression(frames=...)``."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=8192, help="transitions per dataset")
@@ -654,7 +658,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--level", type=int, default=None, help="the codec's level")
     parser.add_argument("--chunk-rows", type=int, default=None, help="rows per inner chunk")
     parser.add_argument(
-        "--frames", action="store_true", default=None, help="each frame once on disk"
+        "--frames",
+        choices=list(FRAMES_SETTINGS),
+        default="auto",
+        help="ZarrStorage's Compression(frames=...): auto (None, the default), on, off",
     )
     parser.add_argument("--out-of-core", action="store_true", help="only the out-of-core run")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results.json"))
@@ -668,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         "codec": args.codec,
         "level": args.level,
         "chunk_rows": args.chunk_rows,
-        "frames": args.frames,
+        "frames": FRAMES_SETTINGS[args.frames],
     }
     compression = zarr_rb.Compression(**{k: v for k, v in settings.items() if v is not None})
     results: dict[str, Any] = {

@@ -3,7 +3,7 @@
     python benchmarks/s3.py                      # SeaweedFS on loopback, 4,096 transitions
     python benchmarks/s3.py --rows 20000 --json benchmarks/s3.json
     python benchmarks/s3.py --endpoint http://host:9000 --key K --secret S --bucket B
-    python benchmarks/s3.py --frames             # frames stored once (Compression(frames=True))
+    python benchmarks/s3.py --frames off         # every leaf as stacks (Compression(frames=False))
 
 It starts a SeaweedFS server on free loopback ports (``weed`` from the test extra)
 unless ``--endpoint`` names one. For each location it measures, on the same frames:
@@ -151,10 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket", default="zarr-rb-test")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument(
-        "--frames", action="store_true", help="frames stored once (Compression(frames=True))"
+        "--frames",
+        choices=list(run.FRAMES_SETTINGS),
+        default="auto",
+        help="Compression(frames=...): auto (None, the default), on, off (stacks)",
     )
     args = parser.parse_args(argv)
-    compression = zarr_rb.Compression(frames=True) if args.frames else None
+    compression = zarr_rb.Compression(frames=run.FRAMES_SETTINGS[args.frames])
 
     data = run.dataset(args.dataset, args.rows)
     work = Path(tempfile.mkdtemp(prefix="zarr_rb-s3-bench-"))

@@ -14,7 +14,8 @@ and rows whose ``"index"`` is not their position.
 
 ``--frames``: rows as an Atari collector writes them, each writer's rows the steps of one
 episode (``obs`` the last 4 frames, ``("next", "obs")`` the next 4: one new frame a row),
-and zarr_rb with the frames stored once on disk (``Compression(frames=True)``) too::
+which zarr_rb stores as frames, each once, by default; and zarr_rb with every leaf stored
+as stacks (``Compression(frames=False)``) too::
 
     python benchmarks/writers.py --frames --writers 1,2,4 --json benchmarks/writers-frames.json
 """
@@ -42,8 +43,8 @@ from zarr_rb import Compression, ZarrStorage
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))  # s3_server: SeaweedFS
 
 SPAWN = mp.get_context("spawn")
-FRAMES_ON_DISK = "zarr_rb, frames on disk"
-"""(``--frames``) A shared store of ``Compression(frames=True)``."""
+STACKS_ON_DISK = "zarr_rb, stacks on disk"
+"""(``--frames``) A shared store of ``Compression(frames=False)``."""
 STRIDE = 1_000_000
 
 
@@ -115,9 +116,9 @@ def run(
         storage: Any = ZarrStorage(capacity, url, shared=True, storage_options=options)
     elif kind == "zarr_rb":
         storage = ZarrStorage(capacity, path / "buffer.zarr", shared=True)
-    elif kind == FRAMES_ON_DISK:
-        once = Compression(frames=True)
-        storage = ZarrStorage(capacity, path / "buffer.zarr", shared=True, compression=once)
+    elif kind == STACKS_ON_DISK:
+        stacks = Compression(frames=False)
+        storage = ZarrStorage(capacity, path / "buffer.zarr", shared=True, compression=stacks)
     else:
         storage = LazyMemmapStorage(capacity, scratch_dir=path)
     rb = TensorDictReplayBuffer(storage=storage)
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument(
-        "--frames", action="store_true", help="Atari-like rows; zarr_rb with frames on disk too"
+        "--frames", action="store_true", help="Atari-like rows; zarr_rb with stacks on disk too"
     )
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(dir=args.workdir, prefix="writers-"))
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         server = start_server(workdir / "server")
         results["zarr_rb_s3"] = []
     if args.frames:
-        results[FRAMES_ON_DISK] = []
+        results[STACKS_ON_DISK] = []
     try:
         for writers in [int(n) for n in args.writers.split(",")]:
             for kind in results:

@@ -246,7 +246,7 @@ def test_checkpoint_and_dqn_loop_benchmarks_smoke(tmp_path, monkeypatch, capsys)
         "ZarrStorage",
         "ZarrStorage, ram_bytes",
         "ZarrStorage, ram_bytes=0",
-        "ZarrStorage, frames on disk",
+        "ZarrStorage, stacks on disk",
     }
     assert all(r["sample_ms"] > 0 and r["peak_rss_gb"] > 0 for r in results.values())
 
@@ -272,14 +272,14 @@ def test_fill_benchmark_smoke(tmp_path):
     )
     assert "| zarr-0 |" in result.stdout
     fills = json.loads(out.read_text())["fills"]
-    assert set(fills) == {"memmap", "zarr", "zarr-0", "zarr-frames"}
+    assert set(fills) == {"memmap", "zarr", "zarr-0", "zarr-stacks"}
     assert all(f["wall_s"] > 0 and f["cpu_s"] > 0 and len(f["all"]) == 2 for f in fills.values())
     # Every ZarrStorage fill commits (and syncs); only the default one fills a RAM tier.
     parts = {kind: fills[kind]["breakdown_s"] for kind in ("zarr", "zarr-0")}
     assert all(p["commits"] > 0 and p["fsync, on this thread"] > 0 for p in parts.values())
     tier = "frames into the RAM tier"
     assert parts["zarr"][tier] > parts["zarr-0"][tier]
-    assert fills["zarr-frames"]["breakdown_s"]["commits"] > 0
+    assert fills["zarr-stacks"]["breakdown_s"]["commits"] > 0
 
 
 def test_holes_benchmark_smoke(tmp_path, monkeypatch, capsys):
