@@ -63,7 +63,8 @@ def test_stacks_with_their_next_are_stored_as_frames_and_the_record_says_so(tmp_
     storage = ZarrStorage(40, path, compression=SMALL)
     assert Compression().frames is None
     zarr_rb.save(TensorDictReplayBuffer(storage=storage))  # an empty store: nothing decided
-    assert record(path)["compression"]["frames"] is None
+    # (Left out, not null: an older zarr_rb, whose parser takes true or false, reads false.)
+    assert "frames" not in record(path)["compression"]
     data = run_of_stacks(20)
     storage.set(torch.arange(20), data)
     storage.flush()
@@ -134,7 +135,7 @@ def test_an_empty_store_takes_the_setting_it_is_reopened_with(tmp_path):
     path = tmp_path / "rb.zarr"
     with ZarrStorage(16, path, compression=SMALL) as empty:
         zarr_rb.save(TensorDictReplayBuffer(storage=empty))
-    assert record(path)["compression"]["frames"] is None
+    assert "frames" not in record(path)["compression"]
     with ZarrStorage(path=path, compression=setting(False)) as storage:
         storage.set(torch.arange(8), run_of_stacks(8))
     assert stored_frames(path) == []
@@ -171,3 +172,36 @@ def test_shared_writers_take_the_first_writers_choice(tmp_path):
         rows = reader.get(torch.arange(32)).exclude("index")
     assert sorted(rows["reward"].tolist()) == sorted([0.0] * 8 + data["reward"].tolist())
     assert zarr_rb.verify(path).ok
+
+
+def test_a_shared_writer_takes_the_recorded_choice_or_says_its_own_differs(tmp_path):
+    path = tmp_path / "rb.zarr"
+    data = run_of_stacks(24)
+    first, joining, stacks = (
+        TensorDictReplayBuffer(storage=ZarrStorage(32, path, compression=c, shared=True))
+        for c in (SMALL, SMALL, setting(False))
+    )
+    first.extend(data[:12])  # decides: frames
+    joining.extend(data[12:])
+    assert joining.storage.compression.frames is True  # as recorded, not its None
+    with pytest.raises(SchemaMismatchError, match=r"frames=True.*frames=False"):
+        stacks.extend(data[:4])
+    for rb in (first, joining, stacks):
+        rb.storage.close()
+    with ZarrStorage(path=path, mode="r") as reader:
+        assert len(reader) == 24
+        assert reader.compression.frames is True
+
+
+def test_a_record_from_before_the_setting_reads_as_its_schema_stores(tmp_path):
+    path = tmp_path / "rb.zarr"
+    data = run_of_stacks(12)
+    written_and_read(path, data, compression=setting(False)).close()
+    document = json.loads((path / "zarr.json").read_text())
+    del document["attributes"]["zarr_rb"]["compression"]["frames"]  # as written before it
+    (path / "zarr.json").write_text(json.dumps(document))
+    with ZarrStorage(path=path) as storage:
+        assert storage.compression.frames is False
+        assert_identical(storage.get(torch.arange(12)).exclude("index"), data)
+    with pytest.raises(SchemaMismatchError, match="compression=None to reopen"):
+        ZarrStorage(path=path, compression=setting(True))

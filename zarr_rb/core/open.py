@@ -449,7 +449,9 @@ def _compression_of(meta: StoreMeta, given: Compression | None, where: str) -> C
     with them."""
     if meta.compression is None:
         return given or Compression()
-    recorded = Compression.from_json(meta.compression)
+    recorded = Compression.recorded(
+        meta.compression, None if meta.schema is None else bool(meta.schema.frames)
+    )
     if given is not None and not recorded.matches(given):
         raise SchemaMismatchError(
             f"{where} was created with {recorded!r}, got compression={given!r}; a store keeps "

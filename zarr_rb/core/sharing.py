@@ -47,6 +47,7 @@ from zarr_rb.core.frame_arrays import with_frames
 from zarr_rb.core.sharing_saves import SharingSaves
 from zarr_rb.core.sharing_slots import runs_of
 from zarr_rb.core.store_facts import whole_rows
+from zarr_rb.engine.layout import Compression
 from zarr_rb.errors import (
     LockedError,
     NotSupportedError,
@@ -147,6 +148,15 @@ class Sharing(SharingSaves):
                     f"{[leaf.key for leaf in schema.leaves]} and batch shape "
                     f"{list(schema.batch_shape)}. Every writer of a shared store must write "
                     "the same keys, shapes and dtypes",
+                )
+            frames = bool(meta.schema.frames)
+            if meta.compression is not None:
+                frames = bool(Compression.recorded(meta.compression, frames).frames)
+            if compression.frames is not None and compression.frames != frames:
+                raise SchemaMismatchError(
+                    f"{where}: another writer's first write settled frames={frames}; this one "
+                    f"was opened with compression=Compression(frames={compression.frames}). "
+                    "Open it with frames=None (the default), which takes what the store holds",
                 )
             return None
 

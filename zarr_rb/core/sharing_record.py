@@ -315,4 +315,5 @@ def _shared_fields(meta: StoreMeta) -> dict[str, Any]:
         "versions": meta.versions,
         "commit": meta.commit,
         "format": meta.format,
+        "compression": meta.compression,  # (frames, decided by the first write)
     }

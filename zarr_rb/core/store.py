@@ -155,7 +155,14 @@ class Store:
 
     def attach_schema(self, schema: Schema, block_rows: int) -> None:
         self.leaves = leaves_by_key(schema.leaves)
-        self.compression = self.compression.resolved(bool(schema.frames))  # (as recorded)
+        # The settings as recorded: frames decided by the first write, this writer's or
+        # another's (a shared store's).
+        recorded = self.meta.compression
+        self.compression = (
+            self.compression.resolved(bool(schema.frames))
+            if recorded is None
+            else Compression.recorded(recorded, bool(schema.frames))
+        )
         self.commits.use_map(self.committed)
         if self.meta.commit.ring is not None:
             self.arrays.wait_for(schema)  # (a shared store's, made by another writer)

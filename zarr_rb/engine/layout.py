@@ -173,6 +173,15 @@ class Compression:
         """The settings recorded by :meth:`to_json` (already checked by the format parser)."""
         return cls(**{field.name: value[field.name] for field in dataclasses.fields(cls)})
 
+    @classmethod
+    def recorded(cls, value: Mapping[str, Any], stores_frames: bool | None) -> Compression:
+        """The settings of a store's record (``value``, checked by the format parser) whose
+        schema stores a leaf as frames or not (``stores_frames``; ``None``: no schema yet).
+        A record with a schema whose ``frames`` is left out is one written before that
+        setting, or one whose first write decided it: its schema says."""
+        settings = cls.from_json(value)
+        return settings if stores_frames is None else settings.resolved(stores_frames)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LeafLayout:

@@ -128,7 +128,9 @@ class StoreMeta:
             "schema": None if self.schema is None else self.schema.to_json(),
             "commit": self.commit.to_json(),
             "saved": None if self.saved is None else self.saved.to_json(),
-            "compression": None if self.compression is None else dict(self.compression),
+            "compression": (
+                None if self.compression is None else _compression_json(self.compression)
+            ),
             "versions": {tag: saved.to_json() for tag, saved in self.versions.items()},
             **({} if self.store_id is None else {"store_id": self.store_id}),
         }
@@ -219,13 +221,20 @@ def parse_compression(value: object) -> dict[str, Any] | None:
         if block_rows is None
         else _parse_int(block_rows, "compression block_rows", lo=1, hi=2**31),
         "large_row_bytes": _parse_int(value.get("large_row_bytes"), "large_row_bytes"),
-        "frames": _parse_optional_bool(value.get("frames", False), "compression frames"),
+        "frames": _parse_optional_bool(value.get("frames"), "compression frames"),
     }
 
 
 def _parse_optional_bool(value: object, what: str) -> bool | None:
-    """``null`` (a setting decided at the store's first write), true or false."""
+    """True, false, or absent (``None``): a setting decided at the store's first write
+    (:func:`_compression_json`)."""
     return None if value is None else _parse_bool(value, what)
+
+
+def _compression_json(compression: Mapping[str, Any]) -> dict[str, Any]:
+    """The recorded settings: ``frames`` left out until the first write decides it (an
+    older zarr_rb, whose parser takes true or false, reads an empty store as ``false``)."""
+    return {k: v for k, v in compression.items() if not (k == "frames" and v is None)}
 
 
 def _parse_bool(value: object, what: str) -> bool:
