@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -155,14 +156,7 @@ class Store:
 
     def attach_schema(self, schema: Schema, block_rows: int) -> None:
         self.leaves = leaves_by_key(schema.leaves)
-        # The settings as recorded: frames decided by the first write, this writer's or
-        # another's (a shared store's).
-        recorded = self.meta.compression
-        self.compression = (
-            self.compression.resolved(bool(schema.frames))
-            if recorded is None
-            else Compression.recorded(recorded, bool(schema.frames))
-        )
+        self.compression = _as_recorded(self.meta.compression, self.compression, schema)
         self.commits.use_map(self.committed)
         if self.meta.commit.ring is not None:
             self.arrays.wait_for(schema)  # (a shared store's, made by another writer)
@@ -470,6 +464,14 @@ class Store:
         """The directory of a local store, the URL of any other."""
         location = self.engine.location
         return location.root if isinstance(location, LocalLocation) else location.url
+
+
+def _as_recorded(
+    recorded: Mapping[str, Any] | None, settings: Compression, schema: Schema
+) -> Compression:
+    """A store's settings once its schema is set: those of its record (``frames`` decided by
+    the first write, this writer's or another's), else its own with ``frames`` decided."""
+    return Compression.recorded(recorded or settings.to_json(), bool(schema.frames))
 
 
 def _write_error(
