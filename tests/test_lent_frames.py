@@ -16,6 +16,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
 from zarr_rb import Compression, StoreWriteError, ZarrStorage
+from zarr_rb.core.frame_lending import FrameLending
 from zarr_rb.core.frames import FrameTier
 
 ROWS = 32
@@ -41,8 +42,11 @@ class Episode:
         return TensorDict(data, [n])
 
 
-def buffers(path: Path, ram_bytes: int = 2**20) -> tuple[TensorDictReplayBuffer, ...]:
-    zarr = ZarrStorage(ROWS, path, compression=Compression(block_rows=BLOCK), ram_bytes=ram_bytes)
+def buffers(
+    path: Path, ram_bytes: int = 2**20, *, frames: bool | None = None
+) -> tuple[TensorDictReplayBuffer, ...]:
+    compression = Compression(block_rows=BLOCK, frames=frames)
+    zarr = ZarrStorage(ROWS, path, compression=compression, ram_bytes=ram_bytes)
     twin = LazyTensorStorage(ROWS)
     return tuple(TensorDictReplayBuffer(storage=s, batch_size=4) for s in (zarr, twin))
 
@@ -244,6 +248,57 @@ def test_rows_whose_eviction_was_interrupted_go_first_later(tmp_path):
     assert_same_rows(rbs)
     extend(rbs, episode, 4)
     assert not tier.resident[first].any()  # evicted first
+    assert_same_rows_through_a_flush(rbs)
+
+
+@pytest.fixture
+def blocks_kept(monkeypatch) -> list[int]:
+    """The blocks whose tensors took the frames of rows they lent to the tier."""
+    kept: list[int] = []
+    keep = FrameLending.keep
+
+    def spied(self, block, offsets):
+        if offsets.size:
+            kept.append(block.index)
+        return keep(self, block, offsets)
+
+    monkeypatch.setattr(FrameLending, "keep", spied)
+    return kept
+
+
+@pytest.mark.parametrize("frames", [None, False], ids=["frames on disk", "stacks on disk"])
+def test_a_full_block_stored_as_frames_is_written_from_the_tier(tmp_path, blocks_kept, frames):
+    """Rows stored as frames on disk (the default for them): a full block the tier holds is
+    written from the tier's frames, and its tensors never take the stacks (no pages); stored
+    as stacks, it takes them to be written. Rows read back as written either way."""
+    rbs = buffers(tmp_path / "rb.zarr", frames=frames)
+    episode = Episode()
+    for n in (3, 3, 2, 8, 5, 3, 16):  # (16: two full blocks in one write, not behind)
+        extend(rbs, episode, n)
+        assert_same_rows(rbs)
+    stored = rbs[0].storage._store.meta.schema.frames
+    assert bool(stored) == (frames is None)
+    assert (blocks_kept == []) == (frames is None)
+    assert_same_rows_through_a_flush(rbs)
+
+
+@pytest.mark.parametrize("n", [8, 16], ids=["one block, behind", "two blocks, at once"])
+def test_a_failed_write_of_blocks_from_the_tier_waits_with_their_frames(tmp_path, n):
+    rbs = buffers(tmp_path / "rb.zarr")
+    episode = Episode()
+    extend(rbs, episode, 8)  # (the arrays are created, block 0 waits or is written)
+    rbs[0].storage.flush()
+    failed = 0
+    with fail_at_row_write(1, 100):
+        for _ in range(3):
+            data = episode.rows(n)
+            try:
+                rbs[0].extend(data)
+            except StoreWriteError:
+                failed += 1
+            rbs[1].extend(data)
+            assert_same_rows(rbs)
+    assert failed
     assert_same_rows_through_a_flush(rbs)
 
 

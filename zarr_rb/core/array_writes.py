@@ -34,6 +34,7 @@ class _Hold(Protocol):
 
 class _KnowsFrames(Protocol):
     def known_frames(self, key: Key, positions: np.ndarray) -> KnownFrames | None: ...
+    def keep_lent_frames(self) -> None: ...
 
 
 class ArraysOwner(RowsOwner, Protocol):

@@ -250,13 +250,16 @@ class FrameArrays:
             if not mine:
                 continue
             cells = self.cells(spec.key)
+            ram = self.store.ram
             rows = np.concatenate([at for at, _, _ in mine])
             if np.unique(rows).size == rows.size:
                 for at, positions, given in mine:
-                    ram = self.store.ram
                     known = None if positions is None else ram.known_frames(spec.key, positions)
+                    if known is None or len(given) < len(spec.keys) or not known.known.all():
+                        ram.keep_lent_frames()  # (frames compared: by value)
                     yield cells, at, given, known
             else:
+                ram.keep_lent_frames()
                 for at, given in _merged(mine, spec.keys):
                     yield cells, at, given, None
 

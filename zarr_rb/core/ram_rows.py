@@ -135,6 +135,13 @@ class RamRows:
         if self.frames is not None:
             self.frames.put(rows, values)
 
+    def keep_lent_frames(self) -> None:
+        """The writes under way are about to be read by value (their frames compared, or
+        kept for a retry): the frames their blocks left in the tier are copied in first
+        (:meth:`~zarr_rb.core.write_cache.WriteBuffer.keep_unkept`)."""
+        if self.store.write_cache is not None:
+            self.store.write_cache.keep_unkept()
+
     def known_frames(self, key: Key, positions: np.ndarray) -> KnownFrames | None:
         """The frames of the leaf of ``key`` (and its twin) at ``positions`` as the tier
         holds them, if it keeps that leaf."""

@@ -217,9 +217,9 @@ class SoloCommits(SoloCursor):
             # A block write in flight that failed waits again with the others: this flush
             # writes it (and raises if it fails again).
             self.settle()
-        writes = [store.write_cache.write_of(block) for block in store.write_cache]
-        store.write_cache.clear()
+        blocks, writes = store.write_cache.take([block.index for block in store.write_cache])
         self._write_in_turn([*store.write_cache.patches.take(), *writes])
+        store.write_cache.reuse(blocks)
         self._commit()
 
     def move_cursor(self, cursor: int) -> None:

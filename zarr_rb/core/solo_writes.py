@@ -188,6 +188,7 @@ class SoloWrites(SoloSlots):
         after it."""
         cache = self.store.write_cache
         assert cache is not None
+        self.store.ram.keep_lent_frames()  # (the writes' values are staged again: whole)
         every = self.store.leaves.keys()
         some_keys = [i for i, (_, values) in enumerate(writes) if values.keys() != every]
         last_patch = some_keys[-1] if some_keys else -1
@@ -300,6 +301,7 @@ class SoloWrites(SoloSlots):
                 # commit, which still names the old slot): a commit made meanwhile would
                 # withdraw them. Written now instead.
                 self._finish_write(started)
+                self.store.write_cache.landed([block])
                 if started.released():
                     self.store.write_cache.reuse([block])  # (see WriteBuffer.written)
                 return

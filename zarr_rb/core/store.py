@@ -161,13 +161,7 @@ class Store:
         if self.meta.commit.ring is not None:
             self.arrays.wait_for(schema)  # (a shared store's, made by another writer)
         self.arrays.check_metadata(schema)  # (row masks are sized from the schema)
-        self.write_cache = WriteBuffer(
-            element_shapes={leaf.key: self.element_shape(leaf) for leaf in schema.leaves},
-            dtypes={leaf.key: TORCH_DTYPES[leaf.dtype] for leaf in schema.leaves},
-            block_rows=block_rows,
-            rows=schema.rows,
-            ragged=frozenset(leaf.key for leaf in schema.leaves if leaf.ragged),
-        )
+        self.write_cache = _write_buffer(schema, block_rows, self.element_shape)
         self.ram.choose()
         # Rows known to hold intact data: those of the commit. Rows past it were never
         # written or belong to an interrupted write; they become intact when written.
@@ -464,6 +458,20 @@ class Store:
         """The directory of a local store, the URL of any other."""
         location = self.engine.location
         return location.root if isinstance(location, LocalLocation) else location.url
+
+
+def _write_buffer(
+    schema: Schema, block_rows: int, element_shape: Callable[[LeafSpec], tuple[int, ...]]
+) -> WriteBuffer:
+    """The write buffer of a store of ``schema``, in blocks of ``block_rows`` rows."""
+    return WriteBuffer(
+        element_shapes={leaf.key: element_shape(leaf) for leaf in schema.leaves},
+        dtypes={leaf.key: TORCH_DTYPES[leaf.dtype] for leaf in schema.leaves},
+        block_rows=block_rows,
+        rows=schema.rows,
+        ragged=frozenset(leaf.key for leaf in schema.leaves if leaf.ragged),
+        frames_on_disk=schema.frame_keys,
+    )
 
 
 def _as_recorded(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from zarr_rb.core.frame_lending import FrameLending
 from zarr_rb.core.mirror import zeros
 from zarr_rb.core.write_patches import Patches, Write
 from zarr_rb.engine.rows import is_run
@@ -69,9 +70,9 @@ class Block:
 
 
 def block_write(block: Block) -> Write:
-    """The rows a block holds and their values (all of them when the block is full); no
-    row's frames are lent (see :meth:`WriteBuffer.write_of`)."""
-    assert not block.lent.any()
+    """The rows a block holds and their values (all of them when the block is full): views
+    of its tensors when it is full. Its tensors of the tier's keys hold no lent row's frames
+    (see :meth:`WriteBuffer.write_of`)."""
     offsets = np.flatnonzero(block.dirty[: block.length])
     start = block.index * block.dirty.size
     if offsets.size == block.length:
@@ -91,8 +92,10 @@ class WriteBuffer:
         block_rows: int,
         rows: int,
         ragged: frozenset[Key] = frozenset(),
+        frames_on_disk: frozenset[Key] = frozenset(),
     ) -> None:
         self.block_rows = block_rows
+        self._lending = FrameLending(block_rows=block_rows, frames_on_disk=frames_on_disk)
         self.rows = rows
         self._element_shapes = dict(element_shapes)
         self._dtypes = dict(dtypes)
@@ -103,8 +106,6 @@ class WriteBuffer:
         self._spare: dict[Key, torch.Tensor] = {}
         """The tensors of a block written to disk, for the next new block (see :meth:`reuse`);
         those of the tier's keys wait for the next block written (:meth:`write_of`)."""
-        self._tier: FrameTier | None = None
-        """The RAM tier that holds the frames of the rows it holds for the blocks here."""
         self._writing: Block | None = None
         """A full block whose write to disk was started and has not finished: its rows are
         read from here (they are not on disk yet), and nothing else writes into it."""
@@ -144,15 +145,12 @@ class WriteBuffer:
             blocks.append(self._writing)
         return iter(blocks)
 
-    def clear(self) -> None:
-        """Let go of the blocks waiting (taken to be written)."""
-        self._blocks.clear()
-
     def forget(self) -> None:
         """Forget every row held, blocks and patches (``empty``; no block is being
         written)."""
         assert self._writing is None
         self._blocks.clear()
+        self._lending.forget()
         self.patches.clear()
 
     # --- the block being written -----------------------------------------------------------
@@ -172,6 +170,7 @@ class WriteBuffer:
         otherwise left to TensorStore (unmapped once neither holds it)."""
         assert self._writing is not None
         block, self._writing = self._writing, None
+        self.landed([block])
         if released:
             self.reuse([block])
 
@@ -179,6 +178,7 @@ class WriteBuffer:
         """The block's write failed: a copy of it waits again, for the next flush (the
         memory written from stays as it is: TensorStore may keep it)."""
         assert self._writing is not None
+        self.keep_unkept()  # (its tensors are copied: with every row's frames)
         block, self._writing = self._writing, None
         assert block.index not in self._blocks
         values = {}
@@ -216,9 +216,14 @@ class WriteBuffer:
         one (pages the process holds already: filling a new block's 50 MB of Atari rows
         took 2-4 times as long in fresh pages, each faulted in on first write), and the
         next block written its tensors of the tier's keys."""
+        self.landed(blocks)
         for block in blocks:
             if not self._ragged and block.values.keys() == self._element_shapes.keys():
                 self._spare = dict(block.values)
+
+    def landed(self, blocks: Iterable[Block]) -> None:
+        """Blocks taken out to be written are on disk: nothing reads their writes' values."""
+        self._lending.landed(blocks)
 
     def _new_block(self, index: int) -> Block:
         n = self.block_rows
@@ -246,20 +251,21 @@ class WriteBuffer:
     # --- frames the RAM tier holds ---------------------------------------------------------
 
     def lend_frames(self, tier: FrameTier | None) -> None:
-        """Rows staged whole whose frames ``tier`` holds as staged leave them there: a block
-        holds stacks only from when it is written (``docs/design/ram-tier.md``, "The write
-        buffer's frames"). The tier calls :meth:`keep_frames` before it lets rows go. Rows
-        lent to the tier lent before are copied here first."""
-        if self._tier is not None:
-            for block in self._blocks.values():
-                self._keep(block, np.flatnonzero(block.lent))
-            self._tier.before_release = None
-        self._tier = tier
+        """Rows staged whole whose frames ``tier`` holds as staged leave them there
+        (:mod:`~zarr_rb.core.frame_lending`). The tier calls :meth:`keep_frames` before it
+        lets rows go. Rows lent to the tier lent before are copied here first."""
+        lending = self._lending
+        if lending.tier is not None:
+            for block in lending.lending(self._blocks.values()):
+                lending.keep(block, np.flatnonzero(block.lent))
+            lending.forget()
+            lending.tier.before_release = None
+        lending.tier = tier
         if tier is not None:
             tier.before_release = self.keep_frames
 
     def _lendable(self) -> frozenset[Key]:
-        return frozenset() if self._tier is None else self._tier.keys
+        return self._lending.keys
 
     def lent_rows(self) -> np.ndarray:
         """The rows whose frames the tier holds for a block here (sorted)."""
@@ -268,39 +274,29 @@ class WriteBuffer:
 
     def keep_frames(self, rows: np.ndarray) -> None:
         """Rows (sorted, unique) the tier is about to let go: those whose frames it holds
-        for a block here are copied into the block."""
-        for block in self._blocks.values():
-            start = block.index * self.block_rows
-            lo, hi = np.searchsorted(rows, [start, start + self.block_rows])
-            offsets = rows[lo:hi] - start
-            self._keep(block, offsets[block.lent[offsets]])
+        for a block here, or taken out, are copied into the block."""
+        self._lending.keep_rows(self._lending.lending(self._blocks.values()), rows)
+
+    def keep_unkept(self) -> None:
+        """Fill the values of the writes of blocks taken out from the tier (see
+        :meth:`~zarr_rb.core.frame_lending.FrameLending.keep_unkept`)."""
+        self._lending.keep_unkept()
 
     def write_of(self, block: Block) -> Write:
         """:func:`block_write`, the frames the block lent copied in first: into the tensors
-        of the block written before it (pages held already) when its own hold no row."""
+        of the block written before it (pages held already) when its own hold no row. A
+        block written from the tier's frames copies none (:meth:`FrameLending.from_tier
+        <zarr_rb.core.frame_lending.FrameLending.from_tier>`)."""
+        if self._lending.from_tier(block):
+            return block_write(block)
         lent = np.flatnonzero(block.lent)
         if lent.size and not (block.dirty & ~block.lent).any():
             for key in self._lendable():
                 spare = self._spare.pop(key, None)
                 if spare is not None:
                     block.values[key] = spare
-        self._keep(block, lent)
+        self._lending.keep(block, lent)
         return block_write(block)
-
-    def _keep(self, block: Block, offsets: np.ndarray) -> None:
-        """Copy the frames of rows ``offsets`` (sorted, lent) of ``block`` from the tier."""
-        if not offsets.size:
-            return
-        assert self._tier is not None
-        rows = block.index * self.block_rows + offsets
-        runs = np.split(np.arange(offsets.size), np.flatnonzero(np.diff(offsets) != 1) + 1)
-        for key in self._tier.keys:
-            target = block.values[key]
-            for run in runs:
-                first = int(offsets[run[0]])
-                self._tier.gather_into(key, rows[run], target[first : first + run.size])
-        block.frames_touched = True
-        block.lent[offsets] = False
 
     def stage(
         self,
@@ -323,7 +319,7 @@ class WriteBuffer:
         """
         if not rows.size:
             return [], []
-        held = None if lent is None or lent[0] is not self._tier else lent[1]
+        held = None if lent is None or lent[0] is not self._lending.tier else lent[1]
         block_ids = rows // self.block_rows
         # Boundaries of the runs of equal block ids (rows are sorted).
         starts = np.flatnonzero(np.diff(block_ids, prepend=-1))
@@ -400,7 +396,7 @@ class WriteBuffer:
         frames = lendable & values.keys()
         if frames:
             # Rows lent before whose frames change: the frames they keep are copied first.
-            self._keep(block, offsets[block.lent[offsets]])
+            self._lending.keep(block, offsets[block.lent[offsets]])
         if lent is None or frames != lendable:
             lent = np.zeros(offsets.size, dtype=bool)
         parts = {key: (offsets, tensor) for key, tensor in values.items()}
