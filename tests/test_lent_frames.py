@@ -146,6 +146,21 @@ def test_a_new_budget_keeps_the_frames_of_rows_lent_to_the_tier_before(tmp_path)
     assert_same_rows_through_a_flush(rbs)
 
 
+def test_a_new_budget_whose_tier_cannot_be_made_keeps_the_tier_before(tmp_path):
+    rbs = buffers(tmp_path / "rb.zarr")
+    episode = Episode()
+    extend(rbs, episode, 5)  # lent to the tier
+    store = rbs[0].storage._store
+    with (
+        mock.patch.object(FrameTier, "__init__", side_effect=MemoryError),
+        pytest.raises(MemoryError),
+    ):
+        store.ram.keep_in_ram(2**22)
+    assert_same_rows(rbs)  # (read from the tier they lent their frames to)
+    extend(rbs, episode, 7)
+    assert_same_rows_through_a_flush(rbs)
+
+
 def test_writing_one_frames_key_of_lent_rows_keeps_the_other(tmp_path):
     rbs = buffers(tmp_path / "rb.zarr")
     episode = Episode()

@@ -90,9 +90,9 @@ class FrameLending:
         """Fill the values of the writes of blocks taken out from the tier, before they are
         read by value (a write that fails and waits for a retry, frames compared rather
         than taken from the tier)."""
-        for block in list(self._unkept.values()):
+        for index, block in list(self._unkept.items()):
             self.keep(block, np.flatnonzero(block.lent))
-        self._unkept.clear()
+            del self._unkept[index]
 
     def landed(self, blocks: Iterable[Block]) -> None:
         """Blocks taken out to be written are on disk: nothing reads their writes' values."""

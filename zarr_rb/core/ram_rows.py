@@ -97,10 +97,12 @@ class RamRows:
         specs = frame_keys(schema.leaves, schema.batch_shape, self._large_row_bytes)
         small = min(self.mirror.limit, self.mirror.row_bytes * schema.rows)
         budget = self.mirror.ram_bytes - small
-        self.frames = None
+        tier = None
         if specs and budget > 0 and not self._read_only:
-            tier = FrameTier(specs, rows=schema.rows, budget=budget)
-            self.frames = tier if tier.capacity else None
+            tier = FrameTier(specs, rows=schema.rows, budget=budget)  # (may fail: none changed)
+            tier = tier if tier.capacity else None
+        self.frames = tier
+        if tier is not None:
             self.fill.again()
         if self.store.write_cache is not None:
             # (Rows whose frames the tier before held for it are copied in first.)

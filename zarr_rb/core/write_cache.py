@@ -178,8 +178,8 @@ class WriteBuffer:
         """The block's write failed: a copy of it waits again, for the next flush (the
         memory written from stays as it is: TensorStore may keep it)."""
         assert self._writing is not None
-        self.keep_unkept()  # (its tensors are copied: with every row's frames)
         block, self._writing = self._writing, None
+        self.keep_unkept()  # (its tensors are copied: with every row's frames)
         assert block.index not in self._blocks
         values = {}
         for key, value in block.values.items():
@@ -203,7 +203,11 @@ class WriteBuffer:
         of the rows of a block partly filled may fail), so that a failure leaves every
         block here."""
         blocks = [self._blocks[index] for index in indices]
-        writes = [self.write_of(block) for block in blocks]
+        try:
+            writes = [self.write_of(block) for block in blocks]
+        except BaseException:
+            self._lending.landed(blocks)  # (they wait here, lending as before)
+            raise
         for block in blocks:
             del self._blocks[block.index]
         return blocks, writes
@@ -219,7 +223,9 @@ class WriteBuffer:
         self.landed(blocks)
         for block in blocks:
             if not self._ragged and block.values.keys() == self._element_shapes.keys():
-                self._spare = dict(block.values)
+                # (Tensors of the tier's keys never written into hold no pages: not kept.)
+                untouched = frozenset() if block.frames_touched else self._lendable()
+                self._spare = {k: v for k, v in block.values.items() if k not in untouched}
 
     def landed(self, blocks: Iterable[Block]) -> None:
         """Blocks taken out to be written are on disk: nothing reads their writes' values."""
@@ -268,8 +274,9 @@ class WriteBuffer:
         return self._lending.keys
 
     def lent_rows(self) -> np.ndarray:
-        """The rows whose frames the tier holds for a block here (sorted)."""
-        parts = [block.index * self.block_rows + np.flatnonzero(block.lent) for block in self]
+        """The rows whose frames the tier holds for a block here, or taken out (sorted)."""
+        blocks = self._lending.lending(self._blocks.values())
+        parts = [block.index * self.block_rows + np.flatnonzero(block.lent) for block in blocks]
         return np.sort(np.concatenate([np.empty(0, np.int64), *parts]))
 
     def keep_frames(self, rows: np.ndarray) -> None:
