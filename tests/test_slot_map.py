@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import hypothesis
+import hypothesis.strategies as st
+import numpy as np
 import torch
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
@@ -76,3 +79,17 @@ def test_a_view_reads_every_key_of_its_rows_from_one_commit(tmp_path: Path) -> N
         got = view[index]
         assert whole(got), (index, got["step"])
     rb.storage.close()
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+    maps=st.lists(st.lists(st.integers(-1, 40), max_size=30), min_size=1, max_size=8),
+    last=st.lists(st.integers(-1, 40), max_size=30),
+)
+def test_the_slots_older_commits_keep_are_those_the_last_does_not_name(maps, last):
+    # (What decides how many commits a writer keeps: setdiff1d, without sorting every block.)
+    from zarr_rb.core.solo_slots import _slots_besides
+
+    arrays = [np.array(m, dtype=np.int64) for m in maps]
+    expected = np.setdiff1d(np.concatenate(arrays), np.array(last, dtype=np.int64))
+    assert _slots_besides(arrays, np.array(last, dtype=np.int64)).tolist() == expected.tolist()
