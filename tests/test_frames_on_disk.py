@@ -135,6 +135,17 @@ def test_a_sample_reads_the_cells_a_row_and_its_next_share_once(tmp_path, monkey
     storage.close()
 
 
+def test_a_long_read_of_frames_in_any_order_comes_back_whole(tmp_path):
+    # More rows than a read gathers at a time (READ_PART_ROWS), in any order, repeated.
+    storage = ZarrStorage(700, tmp_path / "rb.zarr", compression=FRAMES, ram_bytes=0)
+    data = episodes(0, 700)
+    storage.set(torch.arange(700), data)
+    storage.flush()
+    rows = torch.from_numpy(np.random.default_rng(0).integers(0, 700, 1500))
+    assert_identical(storage.get(rows).exclude("index"), data[rows])
+    storage.close()
+
+
 def assert_readable_rows_whole(path: Path, written: TensorDict) -> None:
     """Every row a reader finds readable (a repair withdrew the others) reads back as
     written."""

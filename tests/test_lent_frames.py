@@ -66,6 +66,25 @@ def assert_same_rows(rbs: tuple[TensorDictReplayBuffer, ...]) -> None:
     )
 
 
+def extends_whose_writes_fail(
+    rbs: tuple[TensorDictReplayBuffer, ...], episode: Episode, *, rows: int, times: int
+) -> None:
+    """``times`` extends of ``rows`` rows while every write of row data fails (some extends
+    raise; their rows wait for a retry), then a flush that writes them."""
+    failed = 0
+    with fail_at_row_write(1, 100):
+        for _ in range(times):
+            data = episode.rows(rows)
+            try:
+                rbs[0].extend(data)
+            except StoreWriteError:
+                failed += 1
+            rbs[1].extend(data)
+            assert_same_rows(rbs)
+    assert failed
+    assert_same_rows_through_a_flush(rbs)
+
+
 def assert_same_rows_through_a_flush(rbs: tuple[TensorDictReplayBuffer, ...]) -> None:
     """The rows read the same before a flush and after it; the store is closed."""
     assert_same_rows(rbs)
@@ -178,18 +197,8 @@ def test_a_failed_block_write_keeps_the_frames_of_its_rows(tmp_path):
     rbs = buffers(tmp_path / "rb.zarr")
     episode = Episode()
     extend(rbs, episode, 2)  # (the arrays are created)
-    failed = 0
-    with fail_at_row_write(1, 100):
-        for _ in range(5):  # block 0 fills at the third: its write fails, then waits again
-            data = episode.rows(3)
-            try:
-                rbs[0].extend(data)
-            except StoreWriteError:
-                failed += 1
-            rbs[1].extend(data)
-            assert_same_rows(rbs)
-    assert failed
-    assert_same_rows_through_a_flush(rbs)
+    # Block 0 fills at the third extend: its write fails, then waits again.
+    extends_whose_writes_fail(rbs, episode, rows=3, times=5)
 
 
 @pytest.mark.parametrize("rows", [5, BLOCK], ids=["staged", "written at once"])
@@ -303,18 +312,7 @@ def test_a_failed_write_of_blocks_from_the_tier_waits_with_their_frames(tmp_path
     episode = Episode()
     extend(rbs, episode, 8)  # (the arrays are created, block 0 waits or is written)
     rbs[0].storage.flush()
-    failed = 0
-    with fail_at_row_write(1, 100):
-        for _ in range(3):
-            data = episode.rows(n)
-            try:
-                rbs[0].extend(data)
-            except StoreWriteError:
-                failed += 1
-            rbs[1].extend(data)
-            assert_same_rows(rbs)
-    assert failed
-    assert_same_rows_through_a_flush(rbs)
+    extends_whose_writes_fail(rbs, episode, rows=n, times=3)
 
 
 def test_rows_of_the_block_being_written_are_read_from_the_tier(tmp_path):

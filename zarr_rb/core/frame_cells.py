@@ -41,6 +41,8 @@ from zarr_rb.engine.rows import RowArray, reaches
 from zarr_rb.errors import StoreCorruptedError
 from zarr_rb.util.keys import Key
 
+READ_PART_ROWS = 256
+"""Rows a read of frames gathers at a time (a sample's batch in one)."""
 ID_DTYPE = np.dtype(np.int32)
 """The dtype of the frame ids (a region holds at most ``block_rows * C`` cells)."""
 
@@ -314,6 +316,17 @@ class FrameCells:
                 "damaged. Restore it from a copy, or run zarr_rb.verify(path)"
             )
         cells = (rows - rows % self.block_rows)[:, None] * per_row + everything
+        out = {key: torch.empty((rows.size, *spec.element_shape), dtype=spec.dtype) for key in keys}
+        # A part at a time: a long read holds the cells of one part besides what it returns.
+        for first in range(0, rows.size, READ_PART_ROWS):
+            part = slice(first, first + READ_PART_ROWS)
+            self._gather(cells[part], [tensor[part] for tensor in out.values()])
+        return out
+
+    def _gather(self, cells: np.ndarray, out: Sequence[torch.Tensor]) -> None:
+        """Read the cells ``cells`` names (per row, every key's frames in turn) and gather
+        the frames of the ``i``-th key into ``out[i]``."""
+        spec, per_row = self.spec, self.cells_per_row
         wanted, where = np.unique(cells // per_row, return_inverse=True)
         try:
             stored = self.cells.read_rows(wanted).result()
@@ -321,15 +334,11 @@ class FrameCells:
             raise self.cells.damage_error(wanted, err) from None
         flat = from_numpy(stored, spec.dtype).view(wanted.size * per_row, *spec.frame_shape)
         at = where.reshape(cells.shape) * per_row + cells % per_row
-        gathered = flat.index_select(0, torch.from_numpy(at.reshape(-1)))
         per_key = math.prod(spec.element_shape) // math.prod(spec.frame_shape)
-        out = {}
-        for i, key in enumerate(keys):
-            part = gathered.view(rows.size, len(keys) * per_key, *spec.frame_shape)
-            out[key] = part[:, i * per_key : (i + 1) * per_key].reshape(
-                rows.size, *spec.element_shape
-            )
-        return out
+        for i, target in enumerate(out):
+            index = np.ascontiguousarray(at[:, i * per_key : (i + 1) * per_key]).reshape(-1)
+            frames = target.view(index.size, *spec.frame_shape)  # (each key its own tensor)
+            torch.index_select(flat, 0, torch.from_numpy(index), out=frames)
 
     def _reach(self, row: int) -> None:
         """Open again the arrays that end before ``row`` (a writer added slots since they
