@@ -447,11 +447,9 @@ def _exists_error(where: str) -> StoreExistsError:
 def _compression_of(meta: StoreMeta, given: Compression | None, where: str) -> Compression:
     """The store's own compression settings; ``given`` must match them once rows were written
     with them."""
-    if meta.compression is None:
+    recorded = Compression.recorded(meta.compression, meta.schema)
+    if recorded is None:
         return given or Compression()
-    recorded = Compression.recorded(
-        meta.compression, None if meta.schema is None else bool(meta.schema.frames)
-    )
     if given is not None and not recorded.matches(given):
         raise SchemaMismatchError(
             f"{where} was created with {recorded!r}, got compression={given!r}; a store keeps "

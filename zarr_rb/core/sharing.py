@@ -149,9 +149,8 @@ class Sharing(SharingSaves):
                     f"{list(schema.batch_shape)}. Every writer of a shared store must write "
                     "the same keys, shapes and dtypes",
                 )
-            frames = bool(meta.schema.frames)
-            if meta.compression is not None:
-                frames = bool(Compression.recorded(meta.compression, frames).frames)
+            recorded = Compression.recorded(meta.compression, meta.schema)
+            frames = bool(meta.schema.frames if recorded is None else recorded.frames)
             if compression.frames is not None and compression.frames != frames:
                 raise SchemaMismatchError(
                     f"{where}: another writer's first write settled frames={frames}; this one "

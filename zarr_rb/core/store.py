@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -156,7 +155,8 @@ class Store:
 
     def attach_schema(self, schema: Schema, block_rows: int) -> None:
         self.leaves = leaves_by_key(schema.leaves)
-        self.compression = _as_recorded(self.meta.compression, self.compression, schema)
+        recorded = Compression.recorded(self.meta.compression, schema)  # (frames decided)
+        self.compression = recorded or self.compression.resolved(bool(schema.frames))
         self.commits.use_map(self.committed)
         if self.meta.commit.ring is not None:
             self.arrays.wait_for(schema)  # (a shared store's, made by another writer)
@@ -472,14 +472,6 @@ def _write_buffer(
         ragged=frozenset(leaf.key for leaf in schema.leaves if leaf.ragged),
         frames_on_disk=schema.frame_keys,
     )
-
-
-def _as_recorded(
-    recorded: Mapping[str, Any] | None, settings: Compression, schema: Schema
-) -> Compression:
-    """A store's settings once its schema is set: those of its record (``frames`` decided by
-    the first write, this writer's or another's), else its own with ``frames`` decided."""
-    return Compression.recorded(recorded or settings.to_json(), bool(schema.frames))
 
 
 def _write_error(

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 
 from zarr_rb.errors import UnsupportedDataError
-from zarr_rb.format.schema import LeafSpec
+from zarr_rb.format.schema import LeafSpec, Schema
 
 __all__ = ["Compression"]
 
@@ -174,13 +174,15 @@ class Compression:
         return cls(**{field.name: value[field.name] for field in dataclasses.fields(cls)})
 
     @classmethod
-    def recorded(cls, value: Mapping[str, Any], stores_frames: bool | None) -> Compression:
-        """The settings of a store's record (``value``, checked by the format parser) whose
-        schema stores a leaf as frames or not (``stores_frames``; ``None``: no schema yet).
-        A record with a schema whose ``frames`` is left out is one written before that
-        setting, or one whose first write decided it: its schema says."""
+    def recorded(cls, value: Mapping[str, Any] | None, schema: Schema | None) -> Compression | None:
+        """The settings a store's record holds (``value``, checked by the format parser;
+        ``None`` if it holds none) with its ``schema`` (``None``: no schema yet). A record
+        with a schema whose ``frames`` is left out was written before that setting: its
+        schema says."""
+        if value is None:
+            return None
         settings = cls.from_json(value)
-        return settings if stores_frames is None else settings.resolved(stores_frames)
+        return settings if schema is None else settings.resolved(bool(schema.frames))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
