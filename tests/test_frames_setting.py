@@ -184,6 +184,8 @@ def test_a_shared_writer_takes_the_recorded_choice_or_says_its_own_differs(tmp_p
     first.extend(data[:12])  # decides: frames
     joining.extend(data[12:])
     assert joining.storage.compression.frames is True  # as recorded, not its None
+    # (The record it took from the first writer's says so too: not the null it opened with.)
+    assert joining.storage._store.meta.compression["frames"] is True
     with pytest.raises(SchemaMismatchError, match=r"frames=True.*frames=False"):
         stacks.extend(data[:4])
     for rb in (first, joining, stacks):
