@@ -83,6 +83,17 @@ def s3_server(tmp_path_factory):
     stop_server(server)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    """A failed test that used the S3 server reports the server's state with its failure:
+    a server that refuses writes (a full disk, say) answers only "internal error"."""
+    report = yield
+    server = getattr(item, "funcargs", {}).get("s3_server")
+    if report.failed and isinstance(server, S3Server):
+        report.sections.append(("S3 server", server.diagnosis()))
+    return report
+
+
 @pytest.fixture
 def s3_url(s3_server: S3Server, request) -> str:
     """A fresh ``s3://zarr-rb-test/<test-name>-<uuid8>.zarr`` URL, unique per test."""

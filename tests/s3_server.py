@@ -46,6 +46,7 @@ PORT_RANGE = (10000, 22768)
 START_TIMEOUT = 60.0
 WRITABLE_TIMEOUT = 30.0
 START_ATTEMPTS = 3  # a picked port can be taken by someone else before weed binds it
+MIN_FREE_SPACE = "256MiB"  # below this free on its disk, weed refuses every write
 
 
 class WeedNotFoundError(FileNotFoundError):
@@ -110,6 +111,21 @@ class S3Server:
             credentials=self.credentials(),
             region=self.region,
             body=body,
+        )
+
+    def diagnosis(self, lines: int = 20) -> str:
+        """Why the server may have failed a request: the space left on the disk holding its
+        data, and the last errors and warnings of its log."""
+        usage = shutil.disk_usage(self.data_dir)
+        found = [
+            line
+            for line in _log_tail(self.data_dir / "weed.log", lines=10_000).splitlines()
+            if line.startswith(("E", "W"))  # glog's severity letter
+        ]
+        return (
+            f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB on the disk of "
+            f"{self.data_dir} (weed refuses writes below {MIN_FREE_SPACE}); "
+            f"last errors and warnings of weed.log:\n" + "\n".join(found[-lines:] or ["(none)"])
         )
 
 
@@ -209,6 +225,9 @@ def _spawn(weed: str, data_dir: Path, config: Path, ports: list[int]) -> subproc
         "-volume.max=50",
         # 64 MB volumes (default 30 GB): 50 of them stay small on a test machine's disk.
         "-master.volumeSizeLimitMB=64",
+        # By default a disk less than 1% free makes every volume read-only, and every write
+        # then gets HTTP 500: 2.5 GB on a 250 GB disk, more than the tests ever write.
+        f"-volume.minFreeSpace={MIN_FREE_SPACE}",
     ]
     # weed reads security.toml, master.toml etc. from its cwd and ~/.seaweedfs (and from
     # /etc/seaweedfs), settings from WEED_* variables, and an identity from AWS_* ones: a

@@ -58,7 +58,9 @@ def test_tensorstore_reads_and_writes(s3_server: S3Server, monkeypatch: pytest.M
             "aws_region": s3_server.region,
             "use_conditional_write": True,
             "aws_credentials": {"type": "environment"},
-        }
+        },
+        # A server refusing writes fails the test in seconds, not TensorStore's 32 retries.
+        context=ts.Context({"s3_request_retries": {"max_retries": 2, "initial_delay": "0.1s"}}),
     ).result()
     kvstore.write("a", b"x").result()
     assert kvstore.read("a").result().value == b"x"
