@@ -611,6 +611,15 @@ def _export_peak_rss(tmp_path: Path, rows: int) -> tuple[int, int]:
     return imported, peak
 
 
+EXPORT_PEAK_BOUND = 3 * COPY_BLOCK_BYTES + 32 * 2**20
+"""An export's peak RSS over its imports: a block of rows being written, the next being read,
+and what the C library's per-thread heaps keep of the decoding threads' buffers. Frames read
+from their cells on TensorStore's threads leave fragments in those heaps that ``malloc_trim``
+cannot give back: 140-172 MiB over the imports for 100,000 rows in blocks of 64 MiB (96 MiB
+with one heap, ``MALLOC_ARENA_MAX=1``), reached in the first blocks and flat after; the leaks
+this bound catches held the whole buffer (5.3 GiB here)."""
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
 @pytest.mark.slow  # (a child process measuring RSS; CI runs it)
 def test_export_memory_stays_bounded_by_its_blocks(tmp_path: Path) -> None:
@@ -619,7 +628,7 @@ def test_export_memory_stays_bounded_by_its_blocks(tmp_path: Path) -> None:
     C allocator kept what the decoder's threads freed (238 MiB above the imports here,
     growing with the rows; 105 MiB once each block's memory is given back)."""
     imported, peak = _export_peak_rss(tmp_path, 12_000)  # 0.65 GB of frames
-    assert peak - imported < 2 * COPY_BLOCK_BYTES + 32 * 2**20, (imported, peak)
+    assert peak - imported < EXPORT_PEAK_BOUND, (imported, peak)
 
 
 @pytest.mark.slow
@@ -630,7 +639,7 @@ def test_export_of_a_store_the_size_of_the_demo_stays_below_1_gb(tmp_path: Path)
     in docs/saving-and-loading.md, was 1.02-1.43 GB; the imports of torch and TorchRL alone
     differ between builds)."""
     imported, peak = _export_peak_rss(tmp_path, 100_000)
-    assert peak - imported < 2 * COPY_BLOCK_BYTES + 32 * 2**20, (imported, peak)
+    assert peak - imported < EXPORT_PEAK_BOUND, (imported, peak)
 
 
 def test_block_bytes_must_be_positive(tmp_path: Path, prioritized_dump: Path) -> None:
