@@ -104,6 +104,17 @@ def test_listing_and_deleting_a_prefix_leave_siblings_alone(location):
     assert set(location.list()) == {"data/obs2/c/0", "zarr.json"}
 
 
+def test_an_object_is_looked_up_alone(location):
+    location.write("data/obs/c/1/0", b"x")
+    location.write("data/obs/c/10/0", b"y")
+    location.write("data/obs/c/2", b"z")
+    assert location.has("data/obs/c/1/0")
+    assert location.has("data/obs/c/2")
+    # Neither a prefix of a key, nor a key it prefixes, nor a folder is the object.
+    for key in ("data/obs/c/1", "data/obs/c/1/", "data/obs/c/10", "data/obs/c/1/00", "c/1/0"):
+        assert not location.has(key), key
+
+
 def test_copies_within_and_across_kinds(location, tmp_path):
     location.write("data/c/0", b"chunk")
     location.write("zarr.json", b"{}")

@@ -129,7 +129,7 @@ class FrameCells:
         rows = np.arange(first, min(first + self.block_rows, self.cells.shape[0]))
         highest = -1
         for array in self.ids.values():
-            if slot not in array.stored_chunks():
+            if not array.has_chunk(slot):
                 continue  # never written: no row of the slot names a cell through it
             try:
                 named = array.read_rows(rows).result()

@@ -416,6 +416,13 @@ class RowArray:
                 out.add(int(parts[0]))
         return out
 
+    def has_chunk(self, chunk: int) -> bool:
+        """Whether write chunk (shard) ``chunk`` along the rows has an object in the store
+        (its keys looked up alone: :meth:`stored_chunks` lists every object)."""
+        return any(
+            self._location.has(self.chunk_key(chunk, tail)) for tail in self._tail_positions(None)
+        )
+
     def drop_chunks(self, chunks: Iterable[int]) -> None:
         """Delete write chunks (shards) along the rows, every part of each: objects of
         slots no record refers to any longer."""

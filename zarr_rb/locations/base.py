@@ -183,6 +183,10 @@ class Location(abc.ABC):
     def list(self, prefix: str = "") -> dict[str, int]:
         """The keys under ``prefix`` (``""``: the whole store) and their sizes in bytes."""
 
+    @abc.abstractmethod
+    def has(self, key: str) -> bool:
+        """Whether an object ``key`` is stored (one lookup, whatever else is stored)."""
+
     def copy_to(
         self,
         target: Location,

@@ -140,6 +140,9 @@ class LocalLocation(Location):
             shutil.rmtree(target)
             self.durability.removed(target)
 
+    def has(self, key: str) -> bool:
+        return (self.root / key).is_file()
+
     def list(self, prefix: str = "") -> dict[str, int]:
         base = self.root / prefix
         if not base.is_dir():

@@ -235,6 +235,14 @@ class S3Location(Location):
         creds = self.options.credentials
         return self.options.anonymous or (creds.key is not None and creds.secret is not None)
 
+    def has(self, key: str) -> bool:
+        """(A listing of the keys from ``key`` to the next possible one: one request.)"""
+        keys = self.run(
+            lambda: self._kv.list(ts.KvStore.KeyRange(key, key + "\0")).result(),
+            f"looking up {key!r}",
+        )
+        return key.encode() in keys
+
     def list(self, prefix: str = "") -> dict[str, int]:
         """Keys and sizes (``ListObjectsV2``, page by page; sizes ``-1`` when requests
         cannot be signed here, the keys then listed by TensorStore)."""
