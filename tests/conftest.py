@@ -78,19 +78,27 @@ def s3_server(tmp_path_factory):
     except WeedNotFoundError as err:
         # Fail, not skip: a missing binary would otherwise hide every S3 test.
         pytest.fail(str(err), pytrace=False)
+    _servers.append(server)
     yield server
+    _servers.remove(server)
     gc.collect()  # storages a failed test left open close while the server still answers
     stop_server(server)
 
 
+_servers: list[S3Server] = []
+"""The S3 server this process started (:func:`s3_server`), for the failure reports."""
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
-    """A failed test that used the S3 server reports the server's state with its failure:
-    a server that refuses writes (a full disk, say) answers only "internal error"."""
+    """A failed test that used the S3 server (as a fixture, or one whose failure names it)
+    reports the server's state with its failure: a server that refuses writes (a full disk,
+    say) answers only "internal error"."""
     report = yield
-    server = getattr(item, "funcargs", {}).get("s3_server")
-    if report.failed and isinstance(server, S3Server):
-        report.sections.append(("S3 server", server.diagnosis()))
+    if report.failed and _servers:
+        server = _servers[0]
+        if "s3_server" in getattr(item, "funcargs", {}) or server.endpoint in report.longreprtext:
+            report.sections.append(("S3 server", server.diagnosis()))
     return report
 
 

@@ -116,6 +116,8 @@ class S3Server:
     def diagnosis(self, lines: int = 20) -> str:
         """Why the server may have failed a request: the space left on the disk holding its
         data, and the last errors and warnings of its log."""
+        if self.process is None:
+            return f"{self.endpoint} is a server of {ENV_VAR}: its disk and its log are its own"
         usage = shutil.disk_usage(self.data_dir)
         found = [
             line

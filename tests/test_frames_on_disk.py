@@ -408,3 +408,27 @@ def test_a_fill_of_frames_lists_no_directory(tmp_path, monkeypatch, ram_bytes):
     assert listed == []
     monkeypatch.undo()
     same_rows(ours, theirs)
+
+
+@pytest.mark.parametrize("ram_bytes", ["auto", 0], ids=["tier", "store"])
+def test_a_reopened_writer_continues_a_block_without_naming_its_cells_again(tmp_path, ram_bytes):
+    """The first write into a block a reopened writer finds on disk takes its cells past
+    those its rows name (found from the frame ids stored), not from the region's start."""
+    path = tmp_path / "rb.zarr"
+    ours, theirs = twins(path, 40, ram_bytes=ram_bytes)
+    for rb in (ours, theirs):
+        rb.extend(episodes(0, 13))  # a block and 5 rows of the next
+    ours.storage.close()
+    ours = TensorDictReplayBuffer(
+        storage=ZarrStorage(40, path, compression=FRAMES, ram_bytes=ram_bytes), batch_size=4
+    )
+    assert len(ours) == 13
+    for start, n in ((13, 2), (15, 9), (24, 30)):  # into both blocks, then around the ring
+        for rb in (ours, theirs):
+            rb.extend(episodes(100 + start, n))
+        same_rows(ours, theirs)
+    ours.storage.close()
+    # (The tier serves the rows it holds: the disk is read again without it.)
+    ours = TensorDictReplayBuffer(storage=ZarrStorage(path=path, ram_bytes=0), batch_size=4)
+    same_rows(ours, theirs)
+    ours.storage.close()

@@ -141,7 +141,12 @@ class LocalLocation(Location):
             self.durability.removed(target)
 
     def has(self, key: str) -> bool:
-        return (self.root / key).is_file()
+        # (Not Path.is_file, which newer Pythons answer False on any error: an I/O error
+        # taken for "no object" would let a write take cells that rows still name.)
+        try:
+            return stat.S_ISREG(os.stat(self.root / key).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
     def list(self, prefix: str = "") -> dict[str, int]:
         base = self.root / prefix
