@@ -32,6 +32,7 @@ from zarr_rb.core.frame_cells import FrameCells
 from zarr_rb.core.open import open_store
 from zarr_rb.core.store import Store
 from zarr_rb.engine import RowArray
+from zarr_rb.engine.damage import damaged_runs
 from zarr_rb.errors import StoreCorruptedError
 from zarr_rb.format.messages import describe_runs
 from zarr_rb.format.names import STATE_GROUP, frame_ids_path
@@ -235,7 +236,7 @@ def _check_cells(cells: FrameCells, namings: list[_Naming]) -> list[DamagedChunk
         {
             row
             for start, stop in _ranges(named)
-            for lo, hi, _ in cells.cells.damaged_runs(start, stop)
+            for lo, hi, _ in damaged_runs(cells.cells, start, stop)
             for row in range(lo, hi)
         },
         np.int64,
@@ -262,7 +263,7 @@ def _damaged_in(
             a, b = max(first, start), min(first + step, stop)
             damaged.extend(
                 DamagedChunk(array_path, (lo, hi), reason)
-                for lo, hi, reason in array.damaged_runs(a, b)
+                for lo, hi, reason in damaged_runs(array, a, b)
             )
     return damaged
 
@@ -337,7 +338,7 @@ def _check_ragged(
             if span:
                 damaged.extend(
                     DamagedChunk(leaf.path, (lo, hi), reason)
-                    for lo, hi, reason in array.damaged_runs(a, b, span * array.chunk_length)
+                    for lo, hi, reason in damaged_runs(array, a, b, span * array.chunk_length)
                 )
     return damaged
 

@@ -15,6 +15,7 @@ import torch
 from zarr_rb.core.dtypes import TORCH_DTYPES, from_numpy
 from zarr_rb.core.store_facts import StoreFacts
 from zarr_rb.engine import RowArray
+from zarr_rb.engine.damage import damage_error
 from zarr_rb.engine.rows import reaches
 from zarr_rb.errors import RowsNotCommittedError, StoreCorruptedError
 from zarr_rb.format.commit import Commit
@@ -110,7 +111,7 @@ def read_rows(
             try:
                 values = parts[0][2].result()
             except ValueError as err:
-                raise arrays.get(key).damage_error(physical(rows), err) from None
+                raise damage_error(arrays.get(key), physical(rows), err) from None
             if key == INDEX_KEY:
                 values = put_positions(values, rows)
             out[key] = from_numpy(values, dtype)
@@ -123,7 +124,7 @@ def read_rows(
             try:
                 part = future.result()
             except ValueError as err:
-                raise arrays.get(key).damage_error(physical(rows[picked]), err, width) from None
+                raise damage_error(arrays.get(key), physical(rows[picked]), err, width) from None
             span = min(widest, part.shape[1])
             padded_rows[picked, :span] = part[:, :span]
         if widest:

@@ -36,6 +36,7 @@ from zarr_rb.core.frame_plans import (
     frame_bytes,
     plan_frames,
 )
+from zarr_rb.engine.damage import damage_error
 from zarr_rb.engine.layout import LeafLayout, fitted
 from zarr_rb.engine.rows import RowArray, reaches
 from zarr_rb.errors import StoreCorruptedError
@@ -134,7 +135,7 @@ class FrameCells:
             try:
                 named = array.read_rows(rows).result()
             except ValueError as err:
-                raise array.damage_error(rows, err) from None
+                raise damage_error(array, rows, err) from None
             highest = max(highest, int(named.max()))
         return _whole_rows_of_cells(highest + 1, self.cells_per_row)
 
@@ -305,7 +306,7 @@ class FrameCells:
             try:
                 named[key] = future.result().astype(np.int64)
             except ValueError as err:
-                raise self.ids[key].damage_error(rows, err) from None
+                raise damage_error(self.ids[key], rows, err) from None
         if not rows.size:
             return {key: torch.empty((0, *spec.element_shape), dtype=spec.dtype) for key in keys}
         everything = np.concatenate([named[key].reshape(rows.size, -1) for key in keys], axis=1)
@@ -331,7 +332,7 @@ class FrameCells:
         try:
             stored = self.cells.read_rows(wanted).result()
         except ValueError as err:
-            raise self.cells.damage_error(wanted, err) from None
+            raise damage_error(self.cells, wanted, err) from None
         flat = from_numpy(stored, spec.dtype).view(wanted.size * per_row, *spec.frame_shape)
         at = where.reshape(cells.shape) * per_row + cells % per_row
         per_key = math.prod(spec.element_shape) // math.prod(spec.frame_shape)

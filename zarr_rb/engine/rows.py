@@ -1,5 +1,6 @@
 """One Zarr array addressed by rows (:class:`RowArray`): reads and writes of rows through
-TensorStore, the keys of its objects, and what a read that failed found damaged.
+TensorStore, and the keys of its objects (what a read that failed found damaged:
+:mod:`zarr_rb.engine.damage`).
 
 :class:`~zarr_rb.engine.tensorstore.Engine` opens them; this module knows nothing of stores
 or commits.
@@ -17,10 +18,8 @@ import tensorstore as ts
 
 from zarr_rb.engine import once
 from zarr_rb.engine.cache import EncodedCache
-from zarr_rb.errors import ChunkCorruptedError
-from zarr_rb.format.messages import describe_runs
 from zarr_rb.locations.base import ROOT_METADATA, Location, join
-from zarr_rb.util.io import announce, short_reason
+from zarr_rb.util.io import announce
 
 MAX_CACHED_OBJECT_BYTES = 4 * 2**20
 """Arrays whose stored objects (shards) are at most this large on average are read from
@@ -102,6 +101,11 @@ class RowArray:
         self._v2_keys = encoding.get("name") == "v2"
         self._separator = encoding.get("configuration", {}).get("separator", "/")
         self._write_chunk = [int(c or 1) for c in array.chunk_layout.write_chunk.shape or ()]
+
+    @property
+    def url(self) -> str:
+        """The URL of the store the array is in."""
+        return self._location.url
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -207,53 +211,6 @@ class RowArray:
 
     def _read(self, first: slice, width: int | None) -> PendingRead:
         return self._read_region(first, np.arange(first.start, first.stop), width)
-
-    def damaged_runs(
-        self, start: int, stop: int, width: int | None = None
-    ) -> list[tuple[int, int, str]]:
-        """The stored chunks among rows ``[start, stop)`` (up to ``width``) that cannot be
-        read back intact.
-
-        Returns:
-            ``(first_row, end_row, reason)`` for each damaged chunk (rows clipped to the
-            range asked).
-        """
-        try:
-            self._read(slice(start, stop), width).result()
-            return []
-        except ValueError:
-            pass
-        step = self.read_chunk_rows
-        damaged = []
-        for first in range(start - start % step, stop, step):
-            a, b = max(first, start), min(first + step, stop)
-            try:
-                self._read(slice(a, b), width).result()
-            except ValueError as err:
-                damaged.append((a, b, short_reason(err)))
-        return damaged
-
-    def damage_error(
-        self, rows: np.ndarray, err: ValueError, width: int | None = None
-    ) -> ValueError:
-        """Why reading ``rows`` failed: a :class:`ChunkCorruptedError` naming the damaged
-        chunks among them, or ``err`` when none is damaged now (a chunk replaced while it
-        was read)."""
-        step = self.read_chunk_rows
-        damaged: list[tuple[int, int, str]] = []
-        for chunk in np.unique(rows // step).tolist():
-            stop = min(self.shape[0], (chunk + 1) * step)
-            damaged.extend(self.damaged_runs(chunk * step, stop, width))
-        if not damaged:
-            return err
-        return ChunkCorruptedError(
-            f"store {self._location.url!r}: array {self.path!r}, "
-            f"{describe_runs(damaged)}, cannot be read back intact ({damaged[0][2]}). "
-            "Nothing was returned. `python -m zarr_rb verify <store>` lists every damaged "
-            "chunk; `--repair` withdraws the damaged rows from the readable range",
-            array=self.path,
-            rows=[(a, b) for a, b, _ in damaged],
-        )
 
     def read_rows(self, rows: np.ndarray, width: int | None = None) -> PendingRead:
         """Start reading ``rows`` (any order, repeats allowed): ``[len(rows), ...]``, up to

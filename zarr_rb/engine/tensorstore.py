@@ -17,6 +17,7 @@ import numpy as np
 import tensorstore as ts
 
 from zarr_rb.engine.cache import EncodedCache
+from zarr_rb.engine.damage import damaged_runs
 from zarr_rb.engine.layout import MAX_CHUNK_ELEMENTS, Compression, LeafLayout
 from zarr_rb.engine.rows import RowArray, as_bits
 from zarr_rb.errors import (
@@ -450,7 +451,7 @@ class Engine:
         try:
             return np.asarray(array.read_rows(np.arange(array.shape[0])).result())
         except ValueError as err:
-            damaged = array.damaged_runs(0, array.shape[0]) or [
+            damaged = damaged_runs(array, 0, array.shape[0]) or [
                 (0, array.shape[0], short_reason(err))
             ]
             raise ChunkCorruptedError(
