@@ -157,6 +157,7 @@ def test_s3_benchmark_smoke(tmp_path, monkeypatch, s3_server):
     assert results["s3"]["raw_mb"] == results["local"]["raw_mb"]
 
 
+@pytest.mark.slow  # (16 s: the analysis benchmark end to end; CI runs it)
 def test_analysis_benchmark_smoke(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import analysis
@@ -260,6 +261,7 @@ def test_sync_benchmark_smoke(tmp_path, monkeypatch, capsys):
     assert "3 files of 4 kB" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # (16 s: fills of three storages; CI runs it)
 def test_fill_benchmark_smoke(tmp_path):
     out = tmp_path / "fill.json"
     argv = ["--dataset", "random", "--rows", "64", "--rounds", "2", "--breakdown"]

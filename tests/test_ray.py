@@ -91,6 +91,7 @@ def test_writer_actors_from_zarr_rb_ray(cluster, store_path):
     reader.close()
 
 
+@pytest.mark.slow  # (20 s of Ray actors; the writer actors run by default; CI runs it)
 def test_torchrls_ray_replay_buffer_on_a_zarr_storage(cluster, store_path):
     rb = ReplayBuffer(
         storage=partial(ZarrStorage, 100, store_path),
