@@ -217,8 +217,7 @@ class ArrayWrites:
         """Wait for a write and sync what it wrote (on the landing thread)."""
         errors = cls._wait_futures(pending)
         if not errors:
-            for array, keys in pending.written:
-                array.sync_objects(keys)
+            RowArray.sync_objects(pending.written)
         return errors
 
     @classmethod

@@ -263,17 +263,26 @@ class RowArray:
             values, can_reference_source_data_indefinitely=behind
         ), keys
 
-    def sync_objects(self, keys: list[str]) -> None:
-        """Make these objects of the array durable now (any thread)."""
-        self._location.sync_objects(keys)
+    @staticmethod
+    def sync_objects(written: Sequence[tuple[RowArray, list[str]]]) -> None:
+        """Make these objects of these arrays durable now (any thread), together for each
+        location (the write-back of a local store's files started at once: see
+        ``LocalLocation.sync_objects``)."""
+        by_location: dict[int, tuple[Location, list[str]]] = {}
+        for array, keys in written:
+            location = array._location
+            by_location.setdefault(id(location), (location, []))[1].extend(keys)
+        for location, keys in by_location.values():
+            location.sync_objects(keys)
 
     def mark_written(self, keys: list[str], *, behind: bool = False) -> None:
         """Objects written: made durable by the next commit (``behind``: by a write
-        started with ``behind``, which has landed)."""
+        started with ``behind``, which has landed, and whose objects were synced since
+        with :meth:`sync_objects`: the commit makes their names durable)."""
         if behind:
             for key in keys:
                 announce("landed", self._location.path_of(key))
-        self._location.written(keys)
+        self._location.written(keys, synced=behind)
 
     def create_rows(
         self,

@@ -268,8 +268,12 @@ class Location(abc.ABC):
 
     # --- durability --------------------------------------------------------------------
 
-    def written(self, keys: Iterable[str]) -> None:  # noqa: B027 (optional hook)
-        """Objects written since the last :meth:`sync` (by TensorStore, say)."""
+    def written(  # noqa: B027 (optional hook)
+        self, keys: Iterable[str], *, synced: bool = False
+    ) -> None:
+        """Objects written since the last :meth:`sync` (by TensorStore, say). ``synced``:
+        :meth:`sync_objects` made their content durable since they were written; the next
+        :meth:`sync` makes the rest (their names) durable."""
 
     def sync(self) -> None:  # noqa: B027 (optional hook)
         """Make every object written so far durable (the barrier before a commit)."""
