@@ -134,22 +134,17 @@ class SoloCommits(SoloCursor):
         extended = False
         try:
             self.before_write(rows)  # (done already for a write through the storage's set)
-            writing = store.write_cache.writing
-            if writing is not None and (
+            writing = [block.index for block in store.write_cache.writing]
+            if writing and (
                 cursor is None
-                or np.any(rows // store.write_cache.block_rows == writing.index)
+                or np.isin(rows // store.write_cache.block_rows, writing).any()
                 or self._in_flight_landed()
-                or (store.ram.frames is not None and _ends_a_block(rows, store.write_cache))
             ):
-                # Only an extend past the block in flight goes on beside it, until that block
-                # has landed (then its memory serves the next block: the next block written,
-                # whose frames the RAM tier held, takes them there). If that block's write
-                # failed, it waits in RAM again, this call's rows are written (or kept) as
+                # Only an extend past the blocks in flight goes on beside them, until they
+                # have landed (then their memory serves the next blocks). If their write
+                # failed, they wait in RAM again, this call's rows are written (or kept) as
                 # usual, and the failure is raised at the end.
-                try:
-                    self.settle()
-                except StoreWriteError as error:
-                    failed = error
+                failed = self._settle_here()
             store.version += 1
             self.arrivals.written(rows, extended=cursor is not None)
             if cursor is not None:
@@ -170,6 +165,11 @@ class SoloCommits(SoloCursor):
                 # the write buffer, and frames on disk take their cells from the plan it
                 # makes of them (FrameCells.start_write).
                 frames.run()
+                if tier is not None and _ends_a_block(rows, store.write_cache):
+                    # The write in flight landed while the frames went into the tier: once
+                    # finished, its blocks' memory serves the blocks this call fills (the
+                    # next block written, whose frames the tier holds, takes them there).
+                    failed = self._settle_here() or failed
             lent = None
             if tier is not None and frames.error is not None:
                 # (A put that failed takes the rows out of the tier; if that was interrupted
@@ -181,12 +181,13 @@ class SoloCommits(SoloCursor):
                 rows, values, zeros, sequential=cursor is not None, lent=lent
             )
             if writes:
-                behind = self._block_behind(writes, blocks) if cursor is not None else None
-                if behind is not None:
-                    self._write_behind(behind)
+                behind = self._blocks_behind(writes, blocks) if cursor is not None else []
+                if behind:
+                    # (The rows that landed before them are committed before it starts.)
+                    self._write_behind(behind, first=self._commit)
                 else:
                     self._write_now(writes, blocks, meanwhile=frames.run)
-                if values.keys() == store.leaves.keys():
+                if not behind and values.keys() == store.leaves.keys():
                     # (Writes of some keys wait for the next commit: a writer that writes a
                     # buffer column by column, as TorchRL's checkpointers do, moves each
                     # block once, not once per key.)
@@ -203,6 +204,15 @@ class SoloCommits(SoloCursor):
             frames.note_on(failed)
             raise failed
         frames.raise_error()
+
+    def _settle_here(self) -> StoreWriteError | None:
+        """:meth:`settle`, for a write that goes on if the write in flight failed (its blocks
+        wait in RAM again, before this write's rows): the error, raised once it is done."""
+        try:
+            self.settle()
+        except StoreWriteError as error:
+            return error
+        return None
 
     def append(self, values: Mapping[Key, torch.Tensor], count: int) -> np.ndarray:
         raise NotSupportedError(

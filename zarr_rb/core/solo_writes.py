@@ -58,7 +58,7 @@ class SoloWrites(SoloSlots):
 
     def _init_writes(self) -> None:
         self._in_flight: _Started | None = None
-        """The write of a full block started by an extend and not finished: the next call
+        """The write of full blocks started by an extend and not finished: the next call
         that writes, flushes or moves rows finishes it (``docs/design/block-writes.md``)."""
         self._rewrote_published = False
         """Rows the last commit declared readable were written over (in other slots) since:
@@ -147,11 +147,11 @@ class SoloWrites(SoloSlots):
         try:
             self.settle()
         except BaseException:
-            # The rows of this call wait too, after the block written behind (which waits
-            # in RAM again): it was extended before every one of them.
-            assert behind is not None
-            (older,) = self.store.write_cache.take([behind.index])[1]
-            self._keep_for_retry([older, *writes])
+            # The rows of this call wait too, after the blocks written behind (which wait
+            # in RAM again): they were extended before every one of them.
+            assert behind
+            older = self.store.write_cache.take([block.index for block in behind])[1]
+            self._keep_for_retry([*older, *writes])
             raise
         # (Their cells are none of these writes': each write drops the cells it rewrites
         # from the patches, see WriteBuffer.supersede.)
@@ -286,30 +286,46 @@ class SoloWrites(SoloSlots):
             and self.store.arrays.objects_by_block()
         )
 
-    def _write_behind(self, block: Block) -> None:
-        """Start writing a full block (popped from the write buffer) and return: the block
-        is read from the write buffer until the write finishes (:meth:`settle`). The write
-        before it finishes first: one block is in flight at most."""
-        assert self.store.write_cache is not None
-        write = block_write(block)
+    def _write_behind(
+        self, blocks: Sequence[Block], *, first: Callable[[], None] | None = None
+    ) -> None:
+        """Start writing full blocks (taken out of the write buffer), as one write, and
+        return: the blocks are read from the write buffer until the write finishes
+        (:meth:`settle`). The write before it finishes first: one write is in flight at
+        most. ``first`` is called then, with the blocks read from the write buffer and
+        their write not started: a commit of the rows that landed before them, whose fsyncs
+        made while a write runs would wait for its data too (a filesystem journals its
+        metadata after the data of the files it allocated)."""
+        cache = self.store.write_cache
+        assert cache is not None
+        writes = [block_write(block) for block in blocks]
         try:
             self.settle()
-            started = self._start_write([write], behind=True)
-            assert self.store.ledger is not None
-            if (started.lost & self.store.ledger.published).any():
-                # Published rows rewritten in place (their block moved since the last
-                # commit, which still names the old slot): a commit made meanwhile would
-                # withdraw them. Written now instead.
-                self._finish_write(started)
-                self.store.write_cache.landed([block])
-                if started.released():
-                    self.store.write_cache.reuse([block])  # (see WriteBuffer.written)
-                return
         except BaseException:
-            self._keep_for_retry([write])
+            self._keep_for_retry(writes)
             raise
+        cache.start_writing(blocks)
+        try:
+            if first is not None:
+                first()
+            started = self._start_write(writes, behind=True)
+        except BaseException:
+            cache.not_started()
+            self._keep_for_retry(writes)
+            raise
+        assert self.store.ledger is not None
+        if (started.lost & self.store.ledger.published).any():
+            # Published rows rewritten in place (their block moved since the last commit,
+            # which still names the old slot): a commit made meanwhile would withdraw
+            # them. Written now instead.
+            try:
+                self._finish_write(started)
+            except BaseException:
+                cache.not_written()
+                raise
+            cache.written(released=started.released())
+            return
         self._in_flight = started
-        self.store.write_cache.start_writing(block)
 
     def _in_flight_landed(self) -> bool:
         """Whether a block write is in flight, has finished, and TensorStore let go of its

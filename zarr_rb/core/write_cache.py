@@ -106,9 +106,10 @@ class WriteBuffer:
         self._spare: dict[Key, torch.Tensor] = {}
         """The tensors of a block written to disk, for the next new block (see :meth:`reuse`);
         those of the tier's keys wait for the next block written (:meth:`write_of`)."""
-        self._writing: Block | None = None
-        """A full block whose write to disk was started and has not finished: its rows are
-        read from here (they are not on disk yet), and nothing else writes into it."""
+        self._writing: list[Block] = []
+        """Full blocks whose write to disk was started and has not finished (one write, of
+        one extend's blocks): their rows are read from here (they are not on disk yet), and
+        nothing else writes into them."""
         self._restored: list[np.ndarray] = []
         """Rows whose values a copy interrupted between two keys put back (see
         :meth:`_put_rows`), until :meth:`take_restored`."""
@@ -138,54 +139,59 @@ class WriteBuffer:
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def held(self) -> Iterator[Block]:
-        """Every block whose rows are read from here: those waiting and the one being
+        """Every block whose rows are read from here: those waiting and those being
         written."""
-        blocks = list(self._blocks.values())
-        if self._writing is not None:
-            blocks.append(self._writing)
-        return iter(blocks)
+        return iter([*self._blocks.values(), *self._writing])
 
     def forget(self) -> None:
         """Forget every row held, blocks and patches (``empty``; no block is being
         written)."""
-        assert self._writing is None
+        assert not self._writing
         self._blocks.clear()
         self._lending.forget()
         self.patches.clear()
 
-    # --- the block being written -----------------------------------------------------------
+    # --- the blocks being written ----------------------------------------------------------
 
     @property
-    def writing(self) -> Block | None:
-        return self._writing
+    def writing(self) -> list[Block]:
+        """The blocks being written (none: no write in flight)."""
+        return list(self._writing)
 
-    def start_writing(self, block: Block) -> None:
-        """``block`` (popped) is being written: its rows are read from here until then."""
-        assert self._writing is None
-        self._writing = block
+    def start_writing(self, blocks: Iterable[Block]) -> None:
+        """``blocks`` (taken out) are being written, together: their rows are read from here
+        until then."""
+        assert not self._writing
+        self._writing = list(blocks)
+
+    def not_started(self) -> None:
+        """The blocks' write was not started after all: they are not read from here any
+        more (their rows are kept elsewhere, or lost)."""
+        self._writing = []
 
     def written(self, *, released: bool) -> None:
-        """The block being written is on disk. TensorStore wrote it without a copy: its
-        memory serves the next block once TensorStore let go of it (``released``), and is
-        otherwise left to TensorStore (unmapped once neither holds it)."""
-        assert self._writing is not None
-        block, self._writing = self._writing, None
-        self.landed([block])
+        """The blocks being written are on disk. TensorStore wrote them without a copy:
+        their memory serves the next blocks once TensorStore let go of it (``released``),
+        and is otherwise left to TensorStore (unmapped once neither holds it)."""
+        blocks, self._writing = self._writing, []
+        self.landed(blocks)
         if released:
-            self.reuse([block])
+            self.reuse(blocks)
 
     def not_written(self) -> None:
-        """The block's write failed: a copy of it waits again, for the next flush (the
+        """The blocks' write failed: a copy of each waits again, for the next flush (the
         memory written from stays as it is: TensorStore may keep it)."""
-        assert self._writing is not None
-        block, self._writing = self._writing, None
-        self.keep_unkept()  # (its tensors are copied: with every row's frames)
-        assert block.index not in self._blocks
-        values = {}
-        for key, value in block.values.items():
-            values[key] = zeros(tuple(value.shape), value.dtype)
-            values[key].copy_(value)
-        self._blocks[block.index] = dataclasses.replace(block, values=values, frames_touched=True)
+        blocks, self._writing = self._writing, []
+        self.keep_unkept()  # (their tensors are copied: with every row's frames)
+        for block in blocks:
+            assert block.index not in self._blocks
+            values = {}
+            for key, value in block.values.items():
+                values[key] = zeros(tuple(value.shape), value.dtype)
+                values[key].copy_(value)
+            self._blocks[block.index] = dataclasses.replace(
+                block, values=values, frames_touched=True
+            )
 
     def held_rows(self, *, writing: bool = True) -> np.ndarray:
         """The rows held here (sorted, unique): in a block waiting (and in the one being
@@ -312,12 +318,17 @@ class WriteBuffer:
         *,
         force: bool = False,
         lent: tuple[FrameTier, np.ndarray] | None = None,
+        whole_lent: bool = False,
     ) -> tuple[list[tuple[int, int]], list[int]]:
         """Stage what belongs in RAM (everything, with ``force``).
 
         ``rows`` is sorted and unique, ``values[key][i]`` belongs to ``rows[i]``. ``lent``:
         a tier and which rows it holds as given here: their frames stay there, if that is
-        the tier lent to (:meth:`lend_frames`).
+        the tier lent to (:meth:`lend_frames`). ``whole_lent``: whole blocks whose every
+        row lends its frames are staged too, when they are written from the tier's frames
+        (:attr:`FrameLending.writes_from_tier
+        <zarr_rb.core.frame_lending.FrameLending.writes_from_tier>`): a block then holds
+        copies of the other leaves only.
 
         Returns:
             The ranges of positions (into ``rows``) that were *not* staged and must be
@@ -342,9 +353,18 @@ class WriteBuffer:
                 contiguous and offsets[0] == 0 and offsets.size == self._block_rows_in_array(index)
             )
             if block is None and (whole or not contiguous) and not force:
-                # A whole block needs no staging; scattered rows are not worth a block.
-                direct.append((start, stop))
-                continue
+                # A whole block needs no staging (but one that lends every frame, when asked:
+                # it is written from the tier); scattered rows are not worth a block.
+                lends = (
+                    whole
+                    and whole_lent
+                    and held is not None
+                    and bool(held[start:stop].all())
+                    and self._lending.writes_from_tier
+                )
+                if not lends:
+                    direct.append((start, stop))
+                    continue
             new = block is None
             if block is None:
                 block = self._new_block(index)
@@ -467,7 +487,7 @@ class WriteBuffer:
         """
         hit = np.zeros(rows.size, dtype=bool)
         served: list[tuple[Block, np.ndarray]] = []
-        if not self._blocks and self._writing is None:
+        if not self._blocks and not self._writing:
             return hit, served
         block_ids = rows // self.block_rows
         for block in self.held():
