@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from zarr_rb.core.block_memory import BlockMemory
 from zarr_rb.core.frame_lending import FrameLending
 from zarr_rb.core.mirror import zeros
 from zarr_rb.core.write_patches import Patches, Write
@@ -97,15 +98,8 @@ class WriteBuffer:
         self.block_rows = block_rows
         self._lending = FrameLending(block_rows=block_rows, frames_on_disk=frames_on_disk)
         self.rows = rows
-        self._element_shapes = dict(element_shapes)
-        self._dtypes = dict(dtypes)
-        self._ragged = set(ragged)
-        """Keys whose rows differ in length (their first element dimension): a block holds
-        them padded with zeros to the longest row it holds, and grows wider as needed."""
+        self._memory = BlockMemory(element_shapes, dtypes, ragged)
         self._blocks: dict[int, Block] = {}
-        self._spare: dict[Key, torch.Tensor] = {}
-        """The tensors of a block written to disk, for the next new block (see :meth:`reuse`);
-        those of the tier's keys wait for the next block written (:meth:`write_of`)."""
         self._writing: list[Block] = []
         """Full blocks whose write to disk was started and has not finished (one write, of
         one extend's blocks): their rows are read from here (they are not on disk yet), and
@@ -135,8 +129,7 @@ class WriteBuffer:
             for key, value in block.values.items()
             if block.frames_touched or key not in lendable
         ]
-        tensors += list(self._spare.values())
-        return sum(t.untyped_storage().nbytes() for t in tensors)
+        return sum(t.untyped_storage().nbytes() for t in tensors) + self._memory.nbytes
 
     def held(self) -> Iterator[Block]:
         """Every block whose rows are read from here: those waiting and those being
@@ -228,10 +221,7 @@ class WriteBuffer:
         next block written its tensors of the tier's keys."""
         self.landed(blocks)
         for block in blocks:
-            if not self._ragged and block.values.keys() == self._element_shapes.keys():
-                # (Tensors of the tier's keys never written into hold no pages: not kept.)
-                untouched = frozenset() if block.frames_touched else self._lendable()
-                self._spare = {k: v for k, v in block.values.items() if k not in untouched}
+            self._memory.reuse(block, self._lendable())
 
     def landed(self, blocks: Iterable[Block]) -> None:
         """Blocks taken out to be written are on disk: nothing reads their writes' values."""
@@ -240,17 +230,9 @@ class WriteBuffer:
     def _new_block(self, index: int) -> Block:
         n = self.block_rows
         lendable = self._lendable()
-        # Zeros, as ragged leaves' padding must be (other leaves: only rows marked dirty
-        # are ever read or written). (Large ones are mappings of their own: given back
-        # whole once let go, and taking no RAM until written.)
-        values = {}
-        for key, shape in self._element_shapes.items():
-            spare = None if key in lendable else self._spare.pop(key, None)
-            values[key] = zeros((n, *shape), self._dtypes[key]) if spare is None else spare
-        self._spare = {key: value for key, value in self._spare.items() if key in lendable}
         block = Block(
             index=index,
-            values=values,
+            values=self._memory.new_values(n, lendable),
             dirty=np.zeros(n, dtype=bool),
             length=self._block_rows_in_array(index),
             lent=np.zeros(n, dtype=bool),
@@ -304,10 +286,7 @@ class WriteBuffer:
             return block_write(block)
         lent = np.flatnonzero(block.lent)
         if lent.size and not (block.dirty & ~block.lent).any():
-            for key in self._lendable():
-                spare = self._spare.pop(key, None)
-                if spare is not None:
-                    block.values[key] = spare
+            self._memory.spare_frames(block, self._lendable())
         self._lending.keep(block, lent)
         return block_write(block)
 
@@ -442,14 +421,16 @@ class WriteBuffer:
             for key, (at, tensor) in parts.items():
                 put.append(key)
                 if at.size:
-                    block.put(key, torch.from_numpy(at), tensor, ragged=key in self._ragged)
+                    block.put(key, torch.from_numpy(at), tensor, ragged=key in self._memory.ragged)
         except BaseException:
             block.dirty[offsets] = False  # (torn until their values are back)
             if held.any():
                 for key in put:
                     if key in before:
                         again, old = before[key]
-                        block.put(key, torch.from_numpy(again), old, ragged=key in self._ragged)
+                        block.put(
+                            key, torch.from_numpy(again), old, ragged=key in self._memory.ragged
+                        )
                 block.dirty[offsets[held]] = True
                 self._restored.append(block.index * self.block_rows + offsets[held])
             raise
@@ -469,11 +450,7 @@ class WriteBuffer:
         """A new leaf: held rows read as zeros in it until written. Each patch takes the
         zeros of its rows (rows kept only there may never have been written to disk), so
         that they land with the patch, in its place in the order."""
-        self._element_shapes[key] = element_shape
-        self._dtypes[key] = dtype
-        self._spare = {}
-        if ragged:
-            self._ragged.add(key)
+        self._memory.add_key(key, element_shape, dtype, ragged=ragged)
         for block in self._blocks.values():
             block.values[key] = torch.zeros((self.block_rows, *element_shape), dtype=dtype)
         self.patches.add_key(key, element_shape, dtype)
