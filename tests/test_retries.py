@@ -705,6 +705,7 @@ def test_a_call_interrupted_while_it_waits_for_the_block_written_behind(tmp_path
     lost like those of any call that failed before it kept them, and commits go on (found
     by review: that wait came before the call's failure handling, and commits stopped at
     its rows)."""
+    from zarr_rb.core.solo_behind import SoloBehind
     from zarr_rb.core.solo_writes import SoloWrites
 
     path = tmp_path / "rb.zarr"
@@ -719,7 +720,7 @@ def test_a_call_interrupted_while_it_waits_for_the_block_written_behind(tmp_path
         finish(self, started, what=what)
 
     with (
-        mock.patch.object(SoloWrites, "_in_flight_landed", return_value=True),
+        mock.patch.object(SoloBehind, "_in_flight_landed", return_value=True),
         mock.patch.object(SoloWrites, "_finish_write", interrupted),
         pytest.raises(KeyboardInterrupt),
     ):

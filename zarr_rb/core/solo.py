@@ -12,11 +12,12 @@
   writes there, so that the late writes of a stalled writer before it land in slots no
   one else writes (see :class:`~zarr_rb.format.commit.LeaseFloor`).
 
-One object, :class:`SoloCommits`, owns all of it; its code is in seven modules by concern:
+One object, :class:`SoloCommits`, owns all of it; its code is in eight modules by concern:
 this one (the interface, commits), :mod:`~zarr_rb.core.solo_cursor` (the length and cursor
 a commit records), :mod:`~zarr_rb.core.solo_keys` (keys added to a store
 that holds rows), :mod:`~zarr_rb.core.solo_saves` (saves and versions),
 :mod:`~zarr_rb.core.solo_staging` (which rows are written now, which wait in RAM),
+:mod:`~zarr_rb.core.solo_behind` (an extend's blocks written while the next rows come),
 :mod:`~zarr_rb.core.solo_writes` (writes and copy-on-write) and
 :mod:`~zarr_rb.core.solo_slots` (free slots, reservations, collection), the classes it
 derives from.
@@ -76,6 +77,7 @@ class SoloCommits(SoloCursor):
         """The schema of the last published record (keys added since are published next)."""
         self._init_slots(store, meta, late_writes=late_writes)
         self._init_writes()
+        self._init_behind()
         self._replaced_published: int | None = None
         """``Engine.arrays_replaced`` when this writer last published a record (``None``:
         it published none yet)."""
@@ -166,9 +168,7 @@ class SoloCommits(SoloCursor):
                 # makes of them (FrameCells.start_write).
                 frames.run()
                 if tier is not None and _ends_a_block(rows, store.write_cache):
-                    # The write in flight landed while the frames went into the tier: once
-                    # finished, its blocks' memory serves the blocks this call fills (the
-                    # next block written, whose frames the tier holds, takes them there).
+                    # (Landed meanwhile: its blocks' memory serves the blocks this one fills.)
                     failed = self._settle_here() or failed
             lent = None
             if tier is not None and frames.error is not None:
@@ -182,8 +182,7 @@ class SoloCommits(SoloCursor):
             )
             if writes:
                 behind = self._blocks_behind(writes, blocks) if cursor is not None else []
-                if behind:
-                    # (The rows that landed before them are committed before it starts.)
+                if behind:  # (the rows landed before them committed first)
                     self._write_behind(behind, first=self._commit)
                 else:
                     self._write_now(writes, blocks, meanwhile=frames.run)
@@ -204,15 +203,6 @@ class SoloCommits(SoloCursor):
             frames.note_on(failed)
             raise failed
         frames.raise_error()
-
-    def _settle_here(self) -> StoreWriteError | None:
-        """:meth:`settle`, for a write that goes on if the write in flight failed (its blocks
-        wait in RAM again, before this write's rows): the error, raised once it is done."""
-        try:
-            self.settle()
-        except StoreWriteError as error:
-            return error
-        return None
 
     def append(self, values: Mapping[Key, torch.Tensor], count: int) -> np.ndarray:
         raise NotSupportedError(

@@ -4,7 +4,8 @@ extended past it must still hold what they held before (``docs/design/ring.md``,
 land in the order they were extended").
 
 :class:`SoloStaging` is the part of :class:`~zarr_rb.core.solo.SoloCommits` (which derives
-from it) that decides; :class:`~zarr_rb.core.solo_writes.SoloWrites` writes.
+from it) that decides; :class:`~zarr_rb.core.solo_writes.SoloWrites` writes, and
+:class:`~zarr_rb.core.solo_behind.SoloBehind` writes behind.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from zarr_rb.core.solo_writes import SoloWrites
+from zarr_rb.core.solo_behind import SoloBehind
 from zarr_rb.core.write_cache import Block
 from zarr_rb.core.write_patches import Write
 from zarr_rb.util.keys import Key
@@ -29,7 +30,7 @@ STAGED_RAGGED_BYTES = 128 * 2**20
 long that their block would take more than this are written at once instead."""
 
 
-class SoloStaging(SoloWrites):
+class SoloStaging(SoloBehind):
     """The writes a call makes now, and the rows it leaves in RAM."""
 
     def _writes_for(

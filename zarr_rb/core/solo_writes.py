@@ -20,15 +20,14 @@ from zarr_rb.core.commits import StoreAPI
 from zarr_rb.core.dtypes import TORCH_DTYPES
 from zarr_rb.core.solo_slots import SoloSlots
 from zarr_rb.core.store_facts import whole_rows
-from zarr_rb.core.write_cache import Block, block_write
+from zarr_rb.core.write_cache import Block
 from zarr_rb.core.write_patches import Write
-from zarr_rb.format.ring import SlotMap
 from zarr_rb.format.schema import plain_then_ragged
 from zarr_rb.util.keys import Key
 
 
 @dataclasses.dataclass(eq=False)
-class _Started:
+class StartedWrite:
     """A write of rows started: what finishing it (or undoing it) needs."""
 
     pending: PendingWrite | None
@@ -57,9 +56,6 @@ class SoloWrites(SoloSlots):
     """The writes of a store of one writer (see the module's docstring)."""
 
     def _init_writes(self) -> None:
-        self._in_flight: _Started | None = None
-        """The write of full blocks started by an extend and not finished: the next call
-        that writes, flushes or moves rows finishes it (``docs/design/block-writes.md``)."""
         self._rewrote_published = False
         """Rows the last commit declared readable were written over (in other slots) since:
         the next commit moves the epoch."""
@@ -212,7 +208,7 @@ class SoloWrites(SoloSlots):
             meanwhile()
         self._finish_write(started)
 
-    def _start_write(self, writes: Sequence[Write], *, behind: bool = False) -> _Started:
+    def _start_write(self, writes: Sequence[Write], *, behind: bool = False) -> StartedWrite:
         """Start :meth:`_write_to_disk`: everything up to waiting for the arrays' writes
         (objects created once are written whole here). ``behind``: commits made before it
         finishes do not depend on what it writes."""
@@ -231,7 +227,9 @@ class SoloWrites(SoloSlots):
         # Rows rewritten in slots no record refers to (moved since the last commit): not
         # whole while the write runs (a failed write leaves them to be written again).
         lost = self.store.ledger.start_write(in_place)
-        started = _Started(None, [*copies, *writes], touched, was_intact, keys, moved, before, lost)
+        started = StartedWrite(
+            None, [*copies, *writes], touched, was_intact, keys, moved, before, lost
+        )
         try:
             if self.store.lifetime.creates_once:
                 self.store.arrays.write_rows(started.writes, seeds=seeds)
@@ -242,7 +240,7 @@ class SoloWrites(SoloSlots):
             raise
         return started
 
-    def _finish_write(self, started: _Started, *, what: str = "writing rows") -> None:
+    def _finish_write(self, started: StartedWrite, *, what: str = "writing rows") -> None:
         """Wait for a write :meth:`_start_write` started; its rows become intact."""
         assert self.store.ledger is not None
         if started.pending is not None:
@@ -263,113 +261,12 @@ class SoloWrites(SoloSlots):
             self._created_slots.extend(slots.tolist())
         self.store.ledger.finish_write(started.touched, started.was_intact, started.keys)
 
-    def _undo_write(self, started: _Started) -> None:
+    def _undo_write(self, started: StartedWrite) -> None:
         """A write failed: its blocks are where they were, and the rows it rewrote in place
         are not whole (their cells of other keys still are)."""
         assert self.store.ledger is not None
         self.block_map.assign(started.moved, started.before)
         self.store.ledger.fail_write(started.lost, started.keys)
-
-    # --- a block written while the next rows come ------------------------------------------
-
-    def _writes_behind_here(self) -> bool:
-        """Whether this store writes blocks while the next rows come: a local store of one
-        writer (objects written over in place, no lease), outside an archive (whose history
-        takes rows as they reach the disk), with every leaf stored in objects of one
-        block."""
-        return (
-            not self.store.lifetime.creates_once
-            and not self.late_writes_alone
-            and not self.store.archive
-            # Objects of the block's rows alone: a commit made while they are written
-            # declares no row they hold (a shard of several blocks would hold some).
-            and self.store.arrays.objects_by_block()
-        )
-
-    def _write_behind(
-        self, blocks: Sequence[Block], *, first: Callable[[], None] | None = None
-    ) -> None:
-        """Start writing full blocks (taken out of the write buffer), as one write, and
-        return: the blocks are read from the write buffer until the write finishes
-        (:meth:`settle`). The write before it finishes first: one write is in flight at
-        most. ``first`` is called then, with the blocks read from the write buffer and
-        their write not started: a commit of the rows that landed before them, whose fsyncs
-        made while a write runs would wait for its data too (a filesystem journals its
-        metadata after the data of the files it allocated)."""
-        cache = self.store.write_cache
-        assert cache is not None
-        writes = [block_write(block) for block in blocks]
-        try:
-            self.settle()
-        except BaseException:
-            self._keep_for_retry(writes)
-            raise
-        cache.start_writing(blocks)
-        try:
-            if first is not None:
-                first()
-            started = self._start_write(writes, behind=True)
-        except BaseException:
-            cache.not_started()
-            self._keep_for_retry(writes)
-            raise
-        assert self.store.ledger is not None
-        if (started.lost & self.store.ledger.published).any():
-            # Published rows rewritten in place (their block moved since the last commit,
-            # which still names the old slot): a commit made meanwhile would withdraw
-            # them. Written now instead.
-            try:
-                self._finish_write(started)
-            except BaseException:
-                cache.not_written()
-                raise
-            cache.written(released=started.released())
-            return
-        self._in_flight = started
-
-    def _in_flight_landed(self) -> bool:
-        """Whether a block write is in flight, has finished, and TensorStore let go of its
-        memory: settling it now waits for nothing, and gives that memory to the next block
-        (:meth:`WriteBuffer.written`)."""
-        started = self._in_flight
-        return started is not None and started.has_landed() and started.released()
-
-    def settle(self, *, keep: bool = True) -> None:
-        """Finish the block write in flight, if any: its rows become intact (the next commit
-        declares them). If it failed, the block waits in the write buffer for the next
-        flush and the error is raised; ``keep=False``: its rows are being dropped (an
-        empty, a save loaded), and the outcome does not matter."""
-        started, self._in_flight = self._in_flight, None
-        if started is None:
-            return
-        cache = self.store.write_cache
-        assert cache is not None
-        try:
-            self._finish_write(started, what="writing a block of rows (an earlier extend's)")
-        except BaseException:
-            cache.not_written()
-            if keep:
-                raise
-            return
-        cache.written(released=started.released())
-
-    def _slots_record(self) -> SlotMap | None:
-        """The writer's map as a commit records it (``None``: the identity). A block whose
-        write is in flight is recorded in the slot it was in: its new one does not hold it
-        yet. So is a block :meth:`_kept_where_committed` names, in its committed slot."""
-        positions = self.positions
-        if not isinstance(positions, SlotMap):
-            return None
-        started = self._in_flight
-        kept = self._kept_where_committed()
-        if (started is not None and started.moved.size) or kept.size:
-            positions = positions.copy()
-            if started is not None and started.moved.size:
-                positions.assign(started.moved, started.before)
-            positions.assign(kept, self._committed_slots().slots[kept])
-        if positions.is_identity:
-            return None
-        return positions.copy()
 
     def _copy_on_write(
         self, writes: Sequence[Write], touched: np.ndarray

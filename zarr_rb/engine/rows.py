@@ -103,6 +103,11 @@ class RowArray:
         self._write_chunk = [int(c or 1) for c in array.chunk_layout.write_chunk.shape or ()]
 
     @property
+    def location(self) -> Location:
+        """Where the array's objects are."""
+        return self._location
+
+    @property
     def url(self) -> str:
         """The URL of the store the array is in."""
         return self._location.url
@@ -270,7 +275,7 @@ class RowArray:
         ``LocalLocation.sync_objects``)."""
         by_location: dict[int, tuple[Location, list[str]]] = {}
         for array, keys in written:
-            location = array._location
+            location = array.location
             by_location.setdefault(id(location), (location, []))[1].extend(keys)
         for location, keys in by_location.values():
             location.sync_objects(keys)

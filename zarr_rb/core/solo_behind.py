@@ -1,0 +1,134 @@
+"""How a store of one writer writes an extend's full blocks while the next rows come
+(``docs/design/block-writes.md``): the extend starts their write and returns, and the next
+call that needs it finishes it; until then the blocks are read from the write buffer, and
+no commit declares their rows.
+
+:class:`SoloBehind` is the part of :class:`~zarr_rb.core.solo.SoloCommits` (which derives
+from it) that does this, on the writes of :class:`~zarr_rb.core.solo_writes.SoloWrites`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from zarr_rb.core.solo_writes import SoloWrites, StartedWrite
+from zarr_rb.core.write_cache import Block, block_write
+from zarr_rb.errors import StoreWriteError
+from zarr_rb.format.ring import SlotMap
+
+
+class SoloBehind(SoloWrites):
+    """The write in flight of a store of one writer (see the module's docstring)."""
+
+    def _init_behind(self) -> None:
+        self._in_flight: StartedWrite | None = None
+        """The write of full blocks started by an extend and not finished: the next call
+        that writes, flushes or moves rows finishes it."""
+
+    def _writes_behind_here(self) -> bool:
+        """Whether this store writes blocks while the next rows come: a local store of one
+        writer (objects written over in place, no lease), outside an archive (whose history
+        takes rows as they reach the disk), with every leaf stored in objects of one
+        block."""
+        return (
+            not self.store.lifetime.creates_once
+            and not self.late_writes_alone
+            and not self.store.archive
+            # Objects of the block's rows alone: a commit made while they are written
+            # declares no row they hold (a shard of several blocks would hold some).
+            and self.store.arrays.objects_by_block()
+        )
+
+    def _write_behind(
+        self, blocks: Sequence[Block], *, first: Callable[[], None] | None = None
+    ) -> None:
+        """Start writing full blocks (taken out of the write buffer), as one write, and
+        return: the blocks are read from the write buffer until the write finishes
+        (:meth:`settle`). The write before it finishes first: one write is in flight at
+        most. ``first`` is called then, with the blocks read from the write buffer and
+        their write not started: a commit of the rows that landed before them, whose fsyncs
+        made while a write runs would wait for its data too (a filesystem journals its
+        metadata after the data of the files it allocated)."""
+        cache = self.store.write_cache
+        assert cache is not None
+        writes = [block_write(block) for block in blocks]
+        try:
+            self.settle()
+        except BaseException:
+            self._keep_for_retry(writes)
+            raise
+        cache.start_writing(blocks)
+        try:
+            if first is not None:
+                first()
+            started = self._start_write(writes, behind=True)
+        except BaseException:
+            cache.not_started()
+            self._keep_for_retry(writes)
+            raise
+        assert self.store.ledger is not None
+        if (started.lost & self.store.ledger.published).any():
+            # Published rows rewritten in place (their block moved since the last commit,
+            # which still names the old slot): a commit made meanwhile would withdraw
+            # them. Written now instead.
+            try:
+                self._finish_write(started)
+            except BaseException:
+                cache.not_written()
+                raise
+            cache.written(released=started.released())
+            return
+        self._in_flight = started
+
+    def _in_flight_landed(self) -> bool:
+        """Whether a block write is in flight, has finished, and TensorStore let go of its
+        memory: settling it now waits for nothing, and gives that memory to the next block
+        (:meth:`WriteBuffer.written`)."""
+        started = self._in_flight
+        return started is not None and started.has_landed() and started.released()
+
+    def settle(self, *, keep: bool = True) -> None:
+        """Finish the block write in flight, if any: its rows become intact (the next commit
+        declares them). If it failed, the block waits in the write buffer for the next
+        flush and the error is raised; ``keep=False``: its rows are being dropped (an
+        empty, a save loaded), and the outcome does not matter."""
+        started, self._in_flight = self._in_flight, None
+        if started is None:
+            return
+        cache = self.store.write_cache
+        assert cache is not None
+        try:
+            self._finish_write(started, what="writing a block of rows (an earlier extend's)")
+        except BaseException:
+            cache.not_written()
+            if keep:
+                raise
+            return
+        cache.written(released=started.released())
+
+    def _settle_here(self) -> StoreWriteError | None:
+        """:meth:`settle`, for a write that goes on if the write in flight failed (its blocks
+        wait in RAM again, before this write's rows): the error, raised once it is done."""
+        try:
+            self.settle()
+        except StoreWriteError as error:
+            return error
+        return None
+
+    def _slots_record(self) -> SlotMap | None:
+        """The writer's map as a commit records it (``None``: the identity). A block whose
+        write is in flight is recorded in the slot it was in: its new one does not hold it
+        yet. So is a block :meth:`_kept_where_committed` names, in its committed slot."""
+        positions = self.positions
+        if not isinstance(positions, SlotMap):
+            return None
+        started = self._in_flight
+        kept = self._kept_where_committed()
+        if (started is not None and started.moved.size) or kept.size:
+            positions = positions.copy()
+            if started is not None and started.moved.size:
+                positions.assign(started.moved, started.before)
+            positions.assign(kept, self._committed_slots().slots[kept])
+        if positions.is_identity:
+            return None
+        return positions.copy()
