@@ -1,13 +1,15 @@
 """How long a fill of a buffer takes, and how much CPU: fresh storages filled with the same
 rows by ``extend`` (1,024 rows at a time, as ``run.py --parts datasets``; ZarrStorage's
-fills end with ``flush()``), in turn, rounds alternating; medians of wall-clock seconds and
-of the process's CPU seconds (every thread). CPU counts what the fill takes from a busy
+fills end with ``flush()``), in turn, rounds alternating; medians of wall-clock seconds, of
+the process's CPU seconds (every thread) and of the time of an ``extend()`` (the first of
+each fill, which creates the arrays, left out). CPU counts what the fill takes from a busy
 machine, where wall-clock times vary most::
 
     python benchmarks/fill.py                        # Breakout, 8,192 rows, 5 rounds
     python benchmarks/fill.py --dataset random --storages zarr,zarr-0
     python benchmarks/fill.py --storages memmap,zarr --levels 1,-1   # zstd levels, in turn
     python benchmarks/fill.py --dataset random --breakdown   # where ZarrStorage's time goes
+    python benchmarks/fill.py --between 0.05   # a learner's 50 ms of work after each extend
 
 To compare two versions of zarr_rb, run it from each checkout in turn.
 """
@@ -37,9 +39,14 @@ leaf stored as stacks (``Compression(frames=False)``)."""
 BATCH = 1024
 
 
-def fill(kind: str, data: Any, where: Path) -> tuple[float, float]:
+def fill(
+    kind: str, data: Any, where: Path, between: float = 0.0
+) -> tuple[float, float, list[float]]:
     """Wall-clock and CPU seconds of one fresh fill of a ``kind`` storage with ``data``
-    (``zarr`` or ``zarr-0`` and ``@level``: at that zstd level)."""
+    (``zarr`` or ``zarr-0`` and ``@level``: at that zstd level), and the seconds of each
+    ``extend()`` but the first (which creates the arrays), unless it is the only one.
+    ``between``: seconds of work on the filling thread after each extend (a learner's
+    updates: matrix products)."""
     from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
 
     from zarr_rb import Compression, ZarrStorage
@@ -63,17 +70,31 @@ def fill(kind: str, data: Any, where: Path) -> tuple[float, float]:
                 compression=compression,
             )
         rb = TensorDictReplayBuffer(storage=storage, batch_size=256)
+        extends = []
         wall, cpu = time.perf_counter(), time.process_time()
         for start in range(0, rows, BATCH):
+            began = time.perf_counter()
             rb.extend(data[start : start + BATCH])
+            extends.append(time.perf_counter() - began)
+            work(between)
         if kind != "memmap":
             storage.flush()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         if kind != "memmap":
             storage.close()
-        return wall, cpu
+        return wall, cpu, extends[1:] or extends  # (a fill of one extend: that one)
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def work(seconds: float) -> None:
+    """Keep this thread busy for ``seconds`` with matrix products, as a learner's updates."""
+    import torch
+
+    x = torch.ones(128, 128)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        x = (x @ x) * 1e-3
 
 
 STEPS = {
@@ -134,6 +155,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="",
         help="zstd levels to fill ZarrStorage at, in turn (default: its own)",
     )
+    parser.add_argument(
+        "--between",
+        type=float,
+        default=0.0,
+        help="seconds of work on the filling thread after each extend (a learner's updates)",
+    )
     parser.add_argument("--dir", type=Path, default=None, help="where the stores go")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
@@ -158,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     data = run.dataset(args.dataset, args.rows)
     times: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
+    extends: dict[str, list[float]] = {kind: [] for kind in kinds}
     parts: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
     with tempfile.TemporaryDirectory(dir=args.dir) as where:
         for round_ in range(args.rounds):
@@ -165,17 +193,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 seconds: dict[str, float] = collections.defaultdict(float)
                 timing = breakdown(seconds) if args.breakdown else contextlib.nullcontext()
                 with timing:
-                    times[kind].append(fill(kind, data, Path(where)))
+                    wall, cpu, each = fill(kind, data, Path(where), args.between)
+                times[kind].append((wall, cpu))
+                extends[kind].extend(each)
                 parts[kind].append(seconds)
     gb = data.bytes() / 1e9
     print(f"{args.dataset}, {args.rows:,} rows ({gb:.2f} GB), medians of {args.rounds} fills")
-    print("| storage | wall s | CPU s | GB/s |\n|---|---|---|---|")
+    if args.between:
+        print(f"{args.between:g} s of work on the filling thread after each extend")
+    print("| storage | wall s | CPU s | GB/s | extend() ms |\n|---|---|---|---|---|")
     result: dict[str, Any] = {"dataset": args.dataset, "rows": args.rows, "gb": gb, "fills": {}}
     for kind, pairs in times.items():
         wall = statistics.median(w for w, _ in pairs)
         cpu = statistics.median(c for _, c in pairs)
-        print(f"| {kind} | {wall:.3f} | {cpu:.3f} | {gb / wall:.2f} |")
-        result["fills"][kind] = {"wall_s": wall, "cpu_s": cpu, "all": pairs}
+        extend = 1e3 * statistics.median(extends[kind])
+        print(f"| {kind} | {wall:.3f} | {cpu:.3f} | {gb / wall:.2f} | {extend:.1f} |")
+        result["fills"][kind] = {"wall_s": wall, "cpu_s": cpu, "all": pairs, "extend_ms": extend}
     if args.breakdown:
         labels = [*STEPS, "fsync, on this thread"]
         print("\n| storage, filling thread s | " + " | ".join(labels) + " |")

@@ -71,9 +71,7 @@ def test_the_frames_of_an_extends_whole_blocks_stay_in_the_tier(tmp_path):
 
 
 @pytest.mark.parametrize("crash_after", range(1, 7))
-def test_a_crash_with_whole_blocks_in_flight_reopens_at_the_rows_before_them(
-    tmp_path, crash_after
-):
+def test_a_crash_with_whole_blocks_in_flight_reopens_at_the_rows_before_them(tmp_path, crash_after):
     """Extends of 16 rows (two blocks each) go twice around a ring of four blocks; the
     writer dies after the ``crash_after``-th, whose blocks never landed: the store reopens
     with the rows of every extend before it, every row as written (past the first lap, its
