@@ -52,12 +52,6 @@ class FrameLending:
         """The keys whose frames rows lend: the tier's."""
         return frozenset() if self.tier is None else self.tier.keys
 
-    @property
-    def writes_from_tier(self) -> bool:
-        """Whether a full block whose every row is lent is written from the tier's frames
-        (see :meth:`from_tier`): staging a whole block then copies none of its frames."""
-        return self.tier is not None and self.tier.keys <= self._frames_on_disk
-
     def lending(self, waiting: Iterable[Block]) -> list[Block]:
         """The blocks whose lent rows' frames the tier holds: those ``waiting`` in the write
         buffer, and those taken out from the tier."""

@@ -141,10 +141,12 @@ class SoloCommits(SoloCursor):
                 cursor is None
                 or np.isin(rows // store.write_cache.block_rows, writing).any()
                 or self._in_flight_landed()
+                or (store.ram.frames is not None and _ends_a_block(rows, store.write_cache))
             ):
-                # Only an extend past the blocks in flight goes on beside them, until they
-                # have landed (then their memory serves the next blocks). If their write
-                # failed, they wait in RAM again, this call's rows are written (or kept) as
+                # Only an extend past the block in flight goes on beside it, until that block
+                # has landed (then its memory serves the next block: the next block written,
+                # whose frames the RAM tier held, takes them there). If that block's write
+                # failed, it waits in RAM again, this call's rows are written (or kept) as
                 # usual, and the failure is raised at the end.
                 failed = self._settle_here()
             store.version += 1
@@ -167,9 +169,6 @@ class SoloCommits(SoloCursor):
                 # the write buffer, and frames on disk take their cells from the plan it
                 # makes of them (FrameCells.start_write).
                 frames.run()
-                if tier is not None and _ends_a_block(rows, store.write_cache):
-                    # (Landed meanwhile: its blocks' memory serves the blocks this one fills.)
-                    failed = self._settle_here() or failed
             lent = None
             if tier is not None and frames.error is not None:
                 # (A put that failed takes the rows out of the tier; if that was interrupted
@@ -181,12 +180,12 @@ class SoloCommits(SoloCursor):
                 rows, values, zeros, sequential=cursor is not None, lent=lent
             )
             if writes:
-                behind = self._blocks_behind(writes, blocks) if cursor is not None else []
-                if behind:  # (the rows landed before them committed first)
-                    self._write_behind(behind, first=self._commit)
+                behind = self._block_behind(writes, blocks) if cursor is not None else None
+                if behind is not None:
+                    self._write_behind(behind)
                 else:
                     self._write_now(writes, blocks, meanwhile=frames.run)
-                if not behind and values.keys() == store.leaves.keys():
+                if values.keys() == store.leaves.keys():
                     # (Writes of some keys wait for the next commit: a writer that writes a
                     # buffer column by column, as TorchRL's checkpointers do, moves each
                     # block once, not once per key.)

@@ -9,8 +9,6 @@ from it) that does this, on the writes of :class:`~zarr_rb.core.solo_writes.Solo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 from zarr_rb.core.solo_writes import SoloWrites, StartedWrite
 from zarr_rb.core.write_cache import Block, block_write
 from zarr_rb.errors import StoreWriteError
@@ -39,46 +37,31 @@ class SoloBehind(SoloWrites):
             and self.store.arrays.objects_by_block()
         )
 
-    def _write_behind(
-        self, blocks: Sequence[Block], *, first: Callable[[], None] | None = None
-    ) -> None:
-        """Start writing full blocks (taken out of the write buffer), as one write, and
-        return: the blocks are read from the write buffer until the write finishes
-        (:meth:`settle`). The write before it finishes first: one write is in flight at
-        most. ``first`` is called then, with the blocks read from the write buffer and
-        their write not started: a commit of the rows that landed before them, whose fsyncs
-        made while a write runs would wait for its data too (a filesystem journals its
-        metadata after the data of the files it allocated)."""
+    def _write_behind(self, block: Block) -> None:
+        """Start writing a full block (taken out of the write buffer) and return: the block
+        is read from the write buffer until the write finishes (:meth:`settle`). The write
+        before it finishes first: one write is in flight at most."""
         cache = self.store.write_cache
         assert cache is not None
-        writes = [block_write(block) for block in blocks]
+        write = block_write(block)
         try:
             self.settle()
-        except BaseException:
-            self._keep_for_retry(writes)
-            raise
-        cache.start_writing(blocks)
-        try:
-            if first is not None:
-                first()
-            started = self._start_write(writes, behind=True)
-        except BaseException:
-            cache.not_started()
-            self._keep_for_retry(writes)
-            raise
-        assert self.store.ledger is not None
-        if (started.lost & self.store.ledger.published).any():
-            # Published rows rewritten in place (their block moved since the last commit,
-            # which still names the old slot): a commit made meanwhile would withdraw
-            # them. Written now instead.
-            try:
+            started = self._start_write([write], behind=True)
+            assert self.store.ledger is not None
+            if (started.lost & self.store.ledger.published).any():
+                # Published rows rewritten in place (their block moved since the last
+                # commit, which still names the old slot): a commit made meanwhile would
+                # withdraw them. Written now instead.
                 self._finish_write(started)
-            except BaseException:
-                cache.not_written()
-                raise
-            cache.written(released=started.released())
-            return
+                cache.landed([block])
+                if started.released():
+                    cache.reuse([block])  # (see WriteBuffer.written)
+                return
+        except BaseException:
+            self._keep_for_retry([write])
+            raise
         self._in_flight = started
+        cache.start_writing([block])
 
     def _in_flight_landed(self) -> bool:
         """Whether a block write is in flight, has finished, and TensorStore let go of its

@@ -97,10 +97,7 @@ class SoloStaging(SoloBehind):
                     raise
             return [(rows, values)], []
         before = {block.index for block in cache}
-        # An extend's whole blocks whose frames the tier holds wait here too (copies of their
-        # other leaves): written behind together (see _blocks_behind).
-        whole_lent = sequential and self._writes_behind_here() and not cache.patches
-        direct, full = cache.stage(rows, values, lent=lent, whole_lent=whole_lent)
+        direct, full = cache.stage(rows, values, lent=lent)
         if sequential and rows.size:
             block_rows = cache.block_rows
             last = (self.cursor - 1) % cache.rows // block_rows
@@ -136,17 +133,15 @@ class SoloStaging(SoloBehind):
             for key, value in values.items()
         )
 
-    def _blocks_behind(self, writes: Sequence[Write], blocks: Sequence[Block]) -> list[Block]:
-        """The blocks an extend's ``writes`` write, if those are full blocks staged in RAM
-        and nothing else, which may be written while the next rows come
-        (:meth:`_writes_behind_here`): no other row is written now, and all of them are in
-        flight together, so the commits made meanwhile, which leave every one of them out,
-        still declare a prefix of the rows in the order written (also when the extend
-        wraps the ring). Empty: they are written now."""
-        if not blocks or len(writes) != len(blocks) or not all(b.full for b in blocks):
-            return []
-        # (Not while failed writes of some keys wait: they are written first, see
-        # _write_now.)
-        assert self.store.write_cache is not None
-        behind = self._writes_behind_here() and not self.store.write_cache.patches
-        return list(blocks) if behind else []
+    def _block_behind(self, writes: Sequence[Write], blocks: Sequence[Block]) -> Block | None:
+        """The block an extend's ``writes`` write, if they are one full block staged in RAM
+        that may be written while the next rows come (:meth:`_writes_behind_here`): no other
+        row is written now, so the commits made meanwhile, which leave it out, still
+        declare a prefix of the rows in the order written."""
+        if len(writes) == 1 and len(blocks) == 1 and blocks[0].full:
+            # (Not while failed writes of some keys wait: they are written first, see
+            # _write_now.)
+            assert self.store.write_cache is not None
+            behind = self._writes_behind_here() and not self.store.write_cache.patches
+            return blocks[0] if behind else None
+        return None

@@ -157,11 +157,6 @@ class WriteBuffer:
         assert not self._writing
         self._writing = list(blocks)
 
-    def not_started(self) -> None:
-        """The blocks' write was not started after all: they are not read from here any
-        more (their rows are kept elsewhere, or lost)."""
-        self._writing = []
-
     def written(self, *, released: bool) -> None:
         """The blocks being written are on disk. TensorStore wrote them without a copy:
         their memory serves the next blocks once TensorStore let go of it (``released``),
@@ -297,17 +292,12 @@ class WriteBuffer:
         *,
         force: bool = False,
         lent: tuple[FrameTier, np.ndarray] | None = None,
-        whole_lent: bool = False,
     ) -> tuple[list[tuple[int, int]], list[int]]:
         """Stage what belongs in RAM (everything, with ``force``).
 
         ``rows`` is sorted and unique, ``values[key][i]`` belongs to ``rows[i]``. ``lent``:
         a tier and which rows it holds as given here: their frames stay there, if that is
-        the tier lent to (:meth:`lend_frames`). ``whole_lent``: whole blocks whose every
-        row lends its frames are staged too, when they are written from the tier's frames
-        (:attr:`FrameLending.writes_from_tier
-        <zarr_rb.core.frame_lending.FrameLending.writes_from_tier>`): a block then holds
-        copies of the other leaves only.
+        the tier lent to (:meth:`lend_frames`).
 
         Returns:
             The ranges of positions (into ``rows``) that were *not* staged and must be
@@ -332,18 +322,9 @@ class WriteBuffer:
                 contiguous and offsets[0] == 0 and offsets.size == self._block_rows_in_array(index)
             )
             if block is None and (whole or not contiguous) and not force:
-                # A whole block needs no staging (but one that lends every frame, when asked:
-                # it is written from the tier); scattered rows are not worth a block.
-                lends = (
-                    whole
-                    and whole_lent
-                    and held is not None
-                    and bool(held[start:stop].all())
-                    and self._lending.writes_from_tier
-                )
-                if not lends:
-                    direct.append((start, stop))
-                    continue
+                # A whole block needs no staging; scattered rows are not worth a block.
+                direct.append((start, stop))
+                continue
             new = block is None
             if block is None:
                 block = self._new_block(index)
