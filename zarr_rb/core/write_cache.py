@@ -101,9 +101,10 @@ class WriteBuffer:
         self._memory = BlockMemory(element_shapes, dtypes, ragged)
         self._blocks: dict[int, Block] = {}
         self._writing: list[Block] = []
-        """Full blocks whose write to disk was started and has not finished (one write, of
-        one extend's blocks): their rows are read from here (they are not on disk yet), and
-        nothing else writes into them."""
+        """Full blocks whose write to disk was started and has not finished (one write; a
+        single block, see :meth:`SoloBehind._write_behind
+        <zarr_rb.core.solo_behind.SoloBehind._write_behind>`): their rows are read from
+        here (they are not on disk yet), and nothing else writes into them."""
         self._restored: list[np.ndarray] = []
         """Rows whose values a copy interrupted between two keys put back (see
         :meth:`_put_rows`), until :meth:`take_restored`."""
