@@ -52,7 +52,7 @@ def test_a_commit_made_while_a_moved_block_is_written_names_its_old_slot(tmp_pat
         rb.storage.flush()
         committed = twin.storage.get(torch.arange(16)).exclude("index").clone()
         extend_by_two(rb, twin, range(100, 104))  # block 0 again, full: written behind
-        assert rb.storage._store.write_cache.writing
+        assert rb.storage._store.write_cache.writing is not None
         # Every row reads as written, block 0 from the write buffer.
         every = torch.arange(16)
         assert_identical(
@@ -76,11 +76,11 @@ def test_the_block_written_behind_is_declared_once_it_lands(tmp_path):
         rb = buffer(path)
         twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16), batch_size=4)
         extend_by_two(rb, twin, range(4))
-        assert rb.storage._store.write_cache.writing
+        assert rb.storage._store.write_cache.writing is not None
         with ZarrStorage(path=path, read_only=True) as reader:
             assert len(reader) == 0
         rb.storage.flush()
-        assert not rb.storage._store.write_cache.writing
+        assert rb.storage._store.write_cache.writing is None
         with ZarrStorage(path=path, read_only=True) as reader:
             assert len(reader) == 4
             assert_identical(
@@ -97,10 +97,10 @@ def test_a_write_into_the_block_in_flight_waits_for_it(tmp_path):
         rb = buffer(path, ram_bytes="auto")
         twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16), batch_size=4)
         extend_by_two(rb, twin, range(4))
-        assert rb.storage._store.write_cache.writing
+        assert rb.storage._store.write_cache.writing is not None
         for b in (rb, twin):
             b[torch.tensor([1])] = rows_of(torch.tensor([50]))
-        assert not rb.storage._store.write_cache.writing
+        assert rb.storage._store.write_cache.writing is None
         rb.storage.flush()
         every = torch.arange(4)
         assert_identical(
@@ -248,7 +248,7 @@ def test_a_mirrored_leaf_read_whole_while_a_moved_block_is_written(tmp_path):
             for b in (rb, twin):
                 b.empty()
             extend_by_two(rb, twin, range(100, 104))  # block 0 again: to a new slot, behind
-            assert rb.storage._store.write_cache.writing
+            assert rb.storage._store.write_cache.writing is not None
             every = torch.arange(4)
             assert_identical(
                 rb.storage.get(every).exclude("index"), twin.storage.get(every).exclude("index")
@@ -270,7 +270,8 @@ def test_a_block_write_that_landed_gives_its_memory_to_the_next_block(tmp_path):
         twin = TensorDictReplayBuffer(storage=LazyTensorStorage(16), batch_size=4)
         extend_by_two(rb, twin, range(4))  # block 0 full: written behind, lands on its own
         cache = rb.storage._store.write_cache
-        (written,) = cache.writing
+        written = cache.writing
+        assert written is not None
         memory = {key: value.data_ptr() for key, value in written.values.items()}
         held.landing[-1].result()
         # TensorStore lets go of the arrays it wrote from: wait for each to be freed.
@@ -283,7 +284,7 @@ def test_a_block_write_that_landed_gives_its_memory_to_the_next_block(tmp_path):
             del array
         assert all(event.wait(60) for event in let_go)
         extend_by_two(rb, twin, range(4, 6))
-        assert not cache.writing
+        assert cache.writing is None
         (filling,) = list(cache)
         assert {key: value.data_ptr() for key, value in filling.values.items()} == memory
         extend_by_two(rb, twin, range(6, 12))

@@ -299,7 +299,7 @@ def test_a_key_added_while_a_failed_block_written_behind_waits_reads_zeros_there
         rb = _ring_of_8(path, 6)
         rb.extend(_rows(torch.tensor([6])))  # row 6 waits in RAM
         rb.extend(_rows(torch.tensor([7])))  # block 3 full: written behind
-        assert rb.storage._store.write_cache.writing
+        assert rb.storage._store.write_cache.writing is not None
         with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
             rb.extend(_rows(torch.arange(8, 10)).exclude("r"))  # rows 0-1
         _add_a_key_at_row_2_and_reopen(rb, path)

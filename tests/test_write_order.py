@@ -159,7 +159,7 @@ def test_a_row_too_long_to_wait_does_not_land_before_the_block_written_behind(
         rb = _full_ring(path, ragged=True)
         rb.extend(_ragged(range(8, 9)))  # row 0 waits in RAM
         rb.extend(_ragged(range(9, 11)))  # block 0 full: written behind; row 2 waits
-        assert rb.storage._store.write_cache.writing
+        assert rb.storage._store.write_cache.writing is not None
         # Data writes 1-3: block 1 copied to a new slot; 4-6: row 2 there; 7: block 0's.
         with fail_at_row_write(7, 1), pytest.raises(StoreWriteError):
             rb.extend(_ragged(range(11, 12), LONG))  # row 3
@@ -351,7 +351,7 @@ def test_a_failed_block_written_behind_lands_before_the_extend_of_some_keys_afte
         rb = _full_ring(path, ragged=False)
         rb.extend(_rows(torch.tensor([8])))  # row 0 waits in RAM
         rb.extend(_rows(torch.arange(9, 11)))  # block 0 full: written behind; row 2 waits
-        assert rb.storage._store.write_cache.writing
+        assert rb.storage._store.write_cache.writing is not None
         with fail_at_row_write(1, 1), pytest.raises(StoreWriteError):
             rb.extend(_rows(torch.arange(11, 13)).exclude("r"))  # rows 3-4
         rb[torch.tensor([6])] = _rows(torch.tensor([106])).select("r")  # writes what waits

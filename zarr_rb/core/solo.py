@@ -17,7 +17,7 @@ this one (the interface, commits), :mod:`~zarr_rb.core.solo_cursor` (the length 
 a commit records), :mod:`~zarr_rb.core.solo_keys` (keys added to a store
 that holds rows), :mod:`~zarr_rb.core.solo_saves` (saves and versions),
 :mod:`~zarr_rb.core.solo_staging` (which rows are written now, which wait in RAM),
-:mod:`~zarr_rb.core.solo_behind` (an extend's blocks written while the next rows come),
+:mod:`~zarr_rb.core.solo_behind` (a block written while the next rows come),
 :mod:`~zarr_rb.core.solo_writes` (writes and copy-on-write) and
 :mod:`~zarr_rb.core.solo_slots` (free slots, reservations, collection), the classes it
 derives from.
@@ -77,7 +77,6 @@ class SoloCommits(SoloCursor):
         """The schema of the last published record (keys added since are published next)."""
         self._init_slots(store, meta, late_writes=late_writes)
         self._init_writes()
-        self._init_behind()
         self._replaced_published: int | None = None
         """``Engine.arrays_replaced`` when this writer last published a record (``None``:
         it published none yet)."""
@@ -136,10 +135,10 @@ class SoloCommits(SoloCursor):
         extended = False
         try:
             self.before_write(rows)  # (done already for a write through the storage's set)
-            writing = [block.index for block in store.write_cache.writing]
-            if writing and (
+            writing = store.write_cache.writing
+            if writing is not None and (
                 cursor is None
-                or np.isin(rows // store.write_cache.block_rows, writing).any()
+                or np.any(rows // store.write_cache.block_rows == writing.index)
                 or self._in_flight_landed()
                 or (store.ram.frames is not None and _ends_a_block(rows, store.write_cache))
             ):
@@ -148,7 +147,10 @@ class SoloCommits(SoloCursor):
                 # whose frames the RAM tier held, takes them there). If that block's write
                 # failed, it waits in RAM again, this call's rows are written (or kept) as
                 # usual, and the failure is raised at the end.
-                failed = self._settle_here()
+                try:
+                    self.settle()
+                except StoreWriteError as error:
+                    failed = error
             store.version += 1
             self.arrivals.written(rows, extended=cursor is not None)
             if cursor is not None:

@@ -1,7 +1,7 @@
-"""How a store of one writer writes an extend's full blocks while the next rows come
-(``docs/design/block-writes.md``): the extend starts their write and returns, and the next
-call that needs it finishes it; until then the blocks are read from the write buffer, and
-no commit declares their rows.
+"""How a store of one writer writes a block filled in RAM while the next rows come
+(``docs/design/block-writes.md``): the extend that fills it starts its write and returns,
+and the next call that needs it finishes it; until then the block is read from the write
+buffer, and no commit declares its rows.
 
 :class:`SoloBehind` is the part of :class:`~zarr_rb.core.solo.SoloCommits` (which derives
 from it) that does this, on the writes of :class:`~zarr_rb.core.solo_writes.SoloWrites`.
@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from zarr_rb.core.solo_writes import SoloWrites, StartedWrite
 from zarr_rb.core.write_cache import Block, block_write
-from zarr_rb.errors import StoreWriteError
 from zarr_rb.format.ring import SlotMap
 
 
 class SoloBehind(SoloWrites):
     """The write in flight of a store of one writer (see the module's docstring)."""
 
-    def _init_behind(self) -> None:
+    def _init_writes(self) -> None:
+        super()._init_writes()
         self._in_flight: StartedWrite | None = None
-        """The write of full blocks started by an extend and not finished: the next call
+        """The write of a full block started by an extend and not finished: the next call
         that writes, flushes or moves rows finishes it."""
 
     def _writes_behind_here(self) -> bool:
@@ -61,7 +61,7 @@ class SoloBehind(SoloWrites):
             self._keep_for_retry([write])
             raise
         self._in_flight = started
-        cache.start_writing([block])
+        cache.start_writing(block)
 
     def _in_flight_landed(self) -> bool:
         """Whether a block write is in flight, has finished, and TensorStore let go of its
@@ -88,15 +88,6 @@ class SoloBehind(SoloWrites):
                 raise
             return
         cache.written(released=started.released())
-
-    def _settle_here(self) -> StoreWriteError | None:
-        """:meth:`settle`, for a write that goes on if the write in flight failed (its blocks
-        wait in RAM again, before this write's rows): the error, raised once it is done."""
-        try:
-            self.settle()
-        except StoreWriteError as error:
-            return error
-        return None
 
     def _slots_record(self) -> SlotMap | None:
         """The writer's map as a commit records it (``None``: the identity). A block whose

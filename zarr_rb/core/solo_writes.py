@@ -143,11 +143,11 @@ class SoloWrites(SoloSlots):
         try:
             self.settle()
         except BaseException:
-            # The rows of this call wait too, after the blocks written behind (which wait
-            # in RAM again): they were extended before every one of them.
-            assert behind
-            older = self.store.write_cache.take([block.index for block in behind])[1]
-            self._keep_for_retry([*older, *writes])
+            # The rows of this call wait too, after the block written behind (which waits
+            # in RAM again): it was extended before every one of them.
+            assert behind is not None
+            (older,) = self.store.write_cache.take([behind.index])[1]
+            self._keep_for_retry([older, *writes])
             raise
         # (Their cells are none of these writes': each write drops the cells it rewrites
         # from the patches, see WriteBuffer.supersede.)

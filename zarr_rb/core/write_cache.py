@@ -100,11 +100,9 @@ class WriteBuffer:
         self.rows = rows
         self._memory = BlockMemory(element_shapes, dtypes, ragged)
         self._blocks: dict[int, Block] = {}
-        self._writing: list[Block] = []
-        """Full blocks whose write to disk was started and has not finished (one write; a
-        single block, see :meth:`SoloBehind._write_behind
-        <zarr_rb.core.solo_behind.SoloBehind._write_behind>`): their rows are read from
-        here (they are not on disk yet), and nothing else writes into them."""
+        self._writing: Block | None = None
+        """A full block whose write to disk was started and has not finished: its rows are
+        read from here (they are not on disk yet), and nothing else writes into it."""
         self._restored: list[np.ndarray] = []
         """Rows whose values a copy interrupted between two keys put back (see
         :meth:`_put_rows`), until :meth:`take_restored`."""
@@ -133,54 +131,54 @@ class WriteBuffer:
         return sum(t.untyped_storage().nbytes() for t in tensors) + self._memory.nbytes
 
     def held(self) -> Iterator[Block]:
-        """Every block whose rows are read from here: those waiting and those being
+        """Every block whose rows are read from here: those waiting and the one being
         written."""
-        return iter([*self._blocks.values(), *self._writing])
+        blocks = list(self._blocks.values())
+        if self._writing is not None:
+            blocks.append(self._writing)
+        return iter(blocks)
 
     def forget(self) -> None:
         """Forget every row held, blocks and patches (``empty``; no block is being
         written)."""
-        assert not self._writing
+        assert self._writing is None
         self._blocks.clear()
         self._lending.forget()
         self.patches.clear()
 
-    # --- the blocks being written ----------------------------------------------------------
+    # --- the block being written -----------------------------------------------------------
 
     @property
-    def writing(self) -> list[Block]:
-        """The blocks being written (none: no write in flight)."""
-        return list(self._writing)
+    def writing(self) -> Block | None:
+        return self._writing
 
-    def start_writing(self, blocks: Iterable[Block]) -> None:
-        """``blocks`` (taken out) are being written, together: their rows are read from here
-        until then."""
-        assert not self._writing
-        self._writing = list(blocks)
+    def start_writing(self, block: Block) -> None:
+        """``block`` (popped) is being written: its rows are read from here until then."""
+        assert self._writing is None
+        self._writing = block
 
     def written(self, *, released: bool) -> None:
-        """The blocks being written are on disk. TensorStore wrote them without a copy:
-        their memory serves the next blocks once TensorStore let go of it (``released``),
-        and is otherwise left to TensorStore (unmapped once neither holds it)."""
-        blocks, self._writing = self._writing, []
-        self.landed(blocks)
+        """The block being written is on disk. TensorStore wrote it without a copy: its
+        memory serves the next block once TensorStore let go of it (``released``), and is
+        otherwise left to TensorStore (unmapped once neither holds it)."""
+        assert self._writing is not None
+        block, self._writing = self._writing, None
+        self.landed([block])
         if released:
-            self.reuse(blocks)
+            self.reuse([block])
 
     def not_written(self) -> None:
-        """The blocks' write failed: a copy of each waits again, for the next flush (the
+        """The block's write failed: a copy of it waits again, for the next flush (the
         memory written from stays as it is: TensorStore may keep it)."""
-        blocks, self._writing = self._writing, []
-        self.keep_unkept()  # (their tensors are copied: with every row's frames)
-        for block in blocks:
-            assert block.index not in self._blocks
-            values = {}
-            for key, value in block.values.items():
-                values[key] = zeros(tuple(value.shape), value.dtype)
-                values[key].copy_(value)
-            self._blocks[block.index] = dataclasses.replace(
-                block, values=values, frames_touched=True
-            )
+        assert self._writing is not None
+        block, self._writing = self._writing, None
+        self.keep_unkept()  # (its tensors are copied: with every row's frames)
+        assert block.index not in self._blocks
+        values = {}
+        for key, value in block.values.items():
+            values[key] = zeros(tuple(value.shape), value.dtype)
+            values[key].copy_(value)
+        self._blocks[block.index] = dataclasses.replace(block, values=values, frames_touched=True)
 
     def held_rows(self, *, writing: bool = True) -> np.ndarray:
         """The rows held here (sorted, unique): in a block waiting (and in the one being
@@ -446,7 +444,7 @@ class WriteBuffer:
         """
         hit = np.zeros(rows.size, dtype=bool)
         served: list[tuple[Block, np.ndarray]] = []
-        if not self._blocks and not self._writing:
+        if not self._blocks and self._writing is None:
             return hit, served
         block_ids = rows // self.block_rows
         for block in self.held():
