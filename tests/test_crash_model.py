@@ -151,12 +151,17 @@ def rows_of(
 
     v = spread(versions)
     r = v if rewards is None else spread(rewards)
-    obs = (v[..., None, None, None] * 7 + torch.arange(4 * 16 * 16).view(4, 16, 16)) % 251
     rows = TensorDict(
         {
             "step": v,
-            "obs": obs.to(torch.uint8),  # 1 KiB per element: a large, sharded leaf
-            "next": {"reward": (r * 0.5).to(torch.float32)[..., None]},
+            # 1 KiB per element: a large leaf, a stack of the last 4 frames of the row's env
+            # (rows extended in turn share 3 of them, and a row's next obs is the next row's
+            # obs), kept each frame once in the RAM tier and on disk.
+            "obs": frame_stack(v, envs),
+            "next": {
+                "reward": (r * 0.5).to(torch.float32)[..., None],
+                "obs": frame_stack(r + envs, envs),
+            },
             "fixed": torch.zeros_like(v, dtype=torch.int16),  # the same in every row
         },
         batch_size=v.shape,
@@ -169,6 +174,14 @@ def rows_of(
         else:
             rows["aux", "code"] = code.to(torch.int32)
     return rows
+
+
+def frame_stack(v: torch.Tensor, envs: int) -> torch.Tensor:
+    """``[*v.shape, 4, 16, 16]``: the frames of steps ``v - 3 * envs`` to ``v`` (the steps of
+    an env are ``envs`` apart, see :func:`rows_of`); frame ``t`` is a function of ``t``
+    alone, and frames 251 steps apart are equal, as a game's repeated screens are."""
+    steps = v[..., None] + envs * torch.arange(-3, 1)
+    return ((steps[..., None, None] * 7 + torch.arange(256).view(16, 16)) % 251).to(torch.uint8)
 
 
 def added_version(value: torch.Tensor, envs: int) -> int:
