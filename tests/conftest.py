@@ -11,6 +11,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +36,17 @@ def _one_torch_thread() -> None:
     an extend that writes a row twice (more rows than the capacity) leaves which value it
     keeps to torch's threads (``index_put_``), where ZarrStorage keeps the last."""
     torch.set_num_threads(1)
+
+
+def chunk_file(store: Path, array: str, *indices: int) -> Path:
+    """The file of an array's chunk (shard) at grid position ``indices``, as the arrays a
+    store creates name them (``c.3.0.0``)."""
+    return store / array / ".".join(["c", *(str(i) for i in indices)])
+
+
+def chunk_files(store: Path, array: str) -> list[Path]:
+    """Every chunk (shard) file of an array, sorted."""
+    return sorted(p for p in (store / array).iterdir() if p.name.startswith("c."))
 
 
 def assert_identical(actual, expected) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import PongRun, assert_identical
+from conftest import PongRun, assert_identical, chunk_file
 from tensordict import TensorDict
 from torchrl.data import TensorDictReplayBuffer
 
@@ -268,7 +268,7 @@ def _holed_store(path: Path) -> tuple[np.ndarray, np.ndarray]:
         ),
     )
     storage.close()
-    (path / "data" / "obs" / "c" / "3" / "0" / "0").unlink()
+    chunk_file(path, "data/obs", 3, 0, 0).unlink()
     zarr_rb.verify(path, repair=True)
     valid = np.ones(96, dtype=bool)
     valid[24:32] = False

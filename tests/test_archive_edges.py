@@ -14,6 +14,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from conftest import chunk_file
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 from torchrl.data.replay_buffers.writers import TensorDictMaxValueWriter
@@ -116,7 +117,7 @@ def test_verify_reads_the_rows_only_the_history_names(tmp_path):
     storage.flush()
     storage.set(torch.arange(8), steps(range(8, 16)))  # the ring leaves slots 0 and 1
     storage.close()
-    shard = path / "data" / "obs" / "c" / "0" / "0"
+    shard = chunk_file(path, "data/obs", 0, 0)
     shard.write_bytes(shard.read_bytes()[:-10] + b"0123456789")
     with pytest.raises(zarr_rb.ChunkCorruptedError, match="verify"):
         history_steps(path)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import chunk_file
 from s3_server import S3Server
 from tensordict import TensorDict, lazy_stack
 from torchrl.data import TensorDictReplayBuffer
@@ -140,7 +141,7 @@ def test_info_read_as_files_equals_info_read_through_a_view(tmp_path: Path, kind
     elif kind == "holes":
         layout = Compression(chunk_rows=2, block_rows=8, large_row_bytes=32)
         episode_store(path, rows=48, capacity=48, compression=layout)
-        (path / "data" / "obs" / "c" / "2" / "0" / "0").unlink()  # rows 16-23
+        chunk_file(path, "data/obs", 2, 0, 0).unlink()  # rows 16-23
         zarr_rb.verify(path, repair=True)
     elif kind == "ndim=2":
         storage = ZarrStorage(30, path, ndim=2)

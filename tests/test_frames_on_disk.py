@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_identical
+from conftest import assert_identical, chunk_file, chunk_files
 from shared_workers import WRITER_STRIDE, independent_writer, torn
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, RandomSampler, ReplayBuffer, TensorDictReplayBuffer
@@ -161,7 +161,7 @@ def test_a_repair_withdraws_the_rows_whose_frames_were_damaged(tmp_path):
     storage.set(torch.arange(40), episodes(0, 40))
     storage.close()
     assert zarr_rb.verify(path).ok
-    shard = next(f for f in sorted((path / "data" / "obs" / "c").rglob("*")) if f.is_file())
+    shard = chunk_files(path, "data/obs")[0]
     damaged = bytearray(shard.read_bytes())
     damaged[50] ^= 0xFF
     shard.write_bytes(bytes(damaged))
@@ -371,8 +371,10 @@ def test_a_repair_withdraws_rows_with_damaged_frames_beside_damaged_frame_ids(tm
     storage = ZarrStorage(64, path, compression=FRAMES)
     storage.set(torch.arange(40), episodes(0, 40))
     storage.close()
-    for damaged in ["frame_ids/next/obs/c/0/0", "data/obs/c/4/0/0/0"]:
-        chunk = path / damaged
+    for chunk in [
+        chunk_file(path, "frame_ids/next/obs", 0, 0),
+        chunk_file(path, "data/obs", 4, 0, 0, 0),
+    ]:
         data = bytearray(chunk.read_bytes())
         data[min(50, len(data) - 1)] ^= 0xFF
         chunk.write_bytes(bytes(data))

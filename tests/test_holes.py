@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import chunk_file
 from tensordict import TensorDict
 from torchrl.data import ReplayBuffer, TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
 from torchrl.data.replay_buffers.samplers import (
@@ -50,7 +51,7 @@ def transitions() -> TensorDict:
 
 def withdraw_a_shard(path: Path) -> None:
     """Lose the image shard of rows 24-31 and repair: those rows become holes."""
-    (path / "data" / "obs" / "c" / "3" / "0" / "0").unlink()
+    chunk_file(path, "data/obs", 3, 0, 0).unlink()
     zarr_rb.verify(path, repair=True)
     assert zarr_rb.verify(path).ok
 
@@ -152,7 +153,7 @@ def test_random_draws_are_uniform_over_the_readable_rows(
     rb.extend(transitions())
     rb.storage.close()
     for shard in range(shards):
-        (path / "data" / "obs" / "c" / str(shard) / "0" / "0").unlink()
+        chunk_file(path, "data/obs", shard, 0, 0).unlink()
     zarr_rb.verify(path, repair=True)
     holes = set(range(8 * shards))
     storage = ZarrStorage(path=path, read_only=read_only)
@@ -179,7 +180,7 @@ def test_two_dimensional_store(tmp_path: Path) -> None:
     storage = ZarrStorage(ROWS * 2, path, ndim=2, compression=LAYOUT)
     storage.set(slice(0, ROWS), data)
     storage.close()
-    (path / "data" / "obs" / "c" / "3" / "0" / "0" / "0").unlink()
+    chunk_file(path, "data/obs", 3, 0, 0, 0).unlink()
     zarr_rb.verify(path, repair=True)
     for make in (RandomSampler, SamplerWithoutReplacement):
         storage = ZarrStorage(path=path)

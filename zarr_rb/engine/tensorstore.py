@@ -38,6 +38,12 @@ from zarr_rb.util.io import load_json, short_reason
 from zarr_rb.util.progress import progress_bar
 
 STATE_CHUNK_BYTES = 2**20
+CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
+"""How the arrays created name their chunks: ``c.3.0.0``, each in its array's directory.
+With ``/`` (Zarr's default), every chunk of an image leaf makes a directory per dimension
+(``c/3/0/0``): a store of 8,192 Atari rows held 245 directories for 271 chunks, each
+created, and fsynced at its commit. Stores made before keep their own (each array's
+metadata names it; a store may hold arrays of both)."""
 WRITER_KEY = "zarr_rb_writer"
 """Root attribute naming the writer that claimed the store (object stores)."""
 
@@ -279,6 +285,7 @@ class Engine:
             compressors=_checksummed(compression.compressors()),
             attributes=dict(attributes),
             dimension_names=layout.dimension_names or None,
+            chunk_key_encoding=CHUNK_KEY_ENCODING,
         )
 
     def _create(self, path: str, *, replace: bool = True, **settings: Any) -> None:

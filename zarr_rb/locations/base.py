@@ -2,7 +2,7 @@
 
 A location holds the objects of one store under one root (a directory, or a prefix of
 an object-store bucket), addressed by keys relative to it (``"zarr.json"``,
-``"data/obs/c/0/0/0/0"``). It offers a handful of primitives, each with the atomicity
+``"data/obs/c.0.0.0.0"``). It offers a handful of primitives, each with the atomicity
 the commit protocol relies on:
 
 - :meth:`Location.read` / :meth:`Location.read_versioned`: one whole object, and its
