@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_identical
+from conftest import assert_identical, chunk_files
 from tensordict import TensorDict
 from torchrl.data import (
     PrioritizedSampler,
@@ -199,12 +199,12 @@ def test_save_in_place_rewrites_no_row_already_on_disk(tmp_path, rows):
     # Only the files of the one block still in RAM (one shard per large leaf, one chunk
     # per small leaf) change, however many rows the store holds.
     assert len(replaced | added) <= len(storage.schema.leaves)
-    assert all("/c/" in name or name.startswith("data/") for name in replaced | added)
+    assert all("/c." in name or name.startswith("data/") for name in replaced | added)
 
 
 def state_chunk_inodes(store: Path, slot: int) -> dict[str, int]:
     root = store / "state" / str(slot) / "sampler"
-    return {str(p.relative_to(root)): p.stat().st_ino for p in root.rglob("c/*") if p.is_file()}
+    return {str(p.relative_to(root)): p.stat().st_ino for p in root.rglob("c.*") if p.is_file()}
 
 
 def test_second_save_writes_only_changed_priority_chunks(tmp_path):
@@ -219,9 +219,9 @@ def test_second_save_writes_only_changed_priority_chunks(tmp_path):
     zarr_rb.save(rb)  # slot 0 again: only the chunk holding index 3 differs, per tree
     after = state_chunk_inodes(storage.path, 0)
     changed = {name for name in before if after[name] != before[name]}
-    assert changed == {"sum_tree/c/0", "min_tree/c/0"}
+    assert changed == {"sum_tree/c.0", "min_tree/c.0"}
     # The min tree's untouched chunks (all +inf) stay as they are on disk.
-    assert {"min_tree/c/1", "min_tree/c/2", "min_tree/c/3"} <= set(before)
+    assert {"min_tree/c.1", "min_tree/c.2", "min_tree/c.3"} <= set(before)
 
 
 def test_load_and_loads_read_no_data_chunk(tmp_path, monkeypatch):
@@ -256,7 +256,7 @@ def test_snapshot_is_independent_of_later_training(tmp_path):
     run(rb, range(4))
     snapshot = zarr_rb.save(rb, tmp_path / "snap.zarr")
     # Same filesystem: chunk files are shared by hard links, not copied.
-    shards = [p for p in (snapshot / "data" / "obs" / "c").rglob("*") if p.is_file()]
+    shards = chunk_files(snapshot, "data/obs")
     assert shards
     assert all(p.stat().st_nlink >= 2 for p in shards)
     frozen = zarr_rb.load(snapshot)
@@ -463,10 +463,8 @@ def test_snapshot_leaves_out_interrupted_write_temporaries(tmp_path):
     storage = ZarrStorage(CAPACITY, tmp_path / "a.zarr", compression=COMPRESSION)
     rb = make_buffer("round_robin_td", storage, torch.Generator().manual_seed(0))
     run(rb, range(2))
-    shard_dir = next(
-        p.parent for p in (storage.path / "data" / "obs" / "c").rglob("*") if p.is_file()
-    )
-    (shard_dir / "0.__lock").write_bytes(b"partial")
+    shard = chunk_files(storage.path, "data/obs")[0]
+    shard.with_name(shard.name + ".__lock").write_bytes(b"partial")
     (storage.path / ".zarr.json.abc.tmp").write_text("{")
     snapshot = zarr_rb.save(rb, tmp_path / "snap.zarr")
     leftovers = [p for p in snapshot.rglob("*") if p.name.endswith((".__lock", ".tmp"))]

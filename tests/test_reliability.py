@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_identical
+from conftest import assert_identical, chunk_file
 from tensordict import TensorDict
 from torchrl.data import TensorDictPrioritizedReplayBuffer
 
@@ -29,6 +29,7 @@ from zarr_rb import (
     ZarrStorage,
 )
 from zarr_rb.cli import main as cli
+from zarr_rb.engine import tensorstore as tensorstore_engine
 from zarr_rb.testing import (
     ALL_KINDS,
     CrashWorkload,
@@ -161,7 +162,15 @@ def test_read_only_openers_never_write(tmp_path):
 # --- durability --------------------------------------------------------------------------------
 
 
-def test_every_commit_is_published_after_what_it_depends_on_is_fsynced(tmp_path):
+@pytest.mark.parametrize("separator", [".", "/"])
+def test_every_commit_is_published_after_what_it_depends_on_is_fsynced(
+    tmp_path, monkeypatch, separator
+):
+    """``/``: chunks named as in stores made before ``c.3.0.0`` (``c/3/0/0``), each chunk
+    of an image leaf in directories of its own, made as it is written."""
+    monkeypatch.setattr(
+        tensorstore_engine, "CHUNK_KEY_ENCODING", {"name": "default", "separator": separator}
+    )
     path = tmp_path / "rb.zarr"
     recorder = DurabilityRecorder(path)
     rng = np.random.default_rng(0)
@@ -178,6 +187,8 @@ def test_every_commit_is_published_after_what_it_depends_on_is_fsynced(tmp_path)
     assert recorder.violations == []
     assert recorder.publishes > 30
     assert recorder.checked > 100  # files and directories that changed between commits
+    chunk_dirs = [p for p in path.rglob("c") if p.is_dir()]
+    assert bool(chunk_dirs) == (separator == "/")
 
 
 def test_recorder_catches_a_write_that_is_not_fsynced(tmp_path):
@@ -273,7 +284,7 @@ def saved_store(tmp_path) -> Path:
 @pytest.mark.parametrize("damage", list(DAMAGE))
 @pytest.mark.parametrize("leaf", ["obs", "reward"])  # a sharded and a plain chunked array
 def test_damaged_chunk_is_a_typed_error_naming_array_and_rows(saved_store, damage, leaf):
-    chunk = saved_store / "data" / leaf / "c" / ("1/0/0/0" if leaf == "obs" else "0")
+    chunk = chunk_file(saved_store, f"data/{leaf}", *((1, 0, 0, 0) if leaf == "obs" else (0,)))
     DAMAGE[damage](chunk)
     lost = range(8, 16) if leaf == "obs" else range(8)  # a shard, a chunk: a block each
     for read_only in (True, False):
@@ -298,8 +309,8 @@ def test_damaged_chunk_is_a_typed_error_naming_array_and_rows(saved_store, damag
 
 
 def test_verify_lists_every_damaged_chunk_and_repair_withdraws_its_rows(saved_store, capsys):
-    flip_byte(saved_store / "data" / "obs" / "c" / "0" / "0" / "0" / "0")
-    (saved_store / "data" / "next" / "obs" / "c" / "3" / "0" / "0" / "0").unlink()
+    flip_byte(chunk_file(saved_store, "data/obs", 0, 0, 0, 0))
+    chunk_file(saved_store, "data/next/obs", 3, 0, 0, 0).unlink()
     assert cli(["verify", str(saved_store)]) == 1
     out = capsys.readouterr().out
     assert "data/next/obs rows 24-25" in out
@@ -321,7 +332,7 @@ def test_verify_lists_every_damaged_chunk_and_repair_withdraws_its_rows(saved_st
 def test_damaged_sampler_state_fails_load_with_a_typed_error(saved_store):
     attrs = json.loads((saved_store / "zarr.json").read_text())["attributes"]["zarr_rb"]
     tree = saved_store / "state" / str(attrs["saved"]["slot"]) / "sampler" / "sum_tree"
-    flip_byte(tree / "c" / "0")
+    flip_byte(chunk_file(tree.parent, tree.name, 0))
     with pytest.raises(ChunkCorruptedError, match="sum_tree"):
         zarr_rb.load(saved_store)
     report = zarr_rb.verify(saved_store)

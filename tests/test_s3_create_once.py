@@ -192,7 +192,7 @@ def test_a_lost_response_is_retried_into_a_refusal_that_counts_as_written(s3_url
     lost: list[str] = []
 
     def lose_the_first_data_put(method: str, key: str) -> bool:
-        if method == "PUT" and key.startswith(prefix + "data/obs/c/") and not lost:
+        if method == "PUT" and key.startswith(prefix + "data/obs/c.") and not lost:
             lost.append(key)
             return True
         return False

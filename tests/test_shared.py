@@ -307,7 +307,7 @@ def test_a_read_that_fails_while_another_writer_commits_is_tried_again(store_pat
             calls.append(1)
             if len(calls) == 1:
                 other.set(torch.arange(16, 24), stamped(1, 16, 8))  # the record moves
-                raise ValueError("NOT_FOUND: chunk {6} stored at 'data/stamp/c/6' is missing")
+                raise ValueError("NOT_FOUND: chunk {6} stored at 'data/stamp/c.6' is missing")
             return read(self, *args, **kwargs)
 
         with mock.patch.object(RamRows, "read", replaced_meanwhile):

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import chunk_files
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
@@ -33,8 +34,7 @@ BLOCK_ROWS = 4
 
 def slot_objects(path: Path, array: str = "data/obs") -> set[int]:
     """The slots of which the store's ``obs`` array (or ``array``) holds an object."""
-    chunks = path / array / "c"
-    return {int(file.relative_to(chunks).parts[0]) for file in chunks.rglob("*") if file.is_file()}
+    return {int(file.name.split(".")[1]) for file in chunk_files(path, array)}
 
 
 def stamps(storage: ZarrStorage) -> list[int]:

@@ -9,6 +9,7 @@ import importlib
 import numpy as np
 import pytest
 import torch
+from conftest import chunk_file
 from shared_workers import stamped
 from test_shared_collect import (
     ROWS,
@@ -78,7 +79,7 @@ def test_a_repair_beside_a_shared_writer_withdraws_only_the_rows_it_found_damage
     rb.extend(stamped(0, 0, ROWS))
     # One chunk of the first block damaged on disk.
     slot = int(storage._store.committed.physical(np.arange(1))[0]) // 4
-    chunk = path / "data" / "obs" / "c" / str(slot) / "0" / "0"
+    chunk = chunk_file(path, "data/obs", slot, 0, 0)
     chunk.write_bytes(b"damaged")
     other = ZarrStorage(path=str(path), shared=True)  # another writer (as in another process)
     check_array = verify_module._check_array
@@ -236,7 +237,7 @@ def test_a_repair_keeps_rows_another_writer_rewrote_into_the_same_slot(tmp_path,
     path = tmp_path / "rb.zarr"
     storage = _one_ring(path)
     slot = int(storage._store.committed.physical(np.arange(1))[0]) // 4
-    (path / "data" / "obs" / "c" / str(slot) / "0" / "0").write_bytes(b"damaged")
+    chunk_file(path, "data/obs", slot, 0, 0).write_bytes(b"damaged")
     other = ZarrStorage(path=str(path), shared=True)
     check_array = verify_module._check_array
     written: list[int] = []
@@ -277,7 +278,7 @@ def test_a_damaged_chunk_read_beside_a_committing_writer_raises_chunk_corrupted(
     path = tmp_path / "rb.zarr"
     storage = _one_ring(path)
     slot = int(storage._store.committed.physical(np.arange(1))[0]) // 4
-    (path / "data" / "obs" / "c" / str(slot) / "0" / "0").write_bytes(b"damaged")
+    chunk_file(path, "data/obs", slot, 0, 0).write_bytes(b"damaged")
     other = ZarrStorage(path=str(path), shared=True)
     with pytest.raises(zarr_rb.ChunkCorruptedError):
         storage.get(torch.arange(4))  # alone: the damage is reported

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_identical
+from conftest import assert_identical, chunk_files
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
@@ -168,7 +168,7 @@ def test_kept_versions_hold_their_rows_and_nothing_more(tmp_path):
     rb.storage.flush()
 
     def shards() -> int:
-        return len(list((path / "data" / "obs" / "c").iterdir()))
+        return len({f.name.split(".")[1] for f in chunk_files(path, "data/obs")})
 
     def states() -> list[str]:
         return sorted(p.name for p in (path / "state").iterdir() if p.is_dir())

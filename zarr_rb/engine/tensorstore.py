@@ -285,7 +285,6 @@ class Engine:
             compressors=_checksummed(compression.compressors()),
             attributes=dict(attributes),
             dimension_names=layout.dimension_names or None,
-            chunk_key_encoding=CHUNK_KEY_ENCODING,
         )
 
     def _create(self, path: str, *, replace: bool = True, **settings: Any) -> None:
@@ -293,7 +292,13 @@ class Engine:
         from zarr.storage import MemoryStore
 
         documents: dict[str, Any] = {}
-        zarr.create_array(MemoryStore(documents), fill_value=0, zarr_format=3, **settings)
+        zarr.create_array(
+            MemoryStore(documents),
+            fill_value=0,
+            zarr_format=3,
+            chunk_key_encoding=CHUNK_KEY_ENCODING,
+            **settings,
+        )
         self._ensure_groups(path.rpartition("/")[0])
         if replace:
             # Chunks of an array previously at this path would be read as this one's.
