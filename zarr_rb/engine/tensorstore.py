@@ -38,7 +38,7 @@ from zarr_rb.util.io import load_json, short_reason
 from zarr_rb.util.progress import progress_bar
 
 STATE_CHUNK_BYTES = 2**20
-CHUNK_KEY_ENCODING = {"name": "default", "separator": "."}
+CHUNK_KEY_ENCODING: dict[str, Any] = {"name": "default", "separator": "."}
 """How the arrays created name their chunks: ``c.3.0.0``, each in its array's directory.
 With ``/`` (Zarr's default), every chunk of an image leaf makes a directory per dimension
 (``c/3/0/0``): a store of 8,192 Atari rows held 245 directories for 271 chunks, each
