@@ -10,6 +10,7 @@ machine, where wall-clock times vary most::
     python benchmarks/fill.py --storages memmap,zarr --levels 1,-1   # zstd levels, in turn
     python benchmarks/fill.py --dataset random --breakdown   # where ZarrStorage's time goes
     python benchmarks/fill.py --between 0.05   # a learner's 50 ms of work after each extend
+    python benchmarks/fill.py --storages memmap,zarr-nested,zarr   # chunk names, before/now
 
 To compare two versions of zarr_rb, run it from each checkout in turn.
 """
@@ -32,10 +33,12 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-STORAGES = ("memmap", "zarr", "zarr-0", "zarr-stacks")
+STORAGES = ("memmap", "zarr", "zarr-0", "zarr-stacks", "zarr-nested")
 """``--storages`` choices: LazyMemmapStorage, ZarrStorage (default settings: stacks of frames
-stored as frames, each once), ZarrStorage with ``ram_bytes=0``, and ZarrStorage with every
-leaf stored as stacks (``Compression(frames=False)``)."""
+stored as frames, each once), ZarrStorage with ``ram_bytes=0``, ZarrStorage with every
+leaf stored as stacks (``Compression(frames=False)``), and ZarrStorage whose arrays name
+their chunks ``c/3/0/0`` as stores made before did (each chunk in directories of its own;
+now ``c.3.0.0``, see ``docs/design/chunk-names.md``)."""
 BATCH = 1024
 
 
@@ -47,9 +50,7 @@ def fill(
     ``extend()`` but the first (which creates the arrays), unless it is the only one.
     ``between``: seconds of work on the filling thread after each extend (a learner's
     updates: matrix products)."""
-    from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
-
-    from zarr_rb import Compression, ZarrStorage
+    from zarr_rb import Compression
 
     kind, _, level = kind.partition("@")
     settings: dict[str, Any] = {"level": int(level)} if level else {}
@@ -57,34 +58,59 @@ def fill(
         settings["frames"] = False
     compression = Compression(**settings) if settings else None
 
-    rows = data.shape[0]
     path = Path(tempfile.mkdtemp(dir=where))
     try:
-        if kind == "memmap":
-            storage: Any = LazyMemmapStorage(rows, scratch_dir=path)
-        else:
-            storage = ZarrStorage(
-                rows,
-                path / "rb.zarr",
-                ram_bytes=0 if kind == "zarr-0" else "auto",
-                compression=compression,
-            )
-        rb = TensorDictReplayBuffer(storage=storage, batch_size=256)
-        extends = []
-        wall, cpu = time.perf_counter(), time.process_time()
-        for start in range(0, rows, BATCH):
-            began = time.perf_counter()
-            rb.extend(data[start : start + BATCH])
-            extends.append(time.perf_counter() - began)
-            work(between)
-        if kind != "memmap":
-            storage.flush()
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        if kind != "memmap":
-            storage.close()
-        return wall, cpu, extends[1:] or extends  # (a fill of one extend: that one)
+        with chunk_names("/" if kind == "zarr-nested" else "."):
+            return _fill(kind, data, path, compression, between)
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def chunk_names(separator: str) -> Iterator[None]:
+    """The arrays created meanwhile name their chunks with ``separator``."""
+    from zarr_rb.engine import tensorstore
+
+    before = tensorstore.CHUNK_KEY_ENCODING
+    tensorstore.CHUNK_KEY_ENCODING = {"name": "default", "separator": separator}
+    try:
+        yield
+    finally:
+        tensorstore.CHUNK_KEY_ENCODING = before
+
+
+def _fill(
+    kind: str, data: Any, path: Path, compression: Any, between: float
+) -> tuple[float, float, list[float]]:
+    """:func:`fill` in ``path``."""
+    from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
+
+    from zarr_rb import ZarrStorage
+
+    rows = data.shape[0]
+    if kind == "memmap":
+        storage: Any = LazyMemmapStorage(rows, scratch_dir=path)
+    else:
+        storage = ZarrStorage(
+            rows,
+            path / "rb.zarr",
+            ram_bytes=0 if kind == "zarr-0" else "auto",
+            compression=compression,
+        )
+    rb = TensorDictReplayBuffer(storage=storage, batch_size=256)
+    extends = []
+    wall, cpu = time.perf_counter(), time.process_time()
+    for start in range(0, rows, BATCH):
+        began = time.perf_counter()
+        rb.extend(data[start : start + BATCH])
+        extends.append(time.perf_counter() - began)
+        work(between)
+    if kind != "memmap":
+        storage.flush()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    if kind != "memmap":
+        storage.close()
+    return wall, cpu, extends[1:] or extends  # (a fill of one extend: that one)
 
 
 def work(seconds: float) -> None:

@@ -292,13 +292,8 @@ class Engine:
         from zarr.storage import MemoryStore
 
         documents: dict[str, Any] = {}
-        zarr.create_array(
-            MemoryStore(documents),
-            fill_value=0,
-            zarr_format=3,
-            chunk_key_encoding=CHUNK_KEY_ENCODING,
-            **settings,
-        )
+        settings.setdefault("chunk_key_encoding", CHUNK_KEY_ENCODING)
+        zarr.create_array(MemoryStore(documents), fill_value=0, zarr_format=3, **settings)
         self._ensure_groups(path.rpartition("/")[0])
         if replace:
             # Chunks of an array previously at this path would be read as this one's.
