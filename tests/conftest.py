@@ -46,7 +46,9 @@ def chunk_file(store: Path, array: str, *indices: int) -> Path:
 
 def chunk_files(store: Path, array: str) -> list[Path]:
     """Every chunk (shard) file of an array, sorted."""
-    return sorted(p for p in (store / array).iterdir() if p.name.startswith("c."))
+    return sorted(
+        p for p in (store / array).iterdir() if p.name.startswith("c.") and p.name[-1].isdigit()
+    )
 
 
 def assert_identical(actual, expected) -> None:

@@ -420,3 +420,31 @@ def test_a_collection_empties_a_slot_once(tmp_path, few_spare_slots, monkeypatch
     assert before.ring is not None
     assert after.ring.takes == before.ring.takes
     storage.close()
+
+
+@pytest.mark.parametrize("separator", [".", "/"])
+def test_a_leftover_lock_file_beside_a_chunk_is_no_stored_chunk(tmp_path, monkeypatch, separator):
+    """TensorStore writes a chunk through ``<key>.__lock``; one a killed writer left is not
+    a chunk of the slot it names (collection would hold that slot, and give it back at
+    every listing). Found by review: with chunks named ``c.25``, a 1-D array's leftover
+    ``c.25.__lock`` counted as slot 25."""
+    from zarr_rb.engine import tensorstore as tensorstore_engine
+
+    monkeypatch.setattr(
+        tensorstore_engine, "CHUNK_KEY_ENCODING", {"name": "default", "separator": separator}
+    )
+    path = tmp_path / "rb.zarr"
+    storage = ZarrStorage(ROWS, path, compression=Compression(block_rows=BLOCK_ROWS))
+    ReplayBuffer(storage=storage).extend(stamped(0, 0, 8))
+    storage.close()
+    arrays = {("stamp",): "c/9", ("obs",): "c/9/0/0"}  # (obs: [rows, 8, 8] chunks)
+    for key, name in arrays.items():
+        leftover = path / "data" / key[0] / (name.replace("/", separator) + ".__lock")
+        leftover.parent.mkdir(parents=True, exist_ok=True)
+        leftover.write_bytes(b"partial")
+    reader = ZarrStorage(path=path, read_only=True)
+    try:
+        for key in arrays:
+            assert reader._store.arrays.get(key).stored_chunks() == {0, 1}
+    finally:
+        reader.close()

@@ -18,7 +18,7 @@ import tensorstore as ts
 
 from zarr_rb.engine import once
 from zarr_rb.engine.cache import EncodedCache
-from zarr_rb.locations.base import ROOT_METADATA, Location, join
+from zarr_rb.locations.base import ROOT_METADATA, Location, is_temporary, join
 from zarr_rb.util.io import announce
 
 MAX_CACHED_OBJECT_BYTES = 4 * 2**20
@@ -378,6 +378,8 @@ class RowArray:
         prefix = len(self.path) + 1
         out = set()
         for key in self._location.list(self.path):
+            if is_temporary(key):
+                continue  # (a write interrupted there: TensorStore's c.3.0.__lock)
             parts = key[prefix:].split(self._separator)
             if not self._v2_keys:
                 if parts[0] != "c":
