@@ -175,7 +175,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dataset", default="breakout", help="as run.py's (or 'random')")
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--storages", default=",".join(STORAGES))
+    parser.add_argument(
+        "--storages",
+        default=",".join(kind for kind in STORAGES if kind != "zarr-nested"),
+        help=f"of {','.join(STORAGES)} (zarr-nested only when named)",
+    )
     parser.add_argument(
         "--levels",
         default="",

@@ -287,6 +287,31 @@ def test_fill_benchmark_smoke(tmp_path):
     assert fills["zarr-stacks"]["breakdown_s"]["commits"] > 0
 
 
+def test_fill_benchmark_names_chunks_as_stores_made_before_when_asked(tmp_path, monkeypatch):
+    """``zarr-nested``: the arrays of that fill name their chunks ``c/3/0/0``; the others,
+    and the fills after it, ``c.3.0.0``."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import fill
+    import run
+
+    from zarr_rb.engine import tensorstore as tensorstore_engine
+
+    made: list[str] = []
+    create = tensorstore_engine.Engine._create
+
+    def noted(self, path, **settings):
+        made.append(tensorstore_engine.CHUNK_KEY_ENCODING["separator"])
+        return create(self, path, **settings)
+
+    monkeypatch.setattr(tensorstore_engine.Engine, "_create", noted)
+    data = run.dataset("random", 16)
+    for kind in ("zarr-nested", "zarr"):
+        made.clear()
+        fill.fill(kind, data, tmp_path)
+        assert made
+        assert set(made) == {"/" if kind == "zarr-nested" else "."}
+
+
 def test_holes_benchmark_smoke(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import holes
