@@ -44,6 +44,15 @@ def chunk_file(store: Path, array: str, *indices: int) -> Path:
     return store / array / ".".join(["c", *(str(i) for i in indices)])
 
 
+def name_chunks_with(monkeypatch: pytest.MonkeyPatch, separator: str) -> None:
+    """The arrays created from now on (in this test) name their chunks with ``separator``:
+    ``"/"`` as stores made before ``c.3.0.0`` did (``c/3/0/0``)."""
+    from zarr_rb.engine import tensorstore
+
+    encoding = {"name": "default", "separator": separator}
+    monkeypatch.setattr(tensorstore, "CHUNK_KEY_ENCODING", encoding)
+
+
 def chunk_files(store: Path, array: str) -> list[Path]:
     """Every chunk (shard) file of an array, sorted."""
     return sorted(

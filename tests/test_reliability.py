@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_identical, chunk_file
+from conftest import assert_identical, chunk_file, name_chunks_with
 from tensordict import TensorDict
 from torchrl.data import TensorDictPrioritizedReplayBuffer
 
@@ -29,7 +29,6 @@ from zarr_rb import (
     ZarrStorage,
 )
 from zarr_rb.cli import main as cli
-from zarr_rb.engine import tensorstore as tensorstore_engine
 from zarr_rb.testing import (
     ALL_KINDS,
     CrashWorkload,
@@ -168,9 +167,7 @@ def test_every_commit_is_published_after_what_it_depends_on_is_fsynced(
 ):
     """``/``: chunks named as in stores made before ``c.3.0.0`` (``c/3/0/0``), each chunk
     of an image leaf in directories of its own, made as it is written."""
-    monkeypatch.setattr(
-        tensorstore_engine, "CHUNK_KEY_ENCODING", {"name": "default", "separator": separator}
-    )
+    name_chunks_with(monkeypatch, separator)
     path = tmp_path / "rb.zarr"
     recorder = DurabilityRecorder(path)
     rng = np.random.default_rng(0)

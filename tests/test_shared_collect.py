@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import chunk_files
+from conftest import chunk_files, name_chunks_with
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
@@ -428,11 +428,7 @@ def test_a_leftover_lock_file_beside_a_chunk_is_no_stored_chunk(tmp_path, monkey
     a chunk of the slot it names (collection would hold that slot, and give it back at
     every listing). Found by review: with chunks named ``c.25``, a 1-D array's leftover
     ``c.25.__lock`` counted as slot 25."""
-    from zarr_rb.engine import tensorstore as tensorstore_engine
-
-    monkeypatch.setattr(
-        tensorstore_engine, "CHUNK_KEY_ENCODING", {"name": "default", "separator": separator}
-    )
+    name_chunks_with(monkeypatch, separator)
     path = tmp_path / "rb.zarr"
     storage = ZarrStorage(ROWS, path, compression=Compression(block_rows=BLOCK_ROWS))
     ReplayBuffer(storage=storage).extend(stamped(0, 0, 8))
